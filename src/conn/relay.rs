@@ -1,0 +1,492 @@
+//! Transmission: requests from the client go upstream, replies come back.
+//!
+//! Both directions run as two futures joined in the connection's own task.
+//! The reply side is the only writer to the client: replies nbdgw makes
+//! itself (refused writes) reach it through a channel, so they never land
+//! inside an upstream reply.
+//!
+//! Reply write path: header and payload are gathered into one plaintext
+//! buffer and handed to rustls in pieces of `REPLY_CHUNK` bytes, each
+//! flushed before the next, so every TLS record is full except the last of
+//! a burst. While another reply is already readable from the upstream, the
+//! buffer keeps filling and TCP_CORK stays on; it is flushed and uncorked
+//! only when nothing more is waiting.
+
+use std::future::poll_fn;
+use std::pin::{pin, Pin};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::task::Poll;
+use std::time::Duration;
+
+use tokio::io::{
+    AsyncBufRead, AsyncReadExt, AsyncWriteExt, BufReader, ReadHalf, WriteHalf,
+};
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::{mpsc, Notify};
+use tracing::debug;
+
+use super::negotiate::Session;
+use super::{discard, ClientTls, ConnError, Stats};
+use crate::config::Config;
+use crate::proto::consts::*;
+use crate::proto::transmission::{
+    encode_error_reply, parse_reply, reply_header_len, InFlight, InFlightTable, ReplyMode, Request,
+};
+use crate::proto::ProtoError;
+
+/// Plaintext gathered per write to rustls: a multiple of the 16 KiB record
+/// size, so that every record of a large reply is full.
+const REPLY_CHUNK: usize = 256 * 1024;
+/// rustls accepts a whole `REPLY_CHUNK` at once only if its queue has room
+/// for it; the queue is empty after each flush, so this is enough.
+pub(super) const TLS_BUFFER_LIMIT: usize = REPLY_CHUNK + 64 * 1024;
+/// Request payload is forwarded upstream in pieces of this size.
+const REQUEST_CHUNK: usize = 256 * 1024;
+/// Reads from the upstream smaller than this go through a buffer (reply
+/// headers); larger ones (payload) go straight into the reply buffer.
+const UPSTREAM_READ_BUF: usize = 64 * 1024;
+/// Replies nbdgw makes itself, queued for the reply side.
+const LOCAL_QUEUE: usize = 64;
+/// How long a hard disconnect waits to send TLS close_notify.
+const GOODBYE_TIMEOUT: Duration = Duration::from_secs(2);
+
+enum Local {
+    Reply { cookie: u64, bytes: Vec<u8> },
+    /// The client sent NBD_CMD_DISC: finish what is in flight, then close.
+    Disconnect,
+}
+
+struct Shared {
+    in_flight: Mutex<InFlightTable>,
+    /// Signalled whenever a request completes.
+    completed: Notify,
+}
+
+impl Shared {
+    fn table(&self) -> MutexGuard<'_, InFlightTable> {
+        // The table stays consistent even if a holder panicked.
+        self.in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn complete(&self, cookie: u64) {
+        self.table().remove(cookie);
+        self.completed.notify_waiters();
+    }
+}
+
+pub(super) async fn run(
+    session: Box<Session>,
+    cork: Option<socket2::Socket>,
+    config: &Config,
+    stats: &Stats,
+) -> Result<&'static str, ConnError> {
+    let Session {
+        tls,
+        upstream,
+        mode,
+        read_only,
+    } = *session;
+    let (mut client_rd, mut client_wr) = tokio::io::split(tls);
+    let (up_rd, mut up_wr) = upstream.into_split();
+    let mut up_rd = BufReader::with_capacity(UPSTREAM_READ_BUF, up_rd);
+    let shared = Shared {
+        in_flight: Mutex::new(InFlightTable::default()),
+        completed: Notify::new(),
+    };
+    let (local_tx, local_rx) = mpsc::channel(LOCAL_QUEUE);
+
+    let requests = Requests {
+        client: &mut client_rd,
+        upstream: &mut up_wr,
+        shared: &shared,
+        local: local_tx,
+        mode,
+        read_only,
+        config,
+        stats,
+    };
+    let mut writer = ReplyWriter {
+        client: &mut client_wr,
+        out: Vec::with_capacity(REPLY_CHUNK),
+        cork: cork.as_ref(),
+        corked: false,
+        stats,
+    };
+    let replies = relay_replies(&mut up_rd, &mut writer, &shared, local_rx, mode, config);
+    let result = tokio::try_join!(requests.run(), replies);
+    if result.is_err() {
+        writer.uncork();
+    }
+    drop(writer);
+    match result {
+        Ok(((), ())) => Ok("client sent NBD_CMD_DISC"),
+        Err(e) => {
+            // A hard disconnect still ends TLS properly where it can.
+            let _ = tokio::time::timeout(GOODBYE_TIMEOUT, client_wr.shutdown()).await;
+            Err(e)
+        }
+    }
+}
+
+struct Requests<'a> {
+    client: &'a mut ReadHalf<ClientTls>,
+    upstream: &'a mut OwnedWriteHalf,
+    shared: &'a Shared,
+    local: mpsc::Sender<Local>,
+    mode: ReplyMode,
+    read_only: bool,
+    config: &'a Config,
+    stats: &'a Stats,
+}
+
+impl Requests<'_> {
+    async fn run(self) -> Result<(), ConnError> {
+        let Requests {
+            client,
+            upstream,
+            shared,
+            local,
+            mode,
+            read_only,
+            config,
+            stats,
+        } = self;
+        let header_len = mode.request_header_len();
+        let mut header = [0u8; EXTENDED_REQUEST_LEN];
+        let mut buf: Vec<u8> = Vec::with_capacity(REQUEST_CHUNK);
+        let max_payload = u64::from(config.max_payload);
+        loop {
+            read_request_header(client, &mut header[..header_len], shared, config).await?;
+            let req = Request::parse(mode, &header[..header_len]).map_err(ConnError::ClientProto)?;
+            let payload = req.payload_len(mode);
+            if payload > max_payload {
+                return Err(ConnError::ClientProto(ProtoError::TooLong {
+                    what: "request payload",
+                    length: payload,
+                    limit: max_payload,
+                }));
+            }
+            Stats::add(&stats.requests, 1);
+            Stats::add(&stats.bytes_from_client, header_len as u64 + payload);
+
+            if req.command == CMD_DISC {
+                upstream
+                    .write_all(&header[..header_len])
+                    .await
+                    .map_err(ConnError::Upstream)?;
+                // The reply side finishes what is in flight, then closes.
+                let _ = local.send(Local::Disconnect).await;
+                return Ok(());
+            }
+
+            claim_cookie(shared, req.cookie, InFlight::from(&req)).await;
+
+            if let Some((error, message)) = refusal(&req, read_only, max_payload) {
+                discard(client, payload)
+                    .await
+                    .map_err(|e| ConnError::client_read(e, "in the middle of a request payload"))?;
+                debug!(
+                    command = command_name(req.command),
+                    cookie = req.cookie,
+                    error,
+                    message,
+                    "refused request"
+                );
+                let mut bytes = Vec::new();
+                encode_error_reply(mode, req.cookie, &InFlight::from(&req), error, message, &mut bytes);
+                if local.send(Local::Reply { cookie: req.cookie, bytes }).await.is_err() {
+                    return Ok(());
+                }
+                continue;
+            }
+
+            // Header and the first part of the payload leave in one write.
+            buf.clear();
+            buf.extend_from_slice(&header[..header_len]);
+            let mut remaining = payload;
+            loop {
+                if remaining > 0 {
+                    let room = (REQUEST_CHUNK - buf.len()) as u64;
+                    let n = (&mut *client)
+                        .take(remaining.min(room))
+                        .read_buf(&mut buf)
+                        .await
+                        .map_err(ConnError::Client)?;
+                    if n == 0 {
+                        return Err(ConnError::ClientClosed("in the middle of a request payload"));
+                    }
+                    remaining -= n as u64;
+                    if remaining > 0 && buf.len() < REQUEST_CHUNK {
+                        continue;
+                    }
+                }
+                upstream.write_all(&buf).await.map_err(ConnError::Upstream)?;
+                buf.clear();
+                if remaining == 0 {
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// What nbdgw answers itself instead of forwarding, if anything.
+fn refusal(req: &Request, read_only: bool, max_payload: u64) -> Option<(u32, &'static str)> {
+    if read_only && req.is_modifying() {
+        // The spec asks for EPERM; qemu-nbd itself would answer EINVAL.
+        Some((EPERM, "nbdgw: the export is read-only"))
+    } else if req.command == CMD_READ && req.length > max_payload {
+        Some((EINVAL, "nbdgw: read length exceeds --max-payload"))
+    } else {
+        None
+    }
+}
+
+/// Waits for the next request header. With an idle timeout, gives up once
+/// the timeout passes with nothing in flight.
+async fn read_request_header(
+    client: &mut ReadHalf<ClientTls>,
+    header: &mut [u8],
+    shared: &Shared,
+    config: &Config,
+) -> Result<(), ConnError> {
+    let mut read = pin!(client.read_exact(header));
+    let result = match config.idle_timeout {
+        None => read.await,
+        Some(idle) => loop {
+            match tokio::time::timeout(idle, &mut read).await {
+                Ok(r) => break r,
+                Err(_) if shared.table().is_empty() => return Err(ConnError::IdleTimeout(idle)),
+                Err(_) => {}
+            }
+        },
+    };
+    result
+        .map(|_| ())
+        .map_err(|e| ConnError::client_read(e, "without sending NBD_CMD_DISC"))
+}
+
+/// Records the request as in flight. A client that reuses a cookie still
+/// in flight is served in order: the second request waits until the
+/// first one's last reply has passed, so replies stay unambiguous.
+async fn claim_cookie(shared: &Shared, cookie: u64, req: InFlight) {
+    loop {
+        let mut completed = pin!(shared.completed.notified());
+        completed.as_mut().enable();
+        if shared.table().insert(cookie, req) {
+            return;
+        }
+        debug!(cookie, "cookie already in flight: waiting for its reply");
+        completed.await;
+    }
+}
+
+/// The client's write side plus the plaintext gathered for it.
+struct ReplyWriter<'a> {
+    client: &'a mut WriteHalf<ClientTls>,
+    out: Vec<u8>,
+    cork: Option<&'a socket2::Socket>,
+    corked: bool,
+    stats: &'a Stats,
+}
+
+impl ReplyWriter<'_> {
+    fn cork(&mut self) {
+        if let (false, Some(socket)) = (self.corked, self.cork) {
+            let _ = socket.set_tcp_cork(true);
+            self.corked = true;
+        }
+    }
+
+    fn uncork(&mut self) {
+        if let (true, Some(socket)) = (self.corked, self.cork) {
+            let _ = socket.set_tcp_cork(false);
+            self.corked = false;
+        }
+    }
+
+    /// Room left before the buffer must go out.
+    fn room(&self) -> usize {
+        REPLY_CHUNK - self.out.len()
+    }
+
+    /// Appends bytes, sending full chunks as they fill.
+    async fn append(&mut self, mut bytes: &[u8]) -> Result<(), ConnError> {
+        while !bytes.is_empty() {
+            if self.room() == 0 {
+                self.send().await?;
+            }
+            let n = self.room().min(bytes.len());
+            self.out.extend_from_slice(&bytes[..n]);
+            bytes = &bytes[n..];
+        }
+        Ok(())
+    }
+
+    /// Hands the buffer to rustls and flushes it to the socket.
+    async fn send(&mut self) -> Result<(), ConnError> {
+        if self.out.is_empty() {
+            return Ok(());
+        }
+        self.client.write_all(&self.out).await.map_err(ConnError::Client)?;
+        self.client.flush().await.map_err(ConnError::Client)?;
+        Stats::add(&self.stats.bytes_to_client, self.out.len() as u64);
+        self.out.clear();
+        Ok(())
+    }
+
+    /// Nothing more is waiting: send what is held and let TCP go.
+    async fn end_burst(&mut self) -> Result<(), ConnError> {
+        self.send().await?;
+        self.uncork();
+        Ok(())
+    }
+}
+
+enum Next {
+    Local(Option<Local>),
+    Upstream,
+    UpstreamEof,
+}
+
+async fn relay_replies(
+    upstream: &mut BufReader<OwnedReadHalf>,
+    writer: &mut ReplyWriter<'_>,
+    shared: &Shared,
+    mut local: mpsc::Receiver<Local>,
+    mode: ReplyMode,
+    config: &Config,
+) -> Result<(), ConnError> {
+    // Room for the largest payload plus a chunk's fixed overhead and an
+    // error message.
+    let max_reply = u64::from(config.max_payload).max(u64::from(DEFAULT_MAX_PAYLOAD)) + 8192;
+    let mut header = [0u8; EXTENDED_REPLY_LEN];
+    let mut draining = false;
+    let mut local_open = true;
+    loop {
+        if draining && shared.table().is_empty() {
+            writer.end_burst().await?;
+            // close_notify: the client knows every reply has arrived.
+            let _ = tokio::time::timeout(GOODBYE_TIMEOUT, writer.client.shutdown()).await;
+            return Ok(());
+        }
+        let next = match next_ready(upstream, &mut local, local_open).await? {
+            Some(next) => next,
+            None => {
+                writer.end_burst().await?;
+                next_waiting(upstream, &mut local, local_open).await?
+            }
+        };
+        match next {
+            Next::Local(Some(Local::Reply { cookie, bytes })) => {
+                writer.cork();
+                writer.append(&bytes).await?;
+                shared.complete(cookie);
+                Stats::add(&writer.stats.replies, 1);
+            }
+            Next::Local(Some(Local::Disconnect)) => draining = true,
+            Next::Local(None) => {
+                local_open = false;
+                draining = true;
+            }
+            Next::UpstreamEof => {
+                let in_flight = shared.table().len();
+                if !(draining && in_flight == 0) {
+                    writer.end_burst().await?;
+                    return Err(ConnError::UpstreamClosed(format!(
+                        "with {in_flight} requests in flight"
+                    )));
+                }
+            }
+            Next::Upstream => relay_one_reply(upstream, writer, shared, mode, max_reply, &mut header).await?,
+        }
+    }
+}
+
+/// What can be handled without waiting, if anything.
+async fn next_ready(
+    upstream: &mut BufReader<OwnedReadHalf>,
+    local: &mut mpsc::Receiver<Local>,
+    local_open: bool,
+) -> Result<Option<Next>, ConnError> {
+    if local_open {
+        match local.try_recv() {
+            Ok(m) => return Ok(Some(Next::Local(Some(m)))),
+            Err(mpsc::error::TryRecvError::Disconnected) => return Ok(Some(Next::Local(None))),
+            Err(mpsc::error::TryRecvError::Empty) => {}
+        }
+    }
+    poll_fn(|cx| match Pin::new(&mut *upstream).poll_fill_buf(cx) {
+        Poll::Ready(Ok([])) => Poll::Ready(Ok(Some(Next::UpstreamEof))),
+        Poll::Ready(Ok(_)) => Poll::Ready(Ok(Some(Next::Upstream))),
+        Poll::Ready(Err(e)) => Poll::Ready(Err(ConnError::Upstream(e))),
+        Poll::Pending => Poll::Ready(Ok(None)),
+    })
+    .await
+}
+
+/// Waits for the upstream or a local reply.
+async fn next_waiting(
+    upstream: &mut BufReader<OwnedReadHalf>,
+    local: &mut mpsc::Receiver<Local>,
+    local_open: bool,
+) -> Result<Next, ConnError> {
+    let upstream_ready = poll_fn(|cx| Pin::new(&mut *upstream).poll_fill_buf(cx).map_ok(|b| b.is_empty()));
+    tokio::select! {
+        biased;
+        m = local.recv(), if local_open => Ok(Next::Local(m)),
+        r = upstream_ready => match r {
+            Ok(true) => Ok(Next::UpstreamEof),
+            Ok(false) => Ok(Next::Upstream),
+            Err(e) => Err(ConnError::Upstream(e)),
+        },
+    }
+}
+
+async fn relay_one_reply(
+    upstream: &mut BufReader<OwnedReadHalf>,
+    writer: &mut ReplyWriter<'_>,
+    shared: &Shared,
+    mode: ReplyMode,
+    max_reply: u64,
+    header: &mut [u8; EXTENDED_REPLY_LEN],
+) -> Result<(), ConnError> {
+    let eof = |e| ConnError::upstream_read(e, "in the middle of a reply");
+    // The magic tells how long the header is.
+    upstream.read_exact(&mut header[..4]).await.map_err(eof)?;
+    let magic = u32::from_be_bytes([header[0], header[1], header[2], header[3]]);
+    let header_len = reply_header_len(mode, magic).map_err(ConnError::UpstreamProto)?;
+    upstream.read_exact(&mut header[4..header_len]).await.map_err(eof)?;
+    let frame = parse_reply(mode, &header[..header_len], &shared.table(), max_reply)
+        .map_err(ConnError::UpstreamProto)?;
+
+    writer.cork();
+    writer.append(&header[..header_len]).await?;
+    let mut remaining = frame.payload_len;
+    while remaining > 0 {
+        if writer.room() == 0 {
+            writer.send().await?;
+        }
+        let want = remaining.min(writer.room() as u64);
+        // Straight into the spare capacity of the reply buffer: no zeroing,
+        // no intermediate copy for large payloads.
+        let n = (&mut *upstream)
+            .take(want)
+            .read_buf(&mut writer.out)
+            .await
+            .map_err(ConnError::Upstream)?;
+        if n == 0 {
+            return Err(ConnError::UpstreamClosed(
+                "in the middle of a reply payload".into(),
+            ));
+        }
+        remaining -= n as u64;
+    }
+    if frame.done {
+        shared.complete(frame.cookie);
+        Stats::add(&writer.stats.replies, 1);
+    }
+    Ok(())
+}

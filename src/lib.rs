@@ -1,0 +1,16 @@
+//! nbdgw: a TLS gateway for the Network Block Device protocol.
+//!
+//! Remote clients connect over TCP, upgrade with `NBD_OPT_STARTTLS`, and
+//! are relayed to an NBD server on a local Unix socket.
+#![forbid(unsafe_code)]
+
+pub mod certs;
+pub mod config;
+mod conn;
+pub mod proto;
+mod server;
+pub mod tls;
+pub mod upstream;
+
+pub use config::Config;
+pub use server::run;

@@ -1,0 +1,230 @@
+//! The nbdgw command: flags and environment, logging, signals, start-up.
+
+use std::io::IsTerminal;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use tokio::net::TcpListener;
+use tracing::{info, warn};
+
+use nbdgw::config::{self, Config};
+
+/// TLS gateway for the Network Block Device protocol: accepts NBD clients
+/// over TCP, requires NBD_OPT_STARTTLS, and relays them to an NBD server's
+/// Unix socket.
+#[derive(Parser, Debug)]
+#[command(version, args_conflicts_with_subcommands = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    serve: ServeArgs,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Make a CA, a server certificate and client certificates in the
+    /// layout qemu, nbdkit and libnbd read.
+    Certs(CertsArgs),
+}
+
+#[derive(Args, Debug)]
+struct ServeArgs {
+    /// Address to listen on (the IANA NBD port by default).
+    #[arg(long, env = "NBDGW_LISTEN", default_value = "0.0.0.0:10809")]
+    listen: SocketAddr,
+    /// Server certificate chain (PEM).
+    #[arg(long, env = "NBDGW_TLS_CERT")]
+    tls_cert: Option<PathBuf>,
+    /// Server private key (PEM).
+    #[arg(long, env = "NBDGW_TLS_KEY")]
+    tls_key: Option<PathBuf>,
+    /// Unix socket of the NBD server to relay to.
+    #[arg(long, env = "NBDGW_UPSTREAM")]
+    upstream: Option<PathBuf>,
+    /// SO_SNDBUF for upstream sockets in bytes; 0 keeps the kernel default.
+    #[arg(long, env = "NBDGW_UPSTREAM_SNDBUF", default_value_t = config::DEFAULT_UPSTREAM_SNDBUF)]
+    upstream_sndbuf: usize,
+    /// Most client connections served at once; more are closed at accept.
+    #[arg(long, env = "NBDGW_MAX_CONNECTIONS", default_value_t = config::DEFAULT_MAX_CONNECTIONS)]
+    max_connections: usize,
+    /// Seconds a client has from connecting to finishing negotiation.
+    #[arg(long, env = "NBDGW_HANDSHAKE_TIMEOUT", default_value_t = config::DEFAULT_HANDSHAKE_TIMEOUT_SECS)]
+    handshake_timeout: u64,
+    /// Seconds a connection may sit with no request in flight; 0 never
+    /// closes it (VM disks can be idle for hours).
+    #[arg(long, env = "NBDGW_IDLE_TIMEOUT", default_value_t = 0)]
+    idle_timeout: u64,
+    /// Largest request payload and read length in bytes.
+    #[arg(long, env = "NBDGW_MAX_PAYLOAD", default_value_t = nbdgw::proto::consts::DEFAULT_MAX_PAYLOAD)]
+    max_payload: u32,
+    /// Largest option data (and option reply) in bytes.
+    #[arg(long, env = "NBDGW_MAX_OPTION_LEN", default_value_t = config::DEFAULT_MAX_OPTION_LEN)]
+    max_option_len: u32,
+    /// Seconds open connections may finish after SIGTERM or SIGINT.
+    #[arg(long, env = "NBDGW_SHUTDOWN_GRACE", default_value_t = config::DEFAULT_SHUTDOWN_GRACE_SECS)]
+    shutdown_grace: u64,
+    /// Do not hold TCP_CORK around replies (to measure its effect).
+    #[arg(long, env = "NBDGW_NO_CORK")]
+    no_cork: bool,
+    /// Log format; the filter comes from RUST_LOG (default info).
+    #[arg(long, env = "NBDGW_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+#[derive(Args, Debug)]
+struct CertsArgs {
+    /// Directory to write into (created if missing).
+    #[arg(long, env = "NBDGW_CERTS_OUT")]
+    out: PathBuf,
+    /// DNS name or IP address for the server certificate (repeatable;
+    /// default localhost and 127.0.0.1).
+    #[arg(long = "server-name")]
+    server_names: Vec<String>,
+    /// Common name of a client certificate (repeatable; default
+    /// nbdgw-client). The first is client-cert.pem, others client-NAME-cert.pem.
+    #[arg(long = "client-name")]
+    client_names: Vec<String>,
+    /// Validity of the leaf certificates in days.
+    #[arg(long, default_value_t = 365)]
+    days: u32,
+    /// Overwrite existing files.
+    #[arg(long)]
+    force: bool,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Some(Command::Certs(args)) => certs(args),
+        None => serve(cli.serve),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("nbdgw: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn certs(args: CertsArgs) -> Result<()> {
+    let request = nbdgw::certs::CertsRequest {
+        out: args.out,
+        server_names: if args.server_names.is_empty() {
+            nbdgw::certs::DEFAULT_SERVER_NAMES.map(String::from).to_vec()
+        } else {
+            args.server_names
+        },
+        client_names: if args.client_names.is_empty() {
+            vec![nbdgw::certs::DEFAULT_CLIENT_NAME.to_string()]
+        } else {
+            args.client_names
+        },
+        days: args.days,
+        force: args.force,
+    };
+    for path in nbdgw::certs::generate(&request)? {
+        println!("{}", path.display());
+    }
+    Ok(())
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+fn serve(args: ServeArgs) -> Result<()> {
+    init_logging(args.log_format);
+    let (Some(cert), Some(key), Some(upstream)) = (&args.tls_cert, &args.tls_key, &args.upstream)
+    else {
+        bail!("--tls-cert, --tls-key and --upstream are required (or NBDGW_TLS_CERT, NBDGW_TLS_KEY, NBDGW_UPSTREAM); see --help");
+    };
+    if args.max_connections == 0 || args.max_payload == 0 || args.handshake_timeout == 0 {
+        bail!("--max-connections, --max-payload and --handshake-timeout must be greater than 0");
+    }
+    let tls = nbdgw::tls::load_server_config(cert, key).context("loading the TLS certificate")?;
+    let mut config = Config::new(upstream.clone(), Arc::new(tls));
+    config.upstream_sndbuf = args.upstream_sndbuf;
+    config.max_connections = args.max_connections;
+    config.handshake_timeout = Duration::from_secs(args.handshake_timeout);
+    config.idle_timeout = (args.idle_timeout > 0).then(|| Duration::from_secs(args.idle_timeout));
+    config.max_payload = args.max_payload;
+    config.max_option_len = args.max_option_len;
+    config.shutdown_grace = Duration::from_secs(args.shutdown_grace);
+    config.cork = !args.no_cork;
+
+    report_sndbuf(args.upstream_sndbuf);
+    if !nbdgw::upstream::looks_like_socket(upstream) {
+        warn!(upstream = %upstream.display(), "upstream socket does not exist yet; clients will get an error until it does");
+    }
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let listener = TcpListener::bind(args.listen)
+            .await
+            .with_context(|| format!("cannot listen on {}", args.listen))?;
+        info!(
+            listen = %listener.local_addr().unwrap_or(args.listen),
+            upstream = %upstream.display(),
+            cork = config.cork,
+            "nbdgw listening"
+        );
+        nbdgw::run(listener, Arc::new(config), shutdown_signal()).await?;
+        Ok(())
+    })
+}
+
+/// Logs the upstream send buffer the kernel grants, and warns once when
+/// `net.core.wmem_max` clipped it.
+fn report_sndbuf(requested: usize) {
+    match nbdgw::upstream::probe_sndbuf(requested) {
+        Ok(report) if report.clipped() => warn!(
+            requested,
+            effective = report.effective,
+            "upstream SO_SNDBUF clipped by the kernel: raise net.core.wmem_max (sysctl -w net.core.wmem_max={}) for full speed",
+            requested
+        ),
+        Ok(report) => info!(requested, effective = report.effective, "upstream SO_SNDBUF"),
+        Err(e) => warn!(error = %e, "cannot probe the upstream socket send buffer"),
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            warn!(error = %e, "cannot watch SIGTERM; only Ctrl-C stops nbdgw");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => info!("SIGTERM received"),
+        _ = tokio::signal::ctrl_c() => info!("SIGINT received"),
+    }
+}

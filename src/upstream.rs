@@ -1,0 +1,96 @@
+//! The Unix-socket connection to the NBD server behind the gateway.
+
+use std::path::Path;
+
+use socket2::{Domain, SockRef, Socket, Type};
+use thiserror::Error;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+
+use crate::config::Config;
+use crate::proto::consts::GREETING_LEN;
+use crate::proto::handshake::{parse_upstream_greeting, upstream_client_flags};
+use crate::proto::ProtoError;
+
+#[derive(Debug, Error)]
+pub enum UpstreamError {
+    #[error("cannot connect to {path}: {source}")]
+    Connect {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("connecting to {0} timed out")]
+    Timeout(String),
+    #[error("handshake with upstream failed: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("upstream handshake: {0}")]
+    Proto(#[from] ProtoError),
+}
+
+/// An upstream connection that has finished the greeting and is ready for
+/// options.
+pub struct Upstream {
+    pub stream: UnixStream,
+    /// Whether the upstream will pad an EXPORT_NAME reply with zeroes.
+    pub pads_export_name: bool,
+}
+
+/// Connects, sizes the send buffer, and does the newstyle greeting.
+pub async fn open(config: &Config) -> Result<Upstream, UpstreamError> {
+    let path = config.upstream.display().to_string();
+    let connect = UnixStream::connect(&config.upstream);
+    let mut stream = tokio::time::timeout(config.upstream_connect_timeout, connect)
+        .await
+        .map_err(|_| UpstreamError::Timeout(path.clone()))?
+        .map_err(|source| UpstreamError::Connect { path, source })?;
+    if config.upstream_sndbuf > 0 {
+        // Best effort: the start-up probe already told the operator what
+        // the kernel grants.
+        let _ = SockRef::from(&stream).set_send_buffer_size(config.upstream_sndbuf);
+    }
+    let mut greeting = [0u8; GREETING_LEN];
+    stream.read_exact(&mut greeting).await?;
+    let server_flags = parse_upstream_greeting(&greeting)?;
+    let client_flags = upstream_client_flags(server_flags);
+    stream.write_all(&client_flags.to_be_bytes()).await?;
+    Ok(Upstream {
+        stream,
+        pads_export_name: client_flags & crate::proto::consts::FLAG_C_NO_ZEROES == 0,
+    })
+}
+
+/// What the kernel makes of a requested Unix-socket send buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SndbufReport {
+    pub requested: usize,
+    /// As `getsockopt(SO_SNDBUF)` reports it: Linux doubles the request
+    /// for bookkeeping overhead and caps it at twice `net.core.wmem_max`.
+    pub effective: usize,
+}
+
+impl SndbufReport {
+    pub fn clipped(&self) -> bool {
+        self.requested > 0 && self.effective < self.requested.saturating_mul(2)
+    }
+}
+
+/// Tries the send buffer size on a throw-away Unix socket, so the operator
+/// learns at start-up, before any client, what every connection will get.
+pub fn probe_sndbuf(requested: usize) -> std::io::Result<SndbufReport> {
+    let socket = Socket::new(Domain::UNIX, Type::STREAM, None)?;
+    if requested > 0 {
+        socket.set_send_buffer_size(requested)?;
+    }
+    Ok(SndbufReport {
+        requested,
+        effective: socket.send_buffer_size()?,
+    })
+}
+
+/// True when the path exists and is a socket (for start-up warnings).
+pub fn looks_like_socket(path: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::metadata(path)
+        .map(|m| m.file_type().is_socket())
+        .unwrap_or(false)
+}
