@@ -123,7 +123,9 @@ fn certs(args: CertsArgs) -> Result<()> {
     let request = nbdgw::certs::CertsRequest {
         out: args.out,
         server_names: if args.server_names.is_empty() {
-            nbdgw::certs::DEFAULT_SERVER_NAMES.map(String::from).to_vec()
+            nbdgw::certs::DEFAULT_SERVER_NAMES
+                .map(String::from)
+                .to_vec()
         } else {
             args.server_names
         },

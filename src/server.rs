@@ -57,13 +57,20 @@ pub async fn run(
     }
     drop(listener);
     let open = connections.len();
-    info!(open, grace_secs = config.shutdown_grace.as_secs(), "shutting down: no longer accepting");
+    info!(
+        open,
+        grace_secs = config.shutdown_grace.as_secs(),
+        "shutting down: no longer accepting"
+    );
     let drained = tokio::time::timeout(config.shutdown_grace, async {
         while connections.join_next().await.is_some() {}
     })
     .await;
     if drained.is_err() {
-        warn!(open = connections.len(), "grace period over: closing the remaining connections");
+        warn!(
+            open = connections.len(),
+            "grace period over: closing the remaining connections"
+        );
         connections.shutdown().await;
     }
     info!("stopped");

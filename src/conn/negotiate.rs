@@ -46,8 +46,12 @@ pub async fn relay_options(
         Ok(u) => u,
         Err(e) => {
             warn!(error = %e, "upstream unavailable");
-            return refuse_all(tls, &format!("nbdgw: upstream NBD server unavailable: {e}"), config)
-                .await;
+            return refuse_all(
+                tls,
+                &format!("nbdgw: upstream NBD server unavailable: {e}"),
+                config,
+            )
+            .await;
         }
     };
     let Upstream {
@@ -64,8 +68,13 @@ pub async fn relay_options(
         let name = option_name(option.option);
         match option.option {
             OPT_STARTTLS => {
-                send_reply(&mut tls, OPT_STARTTLS, REP_ERR_INVALID, "TLS is already active")
-                    .await?;
+                send_reply(
+                    &mut tls,
+                    OPT_STARTTLS,
+                    REP_ERR_INVALID,
+                    "TLS is already active",
+                )
+                .await?;
             }
             OPT_ABORT => {
                 // Tell the upstream too, so it sees a clean soft disconnect;
@@ -97,8 +106,13 @@ pub async fn relay_options(
                 let mode = reply_mode(structured, extended);
                 return Ok(enter_transmission(tls, up, &export, mode, size, tflags));
             }
-            OPT_LIST | OPT_INFO | OPT_GO | OPT_STRUCTURED_REPLY | OPT_LIST_META_CONTEXT
-            | OPT_SET_META_CONTEXT | OPT_EXTENDED_HEADERS => {
+            OPT_LIST
+            | OPT_INFO
+            | OPT_GO
+            | OPT_STRUCTURED_REPLY
+            | OPT_LIST_META_CONTEXT
+            | OPT_SET_META_CONTEXT
+            | OPT_EXTENDED_HEADERS => {
                 let mut replied = false;
                 let relayed = relay_one(
                     &mut tls,
@@ -112,9 +126,11 @@ pub async fn relay_options(
                 .await;
                 let (final_type, info_export) = match relayed {
                     Ok(r) => r,
-                    Err(e @ (ConnError::Upstream(_) | ConnError::UpstreamClosed(_) | ConnError::UpstreamProto(_)))
-                        if !replied =>
-                    {
+                    Err(
+                        e @ (ConnError::Upstream(_)
+                        | ConnError::UpstreamClosed(_)
+                        | ConnError::UpstreamProto(_)),
+                    ) if !replied => {
                         // The client gets an answer, not a hang.
                         let msg = format!("nbdgw: upstream NBD server failed: {e}");
                         let _ = send_reply(&mut tls, option.option, REP_ERR_SHUTDOWN, &msg).await;
@@ -122,7 +138,11 @@ pub async fn relay_options(
                     }
                     Err(e) => return Err(e),
                 };
-                debug!(option = name, reply = format_args!("{final_type:#x}"), "relayed");
+                debug!(
+                    option = name,
+                    reply = format_args!("{final_type:#x}"),
+                    "relayed"
+                );
                 if final_type != REP_ACK {
                     continue;
                 }
@@ -273,7 +293,9 @@ async fn refuse_all(
             OPT_ABORT => {
                 send_reply(&mut tls, OPT_ABORT, REP_ACK, "").await?;
                 let _ = tokio::time::timeout(GOODBYE_TIMEOUT, tls.shutdown()).await;
-                return Ok(Outcome::Closed("client sent NBD_OPT_ABORT (upstream unavailable)"));
+                return Ok(Outcome::Closed(
+                    "client sent NBD_OPT_ABORT (upstream unavailable)",
+                ));
             }
             _ => send_reply(&mut tls, option.option, REP_ERR_SHUTDOWN, message).await?,
         }

@@ -18,9 +18,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::task::Poll;
 use std::time::Duration;
 
-use tokio::io::{
-    AsyncBufRead, AsyncReadExt, AsyncWriteExt, BufReader, ReadHalf, WriteHalf,
-};
+use tokio::io::{AsyncBufRead, AsyncReadExt, AsyncWriteExt, BufReader, ReadHalf, WriteHalf};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, Notify};
 use tracing::debug;
@@ -51,7 +49,10 @@ const LOCAL_QUEUE: usize = 64;
 const GOODBYE_TIMEOUT: Duration = Duration::from_secs(2);
 
 enum Local {
-    Reply { cookie: u64, bytes: Vec<u8> },
+    Reply {
+        cookie: u64,
+        bytes: Vec<u8>,
+    },
     /// The client sent NBD_CMD_DISC: finish what is in flight, then close.
     Disconnect,
 }
@@ -159,7 +160,8 @@ impl Requests<'_> {
         let max_payload = u64::from(config.max_payload);
         loop {
             read_request_header(client, &mut header[..header_len], shared, config).await?;
-            let req = Request::parse(mode, &header[..header_len]).map_err(ConnError::ClientProto)?;
+            let req =
+                Request::parse(mode, &header[..header_len]).map_err(ConnError::ClientProto)?;
             let payload = req.payload_len(mode);
             if payload > max_payload {
                 return Err(ConnError::ClientProto(ProtoError::TooLong {
@@ -172,6 +174,9 @@ impl Requests<'_> {
             Stats::add(&stats.bytes_from_client, header_len as u64 + payload);
 
             if req.command == CMD_DISC {
+                // qemu-nbd drops requests still in flight when it sees DISC,
+                // so it only goes upstream once every reply has come back.
+                wait_until_idle(shared).await;
                 upstream
                     .write_all(&header[..header_len])
                     .await
@@ -195,8 +200,22 @@ impl Requests<'_> {
                     "refused request"
                 );
                 let mut bytes = Vec::new();
-                encode_error_reply(mode, req.cookie, &InFlight::from(&req), error, message, &mut bytes);
-                if local.send(Local::Reply { cookie: req.cookie, bytes }).await.is_err() {
+                encode_error_reply(
+                    mode,
+                    req.cookie,
+                    &InFlight::from(&req),
+                    error,
+                    message,
+                    &mut bytes,
+                );
+                if local
+                    .send(Local::Reply {
+                        cookie: req.cookie,
+                        bytes,
+                    })
+                    .await
+                    .is_err()
+                {
                     return Ok(());
                 }
                 continue;
@@ -215,14 +234,19 @@ impl Requests<'_> {
                         .await
                         .map_err(ConnError::Client)?;
                     if n == 0 {
-                        return Err(ConnError::ClientClosed("in the middle of a request payload"));
+                        return Err(ConnError::ClientClosed(
+                            "in the middle of a request payload",
+                        ));
                     }
                     remaining -= n as u64;
                     if remaining > 0 && buf.len() < REQUEST_CHUNK {
                         continue;
                     }
                 }
-                upstream.write_all(&buf).await.map_err(ConnError::Upstream)?;
+                upstream
+                    .write_all(&buf)
+                    .await
+                    .map_err(ConnError::Upstream)?;
                 buf.clear();
                 if remaining == 0 {
                     break;
@@ -272,13 +296,22 @@ async fn read_request_header(
 /// in flight is served in order: the second request waits until the
 /// first one's last reply has passed, so replies stay unambiguous.
 async fn claim_cookie(shared: &Shared, cookie: u64, req: InFlight) {
+    wait_for(shared, |table| table.insert(cookie, req)).await;
+}
+
+async fn wait_until_idle(shared: &Shared) {
+    wait_for(shared, |table| table.is_empty()).await;
+}
+
+/// Waits until `ready` holds, checking again after every completion.
+async fn wait_for(shared: &Shared, mut ready: impl FnMut(&mut InFlightTable) -> bool) {
     loop {
         let mut completed = pin!(shared.completed.notified());
+        // Registered before the check, so a completion in between is not missed.
         completed.as_mut().enable();
-        if shared.table().insert(cookie, req) {
+        if ready(&mut shared.table()) {
             return;
         }
-        debug!(cookie, "cookie already in flight: waiting for its reply");
         completed.await;
     }
 }
@@ -330,7 +363,10 @@ impl ReplyWriter<'_> {
         if self.out.is_empty() {
             return Ok(());
         }
-        self.client.write_all(&self.out).await.map_err(ConnError::Client)?;
+        self.client
+            .write_all(&self.out)
+            .await
+            .map_err(ConnError::Client)?;
         self.client.flush().await.map_err(ConnError::Client)?;
         Stats::add(&self.stats.bytes_to_client, self.out.len() as u64);
         self.out.clear();
@@ -400,7 +436,9 @@ async fn relay_replies(
                     )));
                 }
             }
-            Next::Upstream => relay_one_reply(upstream, writer, shared, mode, max_reply, &mut header).await?,
+            Next::Upstream => {
+                relay_one_reply(upstream, writer, shared, mode, max_reply, &mut header).await?
+            }
         }
     }
 }
@@ -433,7 +471,11 @@ async fn next_waiting(
     local: &mut mpsc::Receiver<Local>,
     local_open: bool,
 ) -> Result<Next, ConnError> {
-    let upstream_ready = poll_fn(|cx| Pin::new(&mut *upstream).poll_fill_buf(cx).map_ok(|b| b.is_empty()));
+    let upstream_ready = poll_fn(|cx| {
+        Pin::new(&mut *upstream)
+            .poll_fill_buf(cx)
+            .map_ok(|b| b.is_empty())
+    });
     tokio::select! {
         biased;
         m = local.recv(), if local_open => Ok(Next::Local(m)),
@@ -458,7 +500,10 @@ async fn relay_one_reply(
     upstream.read_exact(&mut header[..4]).await.map_err(eof)?;
     let magic = u32::from_be_bytes([header[0], header[1], header[2], header[3]]);
     let header_len = reply_header_len(mode, magic).map_err(ConnError::UpstreamProto)?;
-    upstream.read_exact(&mut header[4..header_len]).await.map_err(eof)?;
+    upstream
+        .read_exact(&mut header[4..header_len])
+        .await
+        .map_err(eof)?;
     let frame = parse_reply(mode, &header[..header_len], &shared.table(), max_reply)
         .map_err(ConnError::UpstreamProto)?;
 

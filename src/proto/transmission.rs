@@ -420,8 +420,14 @@ mod tests {
 
     #[test]
     fn reply_magic_must_fit_the_mode() {
-        assert_eq!(reply_header_len(ReplyMode::Structured, STRUCTURED_REPLY_MAGIC), Ok(20));
-        assert_eq!(reply_header_len(ReplyMode::Extended, EXTENDED_REPLY_MAGIC), Ok(32));
+        assert_eq!(
+            reply_header_len(ReplyMode::Structured, STRUCTURED_REPLY_MAGIC),
+            Ok(20)
+        );
+        assert_eq!(
+            reply_header_len(ReplyMode::Extended, EXTENDED_REPLY_MAGIC),
+            Ok(32)
+        );
         assert!(reply_header_len(ReplyMode::Extended, SIMPLE_REPLY_MAGIC).is_err());
         assert!(reply_header_len(ReplyMode::Simple, STRUCTURED_REPLY_MAGIC).is_err());
         assert!(reply_header_len(ReplyMode::Structured, 0x1256_0953).is_err());
@@ -434,7 +440,11 @@ mod tests {
             offset: 1 << 20,
             length: 4096,
         };
-        for mode in [ReplyMode::Simple, ReplyMode::Structured, ReplyMode::Extended] {
+        for mode in [
+            ReplyMode::Simple,
+            ReplyMode::Structured,
+            ReplyMode::Extended,
+        ] {
             let mut t = InFlightTable::default();
             t.insert(42, req);
             let mut out = Vec::new();

@@ -1,0 +1,333 @@
+//! Test harness: certificates, a real qemu-nbd upstream, the gateway run
+//! in-process on a port-0 listener, and a raw NBD client.
+#![allow(dead_code)]
+
+pub mod raw;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nbdgw::Config;
+
+pub fn init_logging() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if std::env::var_os("RUST_LOG").is_some() {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+                .with_writer(std::io::stderr)
+                .try_init();
+        }
+    });
+}
+
+/// A scratch directory with certificates made for this test.
+pub struct Env {
+    pub dir: tempfile::TempDir,
+}
+
+impl Env {
+    pub fn new() -> Self {
+        init_logging();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let request = nbdgw::certs::CertsRequest {
+            out: dir.path().join("certs"),
+            server_names: vec!["localhost".into(), "127.0.0.1".into()],
+            client_names: vec!["test-client".into()],
+            days: 2,
+            force: false,
+        };
+        nbdgw::certs::generate(&request).expect("generate certificates");
+        Env { dir }
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    pub fn certs(&self) -> PathBuf {
+        self.path("certs")
+    }
+
+    /// An image of `len` bytes of non-zero pseudo-random data (so qemu-nbd
+    /// cannot answer with holes).
+    pub fn random_image(&self, name: &str, len: usize, seed: u64) -> PathBuf {
+        let path = self.path(name);
+        std::fs::write(&path, pattern(len, seed)).expect("write image");
+        path
+    }
+
+    pub fn config(&self, upstream: &Path) -> Config {
+        let tls = nbdgw::tls::load_server_config(
+            &self.certs().join("server-cert.pem"),
+            &self.certs().join("server-key.pem"),
+        )
+        .expect("server config");
+        let mut config = Config::new(upstream.to_owned(), Arc::new(tls));
+        config.shutdown_grace = Duration::from_secs(2);
+        config
+    }
+}
+
+/// Deterministic bytes with no zero byte.
+pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x as u8) | 1
+        })
+        .collect()
+}
+
+/// A real qemu-nbd serving an image on a Unix socket.
+pub struct QemuNbd {
+    child: Child,
+    pub socket: PathBuf,
+    pub image: PathBuf,
+    args: Vec<String>,
+}
+
+impl QemuNbd {
+    pub fn start(env: &Env, image: &Path, extra: &[&str]) -> Self {
+        let socket = env.path("nbd.sock");
+        let args: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        let child = spawn_qemu_nbd(&socket, image, &args);
+        QemuNbd {
+            child,
+            socket,
+            image: image.to_owned(),
+            args,
+        }
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.socket);
+    }
+
+    pub fn restart(&mut self) {
+        self.kill();
+        self.child = spawn_qemu_nbd(&self.socket, &self.image, &self.args);
+    }
+
+    /// The upstream read directly, bypassing the gateway.
+    pub fn read_direct(&self) -> Vec<u8> {
+        let out = self.socket.with_extension("direct.img");
+        let _ = std::fs::remove_file(&out);
+        let uri = format!("nbd+unix:///?socket={}", self.socket.display());
+        run_ok(
+            Command::new("qemu-img")
+                .args(["convert", "-f", "raw", "-O", "raw"])
+                .arg(&uri)
+                .arg(&out),
+        );
+        std::fs::read(&out).expect("read direct copy")
+    }
+
+    pub fn unix_uri(&self) -> String {
+        format!("nbd+unix:///?socket={}", self.socket.display())
+    }
+}
+
+fn spawn_qemu_nbd(socket: &Path, image: &Path, extra: &[String]) -> Child {
+    let _ = std::fs::remove_file(socket);
+    let child = Command::new("qemu-nbd")
+        .args(["-f", "raw", "--persistent", "--shared=32", "-k"])
+        .arg(socket)
+        .args(extra)
+        .arg(image)
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("qemu-nbd must be installed (apt-get install qemu-utils)");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !socket.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "qemu-nbd did not create its socket"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child
+}
+
+impl Drop for QemuNbd {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The gateway, run in-process on its own runtime.
+pub struct Gateway {
+    pub addr: SocketAddr,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<std::io::Result<()>>>,
+}
+
+impl Gateway {
+    pub fn start(config: Config) -> Self {
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?;
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+                addr_tx.send(listener.local_addr()?).ok();
+                nbdgw::run(listener, Arc::new(config), async {
+                    let _ = stop_rx.await;
+                })
+                .await
+            })
+        });
+        let addr = addr_rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("gateway did not start");
+        Gateway {
+            addr,
+            shutdown: Some(stop_tx),
+            thread: Some(thread),
+        }
+    }
+
+    pub fn uri(&self, env: &Env) -> String {
+        format!(
+            "nbds://localhost:{}/?tls-certificates={}",
+            self.addr.port(),
+            env.certs().display()
+        )
+    }
+
+    /// qemu's `--object` and `--image-opts` arguments for this gateway.
+    pub fn qemu_args(&self, env: &Env) -> (String, String) {
+        (
+            format!(
+                "tls-creds-x509,id=tls0,dir={},endpoint=client",
+                env.certs().display()
+            ),
+            format!(
+                "driver=nbd,host=localhost,port={},tls-creds=tls0",
+                self.addr.port()
+            ),
+        )
+    }
+
+    pub fn stop(&mut self) -> std::io::Result<()> {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        match self.thread.take() {
+            Some(t) => t.join().expect("gateway thread panicked"),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.stop();
+    }
+}
+
+pub fn run(cmd: &mut Command) -> Output {
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    out
+}
+
+pub fn run_ok(cmd: &mut Command) -> Output {
+    let out = run(cmd);
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// A TCP relay between a client and the gateway that counts the TLS
+/// records the gateway sends, by parsing record headers on the wire.
+pub struct RecordCounter {
+    pub addr: SocketAddr,
+    records: Arc<std::sync::Mutex<Vec<usize>>>,
+}
+
+impl RecordCounter {
+    /// `plaintext_prefix`: bytes the gateway sends before TLS starts
+    /// (greeting and option replies), which are passed through uncounted.
+    pub fn start(target: SocketAddr, plaintext_prefix: usize) -> Self {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let records = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = records.clone();
+        std::thread::spawn(move || {
+            let (client, _) = listener.accept().unwrap();
+            let server = std::net::TcpStream::connect(target).unwrap();
+            client.set_nodelay(true).unwrap();
+            server.set_nodelay(true).unwrap();
+            let (mut c_rd, mut s_wr) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut c_rd, &mut s_wr);
+                let _ = s_wr.shutdown(std::net::Shutdown::Write);
+            });
+            let (mut s_rd, mut c_wr) = (server, client);
+            let mut skip = plaintext_prefix;
+            let mut header = Vec::with_capacity(5);
+            let mut body_left = 0usize;
+            let mut buf = vec![0u8; 1 << 16];
+            loop {
+                let n = match s_rd.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => n,
+                };
+                // Count before forwarding, so a client that has its reply
+                // knows the count includes it.
+                let mut bytes = &buf[..n];
+                while !bytes.is_empty() {
+                    if skip > 0 {
+                        let k = skip.min(bytes.len());
+                        skip -= k;
+                        bytes = &bytes[k..];
+                    } else if body_left > 0 {
+                        let k = body_left.min(bytes.len());
+                        body_left -= k;
+                        bytes = &bytes[k..];
+                    } else {
+                        let k = (5 - header.len()).min(bytes.len());
+                        header.extend_from_slice(&bytes[..k]);
+                        bytes = &bytes[k..];
+                        if header.len() == 5 {
+                            body_left = u16::from_be_bytes([header[3], header[4]]) as usize;
+                            if header[0] == 23 {
+                                seen.lock().unwrap().push(body_left);
+                            }
+                            header.clear();
+                        }
+                    }
+                }
+                if c_wr.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+            }
+            let _ = c_wr.shutdown(std::net::Shutdown::Write);
+        });
+        RecordCounter { addr, records }
+    }
+
+    /// Application-data record lengths seen so far (ciphertext bytes).
+    pub fn records(&self) -> Vec<usize> {
+        self.records.lock().unwrap().clone()
+    }
+}
