@@ -468,7 +468,8 @@ fn client_vanishing_mid_request_does_not_disturb_others() {
     c.send(&partial);
     drop(c);
     let mut c = s.client(ReplyMode::Simple);
-    c.send(&c.request_bytes(0, CMD_READ, 1, 0, 4096)[..10].to_vec());
+    let header = c.request_bytes(0, CMD_READ, 1, 0, 4096);
+    c.send(&header[..10]);
     drop(c);
     s.assert_still_serving();
     // The half-sent write never reached the disk.

@@ -373,21 +373,18 @@ impl RawClient {
     /// Expects the server to close: EOF or an error, no further data.
     pub fn expect_closed(&mut self) {
         let mut buf = [0u8; 256];
-        loop {
-            match self.stream.read(&mut buf) {
-                Ok(0) => return,
-                Ok(n) => panic!(
-                    "expected the connection to close, got {n} bytes: {:02x?}",
-                    &buf[..n]
-                ),
-                Err(e)
-                    if e.kind() == io::ErrorKind::WouldBlock
-                        || e.kind() == io::ErrorKind::TimedOut =>
-                {
-                    panic!("connection still open after the read timeout")
-                }
-                Err(_) => return,
+        match self.stream.read(&mut buf) {
+            Ok(0) => {}
+            Ok(n) => panic!(
+                "expected the connection to close, got {n} bytes: {:02x?}",
+                &buf[..n]
+            ),
+            Err(e)
+                if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::TimedOut =>
+            {
+                panic!("connection still open after the read timeout")
             }
+            Err(_) => {}
         }
     }
 
