@@ -106,6 +106,11 @@ pub async fn serve(tcp: TcpStream, peer: SocketAddr, id: u64, config: &Config) {
                 reason,
                 requests, replies, bytes_in, bytes_out, secs, "closed"
             ),
+            // Health checks and port scanners connect and leave: routine.
+            Err(error @ ConnError::ClientClosed(_)) => info!(
+                %error,
+                requests, replies, bytes_in, bytes_out, secs, "closed"
+            ),
             Err(error) => warn!(
                 %error,
                 requests, replies, bytes_in, bytes_out, secs, "closed"

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs what nbdgw's demo and tests need on a Debian machine:
+# qemu-utils (qemu-nbd, qemu-img, qemu-io) and libnbd-bin (nbdinfo, nbdcopy).
+set -euo pipefail
+
+packages=(qemu-utils libnbd-bin)
+missing=()
+for p in "${packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+    sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    echo "setup: installing ${missing[*]}" >&2
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+command -v cargo >/dev/null || { echo "setup: cargo (Rust toolchain) is required" >&2; exit 1; }
