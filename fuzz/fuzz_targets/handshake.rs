@@ -1,0 +1,27 @@
+//! Every handshake parser on arbitrary bytes: none may panic, and what
+//! parses must encode back to the same bytes.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use nbdgw::proto::handshake::*;
+
+fuzz_target!(|data: &[u8]| {
+    if let Some(b) = data.get(..16).and_then(|b| <&[u8; 16]>::try_from(b).ok()) {
+        if let Ok(h) = OptionHeader::parse(b) {
+            assert_eq!(&h.encode(), b);
+        }
+    }
+    if let Some(b) = data.get(..20).and_then(|b| <&[u8; 20]>::try_from(b).ok()) {
+        if let Ok(h) = OptionReplyHeader::parse(b) {
+            assert_eq!(&h.encode(), b);
+        }
+    }
+    if let Some(b) = data.get(..18).and_then(|b| <&[u8; 18]>::try_from(b).ok()) {
+        let _ = parse_upstream_greeting(b);
+    }
+    if let Some(b) = data.get(..4) {
+        let _ = parse_client_flags(u32::from_be_bytes([b[0], b[1], b[2], b[3]]));
+    }
+    let _ = parse_info_export(data);
+    let _ = export_name_prefix(data);
+});
