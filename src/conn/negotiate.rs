@@ -245,13 +245,12 @@ async fn relay_one(
                 got: reply.option,
             }));
         }
-        if reply.length > config.max_option_len {
-            return Err(ConnError::UpstreamProto(ProtoError::TooLong {
-                what: "option reply",
-                length: reply.length.into(),
-                limit: config.max_option_len.into(),
-            }));
-        }
+        ProtoError::check_limit(
+            "option reply",
+            reply.length.into(),
+            config.max_option_len.into(),
+        )
+        .map_err(ConnError::UpstreamProto)?;
         reply_data.clear();
         reply_data.extend_from_slice(&header);
         let read = (&mut *up)

@@ -87,13 +87,12 @@ pub(super) async fn read_option<R: AsyncRead + Unpin>(
         .await
         .map_err(|e| ConnError::client_read(e, "during option haggling"))?;
     let option = OptionHeader::parse(&header).map_err(ConnError::ClientProto)?;
-    if option.length > config.max_option_len {
-        return Err(ConnError::ClientProto(ProtoError::TooLong {
-            what: "option data",
-            length: option.length.into(),
-            limit: config.max_option_len.into(),
-        }));
-    }
+    ProtoError::check_limit(
+        "option data",
+        option.length.into(),
+        config.max_option_len.into(),
+    )
+    .map_err(ConnError::ClientProto)?;
     data.clear();
     let read = reader
         .take(option.length.into())

@@ -163,13 +163,8 @@ impl Requests<'_> {
             let req =
                 Request::parse(mode, &header[..header_len]).map_err(ConnError::ClientProto)?;
             let payload = req.payload_len(mode);
-            if payload > max_payload {
-                return Err(ConnError::ClientProto(ProtoError::TooLong {
-                    what: "request payload",
-                    length: payload,
-                    limit: max_payload,
-                }));
-            }
+            ProtoError::check_limit("request payload", payload, max_payload)
+                .map_err(ConnError::ClientProto)?;
             Stats::add(&stats.requests, 1);
             Stats::add(&stats.bytes_from_client, header_len as u64 + payload);
 

@@ -39,6 +39,20 @@ pub enum ProtoError {
     Malformed(&'static str),
 }
 
+impl ProtoError {
+    /// `TooLong` unless `length` is within `limit`.
+    pub fn check_limit(what: &'static str, length: u64, limit: u64) -> Result<(), ProtoError> {
+        if length > limit {
+            return Err(ProtoError::TooLong {
+                what,
+                length,
+                limit,
+            });
+        }
+        Ok(())
+    }
+}
+
 pub(crate) fn be_u16(buf: &[u8], at: usize) -> u16 {
     u16::from_be_bytes([buf[at], buf[at + 1]])
 }

@@ -253,13 +253,7 @@ pub fn parse_reply(
     if !in_flight.contains(frame.cookie) {
         return Err(ProtoError::UnknownCookie(frame.cookie));
     }
-    if frame.payload_len > max_payload {
-        return Err(ProtoError::TooLong {
-            what: "reply payload",
-            length: frame.payload_len,
-            limit: max_payload,
-        });
-    }
+    ProtoError::check_limit("reply payload", frame.payload_len, max_payload)?;
     Ok(frame)
 }
 
