@@ -587,3 +587,48 @@ fn a_1m_read_reply_fills_every_record_but_the_last() {
     assert_eq!(*last, plaintext % 16384 + TLS13_OVERHEAD);
     c.disconnect();
 }
+
+#[test]
+fn shutdown_stops_accepting_and_lets_open_connections_finish_within_the_grace() {
+    let Setup {
+        env,
+        upstream,
+        mut gateway,
+    } = setup_with(&[], |c| c.shutdown_grace = Duration::from_secs(2));
+    let mut c = RawClient::tls(gateway.addr, &env.certs());
+    c.go(ReplyMode::Structured);
+    let addr = gateway.addr;
+    let started = Instant::now();
+    let stopper = std::thread::spawn(move || gateway.stop());
+    std::thread::sleep(Duration::from_millis(300));
+    // No new clients...
+    assert!(std::net::TcpStream::connect(addr).is_err());
+    // ...but the open one is still served during the grace period.
+    let image = std::fs::read(&upstream.image).unwrap();
+    assert_eq!(c.read(1, 0, 65536), image[..65536]);
+    // Then it is cut and run() returns.
+    c.expect_closed();
+    stopper.join().unwrap().expect("run() returns Ok");
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(1800) && took < Duration::from_secs(6),
+        "{took:?}"
+    );
+}
+
+#[test]
+fn a_connection_finishing_during_shutdown_lets_the_gateway_stop_early() {
+    let Setup {
+        env,
+        upstream: _upstream,
+        mut gateway,
+    } = setup_with(&[], |c| c.shutdown_grace = Duration::from_secs(30));
+    let mut c = RawClient::tls(gateway.addr, &env.certs());
+    c.go(ReplyMode::Extended);
+    let started = Instant::now();
+    let stopper = std::thread::spawn(move || gateway.stop());
+    std::thread::sleep(Duration::from_millis(200));
+    c.disconnect();
+    stopper.join().unwrap().expect("run() returns Ok");
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
