@@ -18,15 +18,15 @@ use time::{Duration, OffsetDateTime};
 pub enum CertsError {
     #[error("{0} already exists (pass --force to overwrite)")]
     Exists(PathBuf),
-    #[error("cannot write {path}: {source}")]
+    #[error("cannot write {path}: {error}")]
     Write {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
-    #[error("cannot create directory {path}: {source}")]
+    #[error("cannot create directory {path}: {error}")]
     Mkdir {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("certificate generation failed: {0}")]
     Rcgen(#[from] rcgen::Error),
@@ -77,9 +77,9 @@ pub fn generate(req: &CertsRequest) -> Result<Vec<PathBuf>, CertsError> {
             }
         }
     }
-    std::fs::create_dir_all(&req.out).map_err(|source| CertsError::Mkdir {
+    std::fs::create_dir_all(&req.out).map_err(|error| CertsError::Mkdir {
         path: req.out.clone(),
-        source,
+        error,
     })?;
 
     let now = OffsetDateTime::now_utc();
@@ -163,9 +163,9 @@ fn dn(common_name: &str) -> DistinguishedName {
 }
 
 fn write_file(path: &Path, contents: &str, secret: bool, force: bool) -> Result<(), CertsError> {
-    let err = |source| CertsError::Write {
+    let err = |error| CertsError::Write {
         path: path.to_owned(),
-        source,
+        error,
     };
     if force {
         match std::fs::remove_file(path) {

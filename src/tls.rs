@@ -10,23 +10,23 @@ use thiserror::Error;
 
 #[derive(Debug, Error)]
 pub enum TlsConfigError {
-    #[error("cannot read certificate file {path}: {source}")]
+    #[error("cannot read certificate file {path}: {error}")]
     Cert {
         path: PathBuf,
-        source: rustls::pki_types::pem::Error,
+        error: rustls::pki_types::pem::Error,
     },
     #[error("certificate file {0} holds no certificate")]
     NoCert(PathBuf),
-    #[error("cannot read private key file {path}: {source}")]
+    #[error("cannot read private key file {path}: {error}")]
     Key {
         path: PathBuf,
-        source: rustls::pki_types::pem::Error,
+        error: rustls::pki_types::pem::Error,
     },
-    #[error("certificate {cert} and key {key} cannot be used together: {source}")]
+    #[error("certificate {cert} and key {key} cannot be used together: {error}")]
     Rustls {
         cert: PathBuf,
         key: PathBuf,
-        source: rustls::Error,
+        error: rustls::Error,
     },
 }
 
@@ -42,21 +42,21 @@ pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 pub fn load_server_config(cert: &Path, key: &Path) -> Result<ServerConfig, TlsConfigError> {
     let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
         .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-        .map_err(|source| TlsConfigError::Cert {
+        .map_err(|error| TlsConfigError::Cert {
             path: cert.to_owned(),
-            source,
+            error,
         })?;
     if chain.is_empty() {
         return Err(TlsConfigError::NoCert(cert.to_owned()));
     }
-    let private_key = PrivateKeyDer::from_pem_file(key).map_err(|source| TlsConfigError::Key {
+    let private_key = PrivateKeyDer::from_pem_file(key).map_err(|error| TlsConfigError::Key {
         path: key.to_owned(),
-        source,
+        error,
     })?;
-    let rustls_err = |source| TlsConfigError::Rustls {
+    let rustls_err = |error| TlsConfigError::Rustls {
         cert: cert.to_owned(),
         key: key.to_owned(),
-        source,
+        error,
     };
     let mut config = ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
@@ -67,4 +67,49 @@ pub fn load_server_config(cert: &Path, key: &Path) -> Result<ServerConfig, TlsCo
     // NBD has no ALPN and sessions are long-lived; nothing else to tune.
     config.ignore_client_order = false;
     Ok(config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::certs::{generate, CertsRequest};
+
+    #[test]
+    fn loads_generated_certificates_and_names_what_is_wrong() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("c");
+        generate(&CertsRequest {
+            out: out.clone(),
+            server_names: vec!["localhost".into()],
+            client_names: vec!["a".into()],
+            days: 1,
+            force: false,
+        })
+        .unwrap();
+        load_server_config(&out.join("server-cert.pem"), &out.join("server-key.pem")).unwrap();
+
+        let mismatch =
+            load_server_config(&out.join("client-cert.pem"), &out.join("server-key.pem"))
+                .unwrap_err()
+                .to_string();
+        assert!(mismatch.contains("cannot be used together"), "{mismatch}");
+
+        let missing = load_server_config(&out.join("nope.pem"), &out.join("server-key.pem"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            missing.contains("cannot read certificate file"),
+            "{missing}"
+        );
+
+        let no_cert = load_server_config(&out.join("server-key.pem"), &out.join("server-key.pem"))
+            .unwrap_err()
+            .to_string();
+        assert!(no_cert.contains("holds no certificate"), "{no_cert}");
+
+        let no_key = load_server_config(&out.join("server-cert.pem"), &out.join("server-cert.pem"))
+            .unwrap_err()
+            .to_string();
+        assert!(no_key.contains("cannot read private key file"), "{no_key}");
+    }
 }

@@ -14,11 +14,8 @@ use crate::proto::ProtoError;
 
 #[derive(Debug, Error)]
 pub enum UpstreamError {
-    #[error("cannot connect to {path}: {source}")]
-    Connect {
-        path: String,
-        source: std::io::Error,
-    },
+    #[error("cannot connect to {path}: {error}")]
+    Connect { path: String, error: std::io::Error },
     #[error("connecting to {0} timed out")]
     Timeout(String),
     #[error("handshake with upstream failed: {0}")]
@@ -42,7 +39,7 @@ pub async fn open(config: &Config) -> Result<Upstream, UpstreamError> {
     let mut stream = tokio::time::timeout(config.upstream_connect_timeout, connect)
         .await
         .map_err(|_| UpstreamError::Timeout(path.clone()))?
-        .map_err(|source| UpstreamError::Connect { path, source })?;
+        .map_err(|error| UpstreamError::Connect { path, error })?;
     if config.upstream_sndbuf > 0 {
         // Best effort: the start-up probe already told the operator what
         // the kernel grants.
