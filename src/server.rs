@@ -2,6 +2,7 @@
 //! shutdown.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,6 +24,7 @@ pub async fn run(
     let slots = Arc::new(Semaphore::new(config.max_connections));
     let mut connections = JoinSet::new();
     let mut next_id: u64 = 0;
+    let shutting_down = Arc::new(AtomicBool::new(false));
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
         tokio::select! {
@@ -48,14 +50,18 @@ pub async fn run(
                 next_id += 1;
                 let id = next_id;
                 let config = config.clone();
+                let shutting_down = shutting_down.clone();
                 connections.spawn(async move {
-                    crate::conn::serve(tcp, peer, id, &config).await;
+                    crate::conn::serve(tcp, peer, id, &config, &shutting_down).await;
                     drop(slot);
                 });
             }
         }
     }
     drop(listener);
+    // Connections still negotiating are told so; those in transmission
+    // finish their work.
+    shutting_down.store(true, Ordering::Relaxed);
     let open = connections.len();
     info!(
         open,

@@ -632,3 +632,27 @@ fn a_connection_finishing_during_shutdown_lets_the_gateway_stop_early() {
     stopper.join().unwrap().expect("run() returns Ok");
     assert!(started.elapsed() < Duration::from_secs(5));
 }
+
+#[test]
+fn clients_still_negotiating_at_shutdown_get_err_shutdown() {
+    let Setup {
+        env,
+        upstream: _upstream,
+        mut gateway,
+    } = setup_with(&[], |c| c.shutdown_grace = Duration::from_secs(3));
+    let mut plain = RawClient::handshake(gateway.addr);
+    let mut tls = RawClient::tls(gateway.addr, &env.certs());
+    let stopper = std::thread::spawn(move || gateway.stop());
+    std::thread::sleep(Duration::from_millis(300));
+    for c in [&mut plain, &mut tls] {
+        let r = c.option(OPT_GO, &go_data("", &[]));
+        assert_eq!(r[0].reply_type, REP_ERR_SHUTDOWN);
+        assert!(
+            r[0].message().contains("shutting down"),
+            "{}",
+            r[0].message()
+        );
+        assert_eq!(c.option(OPT_ABORT, &[])[0].reply_type, REP_ACK);
+    }
+    stopper.join().unwrap().expect("run() returns Ok");
+}

@@ -8,7 +8,7 @@ mod relay;
 
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use thiserror::Error;
@@ -89,13 +89,19 @@ impl Stats {
 }
 
 /// Serves one accepted connection to its end and logs how it ended.
-pub async fn serve(tcp: TcpStream, peer: SocketAddr, id: u64, config: &Config) {
+pub async fn serve(
+    tcp: TcpStream,
+    peer: SocketAddr,
+    id: u64,
+    config: &Config,
+    shutting_down: &AtomicBool,
+) {
     let span = tracing::info_span!("conn", id, %peer);
     async move {
         info!("accepted");
         let started = Instant::now();
         let stats = Stats::default();
-        let result = run(tcp, config, &stats).await;
+        let result = run(tcp, config, shutting_down, &stats).await;
         let requests = Stats::get(&stats.requests);
         let replies = Stats::get(&stats.replies);
         let bytes_in = Stats::get(&stats.bytes_from_client);
@@ -122,7 +128,12 @@ pub async fn serve(tcp: TcpStream, peer: SocketAddr, id: u64, config: &Config) {
 }
 
 /// Returns why the connection ended normally, or what went wrong.
-async fn run(tcp: TcpStream, config: &Config, stats: &Stats) -> Result<&'static str, ConnError> {
+async fn run(
+    tcp: TcpStream,
+    config: &Config,
+    shutting_down: &AtomicBool,
+    stats: &Stats,
+) -> Result<&'static str, ConnError> {
     // Before the TLS handshake: in TLS 1.3 the client speaks last, and
     // Nagle would hold its first request behind our unacknowledged data.
     tcp.set_nodelay(true).map_err(ConnError::Client)?;
@@ -136,7 +147,7 @@ async fn run(tcp: TcpStream, config: &Config, stats: &Stats) -> Result<&'static 
     let io = BufReader::with_capacity(CLIENT_READ_BUF, tcp);
 
     let handshake = async {
-        let (io, client_flags) = match plain::negotiate(io, config).await? {
+        let (io, client_flags) = match plain::negotiate(io, config, shutting_down).await? {
             plain::Outcome::StartTls(io, flags) => (io, flags),
             plain::Outcome::Closed(reason) => return Ok(negotiate::Outcome::Closed(reason)),
         };
@@ -147,7 +158,7 @@ async fn run(tcp: TcpStream, config: &Config, stats: &Stats) -> Result<&'static 
             cipher_suite = ?conn.negotiated_cipher_suite().map(|s| s.suite()),
             "TLS established"
         );
-        negotiate::relay_options(tls, client_flags, config).await
+        negotiate::relay_options(tls, client_flags, config, shutting_down).await
     };
     let outcome = tokio::time::timeout(config.handshake_timeout, handshake)
         .await

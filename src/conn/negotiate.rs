@@ -2,13 +2,14 @@
 //! options one at a time, learning from the upstream's replies what
 //! framing transmission will use.
 
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use tracing::{debug, info, warn};
 
-use super::plain::{read_option, send_reply};
+use super::plain::{read_option, refused_for_shutdown, send_reply};
 use super::{ClientTls, ConnError};
 use crate::config::Config;
 use crate::proto::consts::*;
@@ -40,6 +41,7 @@ pub async fn relay_options(
     mut tls: ClientTls,
     client: ClientFlags,
     config: &Config,
+    shutting_down: &AtomicBool,
 ) -> Result<Outcome, ConnError> {
     // Only now, with TLS up, does the upstream hear of this client.
     let upstream = match upstream::open(config).await {
@@ -65,6 +67,9 @@ pub async fn relay_options(
     let mut extended = false;
     loop {
         let option = read_option(&mut tls, config, &mut data).await?;
+        if refused_for_shutdown(&mut tls, &option, shutting_down).await? {
+            continue;
+        }
         let name = option_name(option.option);
         match option.option {
             OPT_STARTTLS => {

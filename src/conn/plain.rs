@@ -3,6 +3,8 @@
 //! STARTTLS (and ABORT) is served here, and nothing here is remembered
 //! once TLS is up.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tracing::debug;
 
@@ -23,7 +25,11 @@ pub enum Outcome {
 
 const TLS_REQUIRED: &str = "TLS is required: send NBD_OPT_STARTTLS first";
 
-pub async fn negotiate(mut io: ClientIo, config: &Config) -> Result<Outcome, ConnError> {
+pub async fn negotiate(
+    mut io: ClientIo,
+    config: &Config,
+    shutting_down: &AtomicBool,
+) -> Result<Outcome, ConnError> {
     io.get_mut()
         .write_all(&server_greeting())
         .await
@@ -37,6 +43,9 @@ pub async fn negotiate(mut io: ClientIo, config: &Config) -> Result<Outcome, Con
     let mut data = Vec::new();
     loop {
         let option = read_option(&mut io, config, &mut data).await?;
+        if refused_for_shutdown(io.get_mut(), &option, shutting_down).await? {
+            continue;
+        }
         let (reply, message) = match option.option {
             OPT_STARTTLS if option.length == 0 => {
                 send_reply(io.get_mut(), OPT_STARTTLS, REP_ACK, "").await?;
@@ -103,6 +112,27 @@ pub(super) async fn read_option<R: AsyncRead + Unpin>(
         return Err(ConnError::ClientClosed("in the middle of an option"));
     }
     Ok(option)
+}
+
+/// While nbdgw shuts down, options other than ABORT get
+/// `NBD_REP_ERR_SHUTDOWN`, which makes the client disconnect softly.
+/// Returns whether the option was answered that way.
+pub(super) async fn refused_for_shutdown<W: AsyncWrite + Unpin>(
+    writer: &mut W,
+    option: &OptionHeader,
+    shutting_down: &AtomicBool,
+) -> Result<bool, ConnError> {
+    if option.option == OPT_ABORT || !shutting_down.load(Ordering::Relaxed) {
+        return Ok(false);
+    }
+    send_reply(
+        writer,
+        option.option,
+        REP_ERR_SHUTDOWN,
+        "nbdgw is shutting down",
+    )
+    .await?;
+    Ok(true)
 }
 
 /// Writes one option reply (with an optional message) and flushes it.
