@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
-    Issuer, KeyPair, KeyUsagePurpose,
+    Issuer, KeyPair, KeyUsagePurpose, SanType,
 };
 use thiserror::Error;
 use time::{Duration, OffsetDateTime};
@@ -32,6 +32,12 @@ pub enum CertsError {
     Rcgen(#[from] rcgen::Error),
     #[error("invalid name {0:?}: names must be non-empty and contain no '/'")]
     BadName(String),
+    #[error("{uris} --client-uri given for {names} client certificate(s): the Nth URI goes into the Nth certificate")]
+    TooManyUris { uris: usize, names: usize },
+    #[error(
+        "invalid --client-uri {0:?}: expected scheme:rest, e.g. spiffe://example.org/ns/x/sa/y"
+    )]
+    BadUri(String),
 }
 
 /// What to generate.
@@ -43,6 +49,9 @@ pub struct CertsRequest {
     /// One client certificate per name: the first is `client-cert.pem`,
     /// the others `client-NAME-cert.pem`.
     pub client_names: Vec<String>,
+    /// URI SANs (SPIFFE IDs, say): the Nth goes into the Nth client
+    /// certificate, beside its DNS name.
+    pub client_uris: Vec<String>,
     pub days: u32,
     pub force: bool,
 }
@@ -55,6 +64,17 @@ pub fn generate(req: &CertsRequest) -> Result<Vec<PathBuf>, CertsError> {
     for name in req.server_names.iter().chain(&req.client_names) {
         if name.is_empty() || name.contains('/') {
             return Err(CertsError::BadName(name.clone()));
+        }
+    }
+    if req.client_uris.len() > req.client_names.len() {
+        return Err(CertsError::TooManyUris {
+            uris: req.client_uris.len(),
+            names: req.client_names.len(),
+        });
+    }
+    for uri in &req.client_uris {
+        if !uri.contains(':') || uri.chars().any(char::is_whitespace) {
+            return Err(CertsError::BadUri(uri.clone()));
         }
     }
     let mut files = vec![
@@ -106,21 +126,27 @@ pub fn generate(req: &CertsRequest) -> Result<Vec<PathBuf>, CertsError> {
     };
     put("ca-cert.pem", &ca_cert.pem(), false)?;
 
-    let leaf = |names: &[String], cn: &str, usage: ExtendedKeyUsagePurpose| {
-        let key = KeyPair::generate()?;
-        let mut params = CertificateParams::new(names.to_vec())?;
-        params.distinguished_name = dn(cn);
-        // GnuTLS (qemu, libnbd, nbdkit) refuses leaves without keyEncipherment.
-        params.key_usages = vec![
-            KeyUsagePurpose::DigitalSignature,
-            KeyUsagePurpose::KeyEncipherment,
-        ];
-        params.extended_key_usages = vec![usage];
-        params.not_before = now - Duration::days(1);
-        params.not_after = now + Duration::days(i64::from(req.days));
-        let cert = params.signed_by(&key, &issuer)?;
-        Ok::<_, CertsError>((cert.pem(), key.serialize_pem()))
-    };
+    let leaf =
+        |names: &[String], uri: Option<&String>, cn: &str, usage: ExtendedKeyUsagePurpose| {
+            let key = KeyPair::generate()?;
+            let mut params = CertificateParams::new(names.to_vec())?;
+            if let Some(uri) = uri {
+                params
+                    .subject_alt_names
+                    .push(SanType::URI(uri.as_str().try_into()?));
+            }
+            params.distinguished_name = dn(cn);
+            // GnuTLS (qemu, libnbd, nbdkit) refuses leaves without keyEncipherment.
+            params.key_usages = vec![
+                KeyUsagePurpose::DigitalSignature,
+                KeyUsagePurpose::KeyEncipherment,
+            ];
+            params.extended_key_usages = vec![usage];
+            params.not_before = now - Duration::days(1);
+            params.not_after = now + Duration::days(i64::from(req.days));
+            let cert = params.signed_by(&key, &issuer)?;
+            Ok::<_, CertsError>((cert.pem(), key.serialize_pem()))
+        };
 
     let server_cn = req
         .server_names
@@ -129,6 +155,7 @@ pub fn generate(req: &CertsRequest) -> Result<Vec<PathBuf>, CertsError> {
         .unwrap_or("localhost");
     let (cert, key) = leaf(
         &req.server_names,
+        None,
         server_cn,
         ExtendedKeyUsagePurpose::ServerAuth,
     )?;
@@ -138,6 +165,7 @@ pub fn generate(req: &CertsRequest) -> Result<Vec<PathBuf>, CertsError> {
     for (i, name) in req.client_names.iter().enumerate() {
         let (cert, key) = leaf(
             std::slice::from_ref(name),
+            req.client_uris.get(i),
             name,
             ExtendedKeyUsagePurpose::ClientAuth,
         )?;

@@ -10,7 +10,8 @@ use std::time::Duration;
 pub struct Config {
     /// Unix socket of the NBD server nbdgw relays to.
     pub upstream: PathBuf,
-    pub tls: Arc<rustls::ServerConfig>,
+    /// Read afresh for each connection: a reload may replace it.
+    pub tls: Arc<crate::tls::TlsStore>,
     /// `SO_SNDBUF` requested on each upstream socket; 0 keeps the kernel's.
     pub upstream_sndbuf: usize,
     pub max_connections: usize,
@@ -31,7 +32,7 @@ pub struct Config {
 
 impl Config {
     /// Defaults for everything but the two things only the operator knows.
-    pub fn new(upstream: PathBuf, tls: Arc<rustls::ServerConfig>) -> Self {
+    pub fn new(upstream: PathBuf, tls: Arc<crate::tls::TlsStore>) -> Self {
         Config {
             upstream,
             tls,

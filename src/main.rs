@@ -13,6 +13,7 @@ use tokio::net::TcpListener;
 use tracing::{info, warn};
 
 use nbdgw::config::{self, Config};
+use nbdgw::tls::{AllowList, MinVersion, Reloader, TlsPolicy, TlsSources};
 
 /// TLS gateway for the Network Block Device protocol: accepts NBD clients
 /// over TCP, requires NBD_OPT_STARTTLS, and relays them to an NBD server's
@@ -39,11 +40,59 @@ struct ServeArgs {
     #[arg(long, env = "NBDGW_LISTEN", default_value = "0.0.0.0:10809")]
     listen: SocketAddr,
     /// Server certificate chain (PEM).
-    #[arg(long, env = "NBDGW_TLS_CERT")]
+    #[arg(long, env = "NBDGW_TLS_CERT", requires = "tls_key")]
     tls_cert: Option<PathBuf>,
     /// Server private key (PEM).
-    #[arg(long, env = "NBDGW_TLS_KEY")]
+    #[arg(long, env = "NBDGW_TLS_KEY", requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+    /// Directory holding the certificate, key and optionally the client CA
+    /// and CRL: the qemu/nbdkit layout (server-cert.pem, server-key.pem,
+    /// ca-cert.pem, ca-crl.pem) or a Kubernetes TLS Secret (tls.crt,
+    /// tls.key, ca.crt). A CA there makes client certificates required.
+    /// Files named by the other --tls-* flags take precedence.
+    #[arg(long, env = "NBDGW_TLS_DIR")]
+    tls_dir: Option<PathBuf>,
+    /// CA bundle (PEM) that client certificates must chain to. Without it
+    /// (or a CA in --tls-dir) client certificates are not requested.
+    #[arg(long, env = "NBDGW_TLS_CLIENT_CA")]
+    tls_client_ca: Option<PathBuf>,
+    /// CRLs (PEM) from the client CA: revoked client certificates are refused.
+    #[arg(long, env = "NBDGW_TLS_CRL")]
+    tls_crl: Option<PathBuf>,
+    /// Admit client certificates with this subject CN (repeatable;
+    /// comma-separated in the variable). Exact match.
+    #[arg(
+        long = "allow-cn",
+        value_name = "NAME",
+        env = "NBDGW_ALLOW_CN",
+        value_delimiter = ','
+    )]
+    allow_cn: Vec<String>,
+    /// Admit client certificates with this DNS SAN; a `*` label matches
+    /// one label (repeatable).
+    #[arg(
+        long = "allow-dns",
+        value_name = "NAME",
+        env = "NBDGW_ALLOW_DNS",
+        value_delimiter = ','
+    )]
+    allow_dns: Vec<String>,
+    /// Admit client certificates with this URI SAN, e.g. a SPIFFE ID; a `*`
+    /// segment matches one path segment (repeatable).
+    #[arg(
+        long = "allow-uri",
+        value_name = "URI",
+        env = "NBDGW_ALLOW_URI",
+        value_delimiter = ','
+    )]
+    allow_uri: Vec<String>,
+    /// Oldest TLS version accepted.
+    #[arg(long, env = "NBDGW_TLS_MIN_VERSION", value_enum, default_value = "1.2")]
+    tls_min_version: TlsVersion,
+    /// Seconds between looks at the TLS files for changes; 0 reloads only
+    /// on SIGHUP.
+    #[arg(long, env = "NBDGW_TLS_RELOAD_INTERVAL", default_value_t = 5)]
+    tls_reload_interval: u64,
     /// Unix socket of the NBD server to relay to.
     #[arg(long, env = "NBDGW_UPSTREAM")]
     upstream: Option<PathBuf>,
@@ -90,12 +139,24 @@ struct CertsArgs {
     /// nbdgw-client). The first is client-cert.pem, others client-NAME-cert.pem.
     #[arg(long = "client-name")]
     client_names: Vec<String>,
+    /// URI SAN for a client certificate, e.g. a SPIFFE ID (repeatable: the
+    /// Nth goes into the Nth client certificate).
+    #[arg(long = "client-uri")]
+    client_uris: Vec<String>,
     /// Validity of the leaf certificates in days.
     #[arg(long, default_value_t = 365)]
     days: u32,
     /// Overwrite existing files.
     #[arg(long)]
     force: bool,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug)]
+enum TlsVersion {
+    #[value(name = "1.2")]
+    V1_2,
+    #[value(name = "1.3")]
+    V1_3,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug)]
@@ -134,6 +195,7 @@ fn certs(args: CertsArgs) -> Result<()> {
         } else {
             args.client_names
         },
+        client_uris: args.client_uris,
         days: args.days,
         force: args.force,
     };
@@ -158,15 +220,33 @@ fn init_logging(format: LogFormat) {
 
 fn serve(args: ServeArgs) -> Result<()> {
     init_logging(args.log_format);
-    let (Some(cert), Some(key), Some(upstream)) = (&args.tls_cert, &args.tls_key, &args.upstream)
-    else {
-        bail!("--tls-cert, --tls-key and --upstream are required (or NBDGW_TLS_CERT, NBDGW_TLS_KEY, NBDGW_UPSTREAM); see --help");
+    let Some(upstream) = &args.upstream else {
+        bail!("--upstream is required (or NBDGW_UPSTREAM); see --help");
     };
+    if args.tls_cert.is_none() && args.tls_dir.is_none() {
+        bail!("a server certificate is required: --tls-cert and --tls-key, or --tls-dir (or NBDGW_TLS_CERT, NBDGW_TLS_KEY, NBDGW_TLS_DIR); see --help");
+    }
     if args.max_connections == 0 || args.max_payload == 0 || args.handshake_timeout == 0 {
         bail!("--max-connections, --max-payload and --handshake-timeout must be greater than 0");
     }
-    let tls = nbdgw::tls::load_server_config(cert, key).context("loading the TLS certificate")?;
-    let mut config = Config::new(upstream.clone(), Arc::new(tls));
+    let sources = TlsSources {
+        dir: args.tls_dir.clone(),
+        cert: args.tls_cert.clone(),
+        key: args.tls_key.clone(),
+        client_ca: args.tls_client_ca.clone(),
+        crl: args.tls_crl.clone(),
+    };
+    let policy = TlsPolicy {
+        min_version: match args.tls_min_version {
+            TlsVersion::V1_2 => MinVersion::Tls12,
+            TlsVersion::V1_3 => MinVersion::Tls13,
+        },
+        allow: AllowList::new(args.allow_cn, args.allow_dns, args.allow_uri)?,
+    };
+    let reloader = Reloader::start(sources, policy).context("loading the TLS files")?;
+    let reload_interval =
+        (args.tls_reload_interval > 0).then(|| Duration::from_secs(args.tls_reload_interval));
+    let mut config = Config::new(upstream.clone(), reloader.store());
     config.upstream_sndbuf = args.upstream_sndbuf;
     config.max_connections = args.max_connections;
     config.handshake_timeout = Duration::from_secs(args.handshake_timeout);
@@ -186,6 +266,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         .build()
         .context("starting the async runtime")?;
     runtime.block_on(async move {
+        tokio::spawn(reloader.watch(reload_interval));
         let listener = TcpListener::bind(args.listen)
             .await
             .with_context(|| format!("cannot listen on {}", args.listen))?;

@@ -153,9 +153,14 @@ async fn run(
         };
         let tls = plain::accept_tls(io, config).await?;
         let (_, conn) = tls.get_ref();
+        let client = match conn.peer_certificates().and_then(|chain| chain.first()) {
+            Some(cert) => crate::tls::identity::describe(cert),
+            None => "no certificate".to_string(),
+        };
         info!(
             tls_version = ?conn.protocol_version(),
             cipher_suite = ?conn.negotiated_cipher_suite().map(|s| s.suite()),
+            %client,
             "TLS established"
         );
         negotiate::relay_options(tls, client_flags, config, shutting_down).await

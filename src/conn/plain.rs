@@ -75,7 +75,7 @@ pub async fn negotiate(
 }
 
 pub async fn accept_tls(io: ClientIo, config: &Config) -> Result<ClientTls, ConnError> {
-    tokio_rustls::TlsAcceptor::from(config.tls.clone())
+    tokio_rustls::TlsAcceptor::from(config.tls.current())
         .accept_with(io, |conn| {
             conn.set_buffer_limit(Some(super::relay::TLS_BUFFER_LIMIT))
         })

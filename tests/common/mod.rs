@@ -37,6 +37,7 @@ impl Env {
             out: dir.path().join("certs"),
             server_names: vec!["localhost".into(), "127.0.0.1".into()],
             client_names: vec!["test-client".into()],
+            client_uris: vec![],
             days: 2,
             force: false,
         };
@@ -66,7 +67,7 @@ impl Env {
             &self.certs().join("server-key.pem"),
         )
         .expect("server config");
-        let mut config = Config::new(upstream.to_owned(), Arc::new(tls));
+        let mut config = Config::new(upstream.to_owned(), nbdgw::tls::TlsStore::fixed(tls));
         config.shutdown_grace = Duration::from_secs(2);
         config
     }

@@ -1,0 +1,301 @@
+//! Server-side TLS: certificate material from files or a directory, the
+//! client-certificate policy, and the configuration new connections use,
+//! which a reload may replace at any time.
+
+pub mod identity;
+mod material;
+mod reload;
+mod verifier;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, CertificateRevocationListDer, PrivateKeyDer};
+use rustls::server::WebPkiClientVerifier;
+use rustls::{RootCertStore, ServerConfig};
+use thiserror::Error;
+
+pub use identity::{AllowList, CertInfo, PatternError};
+pub use material::{DirLayout, Material, PemFile, TlsSources, KUBERNETES_LAYOUT, QEMU_LAYOUT};
+pub use reload::{ReloadOutcome, Reloader, TlsStore, Trigger, EXPIRY_WARNING_DAYS};
+
+#[derive(Debug, Error)]
+pub enum TlsConfigError {
+    #[error("no server certificate given: pass --tls-cert and --tls-key, or --tls-dir")]
+    NoCertificateGiven,
+    #[error("{0} holds neither tls.crt (Kubernetes layout) nor server-cert.pem (qemu layout)")]
+    NoLayout(PathBuf),
+    #[error("cannot read {path}: {error}")]
+    Read {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    #[error("{what} file {path}: {error}")]
+    Pem {
+        what: &'static str,
+        path: PathBuf,
+        error: rustls::pki_types::pem::Error,
+    },
+    #[error("{what} file {path} holds no {what}")]
+    Empty { what: &'static str, path: PathBuf },
+    #[error("server certificate {path}: {error}")]
+    Unparsable {
+        path: PathBuf,
+        error: identity::CertParseError,
+    },
+    #[error("certificate {cert} and key {key} cannot be used together: {error}")]
+    Rustls {
+        cert: PathBuf,
+        key: PathBuf,
+        error: rustls::Error,
+    },
+    #[error("client CA {path}: {error}")]
+    ClientCa { path: PathBuf, error: String },
+    #[error("a CRL ({0}) needs a client CA to check against (--tls-client-ca)")]
+    CrlWithoutCa(PathBuf),
+    #[error("--allow-cn, --allow-dns and --allow-uri need a client CA (--tls-client-ca, or ca-cert.pem / ca.crt in --tls-dir)")]
+    AllowWithoutCa,
+}
+
+/// The one crypto provider nbdgw uses. Naming it explicitly keeps rustls
+/// from panicking should another crate ever enable a second provider.
+pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::aws_lc_rs::default_provider())
+}
+
+/// The oldest TLS version offered. Nothing below 1.2 exists in rustls, and
+/// its suites are all AEAD, so this is the only protocol knob there is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum MinVersion {
+    /// The NBD spec requires servers to support TLS 1.2.
+    #[default]
+    Tls12,
+    Tls13,
+}
+
+/// What the operator asks of clients, as opposed to the files (which can
+/// change while nbdgw runs).
+#[derive(Debug, Clone, Default)]
+pub struct TlsPolicy {
+    pub min_version: MinVersion,
+    pub allow: AllowList,
+}
+
+/// A built configuration and what the log should say about it.
+pub struct Loaded {
+    pub config: Arc<ServerConfig>,
+    pub served: CertInfo,
+    /// Client CA certificates, when client certificates are required.
+    pub client_cas: Option<usize>,
+    pub crls: usize,
+}
+
+/// Builds the server configuration from one consistent set of files.
+pub fn build(material: &Material, policy: &TlsPolicy) -> Result<Loaded, TlsConfigError> {
+    let chain = certificates(&material.cert, "certificate")?;
+    let private_key =
+        PrivateKeyDer::from_pem_slice(&material.key.bytes).map_err(|error| match error {
+            rustls::pki_types::pem::Error::NoItemsFound => TlsConfigError::Empty {
+                what: "private key",
+                path: material.key.path.clone(),
+            },
+            error => TlsConfigError::Pem {
+                what: "private key",
+                path: material.key.path.clone(),
+                error,
+            },
+        })?;
+    let served = CertInfo::from_der(&chain[0]).map_err(|error| TlsConfigError::Unparsable {
+        path: material.cert.path.clone(),
+        error,
+    })?;
+
+    let rustls_err = |error| TlsConfigError::Rustls {
+        cert: material.cert.path.clone(),
+        key: material.key.path.clone(),
+        error,
+    };
+    let versions: &[&rustls::SupportedProtocolVersion] = match policy.min_version {
+        MinVersion::Tls12 => &[&rustls::version::TLS13, &rustls::version::TLS12],
+        MinVersion::Tls13 => &[&rustls::version::TLS13],
+    };
+    let builder = ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(versions)
+        .map_err(rustls_err)?;
+    let (builder, client_cas, crls) = match &material.client_ca {
+        Some(ca_file) => {
+            let (verifier, cas, crls) = client_verifier(ca_file, material.crl.as_ref(), policy)?;
+            (builder.with_client_cert_verifier(verifier), Some(cas), crls)
+        }
+        None if !policy.allow.is_empty() => return Err(TlsConfigError::AllowWithoutCa),
+        None => match &material.crl {
+            Some(crl) => return Err(TlsConfigError::CrlWithoutCa(crl.path.clone())),
+            None => (builder.with_no_client_auth(), None, 0),
+        },
+    };
+    let config = builder
+        .with_single_cert(chain, private_key)
+        .map_err(rustls_err)?;
+    Ok(Loaded {
+        config: Arc::new(config),
+        served,
+        client_cas,
+        crls,
+    })
+}
+
+fn client_verifier(
+    ca_file: &PemFile,
+    crl_file: Option<&PemFile>,
+    policy: &TlsPolicy,
+) -> Result<
+    (
+        Arc<dyn rustls::server::danger::ClientCertVerifier>,
+        usize,
+        usize,
+    ),
+    TlsConfigError,
+> {
+    let ca_err = |error: String| TlsConfigError::ClientCa {
+        path: ca_file.path.clone(),
+        error,
+    };
+    let mut roots = RootCertStore::empty();
+    let cas = certificates(ca_file, "client CA")?;
+    for ca in cas {
+        roots.add(ca).map_err(|e| ca_err(e.to_string()))?;
+    }
+    let crls = match crl_file {
+        Some(file) => CertificateRevocationListDer::pem_slice_iter(&file.bytes)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|error| TlsConfigError::Pem {
+                what: "CRL",
+                path: file.path.clone(),
+                error,
+            })?,
+        None => Vec::new(),
+    };
+    let crl_count = crls.len();
+    let cas = roots.len();
+    // Revocation is checked for the client's own certificate; a client
+    // whose issuer has no CRL in the file is not refused for that, so a
+    // CRL for one CA of a bundle does not lock out the others.
+    let chain = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+        .with_crls(crls)
+        .only_check_end_entity_revocation()
+        .allow_unknown_revocation_status()
+        .build()
+        .map_err(|e| match crl_file {
+            Some(crl) => ca_err(format!("with CRL {}: {e}", crl.path.display())),
+            None => ca_err(e.to_string()),
+        })?;
+    let verifier = verifier::AuthorizingVerifier::new(chain, policy.allow.clone());
+    Ok((Arc::new(verifier), cas, crl_count))
+}
+
+fn certificates(
+    file: &PemFile,
+    what: &'static str,
+) -> Result<Vec<CertificateDer<'static>>, TlsConfigError> {
+    let certs = CertificateDer::pem_slice_iter(&file.bytes)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|error| TlsConfigError::Pem {
+            what,
+            path: file.path.clone(),
+            error,
+        })?;
+    if certs.is_empty() {
+        return Err(TlsConfigError::Empty {
+            what,
+            path: file.path.clone(),
+        });
+    }
+    Ok(certs)
+}
+
+/// A server configuration from a certificate and key alone, with no client
+/// certificates: what tests and simple set-ups need.
+pub fn load_server_config(cert: &Path, key: &Path) -> Result<ServerConfig, TlsConfigError> {
+    let material = Material::read(&TlsSources::files(cert, key))?;
+    let loaded = build(&material, &TlsPolicy::default())?;
+    Ok(Arc::unwrap_or_clone(loaded.config))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::certs::{generate, CertsRequest};
+
+    #[test]
+    fn names_what_is_wrong_with_the_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("c");
+        generate(&CertsRequest {
+            out: out.clone(),
+            server_names: vec!["localhost".into()],
+            client_names: vec!["a".into()],
+            client_uris: vec![],
+            days: 1,
+            force: false,
+        })
+        .unwrap();
+        let f = |name: &str| out.join(name);
+        load_server_config(&f("server-cert.pem"), &f("server-key.pem")).unwrap();
+        let cases = [
+            (
+                "client-cert.pem",
+                "server-key.pem",
+                "cannot be used together",
+            ),
+            ("nope.pem", "server-key.pem", "cannot read"),
+            ("server-key.pem", "server-key.pem", "holds no certificate"),
+            ("server-cert.pem", "server-cert.pem", "holds no private key"),
+        ];
+        for (cert, key, expected) in cases {
+            let err = load_server_config(&f(cert), &f(key))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(expected), "{cert} + {key}: {err}");
+        }
+    }
+
+    #[test]
+    fn policy_needs_a_client_ca() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().to_owned();
+        generate(&CertsRequest {
+            out: out.clone(),
+            server_names: vec!["localhost".into()],
+            client_names: vec!["a".into()],
+            client_uris: vec![],
+            days: 3,
+            force: false,
+        })
+        .unwrap();
+        let mut material = Material::read(&TlsSources::files(
+            &out.join("server-cert.pem"),
+            &out.join("server-key.pem"),
+        ))
+        .unwrap();
+        let policy = TlsPolicy {
+            allow: AllowList::new(vec!["a".into()], vec![], vec![]).unwrap(),
+            ..TlsPolicy::default()
+        };
+        let err = build(&material, &policy).err().unwrap().to_string();
+        assert!(err.contains("need a client CA"), "{err}");
+
+        material.client_ca = Some(material.cert.clone());
+        material.client_ca.as_mut().unwrap().bytes =
+            std::fs::read(out.join("ca-cert.pem")).unwrap();
+        let loaded = build(&material, &policy).unwrap();
+        assert_eq!(loaded.client_cas, Some(1));
+        assert_eq!(loaded.served.common_names, vec!["localhost".to_string()]);
+        let now = time::OffsetDateTime::now_utc().unix_timestamp();
+        let days = loaded.served.days_left(now);
+        assert!(
+            (2..=3).contains(&days),
+            "3-day certificate, just made: {days}"
+        );
+    }
+}

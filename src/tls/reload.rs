@@ -1,0 +1,236 @@
+//! Live rotation: the configuration new connections use can be swapped at
+//! any time; connections already established keep the one they started with.
+
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use rustls::ServerConfig;
+use tracing::{error, info, warn};
+
+use super::{build, CertInfo, Loaded, Material, TlsConfigError, TlsPolicy, TlsSources};
+
+/// Warn this long before the served certificate expires.
+pub const EXPIRY_WARNING_DAYS: i64 = 7;
+
+/// The configuration handed to each new connection.
+pub struct TlsStore {
+    current: RwLock<Arc<ServerConfig>>,
+}
+
+impl TlsStore {
+    pub fn fixed(config: ServerConfig) -> Arc<Self> {
+        Arc::new(TlsStore {
+            current: RwLock::new(Arc::new(config)),
+        })
+    }
+
+    pub fn current(&self) -> Arc<ServerConfig> {
+        // A poisoned lock still holds a complete Arc: replacing it is a
+        // single assignment, which cannot be left half done.
+        match self.current.read() {
+            Ok(guard) => guard.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    fn replace(&self, config: Arc<ServerConfig>) {
+        match self.current.write() {
+            Ok(mut guard) => *guard = config,
+            Err(poisoned) => *poisoned.into_inner() = config,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Trigger {
+    /// The periodic look at the files: acts only when their bytes changed.
+    Poll,
+    /// SIGHUP: reload even if nothing seems to have changed.
+    Signal,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReloadOutcome {
+    Unchanged,
+    Reloaded,
+    /// The previous configuration stays in use.
+    Failed,
+}
+
+/// Owns the sources and the last files seen, and swaps the store's
+/// configuration when they change and build cleanly.
+pub struct Reloader {
+    sources: TlsSources,
+    policy: TlsPolicy,
+    store: Arc<TlsStore>,
+    /// What the last look at the files found, good or bad, so a file that
+    /// stays broken is reported once, not on every poll.
+    last_seen: Result<Material, String>,
+    served: CertInfo,
+}
+
+impl Reloader {
+    /// The first load: unlike a reload, its failure stops start-up.
+    pub fn start(sources: TlsSources, policy: TlsPolicy) -> Result<Self, TlsConfigError> {
+        let material = Material::read(&sources)?;
+        let loaded = build(&material, &policy)?;
+        log_loaded(&loaded, &material, "loaded");
+        Ok(Reloader {
+            sources,
+            policy,
+            store: Arc::new(TlsStore {
+                current: RwLock::new(loaded.config),
+            }),
+            last_seen: Ok(material),
+            served: loaded.served,
+        })
+    }
+
+    pub fn store(&self) -> Arc<TlsStore> {
+        self.store.clone()
+    }
+
+    pub fn check(&mut self, trigger: Trigger) -> ReloadOutcome {
+        let seen = Material::read(&self.sources).map_err(|e| e.to_string());
+        if trigger == Trigger::Poll && seen == self.last_seen {
+            return ReloadOutcome::Unchanged;
+        }
+        self.last_seen = seen.clone();
+        let built = seen.and_then(|material| {
+            build(&material, &self.policy)
+                .map(|loaded| (loaded, material))
+                .map_err(|e| e.to_string())
+        });
+        match built {
+            Ok((loaded, material)) => {
+                log_loaded(&loaded, &material, "reloaded");
+                self.store.replace(loaded.config);
+                self.served = loaded.served;
+                ReloadOutcome::Reloaded
+            }
+            Err(e) => {
+                error!(
+                    error = %e,
+                    still_serving = %self.served.sha256,
+                    ?trigger,
+                    "TLS reload failed; new connections keep getting the previous certificate"
+                );
+                ReloadOutcome::Failed
+            }
+        }
+    }
+
+    /// Reloads on SIGHUP, and whenever a poll every `interval` (if any)
+    /// finds the files changed. Repeats the expiry warning daily. Runs
+    /// until the process ends.
+    pub async fn watch(mut self, interval: Option<Duration>) {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut hangup = match signal(SignalKind::hangup()) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                warn!(error = %e, "cannot watch SIGHUP; certificates reload only when the files change");
+                None
+            }
+        };
+        let mut poll = interval.map(|every| {
+            let mut timer = tokio::time::interval(every);
+            timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            timer
+        });
+        let mut next_expiry_check = Instant::now() + Duration::from_secs(86_400);
+        loop {
+            let trigger = tokio::select! {
+                Some(()) = async { hangup.as_mut()?.recv().await } => Trigger::Signal,
+                Some(_) = async { Some(poll.as_mut()?.tick().await) } => Trigger::Poll,
+                else => return,
+            };
+            if trigger == Trigger::Signal {
+                info!("SIGHUP received: reloading TLS files");
+            }
+            self.check(trigger);
+            if Instant::now() >= next_expiry_check {
+                warn_if_expiring(&self.served);
+                next_expiry_check += Duration::from_secs(86_400);
+            }
+        }
+    }
+}
+
+fn log_loaded(loaded: &Loaded, material: &Material, what: &'static str) {
+    let served = &loaded.served;
+    let client_auth = match (&material.client_ca, loaded.client_cas) {
+        (Some(ca), Some(count)) => format!(
+            "required ({count} CA certificate(s) from {}, {} CRL(s))",
+            ca.path.display(),
+            loaded.crls
+        ),
+        _ => "not requested".to_string(),
+    };
+    info!(
+        cert = %material.cert.path.display(),
+        subject = %served.subject,
+        not_after = %served.not_after,
+        sha256 = %served.sha256,
+        %client_auth,
+        "TLS certificate {what}"
+    );
+    warn_if_expiring(served);
+}
+
+fn warn_if_expiring(served: &CertInfo) {
+    let now = time::OffsetDateTime::now_utc().unix_timestamp();
+    let days = served.days_left(now);
+    if days < 0 {
+        error!(subject = %served.subject, not_after = %served.not_after, "the served certificate has expired; clients will refuse it");
+    } else if days < EXPIRY_WARNING_DAYS {
+        warn!(subject = %served.subject, not_after = %served.not_after, days_left = days, "the served certificate expires within {EXPIRY_WARNING_DAYS} days");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::certs::{generate, CertsRequest};
+
+    fn make(out: &std::path::Path, server: &str) {
+        generate(&CertsRequest {
+            out: out.to_owned(),
+            server_names: vec![server.into()],
+            client_names: vec!["c".into()],
+            client_uris: vec![],
+            days: 30,
+            force: true,
+        })
+        .unwrap();
+    }
+
+    #[test]
+    fn reloads_on_change_keeps_old_on_failure_and_reports_a_failure_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        make(d, "first");
+        let sources = TlsSources {
+            dir: Some(d.to_owned()),
+            ..TlsSources::default()
+        };
+        let mut reloader = Reloader::start(sources, TlsPolicy::default()).unwrap();
+        let store = reloader.store();
+        let first = store.current();
+        assert_eq!(reloader.check(Trigger::Poll), ReloadOutcome::Unchanged);
+        assert!(Arc::ptr_eq(&first, &store.current()));
+        assert_eq!(reloader.check(Trigger::Signal), ReloadOutcome::Reloaded);
+
+        make(d, "second");
+        assert_eq!(reloader.check(Trigger::Poll), ReloadOutcome::Reloaded);
+        assert_eq!(reloader.served.common_names, vec!["second".to_string()]);
+        let second = store.current();
+        assert!(!Arc::ptr_eq(&first, &second));
+
+        std::fs::write(d.join("server-key.pem"), "garbage").unwrap();
+        assert_eq!(reloader.check(Trigger::Poll), ReloadOutcome::Failed);
+        assert_eq!(reloader.check(Trigger::Poll), ReloadOutcome::Unchanged);
+        assert_eq!(reloader.check(Trigger::Signal), ReloadOutcome::Failed);
+        assert!(Arc::ptr_eq(&second, &store.current()));
+        assert_eq!(reloader.served.common_names, vec!["second".to_string()]);
+    }
+}
