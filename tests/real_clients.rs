@@ -4,9 +4,10 @@
 
 mod common;
 
+use std::ffi::OsStr;
 use std::process::Command;
-use std::time::{Duration, Instant};
 
+use common::process::NbdgwProcess;
 use common::{pattern, run, run_ok, Env, Gateway, QemuNbd};
 
 const SIZE: usize = 8 << 20;
@@ -190,14 +191,6 @@ fn upstream_missing_gives_clients_a_clear_error() {
     );
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[test]
 fn the_command_line_certs_serve_and_sigterm() {
     let env = Env::new();
@@ -231,25 +224,16 @@ fn the_command_line_certs_serve_and_sigterm() {
 
     let image = env.random_image("disk.img", 1 << 20, 9);
     let upstream = QemuNbd::start(&env, &image, &[]);
-    let port = free_port();
-    let mut child = Command::new(bin)
-        .arg("--listen")
-        .arg(format!("127.0.0.1:{port}"))
-        .arg("--upstream")
-        .arg(&upstream.socket)
-        .env("NBDGW_TLS_CERT", dir.join("server-cert.pem"))
-        .env("NBDGW_TLS_KEY", dir.join("server-key.pem"))
-        .env("RUST_LOG", "info")
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "nbdgw did not start listening");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let gateway = NbdgwProcess::start_with(
+        [OsStr::new("--upstream"), upstream.socket.as_os_str()],
+        &[
+            ("NBDGW_TLS_CERT", dir.join("server-cert.pem").as_os_str()),
+            ("NBDGW_TLS_KEY", dir.join("server-key.pem").as_os_str()),
+        ],
+    );
     let uri = format!(
-        "nbds://localhost:{port}/?tls-certificates={}",
+        "nbds://localhost:{}/?tls-certificates={}",
+        gateway.port,
         dir.display()
     );
     let copy = env.path("copy.img");
@@ -259,27 +243,27 @@ fn the_command_line_certs_serve_and_sigterm() {
         std::fs::read(&image).unwrap()
     );
 
-    run_ok(Command::new("kill").args(["-TERM", &child.id().to_string()]));
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "nbdgw did not exit after SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let (status, log) = gateway.stop();
     assert!(status.success(), "{status:?}");
-    let mut log = String::new();
-    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut log).unwrap();
     assert!(log.contains("upstream SO_SNDBUF"), "{log}");
+    assert!(log.contains("TLS certificate loaded"), "{log}");
     assert!(log.contains("negotiated"), "{log}");
     assert!(log.contains("SIGTERM received"), "{log}");
 
     // Missing required flags: a clear error, not a panic.
     let out = run(Command::new(bin).env_remove("NBDGW_TLS_CERT"));
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--tls-cert"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--upstream is required"));
+    let out = run(Command::new(bin).args(["--upstream", "/x"]));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--tls-cert and --tls-key, or --tls-dir"));
+    let out = run(Command::new(bin).args([
+        "--upstream",
+        "/x",
+        "--tls-dir",
+        "/x",
+        "--allow-uri",
+        "spiffe://a/b*",
+    ]));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("must stand alone"), "{stderr}");
 }

@@ -4,6 +4,7 @@
 //! once TLS is up.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tracing::debug;
@@ -75,12 +76,35 @@ pub async fn negotiate(
 }
 
 pub async fn accept_tls(io: ClientIo, config: &Config) -> Result<ClientTls, ConnError> {
-    tokio_rustls::TlsAcceptor::from(config.tls.current())
+    let accepted = tokio_rustls::TlsAcceptor::from(config.tls.current())
         .accept_with(io, |conn| {
             conn.set_buffer_limit(Some(super::relay::TLS_BUFFER_LIMIT))
         })
-        .await
-        .map_err(ConnError::Tls)
+        .into_fallible()
+        .await;
+    match accepted {
+        Ok(tls) => Ok(tls),
+        Err((error, mut io)) => {
+            close_after_alert(&mut io).await;
+            Err(ConnError::Tls(error))
+        }
+    }
+}
+
+/// How long a refused client has to read the alert that says why.
+const ALERT_LINGER: Duration = Duration::from_secs(1);
+
+/// Closing a socket with the client's last handshake bytes still unread
+/// sends a reset, which can destroy the alert before the client reads it
+/// (qemu then reports "Broken pipe" instead of the refusal). So: send FIN
+/// behind the alert, and drain what the client still sends, briefly.
+async fn close_after_alert(io: &mut ClientIo) {
+    let _ = io.get_mut().shutdown().await;
+    let mut scratch = [0u8; 4096];
+    let _ = tokio::time::timeout(ALERT_LINGER, async {
+        while let Ok(1..) = io.read(&mut scratch).await {}
+    })
+    .await;
 }
 
 /// Reads one option: header and all its data (at most `max_option_len`

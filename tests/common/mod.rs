@@ -2,6 +2,8 @@
 //! in-process on a port-0 listener, and a raw NBD client.
 #![allow(dead_code)]
 
+pub mod pki;
+pub mod process;
 pub mod raw;
 
 use std::net::SocketAddr;
@@ -71,6 +73,14 @@ impl Env {
         config.shutdown_grace = Duration::from_secs(2);
         config
     }
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// Deterministic bytes with no zero byte.

@@ -102,21 +102,42 @@ pub struct RawClient {
 }
 
 pub fn tls_config(certs: &Path) -> Arc<rustls::ClientConfig> {
+    client_tls(&certs.join("ca-cert.pem"), None, &[])
+}
+
+/// A client configuration trusting `ca`, presenting `identity` (certificate
+/// and key PEM files) if given, limited to `versions` if not empty.
+pub fn client_tls(
+    ca: &Path,
+    identity: Option<(&Path, &Path)>,
+    versions: &[&'static rustls::SupportedProtocolVersion],
+) -> Arc<rustls::ClientConfig> {
     let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_file_iter(certs.join("ca-cert.pem")).unwrap() {
+    for cert in CertificateDer::pem_file_iter(ca).unwrap() {
         roots.add(cert.unwrap()).unwrap();
     }
-    Arc::new(
-        rustls::ClientConfig::builder_with_provider(nbdgw::tls::provider())
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_no_client_auth(),
-    )
+    let builder = rustls::ClientConfig::builder_with_provider(nbdgw::tls::provider());
+    let builder = if versions.is_empty() {
+        builder.with_safe_default_protocol_versions()
+    } else {
+        builder.with_protocol_versions(versions)
+    }
+    .unwrap()
+    .with_root_certificates(roots);
+    Arc::new(match identity {
+        Some((cert, key)) => {
+            let chain = CertificateDer::pem_file_iter(cert)
+                .unwrap()
+                .map(Result::unwrap)
+                .collect();
+            let key = rustls::pki_types::PrivateKeyDer::from_pem_file(key).unwrap();
+            builder.with_client_auth_cert(chain, key).unwrap()
+        }
+        None => builder.with_no_client_auth(),
+    })
 }
 
 impl RawClient {
-    /// TCP connect only.
     pub fn connect(addr: SocketAddr) -> Self {
         let tcp = TcpStream::connect(addr).expect("connect to gateway");
         tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -165,19 +186,21 @@ impl RawClient {
     }
 
     pub fn read_option_reply(&mut self) -> OptReply {
+        self.try_read_option_reply().expect("option reply")
+    }
+
+    pub fn try_read_option_reply(&mut self) -> io::Result<OptReply> {
         let mut h = [0u8; 20];
-        self.stream.read_exact(&mut h).expect("option reply header");
+        self.stream.read_exact(&mut h)?;
         assert_eq!(u64::from_be_bytes(h[0..8].try_into().unwrap()), REPLY_MAGIC);
         let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
         let mut data = vec![0u8; len];
-        self.stream
-            .read_exact(&mut data)
-            .expect("option reply data");
-        OptReply {
+        self.stream.read_exact(&mut data)?;
+        Ok(OptReply {
             option: u32::from_be_bytes(h[8..12].try_into().unwrap()),
             reply_type: u32::from_be_bytes(h[12..16].try_into().unwrap()),
             data,
-        }
+        })
     }
 
     /// Sends an option and collects its replies up to the final one.
@@ -196,6 +219,12 @@ impl RawClient {
     }
 
     pub fn starttls(&mut self, certs: &Path) {
+        self.try_starttls(tls_config(certs)).expect("TLS handshake");
+    }
+
+    /// STARTTLS, then a TLS handshake that may fail (a refused client
+    /// certificate, say): the error is returned, not a panic.
+    pub fn try_starttls(&mut self, config: Arc<rustls::ClientConfig>) -> io::Result<()> {
         let r = self.option(OPT_STARTTLS, &[]);
         assert_eq!(
             r[0].reply_type,
@@ -207,12 +236,24 @@ impl RawClient {
             panic!("TLS is already up")
         };
         let name = ServerName::try_from("localhost").unwrap().to_owned();
-        let conn = rustls::ClientConnection::new(tls_config(certs), name).unwrap();
+        let conn = rustls::ClientConnection::new(config, name).unwrap();
         let mut s = rustls::StreamOwned::new(conn, tcp);
         while s.conn.is_handshaking() {
-            s.conn.complete_io(&mut s.sock).expect("TLS handshake");
+            s.conn.complete_io(&mut s.sock)?;
         }
+        // In TLS 1.3 the server judges the client's certificate after the
+        // client considers the handshake done: a refusal arrives as an
+        // alert on the first read, which callers testing refusals do.
         self.stream = Stream::Tls(Box::new(s));
+        Ok(())
+    }
+
+    /// The server certificate the TLS handshake presented.
+    pub fn server_cert(&self) -> Vec<u8> {
+        match &self.stream {
+            Stream::Tls(s) => s.conn.peer_certificates().unwrap()[0].to_vec(),
+            _ => panic!("TLS is not up"),
+        }
     }
 
     /// Negotiates the framing and selects the default export with GO.

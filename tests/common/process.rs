@@ -1,0 +1,181 @@
+//! The nbdgw binary as operators run it, with its log collected while it
+//! runs; and a counting relay in front of the upstream socket.
+
+use std::ffi::OsStr;
+use std::io::{BufRead, BufReader};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub struct NbdgwProcess {
+    child: Child,
+    pub port: u16,
+    log: Arc<Mutex<String>>,
+}
+
+impl NbdgwProcess {
+    /// Starts `nbdgw ARGS --listen 127.0.0.1:PORT` and waits until it listens.
+    pub fn start<I, S>(args: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        Self::start_with(args, &[])
+    }
+
+    pub fn start_with<I, S>(args: I, env: &[(&str, &OsStr)]) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let port = super::free_port();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_nbdgw"));
+        cmd.args(args)
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{port}"))
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn nbdgw");
+        let log = Arc::new(Mutex::new(String::new()));
+        let stderr = child.stderr.take().unwrap();
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                let mut log = sink.lock().unwrap();
+                log.push_str(&line);
+                log.push('\n');
+            }
+        });
+        let mut process = NbdgwProcess { child, port, log };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if let Ok(Some(status)) = process.child.try_wait() {
+                panic!("nbdgw exited with {status}:\n{}", process.log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "nbdgw did not start listening:\n{}",
+                process.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        process
+    }
+
+    pub fn addr(&self) -> std::net::SocketAddr {
+        ([127, 0, 0, 1], self.port).into()
+    }
+
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    pub fn count_in_log(&self, needle: &str) -> usize {
+        self.log().matches(needle).count()
+    }
+
+    /// Waits until `needle` has appeared `count` times in the log.
+    pub fn wait_for_log(&self, needle: &str, count: usize) {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while self.count_in_log(needle) < count {
+            assert!(
+                Instant::now() < deadline,
+                "log never showed {needle:?} {count} times:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn signal(&self, name: &str) {
+        let status = Command::new("kill")
+            .arg(format!("-{name}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+
+    /// SIGTERM, then the exit status and the whole log.
+    pub fn stop(mut self) -> (ExitStatus, String) {
+        self.signal("TERM");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "nbdgw did not exit after SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        // The reader thread ends at EOF; give it a moment to take the rest.
+        std::thread::sleep(Duration::from_millis(100));
+        (status, self.log())
+    }
+}
+
+impl Drop for NbdgwProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A Unix-socket relay in front of the real upstream that counts the
+/// connections nbdgw opens to it.
+pub struct UpstreamCounter {
+    pub socket: PathBuf,
+    accepted: Arc<AtomicUsize>,
+}
+
+impl UpstreamCounter {
+    pub fn start(target: &Path, socket: &Path) -> Self {
+        let listener = UnixListener::bind(socket).unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        let target = target.to_owned();
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { break };
+                count.fetch_add(1, Ordering::SeqCst);
+                let Ok(server) = UnixStream::connect(&target) else {
+                    continue;
+                };
+                let (mut c_rd, mut s_wr) =
+                    (client.try_clone().unwrap(), server.try_clone().unwrap());
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut c_rd, &mut s_wr);
+                    let _ = s_wr.shutdown(std::net::Shutdown::Write);
+                });
+                let (mut s_rd, mut c_wr) = (server, client);
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut s_rd, &mut c_wr);
+                    let _ = c_wr.shutdown(std::net::Shutdown::Write);
+                });
+            }
+        });
+        UpstreamCounter {
+            socket: socket.to_owned(),
+            accepted,
+        }
+    }
+
+    pub fn connections(&self) -> usize {
+        self.accepted.load(Ordering::SeqCst)
+    }
+}

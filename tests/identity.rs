@@ -1,0 +1,669 @@
+//! Client certificates, allow-lists, certificate directories and live
+//! rotation, with the nbdgw binary, a real qemu-nbd upstream, and real
+//! clients (qemu-img, nbdinfo, nbdcopy) presenting client certificates.
+
+mod common;
+
+use std::ffi::OsStr;
+use std::os::unix::fs::symlink;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use common::pki::{anonymous_client_dir, Ca, Leaf};
+use common::process::{NbdgwProcess, UpstreamCounter};
+use common::raw::{client_tls, RawClient};
+use common::{run, run_ok, Env, QemuNbd};
+use nbdgw::proto::transmission::ReplyMode;
+
+const IMAGE_LEN: usize = 1 << 20;
+
+fn qemu_img_info(port: u16, client_dir: &Path) -> Output {
+    run(Command::new("qemu-img")
+        .arg("info")
+        .arg("--object")
+        .arg(format!(
+            "tls-creds-x509,id=tls0,dir={},endpoint=client",
+            client_dir.display()
+        ))
+        .arg("--image-opts")
+        .arg(format!(
+            "driver=nbd,host=localhost,port={port},tls-creds=tls0"
+        )))
+}
+
+fn nbds_uri(port: u16, client_dir: &Path) -> String {
+    format!(
+        "nbds://localhost:{port}/?tls-certificates={}",
+        client_dir.display()
+    )
+}
+
+fn nbdinfo_size(port: u16, client_dir: &Path) -> Output {
+    run(Command::new("nbdinfo")
+        .arg("--size")
+        .arg(nbds_uri(port, client_dir)))
+}
+
+fn text(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).trim().to_string()
+}
+
+/// Server certificate, key, and the CA clients must chain to, as files.
+fn write_server_files(dir: &Path, server: &Leaf, client_ca: &Ca) -> (PathBuf, PathBuf, PathBuf) {
+    std::fs::create_dir_all(dir).unwrap();
+    let files = (
+        dir.join("server-cert.pem"),
+        dir.join("server-key.pem"),
+        dir.join("client-ca.pem"),
+    );
+    std::fs::write(&files.0, &server.cert).unwrap();
+    std::fs::write(&files.1, &server.key).unwrap();
+    std::fs::write(&files.2, &client_ca.pem).unwrap();
+    files
+}
+
+#[test]
+fn client_certificates_and_allow_lists_with_real_clients() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 3);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let counter = UpstreamCounter::start(&upstream.socket, &env.path("counted.sock"));
+    let ca = Ca::new("nbdgw test CA");
+    let other_ca = Ca::new("some other CA");
+    let (cert, key, client_ca) =
+        write_server_files(&env.path("server"), &ca.server("localhost"), &ca);
+    let crl = env.path("server/crl.pem");
+    std::fs::write(&crl, ca.crl(&[66])).unwrap();
+
+    let args: Vec<&OsStr> = vec![
+        "--upstream".as_ref(),
+        counter.socket.as_os_str(),
+        "--tls-cert".as_ref(),
+        cert.as_os_str(),
+        "--tls-key".as_ref(),
+        key.as_os_str(),
+        "--tls-client-ca".as_ref(),
+        client_ca.as_os_str(),
+        "--tls-crl".as_ref(),
+        crl.as_os_str(),
+        "--allow-cn".as_ref(),
+        "backup-agent".as_ref(),
+        "--allow-dns".as_ref(),
+        "*.clients.example".as_ref(),
+        "--allow-uri".as_ref(),
+        "spiffe://example.org/ns/*/sa/backup".as_ref(),
+    ];
+    let gw = NbdgwProcess::start(args);
+    let log = gw.log();
+    assert!(
+        log.contains("client_auth=required (1 CA certificate(s)") && log.contains("1 CRL(s)"),
+        "{log}"
+    );
+
+    let accepted = [
+        ("cn", ca.client("backup-agent", &[], &[], 10)),
+        (
+            "dns",
+            ca.client("node", &["node1.clients.example"], &[], 11),
+        ),
+        (
+            "uri",
+            ca.client("svc", &[], &["spiffe://example.org/ns/prod/sa/backup"], 12),
+        ),
+    ];
+    for (name, leaf) in &accepted {
+        let dir = leaf.client_dir(&env.path(&format!("client-{name}")), &ca);
+        let info = qemu_img_info(gw.port, &dir);
+        assert!(info.status.success(), "{name}: {}", text(&info));
+        assert!(
+            String::from_utf8_lossy(&info.stdout).contains("virtual size: 1 MiB"),
+            "{name}"
+        );
+        let copy = env.path(&format!("copy-{name}.img"));
+        run_ok(
+            Command::new("nbdcopy")
+                .arg(nbds_uri(gw.port, &dir))
+                .arg(&copy),
+        );
+        assert_eq!(
+            std::fs::read(&copy).unwrap(),
+            std::fs::read(&image).unwrap(),
+            "{name}"
+        );
+    }
+    let upstream_connections = counter.connections();
+    assert!(upstream_connections >= 6, "{upstream_connections}");
+
+    let refused: Vec<(&str, PathBuf, &str)> = vec![
+        (
+            "no certificate",
+            anonymous_client_dir(&env.path("client-none"), &ca),
+            "peer sent no certificates",
+        ),
+        (
+            "another CA",
+            other_ca
+                .client("backup-agent", &[], &[], 10)
+                .client_dir_trusting(&env.path("client-other-ca"), &[&ca, &other_ca]),
+            // GnuTLS offers only a certificate from a CA the server's
+            // request names, so these clients send none at all.
+            "peer sent no certificates",
+        ),
+        (
+            "revoked",
+            ca.client("backup-agent", &[], &[], 66)
+                .client_dir(&env.path("client-revoked"), &ca),
+            "Revoked",
+        ),
+        (
+            "wrong CN",
+            ca.client("intruder", &[], &[], 21)
+                .client_dir(&env.path("client-cn"), &ca),
+            "no name matches",
+        ),
+        (
+            "wrong DNS",
+            ca.client("intruder", &["node1.other.example"], &[], 22)
+                .client_dir(&env.path("client-dns"), &ca),
+            "no name matches",
+        ),
+        (
+            "wrong URI",
+            ca.client(
+                "intruder",
+                &[],
+                &["spiffe://example.org/ns/prod/sa/other"],
+                23,
+            )
+            .client_dir(&env.path("client-uri"), &ca),
+            "no name matches",
+        ),
+    ];
+    for (case, dir, reason) in &refused {
+        let before = gw.count_in_log(reason);
+        let qemu = qemu_img_info(gw.port, dir);
+        assert!(!qemu.status.success(), "{case}: qemu-img was let in");
+        let libnbd = nbdinfo_size(gw.port, dir);
+        assert!(!libnbd.status.success(), "{case}: nbdinfo was let in");
+        // What users see, for the record (the closing note quotes it).
+        eprintln!(
+            "{case}:\n  qemu-img: {}\n  nbdinfo: {}",
+            text(&qemu),
+            text(&libnbd)
+        );
+        for (client, out) in [("qemu-img", &qemu), ("nbdinfo", &libnbd)] {
+            assert!(
+                text(out).contains("A TLS fatal alert has been received"),
+                "{case}, {client}: {}",
+                text(out)
+            );
+        }
+        gw.wait_for_log(reason, before + 2);
+    }
+    assert_eq!(
+        counter.connections(),
+        upstream_connections,
+        "a refused client reached the upstream"
+    );
+    let log = gw.log();
+    assert!(
+        log.contains("client certificate refused")
+            && log.contains("subject \"CN=intruder\", URI spiffe://example.org/ns/prod/sa/other"),
+        "{log}"
+    );
+    assert!(
+        log.contains("subject \"CN=backup-agent\", serial 42"),
+        "the revoked client (serial 0x42 = 66) is named: {log}"
+    );
+
+    // The alerts, seen with a client that sends its certificate whatever
+    // the server asks for (in TLS 1.3 on the first read after the handshake).
+    let raw_cases = [
+        (
+            ca.client("intruder", &[], &[], 30),
+            "AccessDenied",
+            "no name matches",
+        ),
+        (
+            other_ca.client("backup-agent", &[], &[], 31),
+            "UnknownCA",
+            "UnknownIssuer",
+        ),
+    ];
+    for (leaf, alert, logged) in raw_cases {
+        let dir = leaf.client_dir(&env.path("raw-client"), &ca);
+        let before = gw.count_in_log(logged);
+        let mut raw = RawClient::handshake(gw.addr());
+        let refusal = raw
+            .try_starttls(client_tls(
+                &dir.join("ca-cert.pem"),
+                Some((&dir.join("client-cert.pem"), &dir.join("client-key.pem"))),
+                &[],
+            ))
+            .and_then(|()| {
+                raw.send_option(nbdgw::proto::consts::OPT_LIST, &[]);
+                raw.try_read_option_reply().map(|_| ())
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(refusal.contains(alert), "{refusal}");
+        gw.wait_for_log(logged, before + 1);
+    }
+    assert!(
+        gw.log().contains("subject \"CN=backup-agent\", serial 1F"),
+        "the other CA's client is named: {}",
+        gw.log()
+    );
+    assert_eq!(counter.connections(), upstream_connections);
+}
+
+/// The Kubernetes Secret volume layout: files are symlinks into `..data`,
+/// itself a symlink to a timestamped directory, swapped atomically.
+struct SecretVolume {
+    dir: PathBuf,
+    version: usize,
+}
+
+impl SecretVolume {
+    fn new(dir: &Path, files: &[(&str, &str)]) -> Self {
+        std::fs::create_dir_all(dir).unwrap();
+        let mut volume = SecretVolume {
+            dir: dir.to_owned(),
+            version: 0,
+        };
+        volume.publish(files);
+        for (name, _) in files {
+            symlink(format!("..data/{name}"), dir.join(name)).unwrap();
+        }
+        volume
+    }
+
+    /// Writes a new version and swaps `..data` to it by rename, as the
+    /// kubelet does, then removes the old version.
+    fn publish(&mut self, files: &[(&str, &str)]) {
+        self.version += 1;
+        let version = format!("..2026_11_30_00_00_{:02}.{}", self.version, self.version);
+        let new = self.dir.join(&version);
+        std::fs::create_dir(&new).unwrap();
+        for (name, contents) in files {
+            std::fs::write(new.join(name), contents).unwrap();
+        }
+        let tmp = self.dir.join("..data_tmp");
+        symlink(&version, &tmp).unwrap();
+        std::fs::rename(&tmp, self.dir.join("..data")).unwrap();
+        if self.version > 1 {
+            let old = format!(
+                "..2026_11_30_00_00_{:02}.{}",
+                self.version - 1,
+                self.version - 1
+            );
+            std::fs::remove_dir_all(self.dir.join(old)).unwrap();
+        }
+    }
+}
+
+fn secret_files<'a>(server: &'a Leaf, ca: &'a Ca) -> [(&'static str, &'a str); 3] {
+    [
+        ("tls.crt", server.cert.as_str()),
+        ("tls.key", server.key.as_str()),
+        ("ca.crt", ca.pem.as_str()),
+    ]
+}
+
+#[test]
+fn tls_dir_reads_the_qemu_and_the_kubernetes_layouts() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 4);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let ca = Ca::new("dir CA");
+    let good = ca
+        .client("agent", &[], &[], 10)
+        .client_dir(&env.path("good"), &ca);
+    let revoked = ca
+        .client("agent", &[], &[], 66)
+        .client_dir(&env.path("revoked"), &ca);
+    let anonymous = anonymous_client_dir(&env.path("anonymous"), &ca);
+
+    // qemu/nbdkit layout, with a CRL.
+    let qemu_dir = env.path("qemu-layout");
+    let server = ca.server("localhost");
+    std::fs::create_dir_all(&qemu_dir).unwrap();
+    for (name, contents) in [
+        ("server-cert.pem", server.cert.clone()),
+        ("server-key.pem", server.key.clone()),
+        ("ca-cert.pem", ca.pem.clone()),
+        ("ca-crl.pem", ca.crl(&[66])),
+    ] {
+        std::fs::write(qemu_dir.join(name), contents).unwrap();
+    }
+    let gw = NbdgwProcess::start([
+        OsStr::new("--upstream"),
+        upstream.socket.as_os_str(),
+        OsStr::new("--tls-dir"),
+        qemu_dir.as_os_str(),
+    ]);
+    assert!(nbdinfo_size(gw.port, &good).status.success());
+    assert!(qemu_img_info(gw.port, &good).status.success());
+    assert!(!nbdinfo_size(gw.port, &revoked).status.success());
+    assert!(!qemu_img_info(gw.port, &anonymous).status.success());
+    let log = gw.log();
+    assert!(log.contains("qemu-layout/ca-cert.pem, 1 CRL(s))"), "{log}");
+    assert!(log.contains("Revoked"), "{log}");
+
+    // Kubernetes Secret layout, through the ..data symlinks.
+    let server = ca.server("k8s-server");
+    let secret = SecretVolume::new(&env.path("secret"), &secret_files(&server, &ca));
+    let gw = NbdgwProcess::start([
+        OsStr::new("--upstream"),
+        upstream.socket.as_os_str(),
+        OsStr::new("--tls-dir"),
+        secret.dir.as_os_str(),
+    ]);
+    let info = qemu_img_info(gw.port, &good);
+    assert!(info.status.success(), "{}", text(&info));
+    assert!(nbdinfo_size(gw.port, &good).status.success());
+    assert!(!nbdinfo_size(gw.port, &anonymous).status.success());
+    assert_eq!(served_cert(&gw, &good), server.der());
+    let log = gw.log();
+    assert!(log.contains("subject=CN=k8s-server"), "{log}");
+    assert!(log.contains("secret/ca.crt, 0 CRL(s))"), "{log}");
+}
+
+/// The server certificate a new connection is shown, fetched with a client
+/// certificate from `client_dir`.
+fn served_cert(gw: &NbdgwProcess, client_dir: &Path) -> Vec<u8> {
+    connect(gw, client_dir).server_cert()
+}
+
+fn connect(gw: &NbdgwProcess, client_dir: &Path) -> RawClient {
+    let mut c = RawClient::handshake(gw.addr());
+    c.try_starttls(client_tls(
+        &client_dir.join("ca-cert.pem"),
+        Some((
+            &client_dir.join("client-cert.pem"),
+            &client_dir.join("client-key.pem"),
+        )),
+        &[],
+    ))
+    .expect("TLS handshake");
+    c
+}
+
+fn wait_until_served(gw: &NbdgwProcess, client_dir: &Path, expected: &Leaf) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while served_cert(gw, client_dir) != expected.der() {
+        assert!(
+            Instant::now() < deadline,
+            "new certificate never served:\n{}",
+            gw.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A connection in transmission, checked against the image as it reads.
+struct Reader {
+    client: RawClient,
+    image: Vec<u8>,
+    cookie: u64,
+}
+
+impl Reader {
+    fn open(gw: &NbdgwProcess, client_dir: &Path, image: &Path) -> Self {
+        let mut client = connect(gw, client_dir);
+        client.go(ReplyMode::Structured);
+        Reader {
+            client,
+            image: std::fs::read(image).unwrap(),
+            cookie: 0,
+        }
+    }
+
+    fn check(&mut self, offset: usize) {
+        self.cookie += 1;
+        let got = self.client.read(self.cookie, offset as u64, 65536);
+        assert!(
+            got == self.image[offset..offset + 65536],
+            "wrong data at {offset}"
+        );
+    }
+}
+
+#[test]
+fn rotation_by_symlink_swap_rename_and_sighup() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 5);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let ca = Ca::new("rotation CA");
+    let client = ca
+        .client("agent", &[], &[], 10)
+        .client_dir(&env.path("client"), &ca);
+    let upstream_args = [OsStr::new("--upstream"), upstream.socket.as_os_str()];
+
+    // 1. Kubernetes symlink swap, noticed by polling.
+    let first = ca.server("first");
+    let mut secret = SecretVolume::new(&env.path("secret"), &secret_files(&first, &ca));
+    let gw = NbdgwProcess::start(upstream_args.iter().copied().chain([
+        OsStr::new("--tls-dir"),
+        secret.dir.as_os_str(),
+        OsStr::new("--tls-reload-interval"),
+        OsStr::new("1"),
+    ]));
+    assert_eq!(served_cert(&gw, &client), first.der());
+    let mut before = Reader::open(&gw, &client, &image);
+    before.check(0);
+    let second = ca.server("second");
+    secret.publish(&secret_files(&second, &ca));
+    wait_until_served(&gw, &client, &second);
+    before.check(512 * 1024);
+    assert!(nbdinfo_size(gw.port, &client).status.success());
+    assert_eq!(gw.count_in_log("TLS certificate reloaded"), 1);
+
+    // A broken version (a key that is not PEM): the old certificate stays.
+    let broken = [
+        ("tls.crt", ca.server("broken").cert),
+        ("tls.key", "not a key".to_string()),
+        ("ca.crt", ca.pem.clone()),
+    ];
+    secret.publish(
+        &broken
+            .iter()
+            .map(|(n, c)| (*n, c.as_str()))
+            .collect::<Vec<_>>(),
+    );
+    gw.wait_for_log("TLS reload failed", 1);
+    assert_eq!(served_cert(&gw, &client), second.der());
+    before.check(IMAGE_LEN - 65536);
+    assert!(qemu_img_info(gw.port, &client).status.success());
+    let log = gw.log();
+    assert!(log.contains("tls.key holds no private key"), "{log}");
+    drop(gw);
+
+    // 2. Files renamed over, noticed by polling.
+    let files = env.path("files");
+    std::fs::create_dir_all(&files).unwrap();
+    let install = |leaf: &Leaf| {
+        for (name, contents) in [("cert.pem", &leaf.cert), ("key.pem", &leaf.key)] {
+            let tmp = files.join(format!("{name}.tmp"));
+            std::fs::write(&tmp, contents).unwrap();
+            std::fs::rename(&tmp, files.join(name)).unwrap();
+        }
+    };
+    install(&first);
+    std::fs::write(files.join("ca.pem"), &ca.pem).unwrap();
+    let (cert, key, client_ca) = (
+        files.join("cert.pem"),
+        files.join("key.pem"),
+        files.join("ca.pem"),
+    );
+    let with_files = |interval: &'static str| {
+        let mut args = upstream_args.to_vec();
+        args.extend([
+            OsStr::new("--tls-cert"),
+            cert.as_os_str(),
+            OsStr::new("--tls-key"),
+            key.as_os_str(),
+            OsStr::new("--tls-client-ca"),
+            client_ca.as_os_str(),
+            OsStr::new("--tls-reload-interval"),
+            OsStr::new(interval),
+        ]);
+        args
+    };
+    let gw = NbdgwProcess::start(with_files("1"));
+    let mut before = Reader::open(&gw, &client, &image);
+    install(&second);
+    wait_until_served(&gw, &client, &second);
+    before.check(65536);
+    drop(gw);
+
+    // 3. SIGHUP only (no polling): nothing changes until the signal.
+    install(&first);
+    let gw = NbdgwProcess::start(with_files("0"));
+    let mut before = Reader::open(&gw, &client, &image);
+    install(&second);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(
+        served_cert(&gw, &client),
+        first.der(),
+        "reloaded without SIGHUP"
+    );
+    gw.signal("HUP");
+    gw.wait_for_log("TLS certificate reloaded", 1);
+    assert_eq!(served_cert(&gw, &client), second.der());
+    before.check(128 * 1024);
+
+    // A key that does not belong to the certificate, then SIGHUP.
+    let third = ca.server("third");
+    std::fs::write(files.join("cert.pem"), &third.cert).unwrap();
+    gw.signal("HUP");
+    gw.wait_for_log("TLS reload failed", 1);
+    assert!(gw.log().contains("cannot be used together"), "{}", gw.log());
+    assert_eq!(served_cert(&gw, &client), second.der());
+    before.check(256 * 1024);
+    assert!(nbdinfo_size(gw.port, &client).status.success());
+    drop(before);
+    let (status, _) = gw.stop();
+    assert!(status.success());
+}
+
+#[test]
+fn certs_command_output_works_with_qemu_nbd_qemu_img_and_libnbd() {
+    let env = Env::new();
+    let bin = env!("CARGO_BIN_EXE_nbdgw");
+    let dir = env.path("generated");
+    let spiffe = "spiffe://example.org/ns/backup/sa/agent";
+    run_ok(
+        Command::new(bin)
+            .args(["certs", "--client-uri", spiffe, "--out"])
+            .arg(&dir),
+    );
+    let client = nbdgw::tls::CertInfo::from_der(
+        &rustls::pki_types::pem::PemObject::from_pem_file(dir.join("client-cert.pem"))
+            .map(|c: rustls::pki_types::CertificateDer| c.to_vec())
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(client.uris, vec![spiffe.to_string()]);
+    assert_eq!(client.common_names, vec!["nbdgw-client".to_string()]);
+
+    // qemu-nbd serves TLS from the same directory (it requires client
+    // certificates by default: verify-peer is on for servers).
+    let image = env.random_image("disk.img", IMAGE_LEN, 6);
+    let port = common::free_port();
+    let mut qemu_nbd = Command::new("qemu-nbd")
+        .arg("--object")
+        .arg(format!(
+            "tls-creds-x509,id=tls0,dir={},endpoint=server",
+            dir.display()
+        ))
+        .args([
+            "--tls-creds",
+            "tls0",
+            "-f",
+            "raw",
+            "--persistent",
+            "-b",
+            "127.0.0.1",
+            "-p",
+        ])
+        .arg(port.to_string())
+        .arg(&image)
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "qemu-nbd did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let info = qemu_img_info(port, &dir);
+    let libnbd = nbdinfo_size(port, &dir);
+    let _ = qemu_nbd.kill();
+    let _ = qemu_nbd.wait();
+    assert!(info.status.success(), "{}", text(&info));
+    assert_eq!(
+        String::from_utf8_lossy(&libnbd.stdout).trim(),
+        IMAGE_LEN.to_string()
+    );
+
+    // And nbdgw from the same directory, admitting the SPIFFE ID.
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let gw = NbdgwProcess::start([
+        OsStr::new("--upstream"),
+        upstream.socket.as_os_str(),
+        OsStr::new("--tls-dir"),
+        dir.as_os_str(),
+        OsStr::new("--allow-uri"),
+        OsStr::new("spiffe://example.org/ns/*/sa/agent"),
+    ]);
+    let info = qemu_img_info(gw.port, &dir);
+    assert!(info.status.success(), "{}", text(&info));
+    let size = nbdinfo_size(gw.port, &dir);
+    assert_eq!(
+        String::from_utf8_lossy(&size.stdout).trim(),
+        IMAGE_LEN.to_string()
+    );
+}
+
+#[test]
+fn tls_min_version_13_refuses_tls_12_clients() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 7);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let certs = env.certs();
+    let args = |version: &'static str| {
+        [
+            OsStr::new("--upstream"),
+            upstream.socket.as_os_str(),
+            OsStr::new("--tls-cert"),
+        ]
+        .into_iter()
+        .map(OsStr::to_os_string)
+        .chain([
+            certs.join("server-cert.pem").into_os_string(),
+            "--tls-key".into(),
+            certs.join("server-key.pem").into_os_string(),
+            "--tls-min-version".into(),
+            version.into(),
+        ])
+        .collect::<Vec<_>>()
+    };
+    let tls12_only = || client_tls(&certs.join("ca-cert.pem"), None, &[&rustls::version::TLS12]);
+
+    let gw = NbdgwProcess::start(args("1.3"));
+    let mut c = RawClient::handshake(gw.addr());
+    let err = c.try_starttls(tls12_only()).unwrap_err().to_string();
+    assert!(err.contains("ProtocolVersion"), "{err}");
+    let mut c = RawClient::handshake(gw.addr());
+    c.starttls(&certs);
+    c.go(ReplyMode::Structured);
+
+    let gw = NbdgwProcess::start(args("1.2"));
+    let mut c = RawClient::handshake(gw.addr());
+    c.try_starttls(tls12_only())
+        .expect("TLS 1.2 accepted by default");
+    c.go(ReplyMode::Structured);
+    let bad = run(Command::new(env!("CARGO_BIN_EXE_nbdgw")).args(["--tls-min-version", "1.1"]));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("possible values: 1.2, 1.3"));
+}
