@@ -27,15 +27,17 @@ for _ in $(seq 100); do [ -S "$demo/nbd.sock" ] && break; sleep 0.05; done
 
 target/release/nbdgw \
     --listen "127.0.0.1:$port" \
-    --tls-cert "$certs/server-cert.pem" --tls-key "$certs/server-key.pem" \
+    --tls-dir "$certs" \
     --upstream "$demo/nbd.sock" &
 pids+=($!)
 for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.05; done
 
 cat <<TXT
 
-nbdgw is listening on 127.0.0.1:$port (TLS required) in front of qemu-nbd on $demo/nbd.sock.
-Try, from another terminal:
+nbdgw is listening on 127.0.0.1:$port in front of qemu-nbd on $demo/nbd.sock.
+TLS and a client certificate from $certs/ca-cert.pem are required
+(--tls-dir $certs: the qemu layout, whose ca-cert.pem is the client CA).
+Try, from another terminal (the directory holds client-cert.pem and client-key.pem):
 
   nbdinfo 'nbds://localhost:$port/?tls-certificates=$certs'
   nbdinfo --map 'nbds://localhost:$port/?tls-certificates=$certs'

@@ -627,7 +627,7 @@ fn certs_command_output_works_with_qemu_nbd_qemu_img_and_libnbd() {
 }
 
 #[test]
-fn tls_min_version_13_refuses_tls_12_clients() {
+fn tls_min_version_13_refuses_tls_12_clients_and_expiry_is_warned() {
     let env = Env::new();
     let image = env.random_image("disk.img", IMAGE_LEN, 7);
     let upstream = QemuNbd::start(&env, &image, &[]);
@@ -652,6 +652,13 @@ fn tls_min_version_13_refuses_tls_12_clients() {
     let tls12_only = || client_tls(&certs.join("ca-cert.pem"), None, &[&rustls::version::TLS12]);
 
     let gw = NbdgwProcess::start(args("1.3"));
+    // Env's certificates are valid for two days.
+    assert!(
+        gw.log()
+            .contains("the served certificate expires within 7 days"),
+        "{}",
+        gw.log()
+    );
     let mut c = RawClient::handshake(gw.addr());
     let err = c.try_starttls(tls12_only()).unwrap_err().to_string();
     assert!(err.contains("ProtocolVersion"), "{err}");

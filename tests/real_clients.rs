@@ -243,8 +243,17 @@ fn the_command_line_certs_serve_and_sigterm() {
         std::fs::read(&image).unwrap()
     );
 
+    // A health probe that connects and resets: routine, not a warning.
+    let probe = std::net::TcpStream::connect(gateway.addr()).unwrap();
+    socket2::SockRef::from(&probe)
+        .set_linger(Some(std::time::Duration::ZERO))
+        .unwrap();
+    drop(probe);
+    gateway.wait_for_log("error=client closed the connection before", 1);
+
     let (status, log) = gateway.stop();
     assert!(status.success(), "{status:?}");
+    assert!(!log.contains(" WARN "), "{log}");
     assert!(log.contains("upstream SO_SNDBUF"), "{log}");
     assert!(log.contains("TLS certificate loaded"), "{log}");
     assert!(log.contains("negotiated"), "{log}");

@@ -60,6 +60,17 @@ impl ConnError {
         }
     }
 
+    /// Before the client has said anything, a reset or broken pipe is
+    /// just a health check or port scan leaving, not a fault.
+    fn client_left_early(e: io::Error, when: &'static str) -> Self {
+        match e.kind() {
+            io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe => {
+                ConnError::ClientClosed(when)
+            }
+            _ => Self::client_read(e, when),
+        }
+    }
+
     fn upstream_read(e: io::Error, when: &str) -> Self {
         if e.kind() == io::ErrorKind::UnexpectedEof {
             ConnError::UpstreamClosed(when.to_string())

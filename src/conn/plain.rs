@@ -34,11 +34,11 @@ pub async fn negotiate(
     io.get_mut()
         .write_all(&server_greeting())
         .await
-        .map_err(ConnError::Client)?;
+        .map_err(|e| ConnError::client_left_early(e, "before the greeting"))?;
     let mut flags = [0u8; 4];
     io.read_exact(&mut flags)
         .await
-        .map_err(|e| ConnError::client_read(e, "before sending its flags"))?;
+        .map_err(|e| ConnError::client_left_early(e, "before sending its flags"))?;
     let client = parse_client_flags(u32::from_be_bytes(flags)).map_err(ConnError::ClientProto)?;
 
     let mut data = Vec::new();

@@ -1,0 +1,20 @@
+//! Client certificates arrive from unauthenticated peers: parsing one and
+//! matching it against allow-lists must never panic.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use nbdgw::tls::{AllowList, CertInfo};
+
+fuzz_target!(|data: &[u8]| {
+    let _ = nbdgw::tls::identity::describe(data);
+    if let Ok(info) = CertInfo::from_der(data) {
+        let allow = AllowList::new(
+            vec!["agent".into()],
+            vec!["*.example.com".into()],
+            vec!["spiffe://td/ns/*/sa/x".into()],
+        )
+        .expect("valid patterns");
+        let _ = allow.permits(&info);
+        let _ = info.days_left(0);
+    }
+});
