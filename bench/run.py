@@ -1,18 +1,27 @@
-#!/usr/bin/env python3
-"""Side-by-side throughput and CPU cost of NBD TLS front ends.
+#!/usr/bin/python3
+"""Side-by-side benchmark of NBD TLS front ends.
 
 One null-co qemu-nbd upstream on a Unix socket (read-zeroes=off, so clients
-cannot skip zero data); in front of it, in the same run and interleaved:
-nbdgw, qemu-nbd's own TLS, nbdkit's TLS proxy, and the no-TLS references
-(qemu-nbd over plain TCP, the Unix socket itself). Clients are unmodified
-nbdcopy runs. Prints medians with min-max and ratios to qemu-nbd TLS.
+cannot skip zero data). In front of it, all running at once and measured
+interleaved: nbdgw, qemu-nbd's own TLS, nbdkit's TLS proxy, and the no-TLS
+references (qemu-nbd over plain TCP, the Unix socket itself). Every TLS
+front end uses the same ECDSA certificates and requires client
+certificates. Clients are unmodified: nbdcopy, and libnbd's Python
+bindings (bench/nbdclient.py). Medians of --reps runs with min-max, and
+ratios to qemu-nbd's native TLS.
 
-Loopback only. This covers sequential throughput and front-end CPU per GiB;
-the other workloads of the performance issue are still to come.
+Two network modes: loopback, and LAN: two network namespaces made here,
+joined by a veth pair at MTU 1500 with segmentation offloads off (servers
+in one, clients in the other; addresses exist only inside them; removed on
+exit).
+
+Run as root (namespaces, packet capture): sudo bench/run.py
 """
 
 import argparse
+import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -22,8 +31,16 @@ import sys
 import tempfile
 import time
 
+import wire
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+PYTHON = "/usr/bin/python3"  # Debian's, which has python3-libnbd
+REFERENCE = "qemu-nbd-tls"
+TLS_FRONTS = ("nbdgw", "qemu-nbd-tls", "nbdkit-proxy")
+LAN_SERVER_IP = "10.231.0.1"
+LAN_CLIENT_IP = "10.231.0.2"
 
 
 def free_port():
@@ -32,20 +49,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def wait_for(check, what, timeout=10.0):
+def wait_for(check, what, timeout=15.0):
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
             sys.exit(f"bench: {what} did not come up")
         time.sleep(0.02)
-
-
-def port_open(port):
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-        return True
-    except OSError:
-        return False
 
 
 def cpu_seconds(pid):
@@ -54,58 +63,134 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-class Bench:
-    def __init__(self, work, size_gib):
-        self.work = work
-        self.size = size_gib << 30
+def rss_mib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run(cmd, **kw):
+    return subprocess.run(cmd, check=True, **kw)
+
+
+class Network:
+    """Where servers and clients run, and how clients reach the servers."""
+
+    def __init__(self, lan):
+        self.lan = lan
+        tag = os.getpid()
+        self.ns_server = f"nbdbench-s{tag}"
+        self.ns_client = f"nbdbench-c{tag}"
+        self.host = LAN_SERVER_IP if lan else "localhost"
+        self.name = "LAN (veth, MTU 1500, offloads off)" if lan else "loopback"
+
+    def server(self, cmd):
+        return ["ip", "netns", "exec", self.ns_server, *cmd] if self.lan else cmd
+
+    def client(self, cmd):
+        return ["ip", "netns", "exec", self.ns_client, *cmd] if self.lan else cmd
+
+    def up(self):
+        if not self.lan:
+            return
+        s, c = self.ns_server, self.ns_client
+        vs, vc = f"nbs{os.getpid()}"[:15], f"nbc{os.getpid()}"[:15]
+        self.veth_server = vs
+        for ns in (s, c):
+            run(["ip", "netns", "add", ns])
+            run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        run(["ip", "link", "add", vs, "netns", s, "type", "veth", "peer", "name", vc, "netns", c])
+        for ns, dev, ip in ((s, vs, LAN_SERVER_IP), (c, vc, LAN_CLIENT_IP)):
+            run(["ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev])
+            run(["ip", "-n", ns, "link", "set", dev, "mtu", "1500", "up"])
+            run(["ip", "netns", "exec", ns, "ethtool", "-K", dev, "tso", "off", "gso", "off",
+                 "gro", "off"], stdout=subprocess.DEVNULL)
+
+    def down(self):
+        if self.lan:
+            for ns in (self.ns_server, self.ns_client):
+                subprocess.run(["ip", "netns", "del", ns], stderr=subprocess.DEVNULL)
+
+    def port_open(self, port):
+        cmd = self.client([PYTHON, "-c",
+                           f"import socket; socket.create_connection(('{self.host}', {port}), 1).close()"])
+        return subprocess.run(cmd, stderr=subprocess.DEVNULL).returncode == 0
+
+
+class Fronts:
+    """The upstream and every front end, started once per network mode."""
+
+    def __init__(self, work, net, size, variants):
+        self.work, self.net, self.size, self.variants = work, net, size, variants
         self.procs = []
         self.certs = os.path.join(work, "certs")
+        self.sock = os.path.join(work, "up.sock")
         self.nbdgw = os.path.join(ROOT, "target", "release", "nbdgw")
 
-    def spawn(self, args, **kw):
-        p = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, **kw)
+    def spawn(self, cmd):
+        p = subprocess.Popen(self.net.server(cmd), stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.procs.append(p)
         return p
 
-    def null_image(self):
+    def null(self):
         return f"driver=null-co,size={self.size},read-zeroes=off"
 
     def start(self):
-        subprocess.run([self.nbdgw, "certs", "--out", self.certs], check=True,
-                       stdout=subprocess.DEVNULL)
-        sock = os.path.join(self.work, "up.sock")
-        self.spawn(["qemu-nbd", "--persistent", "--shared=64", "--image-opts",
-                    self.null_image(), "-k", sock])
-        wait_for(lambda: os.path.exists(sock), "upstream qemu-nbd")
-        tls_obj = f"tls-creds-x509,id=tls0,dir={self.certs},endpoint=server"
-        ports = {name: free_port() for name in ("nbdgw", "qemu-nbd-tls", "nbdkit-proxy", "qemu-nbd-tcp")}
-        front = {
-            "nbdgw": self.spawn([self.nbdgw, "--listen", f"127.0.0.1:{ports['nbdgw']}",
-                                 "--tls-cert", f"{self.certs}/server-cert.pem",
-                                 "--tls-key", f"{self.certs}/server-key.pem", "--upstream", sock]),
-            "qemu-nbd-tls": self.spawn(["qemu-nbd", "--persistent", "--shared=64", "--image-opts",
-                                        self.null_image(), "-b", "127.0.0.1", "-p",
-                                        str(ports["qemu-nbd-tls"]), "--object", tls_obj,
-                                        "--tls-creds", "tls0"]),
-            "nbdkit-proxy": self.spawn(["nbdkit", "--exit-with-parent", "-f", "-i", "127.0.0.1",
-                                        "-p", str(ports["nbdkit-proxy"]), "--tls=require",
-                                        f"--tls-certificates={self.certs}", "nbd",
-                                        f"socket={sock}"]),
-            "qemu-nbd-tcp": self.spawn(["qemu-nbd", "--persistent", "--shared=64", "--image-opts",
-                                        self.null_image(), "-b", "127.0.0.1", "-p",
-                                        str(ports["qemu-nbd-tcp"])]),
-        }
-        for name, port in ports.items():
-            wait_for(lambda port=port: port_open(port), name)
-        tls = f"?tls-certificates={self.certs}"
-        self.configs = [
-            ("nbdgw", f"nbds://localhost:{ports['nbdgw']}/{tls}", front["nbdgw"].pid),
-            ("qemu-nbd-tls", f"nbds://localhost:{ports['qemu-nbd-tls']}/{tls}", front["qemu-nbd-tls"].pid),
-            ("nbdkit-proxy", f"nbds://localhost:{ports['nbdkit-proxy']}/{tls}", front["nbdkit-proxy"].pid),
-            ("qemu-nbd-tcp", f"nbd://localhost:{ports['qemu-nbd-tcp']}/", front["qemu-nbd-tcp"].pid),
-            ("unix", f"nbd+unix:///?socket={sock}", None),
-        ]
+        if not os.path.exists(self.certs):
+            run([self.nbdgw, "certs", "--out", self.certs, "--server-name", "localhost",
+                 "--server-name", "127.0.0.1", "--server-name", LAN_SERVER_IP],
+                stdout=subprocess.DEVNULL)
+        # Room for 1,000 idle clients through each proxy.
+        self.spawn(["qemu-nbd", "--persistent", "--shared=4000", "--image-opts", self.null(),
+                    "-k", self.sock])
+        wait_for(lambda: os.path.exists(self.sock), "upstream qemu-nbd")
+        bind = LAN_SERVER_IP if self.net.lan else "127.0.0.1"
+        self.ports = {}
+        self.pids = {}
+        tls_obj = f"tls-creds-x509,id=tls0,dir={self.certs},endpoint=server,verify-peer=on"
+
+        def nbdgw(name, extra):
+            port = free_port()
+            self.ports[name] = port
+            self.pids[name] = self.spawn(
+                [self.nbdgw, "--listen", f"{bind}:{port}", "--tls-dir", self.certs,
+                 "--upstream", self.sock, "--max-connections", "2000", *extra]).pid
+
+        nbdgw("nbdgw", [])
+        for name, extra in self.variants:
+            nbdgw(name, extra)
+        for name, tls in ((REFERENCE, True), ("qemu-nbd-tcp", False)):
+            port = free_port()
+            self.ports[name] = port
+            cmd = ["qemu-nbd", "--persistent", "--shared=1100", "--image-opts", self.null(),
+                   "-b", bind, "-p", str(port)]
+            if tls:
+                cmd += ["--object", tls_obj, "--tls-creds", "tls0"]
+            self.pids[name] = self.spawn(cmd).pid
+        port = free_port()
+        self.ports["nbdkit-proxy"] = port
+        self.pids["nbdkit-proxy"] = self.spawn(
+            ["nbdkit", "-f", "-i", bind, "-p", str(port), "--tls=require",
+             f"--tls-certificates={self.certs}", "--tls-verify-peer", "nbd",
+             f"socket={self.sock}"]).pid
+        for name, port in self.ports.items():
+            wait_for(lambda port=port: self.net.port_open(port), name)
+        self.pids["unix"] = None
+        self.names = ["nbdgw", *[n for n, _ in self.variants], REFERENCE, "nbdkit-proxy",
+                      "qemu-nbd-tcp"] + ([] if self.net.lan else ["unix"])
+
+    def uri(self, name):
+        if name == "unix":
+            return f"nbd+unix:///?socket={self.sock}"
+        if name == "qemu-nbd-tcp":
+            return f"nbd://{self.net.host}:{self.ports[name]}/"
+        return f"nbds://{self.net.host}:{self.ports[name]}/?tls-certificates={self.certs}"
+
+    def server_pids(self):
+        return [p.pid for p in self.procs]
 
     def stop(self):
         for p in self.procs:
@@ -116,61 +201,331 @@ class Bench:
             except subprocess.TimeoutExpired:
                 p.kill()
 
-    def run_once(self, workload, uri, pid, connections):
-        if workload == "read":
-            cmd = ["nbdcopy", f"--connections={connections}", uri, "null:"]
-        else:
-            cmd = ["nbdcopy", f"--connections={connections}", "--",
-                   "[", "nbdkit", "--exit-with-parent", "pattern", f"size={self.size}", "]", uri]
-        before = cpu_seconds(pid) if pid else 0.0
-        start = time.monotonic()
-        subprocess.run(cmd, check=True)
-        took = time.monotonic() - start
-        cpu = (cpu_seconds(pid) - before) if pid else float("nan")
-        gib = self.size / (1 << 30)
-        return gib * 1024 / took, cpu / gib
+
+class Measure:
+    """Wall time and the front end's CPU time around one client command."""
+
+    def __init__(self, pid):
+        self.pid = pid
+
+    def __enter__(self):
+        self.cpu = cpu_seconds(self.pid) if self.pid else 0.0
+        self.start = time.monotonic()
+        return self
+
+    def __exit__(self, *exc):
+        self.took = time.monotonic() - self.start
+        self.cpu = (cpu_seconds(self.pid) - self.cpu) if self.pid else float("nan")
 
 
-def summary(values):
-    return statistics.median(values), min(values), max(values)
+def client_json(fronts, args, pin=False):
+    cmd = [PYTHON, os.path.join(BENCH, "nbdclient.py"), *args]
+    if pin:
+        cmd = ["taskset", "-c", "0", *cmd]
+    out = run(fronts.net.client(cmd), capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def pin_servers(fronts, cpus):
+    for pid in fronts.server_pids():
+        subprocess.run(["taskset", "-a", "-p", "-c", cpus, str(pid)], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+
+
+# Workloads: each takes (fronts, name, args) and returns {metric: value}.
+
+def seq(fronts, name, args, write, requests=None, request_size=None, parallel=1):
+    size = fronts.size
+    opts = ["--connections=1"]
+    if requests:
+        opts += [f"--requests={requests}", f"--request-size={request_size}", "--no-extents"]
+    uri = fronts.uri(name)
+    if write:
+        cmd = ["nbdcopy", *opts, "--", "[", "nbdkit", "--exit-with-parent", "pattern",
+               f"size={size}", "]", uri]
+    else:
+        cmd = ["nbdcopy", *opts, uri, "null:"]
+    with Measure(fronts.pids[name]) as m:
+        procs = [subprocess.Popen(fronts.net.client(cmd)) for _ in range(parallel)]
+        for p in procs:
+            if p.wait() != 0:
+                sys.exit(f"bench: {cmd} failed")
+    gib = size * parallel / (1 << 30)
+    return {"MiB/s": gib * 1024 / m.took, "CPU s/GiB": m.cpu / gib}
+
+
+def qd1_4k(fronts, name, args):
+    # Everything on one CPU: upstream, front ends and client.
+    pin_servers(fronts, "0")
+    try:
+        r = client_json(fronts, ["qd1", fronts.uri(name), str(args.qd1_count), "4096"], pin=True)
+    finally:
+        pin_servers(fronts, "0-%d" % (os.cpu_count() - 1))
+    return {"mean us": r["mean_us"], "p99 us": r["p99_us"]}
+
+
+def replay(fronts, name, args):
+    r = client_json(fronts, ["replay", fronts.uri(name), "1234"])
+    return {"ms": r["ms"]}
+
+
+def handshakes(fronts, name, args):
+    with Measure(fronts.pids[name]) as m:
+        r = client_json(fronts, ["handshakes", fronts.uri(name), str(args.handshakes)])
+    return {"per s": r["per_s"], "CPU ms each": m.cpu * 1e3 / args.handshakes}
+
+
+WORKLOADS = {
+    "seq read": lambda f, n, a: seq(f, n, a, write=False),
+    "seq write": lambda f, n, a: seq(f, n, a, write=True),
+    "QD16 64K read": lambda f, n, a: seq(f, n, a, write=False, requests=16, request_size=65536),
+    "4 conns read": lambda f, n, a: seq(f, n, a, write=False, parallel=4),
+    "QD1 4K read": qd1_4k,
+    "VM-boot replay": replay,
+    "TLS handshakes": handshakes,
+}
+# The no-TLS references have no handshake to compare.
+TLS_ONLY = {"TLS handshakes"}
+
+
+def wire_stats(fronts, name, args):
+    """Records and segments per reply, captured on the server's veth."""
+    pcap = os.path.join(fronts.work, f"{name}.pcap")
+    port = fronts.ports[name]
+    out = {}
+    for label, size, count in (("4K", 4096, 200), ("1M", 1 << 20, 20)):
+        cap = subprocess.Popen(fronts.net.server(
+            ["tshark", "-q", "-i", fronts.net.veth_server, "-f", f"tcp port {port}", "-w", pcap]),
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # tshark says "Capturing on ..." once it listens.
+        cap.stderr.readline()
+        time.sleep(0.5)
+        client_json(fronts, ["qd1", fronts.uri(name), str(count), str(size)])
+        time.sleep(0.5)
+        cap.send_signal(signal.SIGINT)
+        cap.wait(timeout=30)
+        results, mss = wire.replies(pcap, port, size)
+        out[label] = wire.summarize(results)
+        out[label]["mss"] = mss
+    return out
+
+
+def idle_rss(fronts, name, args):
+    """RSS of the front end holding --idle connections, then with a
+    sequential read streaming beside them."""
+    pid = fronts.pids[name]
+    holder = subprocess.Popen(fronts.net.client(
+        [PYTHON, os.path.join(BENCH, "nbdclient.py"), "idle", fronts.uri(name), str(args.idle)]),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    if holder.stdout.readline().strip() != "ready":
+        sys.exit(f"bench: {name} did not take {args.idle} connections")
+    time.sleep(1)
+    idle = rss_mib(pid)
+    stream = subprocess.Popen(fronts.net.client(["nbdcopy", fronts.uri(name), "null:"]))
+    peak = idle
+    while stream.poll() is None:
+        peak = max(peak, rss_mib(pid))
+        time.sleep(0.05)
+    holder.stdin.close()
+    holder.wait(timeout=60)
+    return {"idle MiB": idle, "idle+stream MiB": peak}
+
+
+def median_cell(values):
+    if not values or all(v != v for v in values):
+        return "-", float("nan")
+    med = statistics.median(values)
+    return f"{med:.{digits(med)}f} ({min(values):.{digits(med)}f}-{max(values):.{digits(med)}f})", med
+
+
+def digits(v):
+    return 0 if abs(v) >= 100 else (1 if abs(v) >= 10 else 2 if abs(v) >= 1 else 3)
+
+
+def table(results, names):
+    """results[(workload, name)] = [ {metric: value}, ... ]"""
+    medians = {}
+    cells = {}
+    for (workload, name), runs in results.items():
+        for metric in runs[0]:
+            cells[(workload, name, metric)], medians[(workload, name, metric)] = median_cell(
+                [r[metric] for r in runs])
+    lines = []
+    for workload in WORKLOADS:
+        metrics = next((list(r[0]) for (w, _), r in results.items() if w == workload), [])
+        if not metrics:
+            continue
+        lines.append(f"\n**{workload}**\n")
+        lines.append("| front end | " + " | ".join(f"{m} | vs {REFERENCE}" for m in metrics) + " |")
+        lines.append("|---" * (1 + 2 * len(metrics)) + "|")
+        for name in names:
+            if (workload, name) not in results:
+                continue
+            row = []
+            for m in metrics:
+                med, ref = medians[(workload, name, m)], medians.get((workload, REFERENCE, m))
+                ratio = f"{med / ref:.2f}x" if ref and ref == ref and med == med else "-"
+                row.append(f"{cells[(workload, name, m)]} | {ratio}")
+            lines.append(f"| {name} | " + " | ".join(row) + " |")
+    return "\n".join(lines), medians
+
+
+def references(net, work):
+    """openssl's AES-256-GCM speed and one iperf3 stream, on this network."""
+    out = run(["openssl", "speed", "-seconds", "2", "-bytes", "16384", "-evp", "aes-256-gcm"],
+              capture_output=True, text=True).stdout
+    line = [l for l in out.splitlines() if l.lower().startswith("aes-256-gcm")][-1]
+    aes = float(line.split()[-1].rstrip("k")) * 1000 / (1 << 20)
+    port = free_port()
+    server = subprocess.Popen(net.server(["iperf3", "-s", "-p", str(port)]),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    host = LAN_SERVER_IP if net.lan else "127.0.0.1"
+    try:
+        wait_for(lambda: net.port_open(port), "iperf3")
+        res = json.loads(run(net.client(["iperf3", "-c", host, "-p", str(port), "-t", "3", "-J"]),
+                             capture_output=True, text=True).stdout)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    gbit = res["end"]["sum_received"]["bits_per_second"] / 1e9
+    return aes, gbit
+
+
+def bench_mode(args, lan, work):
+    net = Network(lan)
+    fronts = Fronts(work, net, args.size_gib << 30, args.variants)
+    results = {}
+    extra = {}
+    try:
+        net.up()
+        fronts.start()
+        aes, gbit = references(net, work)
+        extra["references"] = (aes, gbit)
+        for rep in range(args.reps):
+            for workload, fn in WORKLOADS.items():
+                if workload not in args.workloads:
+                    continue
+                for name in fronts.names:
+                    if workload in TLS_ONLY and name not in TLS_FRONTS and name not in dict(args.variants):
+                        continue
+                    results.setdefault((workload, name), []).append(fn(fronts, name, args))
+            print(f"  {net.name}: rep {rep + 1}/{args.reps} done", file=sys.stderr)
+        if lan and "wire" in args.workloads:
+            extra["wire"] = {n: wire_stats(fronts, n, args) for n in TLS_FRONTS}
+        if not lan and "rss" in args.workloads:
+            extra["rss"] = {n: idle_rss(fronts, n, args) for n in TLS_FRONTS}
+    finally:
+        fronts.stop()
+        net.down()
+    return net, fronts.names, results, extra
+
+
+def print_mode(net, names, results, extra, args):
+    print(f"\n## {net.name}\n")
+    aes, gbit = extra["references"]
+    print(f"References: openssl AES-256-GCM (16 KiB blocks, one core) {aes:.0f} MiB/s; "
+          f"iperf3, one TCP stream, {gbit:.1f} Gbit/s.")
+    text, medians = table(results, names)
+    print(text)
+    if "wire" in extra:
+        print("\n**TLS records and TCP segments per reply** (QD1 reads, server side of the veth)\n")
+        print("| front end | reply | replies | records median | records max | segments median "
+              "| replies with >1 segment below MSS |")
+        print("|---|---|---|---|---|---|---|")
+        for name, by in extra["wire"].items():
+            for label, s in by.items():
+                print(f"| {name} | {label} | {s['replies']} | {s.get('records_median', '-')} | "
+                      f"{s.get('records_max', '-')} | {s.get('segments_median', '-')} | "
+                      f"{s.get('replies_with_2plus_short_segments', '-')} |")
+    if "rss" in extra:
+        print(f"\n**Memory** ({args.idle} idle TLS connections, then one sequential read beside them)\n")
+        print("| front end | RSS idle MiB | RSS idle + stream MiB |")
+        print("|---|---|---|")
+        for name, r in extra["rss"].items():
+            print(f"| {name} | {r['idle MiB']:.1f} | {r['idle+stream MiB']:.1f} |")
+    return medians
+
+
+def targets(loop, lan, extra_loop, extra_lan):
+    """The issue's targets, each with the measured ratio."""
+    rows = []
+
+    def ratio(medians, workload, metric, a, b):
+        x, y = medians.get((workload, a, metric)), medians.get((workload, b, metric))
+        return x / y if x and y else float("nan")
+
+    def add(what, value, limit, lower_is_better=True):
+        ok = value <= limit if lower_is_better else value >= limit
+        rows.append(f"| {what} | {value:.2f} | {'≤' if lower_is_better else '≥'} {limit} | "
+                    f"{'met' if ok else 'missed'} |")
+
+    for w in ("seq read", "seq write"):
+        add(f"{w}: CPU/GiB vs qemu-nbd TLS", ratio(loop, w, "CPU s/GiB", "nbdgw", REFERENCE), 0.6)
+        add(f"{w}: CPU/GiB vs nbdkit proxy", ratio(loop, w, "CPU s/GiB", "nbdgw", "nbdkit-proxy"), 0.5)
+        add(f"{w}: throughput vs qemu-nbd TLS", ratio(loop, w, "MiB/s", "nbdgw", REFERENCE), 1.0, False)
+        add(f"{w}: throughput vs nbdkit proxy", ratio(loop, w, "MiB/s", "nbdgw", "nbdkit-proxy"), 1.3, False)
+    add("QD1 4K latency vs qemu-nbd TLS", ratio(loop, "QD1 4K read", "mean us", "nbdgw", REFERENCE), 1.0)
+    add("QD1 4K latency vs nbdkit proxy", ratio(loop, "QD1 4K read", "mean us", "nbdgw", "nbdkit-proxy"), 0.6)
+    if lan:
+        add("LAN VM-boot replay vs qemu-nbd TLS", ratio(lan, "VM-boot replay", "ms", "nbdgw", REFERENCE), 1.0)
+        tcp = lan.get(("VM-boot replay", "qemu-nbd-tcp", "ms"))
+        ours = lan.get(("VM-boot replay", "nbdgw", "ms"))
+        theirs = lan.get(("VM-boot replay", REFERENCE, "ms"))
+        if tcp and ours and theirs:
+            add("LAN VM-boot: TLS cost over TCP vs qemu-nbd TLS's", (ours - tcp) / (theirs - tcp), 0.6)
+    add("handshake CPU vs qemu-nbd TLS", ratio(loop, "TLS handshakes", "CPU ms each", "nbdgw", REFERENCE), 0.5)
+    add("handshakes/s vs qemu-nbd TLS", ratio(loop, "TLS handshakes", "per s", "nbdgw", REFERENCE), 1.0, False)
+    if extra_lan and "wire" in extra_lan:
+        w = extra_lan["wire"]["nbdgw"]
+        add("LAN: TLS records per 4K reply", w["4K"].get("records_max", float("nan")), 1)
+        add("LAN: replies with >1 segment below MSS", w["4K"].get("replies_with_2plus_short_segments", 0)
+            + w["1M"].get("replies_with_2plus_short_segments", 0), 0)
+    if extra_loop and "rss" in extra_loop:
+        add("RSS, 1,000 idle connections (MiB)", extra_loop["rss"]["nbdgw"]["idle MiB"], 64)
+    print("\n## Targets (nbdgw against the peers, this run)\n")
+    print("| target | measured | goal | |")
+    print("|---|---|---|---|")
+    print("\n".join(rows))
+
+
+def parse_variant(text):
+    name, _, flags = text.partition("=")
+    return (f"nbdgw-{name}", flags.split())
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size-gib", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--connections", type=int, default=1)
+    ap.add_argument("--size-gib", type=int, default=1, help="export size; bytes per sequential run")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--qd1-count", type=int, default=3000)
+    ap.add_argument("--handshakes", type=int, default=300)
+    ap.add_argument("--idle", type=int, default=1000, help="idle connections for the RSS figure")
+    ap.add_argument("--modes", default="loopback,lan")
+    ap.add_argument("--workloads", default=",".join([*WORKLOADS, "wire", "rss"]),
+                    help="comma-separated subset of: " + ", ".join([*WORKLOADS, "wire", "rss"]))
+    ap.add_argument("--variant", dest="variants", action="append", type=parse_variant, default=[],
+                    metavar="NAME=FLAGS",
+                    help="also run nbdgw with these flags, e.g. nocork=--no-cork (repeatable)")
     args = ap.parse_args()
-    for tool in ("qemu-nbd", "nbdkit", "nbdcopy"):
+    args.workloads = set(args.workloads.split(","))
+    if os.geteuid() != 0:
+        sys.exit("bench: run as root (network namespaces, packet capture, pinning)")
+    for tool in ("qemu-nbd", "nbdkit", "nbdcopy", "tshark", "iperf3", "openssl", "ethtool", "taskset"):
         if not shutil.which(tool):
-            sys.exit(f"bench: {tool} missing: apt-get install -y qemu-utils nbdkit libnbd-bin")
-    subprocess.run(["cargo", "build", "--release", "--locked", "-q"], cwd=ROOT, check=True)
+            sys.exit(f"bench: {tool} missing: run bench/setup.sh")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    run(["cargo", "build", "--release", "--locked", "-q"], cwd=ROOT)
+    print(f"# nbdgw benchmark, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, "
+          f"{args.size_gib} GiB per sequential run, {args.reps} interleaved reps, medians (min-max)")
+    modes = {}
     with tempfile.TemporaryDirectory() as work:
-        bench = Bench(work, args.size_gib)
-        try:
-            bench.start()
-            results = {}
-            for rep in range(args.reps):
-                for workload in ("read", "write"):
-                    for name, uri, pid in bench.configs:
-                        mib_s, cpu = bench.run_once(workload, uri, pid, args.connections)
-                        results.setdefault((workload, name), []).append((mib_s, cpu))
-        finally:
-            bench.stop()
-    print(f"# {args.size_gib} GiB per run, {args.reps} runs interleaved, "
-          f"{args.connections} connection(s), medians (min-max)")
-    print("| workload | front end | MiB/s | vs qemu-nbd-tls | front-end CPU s/GiB | vs qemu-nbd-tls |")
-    print("|---|---|---|---|---|---|")
-    for workload in ("read", "write"):
-        ref_speed = summary([r[0] for r in results[(workload, "qemu-nbd-tls")]])[0]
-        ref_cpu = summary([r[1] for r in results[(workload, "qemu-nbd-tls")]])[0]
-        for name, _, pid in bench.configs:
-            speeds = summary([r[0] for r in results[(workload, name)]])
-            cpus = summary([r[1] for r in results[(workload, name)]])
-            cpu_cell = f"{cpus[0]:.3f} ({cpus[1]:.3f}-{cpus[2]:.3f})" if pid else "-"
-            cpu_ratio = f"{cpus[0] / ref_cpu:.2f}x" if pid else "-"
-            print(f"| {workload} | {name} | {speeds[0]:.0f} ({speeds[1]:.0f}-{speeds[2]:.0f}) "
-                  f"| {speeds[0] / ref_speed:.2f}x | {cpu_cell} | {cpu_ratio} |")
+        for mode in args.modes.split(","):
+            net, names, results, extra = bench_mode(args, mode == "lan", work)
+            modes[mode] = (print_mode(net, names, results, extra, args), extra)
+    loop, extra_loop = modes.get("loopback", ({}, {}))
+    lan, extra_lan = modes.get("lan", ({}, {}))
+    targets(loop, lan, extra_loop, extra_lan)
 
 
 if __name__ == "__main__":

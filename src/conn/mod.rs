@@ -171,6 +171,7 @@ async fn run(
         info!(
             tls_version = ?conn.protocol_version(),
             cipher_suite = ?conn.negotiated_cipher_suite().map(|s| s.suite()),
+            key_exchange = ?conn.negotiated_key_exchange_group().map(|g| g.name()),
             %client,
             "TLS established"
         );

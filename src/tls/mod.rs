@@ -134,9 +134,15 @@ pub fn build(material: &Material, policy: &TlsPolicy) -> Result<Loaded, TlsConfi
             None => (builder.with_no_client_auth(), None, 0),
         },
     };
-    let config = builder
+    let mut config = builder
         .with_single_cert(chain, private_key)
         .map_err(rustls_err)?;
+    // No session resumption: NBD clients (qemu, libnbd) do not resume, so
+    // tickets would cost a signature-free but needless record per
+    // connection, and a resumed session would skip the client certificate
+    // checks (and a CRL loaded since).
+    config.send_tls13_tickets = 0;
+    config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
     Ok(Loaded {
         config: Arc::new(config),
         served,

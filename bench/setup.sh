@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Everything bench/run.py needs on a fresh Debian machine, from Debian's
+# packages: the peers (qemu-nbd, nbdkit), the clients (nbdcopy, libnbd's
+# Python bindings), packet capture, iperf3 and the namespace tools.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+need=()
+for pair in qemu-nbd:qemu-utils nbdkit:nbdkit nbdcopy:libnbd-bin tshark:tshark \
+            iperf3:iperf3 openssl:openssl ethtool:ethtool ip:iproute2 taskset:util-linux; do
+    command -v "${pair%%:*}" >/dev/null || need+=("${pair#*:}")
+done
+/usr/bin/python3 -c 'import nbd' 2>/dev/null || need+=(python3-libnbd)
+if [ ${#need[@]} -gt 0 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq "${need[@]}"
+fi
