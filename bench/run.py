@@ -411,7 +411,8 @@ def bench_mode(args, lan, work):
                     results.setdefault((workload, name), []).append(fn(fronts, name, args))
             print(f"  {net.name}: rep {rep + 1}/{args.reps} done", file=sys.stderr)
         if lan and "wire" in args.workloads:
-            extra["wire"] = {n: wire_stats(fronts, n, args) for n in TLS_FRONTS}
+            variants = [name for name, _ in args.variants]
+            extra["wire"] = {n: wire_stats(fronts, n, args) for n in [*TLS_FRONTS, *variants]}
         if not lan and "rss" in args.workloads:
             extra["rss"] = {n: idle_rss(fronts, n, args) for n in TLS_FRONTS}
     finally:

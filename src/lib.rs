@@ -7,6 +7,7 @@
 pub mod certs;
 pub mod config;
 mod conn;
+pub mod limits;
 pub mod proto;
 mod server;
 pub mod tls;

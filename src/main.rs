@@ -121,6 +121,10 @@ struct ServeArgs {
     /// Do not hold TCP_CORK around replies (to measure its effect).
     #[arg(long, env = "NBDGW_NO_CORK")]
     no_cork: bool,
+    /// Worker threads; 0 means one per CPU. In a container, match the CPU
+    /// limit.
+    #[arg(long, env = "NBDGW_THREADS", default_value_t = 0)]
+    threads: usize,
     /// Log format; the filter comes from RUST_LOG (default info).
     #[arg(long, env = "NBDGW_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
@@ -256,12 +260,17 @@ fn serve(args: ServeArgs) -> Result<()> {
     config.shutdown_grace = Duration::from_secs(args.shutdown_grace);
     config.cork = !args.no_cork;
 
+    report_fd_limit(args.max_connections);
     report_sndbuf(args.upstream_sndbuf);
     if !nbdgw::upstream::looks_like_socket(upstream) {
         warn!(upstream = %upstream.display(), "upstream socket does not exist yet; clients will get an error until it does");
     }
 
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if args.threads > 0 {
+        runtime.worker_threads(args.threads);
+    }
+    let runtime = runtime
         .enable_all()
         .build()
         .context("starting the async runtime")?;
@@ -279,6 +288,25 @@ fn serve(args: ServeArgs) -> Result<()> {
         nbdgw::run(listener, Arc::new(config), shutdown_signal()).await?;
         Ok(())
     })
+}
+
+/// Raises the descriptor limit and warns when it still cannot hold
+/// `--max-connections` (3 descriptors each).
+fn report_fd_limit(max_connections: usize) {
+    use nbdgw::limits::{fds_needed, raise_fd_limit};
+    match raise_fd_limit() {
+        Ok(limit) if !limit.fits(max_connections) => warn!(
+            limit = limit.now,
+            needed = fds_needed(max_connections),
+            max_connections,
+            "the file descriptor limit (RLIMIT_NOFILE, e.g. LimitNOFILE= in systemd) is too low for --max-connections; connections beyond it will fail at accept"
+        ),
+        Ok(limit) if limit.before != limit.now => {
+            info!(from = limit.before, to = limit.now, "raised the file descriptor limit")
+        }
+        Ok(_) => {}
+        Err(e) => warn!(error = %e, "cannot raise the file descriptor limit"),
+    }
 }
 
 /// Logs the upstream send buffer the kernel grants, and warns once when
