@@ -506,7 +506,7 @@ def main():
                     help="comma-separated subset of: " + ", ".join([*WORKLOADS, "wire", "rss"]))
     ap.add_argument("--variant", dest="variants", action="append", type=parse_variant, default=[],
                     metavar="NAME=FLAGS",
-                    help="also run nbdgw with these flags, e.g. nocork=--no-cork (repeatable)")
+                    help="also run nbdgw with these flags, e.g. nocork='--cork off' (repeatable)")
     args = ap.parse_args()
     args.workloads = set(args.workloads.split(","))
     if os.geteuid() != 0:

@@ -23,8 +23,8 @@ pub struct Config {
     pub max_payload: u32,
     /// Largest option data (or option reply data) either side may send.
     pub max_option_len: u32,
-    /// Hold TCP_CORK around each reply burst.
-    pub cork: bool,
+    /// How replies are held back into full TCP segments.
+    pub cork: Cork,
     /// How long open connections may finish after SIGTERM.
     pub shutdown_grace: Duration,
     pub upstream_connect_timeout: Duration,
@@ -42,11 +42,23 @@ impl Config {
             idle_timeout: None,
             max_payload: crate::proto::consts::DEFAULT_MAX_PAYLOAD,
             max_option_len: DEFAULT_MAX_OPTION_LEN,
-            cork: true,
+            cork: Cork::Deferred,
             shutdown_grace: Duration::from_secs(DEFAULT_SHUTDOWN_GRACE_SECS),
             upstream_connect_timeout: Duration::from_secs(5),
         }
     }
+}
+
+/// TCP_CORK around replies.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Cork {
+    /// Corked while the next reply is already waiting; released when
+    /// nothing more is (a burst that fits one write needs no cork at all).
+    #[default]
+    Deferred,
+    /// Corked around every reply and released after it, as QEMU does.
+    PerReply,
+    Off,
 }
 
 pub const DEFAULT_UPSTREAM_SNDBUF: usize = 2 * 1024 * 1024;

@@ -7,7 +7,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::raw::{go_data, meta_context_data, RawClient};
+use common::raw::{assemble, go_data, meta_context_data, RawClient};
 use common::{Env, Gateway, QemuNbd, RecordCounter};
 use nbdgw::proto::consts::*;
 use nbdgw::proto::transmission::ReplyMode;
@@ -655,4 +655,40 @@ fn clients_still_negotiating_at_shutdown_get_err_shutdown() {
         assert_eq!(c.option(OPT_ABORT, &[])[0].reply_type, REP_ACK);
     }
     stopper.join().unwrap().expect("run() returns Ok");
+}
+
+#[test]
+fn every_cork_mode_relays_pipelined_reads_and_keeps_small_replies_in_one_record() {
+    use nbdgw::config::Cork;
+    for cork in [Cork::Deferred, Cork::PerReply, Cork::Off] {
+        let s = setup_with(&[], |c| c.cork = cork);
+        let image = std::fs::read(&s.upstream.image).unwrap();
+        let (counter, mut c) = counted_client(&s);
+        // Sixteen reads in flight at once, small and large mixed.
+        let reads: Vec<(u64, u64, usize)> = (0..16u64)
+            .map(|i| (100 + i, i * 65536, if i % 4 == 0 { 300_000 } else { 4096 }))
+            .collect();
+        for &(cookie, offset, len) in &reads {
+            c.send_request(0, CMD_READ, cookie, offset, len as u64, &[]);
+        }
+        for _ in &reads {
+            let reply = c.read_reply(0);
+            let &(cookie, offset, len) = reads.iter().find(|r| r.0 == reply[0].cookie).unwrap();
+            let data = assemble(&reply, cookie, offset, len);
+            assert!(
+                data == image[offset as usize..offset as usize + len],
+                "{cork:?}: wrong data for cookie {cookie}"
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        let before = counter.records().len();
+        c.read(200, 8192, 4096);
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(
+            counter.records()[before..],
+            [32 + 8 + 4096 + TLS13_OVERHEAD],
+            "{cork:?}"
+        );
+        c.disconnect();
+    }
 }

@@ -150,7 +150,7 @@ async fn run(
     tcp.set_nodelay(true).map_err(ConnError::Client)?;
     // A second handle on the same socket for TCP_CORK once the TLS stream
     // is split into halves.
-    let cork_handle = if config.cork {
+    let cork_handle = if config.cork != crate::config::Cork::Off {
         socket2::SockRef::from(&tcp).try_clone().ok()
     } else {
         None

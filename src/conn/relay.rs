@@ -26,7 +26,7 @@ use tracing::debug;
 
 use super::negotiate::Session;
 use super::{discard, ClientTls, ConnError, Stats};
-use crate::config::Config;
+use crate::config::{Config, Cork};
 use crate::proto::consts::*;
 use crate::proto::transmission::{
     encode_error_reply, parse_reply, reply_header_len, InFlight, InFlightTable, ReplyMode, Request,
@@ -116,6 +116,7 @@ pub(super) async fn run(
         out: Vec::with_capacity(REPLY_CHUNK),
         cork: cork.as_ref(),
         corked: false,
+        per_reply: config.cork == Cork::PerReply,
         stats,
     };
     let replies = relay_replies(&mut up_rd, &mut writer, &shared, local_rx, mode, config);
@@ -320,6 +321,8 @@ struct ReplyWriter<'a> {
     out: Vec<u8>,
     cork: Option<&'a socket2::Socket>,
     corked: bool,
+    /// Cork every reply and release it at the reply's end (`Cork::PerReply`).
+    per_reply: bool,
     stats: &'a Stats,
 }
 
@@ -365,7 +368,7 @@ impl ReplyWriter<'_> {
         if self.out.is_empty() {
             return Ok(());
         }
-        if self.out.len() > UNCORKED_BURST_MAX {
+        if self.per_reply || self.out.len() > UNCORKED_BURST_MAX {
             self.cork();
         }
         self.client
@@ -425,6 +428,9 @@ async fn relay_replies(
                 writer.append(&bytes).await?;
                 shared.complete(cookie);
                 Stats::add(&writer.stats.replies, 1);
+                if writer.per_reply {
+                    writer.end_burst().await?;
+                }
             }
             Next::Local(Some(Local::Disconnect)) => draining = true,
             Next::Local(None) => {
@@ -441,7 +447,11 @@ async fn relay_replies(
                 }
             }
             Next::Upstream => {
-                relay_one_reply(upstream, writer, shared, mode, max_reply, &mut header).await?
+                let done =
+                    relay_one_reply(upstream, writer, shared, mode, max_reply, &mut header).await?;
+                if done && writer.per_reply {
+                    writer.end_burst().await?;
+                }
             }
         }
     }
@@ -498,7 +508,7 @@ async fn relay_one_reply(
     mode: ReplyMode,
     max_reply: u64,
     header: &mut [u8; EXTENDED_REPLY_LEN],
-) -> Result<(), ConnError> {
+) -> Result<bool, ConnError> {
     let eof = |e| ConnError::upstream_read(e, "in the middle of a reply");
     // The magic tells how long the header is.
     upstream.read_exact(&mut header[..4]).await.map_err(eof)?;
@@ -536,5 +546,5 @@ async fn relay_one_reply(
         shared.complete(frame.cookie);
         Stats::add(&writer.stats.replies, 1);
     }
-    Ok(())
+    Ok(frame.done)
 }
