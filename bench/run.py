@@ -152,16 +152,16 @@ class Fronts:
         self.pids = {}
         tls_obj = f"tls-creds-x509,id=tls0,dir={self.certs},endpoint=server,verify-peer=on"
 
-        def nbdgw(name, extra):
+        def nbdgw(name, extra, binary):
             port = free_port()
             self.ports[name] = port
             self.pids[name] = self.spawn(
-                [self.nbdgw, "--listen", f"{bind}:{port}", "--tls-dir", self.certs,
+                [binary, "--listen", f"{bind}:{port}", "--tls-dir", self.certs,
                  "--upstream", self.sock, "--max-connections", "2000", *extra]).pid
 
-        nbdgw("nbdgw", [])
-        for name, extra in self.variants:
-            nbdgw(name, extra)
+        nbdgw("nbdgw", [], self.nbdgw)
+        for name, extra, binary in self.variants:
+            nbdgw(name, extra, binary or self.nbdgw)
         for name, tls in ((REFERENCE, True), ("qemu-nbd-tcp", False)):
             port = free_port()
             self.ports[name] = port
@@ -179,7 +179,7 @@ class Fronts:
         for name, port in self.ports.items():
             wait_for(lambda port=port: self.net.port_open(port), name)
         self.pids["unix"] = None
-        self.names = ["nbdgw", *[n for n, _ in self.variants], REFERENCE, "nbdkit-proxy",
+        self.names = ["nbdgw", *[v[0] for v in self.variants], REFERENCE, "nbdkit-proxy",
                       "qemu-nbd-tcp"] + ([] if self.net.lan else ["unix"])
 
     def uri(self, name):
@@ -394,6 +394,7 @@ def references(net, work):
 def bench_mode(args, lan, work):
     net = Network(lan)
     fronts = Fronts(work, net, args.size_gib << 30, args.variants)
+    variant_names = {v[0] for v in args.variants}
     results = {}
     extra = {}
     try:
@@ -406,13 +407,12 @@ def bench_mode(args, lan, work):
                 if workload not in args.workloads:
                     continue
                 for name in fronts.names:
-                    if workload in TLS_ONLY and name not in TLS_FRONTS and name not in dict(args.variants):
+                    if workload in TLS_ONLY and name not in TLS_FRONTS and name not in variant_names:
                         continue
                     results.setdefault((workload, name), []).append(fn(fronts, name, args))
             print(f"  {net.name}: rep {rep + 1}/{args.reps} done", file=sys.stderr)
         if lan and "wire" in args.workloads:
-            variants = [name for name, _ in args.variants]
-            extra["wire"] = {n: wire_stats(fronts, n, args) for n in [*TLS_FRONTS, *variants]}
+            extra["wire"] = {n: wire_stats(fronts, n, args) for n in [*TLS_FRONTS, *variant_names]}
         if not lan and "rss" in args.workloads:
             extra["rss"] = {n: idle_rss(fronts, n, args) for n in TLS_FRONTS}
     finally:
@@ -456,6 +456,8 @@ def targets(loop, lan, extra_loop, extra_lan):
         return x / y if x and y else float("nan")
 
     def add(what, value, limit, lower_is_better=True):
+        if value != value:  # the workload was not part of this run
+            return
         ok = value <= limit if lower_is_better else value >= limit
         rows.append(f"| {what} | {value:.2f} | {'≤' if lower_is_better else '≥'} {limit} | "
                     f"{'met' if ok else 'missed'} |")
@@ -491,7 +493,15 @@ def targets(loop, lan, extra_loop, extra_lan):
 
 def parse_variant(text):
     name, _, flags = text.partition("=")
-    return (f"nbdgw-{name}", flags.split())
+    return (f"nbdgw-{name}", flags.split(), None)
+
+
+def parse_variant_bin(text):
+    """Another nbdgw binary (a build with different constants), default flags."""
+    name, _, path = text.partition("=")
+    if not os.access(path, os.X_OK):
+        raise argparse.ArgumentTypeError(f"{path} is not an executable")
+    return (f"nbdgw-{name}", [], os.path.abspath(path))
 
 
 def main():
@@ -507,6 +517,9 @@ def main():
     ap.add_argument("--variant", dest="variants", action="append", type=parse_variant, default=[],
                     metavar="NAME=FLAGS",
                     help="also run nbdgw with these flags, e.g. nocork='--cork off' (repeatable)")
+    ap.add_argument("--variant-bin", dest="variants", action="append", type=parse_variant_bin,
+                    metavar="NAME=PATH",
+                    help="also run this nbdgw binary, e.g. a build with another reply chunk size")
     args = ap.parse_args()
     args.workloads = set(args.workloads.split(","))
     if os.geteuid() != 0:

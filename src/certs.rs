@@ -217,3 +217,52 @@ fn write_file(path: &Path, contents: &str, secret: bool, force: bool) -> Result<
     f.write_all(contents.as_bytes()).map_err(err)?;
     f.sync_all().map_err(err)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tls::CertInfo;
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::CertificateDer;
+
+    fn request(out: &Path, uris: &[&str]) -> CertsRequest {
+        CertsRequest {
+            out: out.to_owned(),
+            server_names: vec!["localhost".into()],
+            client_names: vec!["a".into(), "b".into()],
+            client_uris: uris.iter().map(|u| u.to_string()).collect(),
+            days: 1,
+            force: false,
+        }
+    }
+
+    #[test]
+    fn the_nth_uri_goes_into_the_nth_client_certificate() {
+        let dir = tempfile::tempdir().unwrap();
+        generate(&request(dir.path(), &["spiffe://td/a", "spiffe://td/b"])).unwrap();
+        for (file, cn, uri) in [
+            ("client-cert.pem", "a", "spiffe://td/a"),
+            ("client-b-cert.pem", "b", "spiffe://td/b"),
+        ] {
+            let der = CertificateDer::from_pem_file(dir.path().join(file)).unwrap();
+            let info = CertInfo::from_der(&der).unwrap();
+            assert_eq!(info.common_names, [cn]);
+            assert_eq!(info.dns_names, [cn]);
+            assert_eq!(info.uris, [uri]);
+        }
+    }
+
+    #[test]
+    fn more_uris_than_clients_or_a_uri_without_scheme_is_refused_before_writing() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out");
+        let err = generate(&request(&out, &["a:1", "b:2", "c:3"])).unwrap_err();
+        assert!(
+            err.to_string().contains("3 --client-uri given for 2"),
+            "{err}"
+        );
+        let err = generate(&request(&out, &["no-scheme"])).unwrap_err();
+        assert!(err.to_string().contains("expected scheme:rest"), "{err}");
+        assert!(!out.exists(), "nothing written");
+    }
+}

@@ -350,7 +350,7 @@ impl ReplyWriter<'_> {
     async fn append(&mut self, mut bytes: &[u8]) -> Result<(), ConnError> {
         while !bytes.is_empty() {
             if self.room() == 0 {
-                self.send().await?;
+                self.send_more().await?;
             }
             let n = self.room().min(bytes.len());
             self.out.extend_from_slice(&bytes[..n]);
@@ -359,11 +359,17 @@ impl ReplyWriter<'_> {
         Ok(())
     }
 
+    /// The buffer is full and more of the burst follows: cork first, so
+    /// the partial segment at its end waits for the rest.
+    async fn send_more(&mut self) -> Result<(), ConnError> {
+        self.cork();
+        self.send().await
+    }
+
     /// Hands the buffer to rustls and flushes it to the socket. A burst
     /// small enough to leave in one write goes out as whole segments with
     /// TCP_NODELAY alone, saving the two cork syscalls per reply that QD1
-    /// traffic would otherwise pay; anything larger is corked so partial
-    /// segments wait for the rest of the burst.
+    /// traffic would otherwise pay.
     async fn send(&mut self) -> Result<(), ConnError> {
         if self.out.is_empty() {
             return Ok(());
@@ -525,7 +531,7 @@ async fn relay_one_reply(
     let mut remaining = frame.payload_len;
     while remaining > 0 {
         if writer.room() == 0 {
-            writer.send().await?;
+            writer.send_more().await?;
         }
         let want = remaining.min(writer.room() as u64);
         // Straight into the spare capacity of the reply buffer: no zeroing,
