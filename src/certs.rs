@@ -176,6 +176,21 @@ pub fn generate(req: &CertsRequest) -> Result<Vec<PathBuf>, CertsError> {
     Ok(written)
 }
 
+/// A CA, a server certificate for `server_name` and one client
+/// certificate `client`, valid `days`: what unit tests load.
+#[cfg(test)]
+pub(crate) fn for_test(out: &Path, server_name: &str, days: u32) -> Vec<PathBuf> {
+    generate(&CertsRequest {
+        out: out.to_owned(),
+        server_names: vec![server_name.into()],
+        client_names: vec!["client".into()],
+        client_uris: vec![],
+        days,
+        force: true,
+    })
+    .expect("generate test certificates")
+}
+
 fn client_stem(index: usize, name: &str) -> String {
     if index == 0 {
         "client".to_string()

@@ -231,21 +231,12 @@ pub fn load_server_config(cert: &Path, key: &Path) -> Result<ServerConfig, TlsCo
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::certs::{generate, CertsRequest};
 
     #[test]
     fn names_what_is_wrong_with_the_files() {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("c");
-        generate(&CertsRequest {
-            out: out.clone(),
-            server_names: vec!["localhost".into()],
-            client_names: vec!["a".into()],
-            client_uris: vec![],
-            days: 1,
-            force: false,
-        })
-        .unwrap();
+        crate::certs::for_test(&out, "localhost", 1);
         let f = |name: &str| out.join(name);
         load_server_config(&f("server-cert.pem"), &f("server-key.pem")).unwrap();
         let cases = [
@@ -270,22 +261,14 @@ mod tests {
     fn policy_needs_a_client_ca() {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().to_owned();
-        generate(&CertsRequest {
-            out: out.clone(),
-            server_names: vec!["localhost".into()],
-            client_names: vec!["a".into()],
-            client_uris: vec![],
-            days: 3,
-            force: false,
-        })
-        .unwrap();
+        crate::certs::for_test(&out, "localhost", 3);
         let mut material = Material::read(&TlsSources::files(
             &out.join("server-cert.pem"),
             &out.join("server-key.pem"),
         ))
         .unwrap();
         let policy = TlsPolicy {
-            allow: AllowList::new(vec!["a".into()], vec![], vec![]).unwrap(),
+            allow: AllowList::new(vec!["client".into()], vec![], vec![]).unwrap(),
             ..TlsPolicy::default()
         };
         let err = build(&material, &policy).err().unwrap().to_string();

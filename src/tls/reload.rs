@@ -190,18 +190,9 @@ fn warn_if_expiring(served: &CertInfo) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::certs::{generate, CertsRequest};
 
     fn make(out: &std::path::Path, server: &str) {
-        generate(&CertsRequest {
-            out: out.to_owned(),
-            server_names: vec![server.into()],
-            client_names: vec!["c".into()],
-            client_uris: vec![],
-            days: 30,
-            force: true,
-        })
-        .unwrap();
+        crate::certs::for_test(out, server, 30);
     }
 
     #[test]
