@@ -47,21 +47,25 @@ def replies(pcap, server_port, reply_len):
     by_stream = defaultdict(list)
     for stream, from_server, seq, payload in segments(pcap, server_port):
         by_stream[stream].append((from_server, seq, payload))
+    return analyze(by_stream.values(), reply_len)
+
+
+def analyze(streams, reply_len):
+    """`streams`: per connection, its data segments in capture order as
+    (from_server, relative seq, payload). Returns (per-reply tuples, MSS)."""
+    mss = max((len(p) for packets in streams for f, _, p in packets if f), default=0)
     results = []
-    mss = 0
-    per_stream = []
-    for packets in by_stream.values():
+    for packets in streams:
         server = {}
         for from_server, seq, payload in packets:
             if from_server:
                 server.setdefault(seq, payload)  # retransmissions: first copy
-                mss = max(mss, len(payload))
         data = bytearray()
         for seq in sorted(server):
-            if seq == len(data) + 1:  # tshark's relative sequence numbers start at 1
+            if seq == len(data) + 1:  # relative sequence numbers start at 1
                 data += server[seq]
         starts = record_starts(bytes(data))
-        # Group server segments between client segments.
+        # A QD1 reply: the server's segments between two client segments.
         groups, current = [], []
         for from_server, seq, payload in packets:
             if from_server:
@@ -71,14 +75,11 @@ def replies(pcap, server_port, reply_len):
                 current = []
         if current:
             groups.append(current)
-        per_stream.append((starts, groups))
-    for starts, groups in per_stream:
         for group in groups:
             first = group[0][0]
             end = group[-1][0] + group[-1][1]
-            total = end - first
             # Only the read replies: payload plus framing and TLS overhead.
-            if not reply_len <= total <= reply_len + reply_len // 16 + 512:
+            if not reply_len <= end - first <= reply_len + reply_len // 16 + 512:
                 continue
             records = sum(1 for s in starts if first <= s < end)
             short = sum(1 for _, n in group if n < mss)
