@@ -342,6 +342,8 @@ fn tls_dir_reads_the_qemu_and_the_kubernetes_layouts() {
         upstream.socket.as_os_str(),
         OsStr::new("--tls-dir"),
         qemu_dir.as_os_str(),
+        OsStr::new("--tls-reload-interval"),
+        OsStr::new("1"),
     ]);
     assert!(nbdinfo_size(gw.port, &good).status.success());
     assert!(qemu_img_info(gw.port, &good).status.success());
@@ -350,6 +352,15 @@ fn tls_dir_reads_the_qemu_and_the_kubernetes_layouts() {
     let log = gw.log();
     assert!(log.contains("qemu-layout/ca-cert.pem, 1 CRL(s))"), "{log}");
     assert!(log.contains("Revoked"), "{log}");
+
+    // A new CRL that also revokes the good client: reloaded with the rest,
+    // it refuses that client from then on.
+    std::fs::write(qemu_dir.join("ca-crl.pem"), ca.crl(&[10, 66])).unwrap();
+    gw.wait_for_log("TLS certificate reloaded", 1);
+    let refused = nbdinfo_size(gw.port, &good);
+    assert!(!refused.status.success(), "a revoked client was let in");
+    gw.wait_for_log("serial 0A reason=invalid peer certificate: Revoked", 1);
+    assert!(qemu_img_info(gw.port, &anonymous).status.code() != Some(0));
 
     // Kubernetes Secret layout, through the ..data symlinks.
     let server = ca.server("k8s-server");
