@@ -618,16 +618,20 @@ fn certs_command_output_works_with_qemu_nbd_qemu_img_and_libnbd() {
         IMAGE_LEN.to_string()
     );
 
-    // And nbdgw from the same directory, admitting the SPIFFE ID.
+    // And nbdgw from the same directory, admitting the SPIFFE ID, set up
+    // through the environment as in a Kubernetes manifest (a list in one
+    // variable).
     let upstream = QemuNbd::start(&env, &image, &[]);
-    let gw = NbdgwProcess::start([
-        OsStr::new("--upstream"),
-        upstream.socket.as_os_str(),
-        OsStr::new("--tls-dir"),
-        dir.as_os_str(),
-        OsStr::new("--allow-uri"),
-        OsStr::new("spiffe://example.org/ns/*/sa/agent"),
-    ]);
+    let gw = NbdgwProcess::start_with(
+        [OsStr::new("--upstream"), upstream.socket.as_os_str()],
+        &[
+            ("NBDGW_TLS_DIR", dir.as_os_str()),
+            (
+                "NBDGW_ALLOW_URI",
+                OsStr::new("spiffe://example.org/ns/other/sa/x,spiffe://example.org/ns/*/sa/agent"),
+            ),
+        ],
+    );
     let info = qemu_img_info(gw.port, &dir);
     assert!(info.status.success(), "{}", text(&info));
     let size = nbdinfo_size(gw.port, &dir);
