@@ -692,3 +692,20 @@ fn every_cork_mode_relays_pipelined_reads_and_keeps_small_replies_in_one_record(
         c.disconnect();
     }
 }
+
+#[test]
+fn upstream_data_before_any_request_closes_that_connection() {
+    // A fake upstream: qemu-nbd never sends unsolicited bytes.
+    let env = Env::new();
+    let fake = common::fake_upstream::FakeUpstream::go_then_send(
+        &env.path("fake.sock"),
+        1 << 20,
+        b"unsolicited",
+    );
+    let gateway = Gateway::start(env.config(&fake.socket));
+    let mut c = RawClient::tls(gateway.addr, &env.certs());
+    // The GO replies themselves arrive; the stray bytes behind them end
+    // the connection instead of being taken for a reply.
+    c.go(ReplyMode::Simple);
+    c.expect_closed();
+}

@@ -5,7 +5,7 @@
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 use tracing::{debug, info, warn};
 
@@ -36,6 +36,12 @@ pub enum Outcome {
 
 /// How long a soft disconnect may take to say goodbye (close_notify).
 const GOODBYE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Upstream option replies come in bursts (INFO, INFO, ACK): read through
+/// a buffer, each burst is one read instead of two per reply.
+const UPSTREAM_NEGOTIATION_BUF: usize = 4096;
+/// Option replies to the client are gathered into one TLS write per
+/// option, up to this much (a long LIST goes out in pieces).
+const CLIENT_REPLY_BATCH: usize = 16 * 1024;
 
 pub async fn relay_options(
     mut tls: ClientTls,
@@ -57,9 +63,10 @@ pub async fn relay_options(
         }
     };
     let Upstream {
-        stream: mut up,
+        stream,
         pads_export_name,
     } = upstream;
+    let mut up = BufReader::with_capacity(UPSTREAM_NEGOTIATION_BUF, stream);
 
     let mut data = Vec::new();
     let mut reply_data = Vec::new();
@@ -109,7 +116,7 @@ pub async fn relay_options(
                 tls.write_all(&bytes).await.map_err(ConnError::Client)?;
                 tls.flush().await.map_err(ConnError::Client)?;
                 let mode = reply_mode(structured, extended);
-                return Ok(enter_transmission(tls, up, &export, mode, size, tflags));
+                return enter_transmission(tls, up, &export, mode, size, tflags);
             }
             OPT_LIST
             | OPT_INFO
@@ -160,7 +167,7 @@ pub async fn relay_options(
                         // a server that omits it gets no read-only enforcement.
                         let (size, tflags) = info_export.unwrap_or((0, 0));
                         let mode = reply_mode(structured, extended);
-                        return Ok(enter_transmission(tls, up, &export, mode, size, tflags));
+                        return enter_transmission(tls, up, &export, mode, size, tflags);
                     }
                     _ => {}
                 }
@@ -190,12 +197,20 @@ fn reply_mode(structured: bool, extended: bool) -> ReplyMode {
 
 fn enter_transmission(
     tls: ClientTls,
-    upstream: UnixStream,
+    upstream: BufReader<UnixStream>,
     export: &str,
     mode: ReplyMode,
     size: u64,
     tflags: u16,
-) -> Outcome {
+) -> Result<Outcome, ConnError> {
+    // A server sends nothing in transmission before a request, so nothing
+    // read ahead can be left behind in the negotiation buffer.
+    if !upstream.buffer().is_empty() {
+        return Err(ConnError::UpstreamProto(ProtoError::Malformed(
+            "upstream sent data after the end of negotiation, before any request",
+        )));
+    }
+    let upstream = upstream.into_inner();
     let read_only = tflags & TFLAG_READ_ONLY != 0;
     info!(
         export,
@@ -205,16 +220,16 @@ fn enter_transmission(
         read_only,
         "negotiated"
     );
-    Outcome::Transmission(Box::new(Session {
+    Ok(Outcome::Transmission(Box::new(Session {
         tls,
         upstream,
         mode,
         read_only,
-    }))
+    })))
 }
 
 async fn forward_option(
-    up: &mut UnixStream,
+    up: &mut (impl AsyncWrite + Unpin),
     option: &OptionHeader,
     data: &[u8],
 ) -> Result<(), ConnError> {
@@ -229,7 +244,7 @@ async fn forward_option(
 /// and GO, the export size and transmission flags the upstream announced.
 async fn relay_one(
     tls: &mut ClientTls,
-    up: &mut UnixStream,
+    up: &mut BufReader<UnixStream>,
     option: &OptionHeader,
     data: &[u8],
     reply_data: &mut Vec<u8>,
@@ -237,6 +252,7 @@ async fn relay_one(
     replied: &mut bool,
 ) -> Result<(u32, Option<(u64, u16)>), ConnError> {
     forward_option(up, option, data).await?;
+    reply_data.clear();
     let mut info_export = None;
     loop {
         let mut header = [0u8; OPTION_REPLY_HEADER_LEN];
@@ -256,7 +272,9 @@ async fn relay_one(
             config.max_option_len.into(),
         )
         .map_err(ConnError::UpstreamProto)?;
-        reply_data.clear();
+        // Replies gather in `reply_data` and reach the client together,
+        // as one TLS record, when the final one has come.
+        let start = reply_data.len();
         reply_data.extend_from_slice(&header);
         let read = (&mut *up)
             .take(reply.length.into())
@@ -269,14 +287,18 @@ async fn relay_one(
             ));
         }
         if reply.reply_type == REP_INFO {
-            if let Some(export) = parse_info_export(&reply_data[OPTION_REPLY_HEADER_LEN..]) {
+            let body = &reply_data[start + OPTION_REPLY_HEADER_LEN..];
+            if let Some(export) = parse_info_export(body) {
                 info_export = Some(export);
             }
         }
-        tls.write_all(reply_data).await.map_err(ConnError::Client)?;
-        *replied = true;
-        if reply.is_final() {
+        if reply.is_final() || reply_data.len() >= CLIENT_REPLY_BATCH {
+            tls.write_all(reply_data).await.map_err(ConnError::Client)?;
             tls.flush().await.map_err(ConnError::Client)?;
+            reply_data.clear();
+            *replied = true;
+        }
+        if reply.is_final() {
             return Ok((reply.reply_type, info_export));
         }
     }
