@@ -14,11 +14,25 @@ pub struct Config {
     pub tls: Arc<crate::tls::TlsStore>,
     /// `SO_SNDBUF` requested on each upstream socket; 0 keeps the kernel's.
     pub upstream_sndbuf: usize,
+    /// Established (authenticated) sessions at once.
     pub max_connections: usize,
+    /// Connections still negotiating, not yet authenticated, at once: a
+    /// budget of their own, so silent or slow peers cannot take the
+    /// slots of authenticated ones.
+    pub max_handshakes: usize,
+    /// Of `max_handshakes`, how many one source address may hold.
+    pub max_handshakes_per_source: usize,
     /// From accept until transmission starts (or the connection ends).
     pub handshake_timeout: Duration,
-    /// Closes a connection with no request in flight for this long.
+    /// Closes a connection with no request in flight and no reply being
+    /// written for this long, counted from the last reply's last byte.
     pub idle_timeout: Option<Duration>,
+    /// Closes a connection whose started request payload, or whose reply
+    /// the client does not read, makes no progress for this long.
+    pub stall_timeout: Option<Duration>,
+    /// TCP keepalive on client sockets, so a peer that vanished without a
+    /// FIN or RST (powered off, cable pulled) is noticed.
+    pub keepalive: Option<Keepalive>,
     /// Largest request payload (and read length) accepted from a client.
     pub max_payload: u32,
     /// Largest option data (or option reply data) either side may send.
@@ -30,6 +44,25 @@ pub struct Config {
     pub upstream_connect_timeout: Duration,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Keepalive {
+    /// Silence before the first probe.
+    pub idle: Duration,
+    pub interval: Duration,
+    /// Unanswered probes before the connection is dropped.
+    pub count: u32,
+}
+
+impl Default for Keepalive {
+    fn default() -> Self {
+        Keepalive {
+            idle: Duration::from_secs(DEFAULT_KEEPALIVE_IDLE_SECS),
+            interval: Duration::from_secs(DEFAULT_KEEPALIVE_INTERVAL_SECS),
+            count: DEFAULT_KEEPALIVE_COUNT,
+        }
+    }
+}
+
 impl Config {
     /// Defaults for everything but the two things only the operator knows.
     pub fn new(upstream: PathBuf, tls: Arc<crate::tls::TlsStore>) -> Self {
@@ -38,8 +71,12 @@ impl Config {
             tls,
             upstream_sndbuf: DEFAULT_UPSTREAM_SNDBUF,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_handshakes: DEFAULT_MAX_HANDSHAKES,
+            max_handshakes_per_source: DEFAULT_MAX_HANDSHAKES_PER_SOURCE,
             handshake_timeout: Duration::from_secs(DEFAULT_HANDSHAKE_TIMEOUT_SECS),
             idle_timeout: None,
+            stall_timeout: Some(Duration::from_secs(DEFAULT_STALL_TIMEOUT_SECS)),
+            keepalive: Some(Keepalive::default()),
             max_payload: crate::proto::consts::DEFAULT_MAX_PAYLOAD,
             max_option_len: DEFAULT_MAX_OPTION_LEN,
             cork: Cork::Deferred,
@@ -63,6 +100,20 @@ pub enum Cork {
 
 pub const DEFAULT_UPSTREAM_SNDBUF: usize = 2 * 1024 * 1024;
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+/// Enough for a host's VMs reconnecting at once; a TLS handshake takes
+/// about half a millisecond of CPU, so 64 finish in well under a second.
+pub const DEFAULT_MAX_HANDSHAKES: usize = 64;
+/// A NAT gateway may front several honest clients; one address holding
+/// more than this is more likely a flood.
+pub const DEFAULT_MAX_HANDSHAKES_PER_SOURCE: usize = 8;
+/// Long enough for a VM paused by its host or a congested link, short
+/// enough that a dead peer does not hold a slot for the 15 minutes TCP
+/// retransmission would take.
+pub const DEFAULT_STALL_TIMEOUT_SECS: u64 = 60;
+/// A dead client is noticed after about 60 + 10 x 6 = 120 seconds.
+pub const DEFAULT_KEEPALIVE_IDLE_SECS: u64 = 60;
+pub const DEFAULT_KEEPALIVE_INTERVAL_SECS: u64 = 10;
+pub const DEFAULT_KEEPALIVE_COUNT: u32 = 6;
 pub const DEFAULT_HANDSHAKE_TIMEOUT_SECS: u64 = 10;
 pub const DEFAULT_SHUTDOWN_GRACE_SECS: u64 = 30;
 /// Option data is a few short strings (export names and meta-context

@@ -4,12 +4,15 @@
 //! are relayed to an NBD server on a local Unix socket.
 #![forbid(unsafe_code)]
 
+mod admission;
 pub mod certs;
 pub mod config;
 mod conn;
 pub mod limits;
+pub mod logsafe;
 pub mod proto;
 mod server;
+pub mod shutdown;
 pub mod tls;
 pub mod upstream;
 

@@ -8,11 +8,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use tokio::net::TcpListener;
 use tracing::{info, warn};
 
-use nbdgw::config::{self, Config, Cork};
+use nbdgw::config::{self, Config, Cork, Keepalive};
 use nbdgw::tls::{AllowList, MinVersion, Reloader, TlsPolicy, TlsSources};
 
 /// TLS gateway for the Network Block Device protocol: accepts NBD clients
@@ -59,33 +60,28 @@ struct ServeArgs {
     /// CRLs (PEM) from the client CA: revoked client certificates are refused.
     #[arg(long, env = "NBDGW_TLS_CRL")]
     tls_crl: Option<PathBuf>,
-    /// Admit client certificates with this subject CN (repeatable;
-    /// comma-separated in the variable). Exact match.
-    #[arg(
-        long = "allow-cn",
-        value_name = "NAME",
-        env = "NBDGW_ALLOW_CN",
-        value_delimiter = ','
-    )]
+    /// Admit client certificates with this subject CN (repeatable). Exact
+    /// match. The flag takes its value whole, commas included; only the
+    /// variable is a comma-separated list.
+    #[arg(long = "allow-cn", value_name = "NAME", env = "NBDGW_ALLOW_CN")]
     allow_cn: Vec<String>,
     /// Admit client certificates with this DNS SAN; a `*` label matches
-    /// one label (repeatable).
-    #[arg(
-        long = "allow-dns",
-        value_name = "NAME",
-        env = "NBDGW_ALLOW_DNS",
-        value_delimiter = ','
-    )]
+    /// one label (repeatable; comma-separated in the variable).
+    #[arg(long = "allow-dns", value_name = "NAME", env = "NBDGW_ALLOW_DNS")]
     allow_dns: Vec<String>,
     /// Admit client certificates with this URI SAN, e.g. a SPIFFE ID; a `*`
-    /// segment matches one path segment (repeatable).
-    #[arg(
-        long = "allow-uri",
-        value_name = "URI",
-        env = "NBDGW_ALLOW_URI",
-        value_delimiter = ','
-    )]
+    /// segment matches one path segment (repeatable; comma-separated in
+    /// the variable).
+    #[arg(long = "allow-uri", value_name = "URI", env = "NBDGW_ALLOW_URI")]
     allow_uri: Vec<String>,
+    /// Admit clients whose CRL is past its nextUpdate. Without it such a
+    /// client is refused until a fresh CRL is in place.
+    #[arg(long, env = "NBDGW_TLS_CRL_ALLOW_EXPIRED")]
+    tls_crl_allow_expired: bool,
+    /// End established sessions whose client certificate a reloaded CRL
+    /// revokes (true or false).
+    #[arg(long, env = "NBDGW_TLS_REVOKE_CLOSES", default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    tls_revoke_closes: bool,
     /// Oldest TLS version accepted.
     #[arg(long, env = "NBDGW_TLS_MIN_VERSION", value_enum, default_value = "1.2")]
     tls_min_version: TlsVersion,
@@ -102,13 +98,38 @@ struct ServeArgs {
     /// Most client connections served at once; more are closed at accept.
     #[arg(long, env = "NBDGW_MAX_CONNECTIONS", default_value_t = config::DEFAULT_MAX_CONNECTIONS)]
     max_connections: usize,
+    /// Connections still negotiating (before their client certificate is
+    /// verified) served at once, apart from --max-connections; more wait
+    /// briefly in a short queue, then are closed.
+    #[arg(long, env = "NBDGW_MAX_HANDSHAKES", default_value_t = config::DEFAULT_MAX_HANDSHAKES)]
+    max_handshakes: usize,
+    /// Of those, how many one source address may hold.
+    #[arg(long, env = "NBDGW_MAX_HANDSHAKES_PER_SOURCE", default_value_t = config::DEFAULT_MAX_HANDSHAKES_PER_SOURCE)]
+    max_handshakes_per_source: usize,
     /// Seconds a client has from connecting to finishing negotiation.
     #[arg(long, env = "NBDGW_HANDSHAKE_TIMEOUT", default_value_t = config::DEFAULT_HANDSHAKE_TIMEOUT_SECS)]
     handshake_timeout: u64,
-    /// Seconds a connection may sit with no request in flight; 0 never
+    /// Seconds a connection may sit with no request in flight and no reply
+    /// being written, counted from the last reply's last byte; 0 never
     /// closes it (VM disks can be idle for hours).
     #[arg(long, env = "NBDGW_IDLE_TIMEOUT", default_value_t = 0)]
     idle_timeout: u64,
+    /// Seconds a started request payload, or a reply the client does not
+    /// read, may make no progress before the connection is closed; also
+    /// the TCP_USER_TIMEOUT for unacknowledged data. 0: never.
+    #[arg(long, env = "NBDGW_STALL_TIMEOUT", default_value_t = config::DEFAULT_STALL_TIMEOUT_SECS)]
+    stall_timeout: u64,
+    /// Seconds of silence before TCP keepalive probes a client; 0 turns
+    /// keepalive off. A client that powered off is closed after about
+    /// IDLE + INTERVAL x COUNT seconds.
+    #[arg(long, env = "NBDGW_TCP_KEEPALIVE", value_name = "IDLE", default_value_t = config::DEFAULT_KEEPALIVE_IDLE_SECS)]
+    tcp_keepalive: u64,
+    /// Seconds between keepalive probes.
+    #[arg(long, env = "NBDGW_TCP_KEEPALIVE_INTERVAL", default_value_t = config::DEFAULT_KEEPALIVE_INTERVAL_SECS)]
+    tcp_keepalive_interval: u64,
+    /// Unanswered keepalive probes before the connection is dropped.
+    #[arg(long, env = "NBDGW_TCP_KEEPALIVE_COUNT", default_value_t = config::DEFAULT_KEEPALIVE_COUNT)]
+    tcp_keepalive_count: u32,
     /// Largest request payload and read length in bytes.
     #[arg(long, env = "NBDGW_MAX_PAYLOAD", default_value_t = nbdgw::proto::consts::DEFAULT_MAX_PAYLOAD)]
     max_payload: u32,
@@ -182,7 +203,9 @@ enum LogFormat {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    split_lists_from_the_environment(&mut cli.serve, &matches);
     let result = match cli.command {
         Some(Command::Certs(args)) => certs(args),
         None => serve(cli.serve),
@@ -192,6 +215,25 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("nbdgw: {e:#}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// Names may hold commas (`CN=ACME, Backup`), so a flag's value is taken
+/// whole; a variable can hold only one value, so it is a comma-separated
+/// list.
+fn split_lists_from_the_environment(args: &mut ServeArgs, matches: &ArgMatches) {
+    for (id, list) in [
+        ("allow_cn", &mut args.allow_cn),
+        ("allow_dns", &mut args.allow_dns),
+        ("allow_uri", &mut args.allow_uri),
+    ] {
+        if matches.value_source(id) == Some(ValueSource::EnvVariable) {
+            *list = list
+                .iter()
+                .flat_map(|value| value.split(','))
+                .map(|name| name.trim().to_string())
+                .collect();
         }
     }
 }
@@ -242,8 +284,17 @@ fn serve(args: ServeArgs) -> Result<()> {
     if args.tls_cert.is_none() && args.tls_dir.is_none() {
         bail!("a server certificate is required: --tls-cert and --tls-key, or --tls-dir (or NBDGW_TLS_CERT, NBDGW_TLS_KEY, NBDGW_TLS_DIR); see --help");
     }
-    if args.max_connections == 0 || args.max_payload == 0 || args.handshake_timeout == 0 {
-        bail!("--max-connections, --max-payload and --handshake-timeout must be greater than 0");
+    if args.max_connections == 0
+        || args.max_handshakes == 0
+        || args.max_handshakes_per_source == 0
+        || args.max_payload == 0
+        || args.handshake_timeout == 0
+    {
+        bail!("--max-connections, --max-handshakes, --max-handshakes-per-source, --max-payload and --handshake-timeout must be greater than 0");
+    }
+    if args.tcp_keepalive > 0 && (args.tcp_keepalive_interval == 0 || args.tcp_keepalive_count == 0)
+    {
+        bail!("--tcp-keepalive-interval and --tcp-keepalive-count must be greater than 0 while keepalive is on");
     }
     let sources = TlsSources {
         dir: args.tls_dir.clone(),
@@ -258,6 +309,8 @@ fn serve(args: ServeArgs) -> Result<()> {
             TlsVersion::V1_3 => MinVersion::Tls13,
         },
         allow: AllowList::new(args.allow_cn, args.allow_dns, args.allow_uri)?,
+        crl_allow_expired: args.tls_crl_allow_expired,
+        revoke_closes: args.tls_revoke_closes,
     };
     let reloader = Reloader::start(sources, policy).context("loading the TLS files")?;
     let reload_interval =
@@ -265,8 +318,16 @@ fn serve(args: ServeArgs) -> Result<()> {
     let mut config = Config::new(upstream.clone(), reloader.store());
     config.upstream_sndbuf = args.upstream_sndbuf;
     config.max_connections = args.max_connections;
+    config.max_handshakes = args.max_handshakes;
+    config.max_handshakes_per_source = args.max_handshakes_per_source;
     config.handshake_timeout = Duration::from_secs(args.handshake_timeout);
-    config.idle_timeout = (args.idle_timeout > 0).then(|| Duration::from_secs(args.idle_timeout));
+    config.idle_timeout = seconds_or_off(args.idle_timeout);
+    config.stall_timeout = seconds_or_off(args.stall_timeout);
+    config.keepalive = seconds_or_off(args.tcp_keepalive).map(|idle| Keepalive {
+        idle,
+        interval: Duration::from_secs(args.tcp_keepalive_interval),
+        count: args.tcp_keepalive_count,
+    });
     config.max_payload = args.max_payload;
     config.max_option_len = args.max_option_len;
     config.shutdown_grace = Duration::from_secs(args.shutdown_grace);
@@ -276,7 +337,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         (_, CorkArg::Deferred) => Cork::Deferred,
     };
 
-    report_fd_limit(args.max_connections);
+    report_fd_limit(args.max_connections + args.max_handshakes);
     report_sndbuf(args.upstream_sndbuf);
     if !nbdgw::upstream::looks_like_socket(upstream) {
         warn!(upstream = %upstream.display(), "upstream socket does not exist yet; clients will get an error until it does");
@@ -301,9 +362,13 @@ fn serve(args: ServeArgs) -> Result<()> {
             cork = ?config.cork,
             "nbdgw listening"
         );
-        nbdgw::run(listener, Arc::new(config), shutdown_signal()).await?;
+        nbdgw::run(listener, Arc::new(config), shutdown_signals()).await?;
         Ok(())
     })
+}
+
+fn seconds_or_off(secs: u64) -> Option<Duration> {
+    (secs > 0).then(|| Duration::from_secs(secs))
 }
 
 /// Raises the descriptor limit and warns when it still cannot hold
@@ -340,9 +405,11 @@ fn report_sndbuf(requested: usize) {
     }
 }
 
-async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = match signal(SignalKind::terminate()) {
+/// Resolves at the first SIGTERM or SIGINT, which starts a graceful
+/// shutdown; a second one ends the process at once, as operators expect
+/// of a daemon that is taking too long.
+async fn shutdown_signals() {
+    let mut signals = match Signals::new() {
         Ok(s) => s,
         Err(e) => {
             warn!(error = %e, "cannot watch SIGTERM; only Ctrl-C stops nbdgw");
@@ -350,8 +417,34 @@ async fn shutdown_signal() {
             return;
         }
     };
-    tokio::select! {
-        _ = term.recv() => info!("SIGTERM received"),
-        _ = tokio::signal::ctrl_c() => info!("SIGINT received"),
+    signals.next().await;
+    tokio::spawn(async move {
+        let name = signals.next().await;
+        warn!("second {name}: exiting at once, open connections are cut");
+        std::process::exit(1);
+    });
+}
+
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> std::io::Result<Self> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Signals {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+        })
+    }
+
+    async fn next(&mut self) -> &'static str {
+        let name = tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
+        };
+        info!("{name} received");
+        name
     }
 }

@@ -1,30 +1,34 @@
-//! The accept loop: connection limit, one task per connection, graceful
+//! The accept loop: admission, one task per connection, graceful
 //! shutdown.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tracing::{error, info, warn};
 
+use crate::admission::Admission;
 use crate::config::Config;
+use crate::shutdown::{Phase, ShutdownControl};
+
+/// How long connections get to log their end and leave once the grace
+/// period is over and they have been told to stop.
+const CUT_WAIT: Duration = Duration::from_secs(1);
 
 /// Serves clients on an already-bound listener until `shutdown` resolves,
-/// then stops accepting and gives open connections `shutdown_grace` to
-/// finish before they are cut.
+/// then stops accepting, lets connections finish what is in flight, and
+/// after `shutdown_grace` cuts the ones still open.
 pub async fn run(
     listener: TcpListener,
     config: Arc<Config>,
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
-    let slots = Arc::new(Semaphore::new(config.max_connections));
+    let admission = Admission::new(&config);
     let mut connections = JoinSet::new();
     let mut next_id: u64 = 0;
-    let shutting_down = Arc::new(AtomicBool::new(false));
+    let (control, phase) = ShutdownControl::new();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
         tokio::select! {
@@ -42,43 +46,48 @@ pub async fn run(
                         continue;
                     }
                 };
-                let Ok(slot) = slots.clone().try_acquire_owned() else {
-                    warn!(%peer, limit = config.max_connections, "refused: --max-connections reached");
-                    drop(tcp);
-                    continue;
+                let source = match admission.claim_source(peer) {
+                    Ok(source) => source,
+                    Err(refusal) => {
+                        admission.log_refusal(peer, refusal);
+                        continue;
+                    }
                 };
                 next_id += 1;
-                let id = next_id;
-                let config = config.clone();
-                let shutting_down = shutting_down.clone();
+                let conn = crate::conn::Accepted { tcp, peer, id: next_id, source };
+                let (config, admission, phase) = (config.clone(), admission.clone(), phase.clone());
                 connections.spawn(async move {
-                    crate::conn::serve(tcp, peer, id, &config, &shutting_down).await;
-                    drop(slot);
+                    crate::conn::serve(conn, &config, &admission, phase).await;
                 });
             }
         }
     }
     drop(listener);
-    // Connections still negotiating are told so; those in transmission
-    // finish their work.
-    shutting_down.store(true, Ordering::Relaxed);
+    control.enter(Phase::Draining);
     let open = connections.len();
     info!(
         open,
         grace_secs = config.shutdown_grace.as_secs(),
-        "shutting down: no longer accepting"
+        "shutting down: no longer accepting; idle connections close now, requests in flight finish"
     );
-    let drained = tokio::time::timeout(config.shutdown_grace, async {
-        while connections.join_next().await.is_some() {}
-    })
-    .await;
+    let drained = tokio::time::timeout(config.shutdown_grace, drain(&mut connections)).await;
     if drained.is_err() {
         warn!(
             open = connections.len(),
-            "grace period over: closing the remaining connections"
+            "grace period over: cutting the remaining connections"
         );
-        connections.shutdown().await;
+        control.enter(Phase::Cut);
+        if tokio::time::timeout(CUT_WAIT, drain(&mut connections))
+            .await
+            .is_err()
+        {
+            connections.shutdown().await;
+        }
     }
     info!("stopped");
     Ok(())
+}
+
+async fn drain(connections: &mut JoinSet<()>) {
+    while connections.join_next().await.is_some() {}
 }

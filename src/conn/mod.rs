@@ -6,9 +6,10 @@ mod negotiate;
 mod plain;
 mod relay;
 
+use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use thiserror::Error;
@@ -16,8 +17,11 @@ use tokio::io::{AsyncRead, AsyncReadExt, BufReader};
 use tokio::net::TcpStream;
 use tracing::{info, warn, Instrument};
 
+use crate::admission::{Admission, HandshakePermit, SessionPermit, SourceClaim};
 use crate::config::Config;
 use crate::proto::ProtoError;
+use crate::shutdown::Shutdown;
+use crate::tls::SessionGuard;
 
 /// Plaintext reads before STARTTLS are tiny, but the same buffer sits under
 /// TLS afterwards, where large reads cut syscalls (a 32 MiB write payload:
@@ -48,6 +52,12 @@ pub enum ConnError {
     UpstreamClosed(String),
     #[error("upstream broke the protocol: {0}")]
     UpstreamProto(ProtoError),
+    #[error("client made no progress {0} for {1:?} (--stall-timeout)")]
+    Stalled(&'static str, Duration),
+    #[error("client certificate revoked by a reload (--tls-revoke-closes)")]
+    Revoked,
+    #[error("shutdown grace period over with requests still in flight")]
+    GraceOver,
 }
 
 impl ConnError {
@@ -99,20 +109,43 @@ impl Stats {
     }
 }
 
+/// A connection the accept loop took, counted against its source address.
+pub struct Accepted {
+    pub tcp: TcpStream,
+    pub peer: SocketAddr,
+    pub id: u64,
+    pub source: SourceClaim,
+}
+
 /// Serves one accepted connection to its end and logs how it ended.
-pub async fn serve(
-    tcp: TcpStream,
-    peer: SocketAddr,
-    id: u64,
-    config: &Config,
-    shutting_down: &AtomicBool,
-) {
+pub async fn serve(conn: Accepted, config: &Config, admission: &Admission, shutdown: Shutdown) {
+    let Accepted {
+        tcp,
+        peer,
+        id,
+        source,
+    } = conn;
     let span = tracing::info_span!("conn", id, %peer);
     async move {
+        let handshake = match admission.handshake(source).await {
+            Ok(permit) => permit,
+            Err(refusal) => return admission.log_refusal(peer, refusal),
+        };
         info!("accepted");
         let started = Instant::now();
         let stats = Stats::default();
-        let result = run(tcp, config, shutting_down, &stats).await;
+        let mut cut = shutdown.clone();
+        let link = Link {
+            id,
+            config,
+            admission,
+            shutdown,
+            stats: &stats,
+        };
+        let result = tokio::select! {
+            result = run(tcp, handshake, link) => result,
+            () = cut.cut() => Err(ConnError::GraceOver),
+        };
         let requests = Stats::get(&stats.requests);
         let replies = Stats::get(&stats.replies);
         let bytes_in = Stats::get(&stats.bytes_from_client);
@@ -138,16 +171,26 @@ pub async fn serve(
     .await
 }
 
+/// What a connection's phases share besides its streams.
+pub(crate) struct Link<'a> {
+    pub id: u64,
+    pub config: &'a Config,
+    pub admission: &'a Admission,
+    pub shutdown: Shutdown,
+    pub stats: &'a Stats,
+}
+
 /// Returns why the connection ended normally, or what went wrong.
 async fn run(
     tcp: TcpStream,
-    config: &Config,
-    shutting_down: &AtomicBool,
-    stats: &Stats,
+    handshake_permit: HandshakePermit,
+    link: Link<'_>,
 ) -> Result<&'static str, ConnError> {
+    let config = link.config;
     // Before the TLS handshake: in TLS 1.3 the client speaks last, and
     // Nagle would hold its first request behind our unacknowledged data.
     tcp.set_nodelay(true).map_err(ConnError::Client)?;
+    set_liveness_checks(&tcp, config);
     // A second handle on the same socket for TCP_CORK once the TLS stream
     // is split into halves.
     let cork_handle = if config.cork != crate::config::Cork::Off {
@@ -158,13 +201,14 @@ async fn run(
     let io = BufReader::with_capacity(CLIENT_READ_BUF, tcp);
 
     let handshake = async {
-        let (io, client_flags) = match plain::negotiate(io, config, shutting_down).await? {
+        let (io, client_flags) = match plain::negotiate(io, config, &link.shutdown).await? {
             plain::Outcome::StartTls(io, flags) => (io, flags),
-            plain::Outcome::Closed(reason) => return Ok(negotiate::Outcome::Closed(reason)),
+            plain::Outcome::Closed(reason) => return Ok(Negotiated::Closed(reason)),
         };
         let tls = plain::accept_tls(io, config).await?;
         let (_, conn) = tls.get_ref();
-        let client = match conn.peer_certificates().and_then(|chain| chain.first()) {
+        let chain = conn.peer_certificates().unwrap_or_default();
+        let client = match chain.first() {
             Some(cert) => crate::tls::identity::describe(cert),
             None => "no certificate".to_string(),
         };
@@ -175,25 +219,132 @@ async fn run(
             %client,
             "TLS established"
         );
-        negotiate::relay_options(tls, client_flags, config, shutting_down).await
+        // Authenticated: from here on the connection holds a session slot,
+        // not a handshake slot.
+        let session = match link.admission.session() {
+            Ok(session) => session,
+            Err(refusal) => {
+                warn!(reason = %refusal, "session refused");
+                let message = format!("nbdgw: {refusal}; try again later");
+                let reason = negotiate::refuse_all(tls, &message, config).await?;
+                return Ok(Negotiated::Closed(reason));
+            }
+        };
+        drop(handshake_permit);
+        let registered =
+            (!chain.is_empty()).then(|| config.tls.sessions().register(link.id, chain));
+        Ok(
+            match negotiate::relay_options(tls, client_flags, config, &link.shutdown).await? {
+                negotiate::Outcome::Closed(reason) => Negotiated::Closed(reason),
+                negotiate::Outcome::Transmission(transmission) => Negotiated::Transmission {
+                    session: transmission,
+                    slot: session,
+                    registered,
+                },
+            },
+        )
     };
-    let outcome = tokio::time::timeout(config.handshake_timeout, handshake)
+    let negotiated = tokio::time::timeout(config.handshake_timeout, handshake)
         .await
         .map_err(|_| ConnError::HandshakeTimeout(config.handshake_timeout))??;
-    match outcome {
-        negotiate::Outcome::Closed(reason) => Ok(reason),
-        negotiate::Outcome::Transmission(session) => {
-            relay::run(session, cork_handle, config, stats).await
+    match negotiated {
+        Negotiated::Closed(reason) => Ok(reason),
+        Negotiated::Transmission {
+            session,
+            slot: _slot,
+            registered,
+        } => {
+            let relayed = relay::run(session, cork_handle, &link);
+            until_revoked(registered.as_ref(), relayed).await
         }
     }
 }
 
-/// Reads and drops `len` bytes: the data of an option nbdgw refuses must
-/// still leave the stream, or the next option header is read from it.
-async fn discard<R: AsyncRead + Unpin>(reader: &mut R, len: u64) -> io::Result<()> {
-    let copied = tokio::io::copy(&mut reader.take(len), &mut tokio::io::sink()).await?;
-    if copied < len {
-        return Err(io::ErrorKind::UnexpectedEof.into());
+/// How negotiation ended, with what an established session holds.
+enum Negotiated {
+    Closed(&'static str),
+    Transmission {
+        session: Box<negotiate::Session>,
+        slot: SessionPermit,
+        registered: Option<SessionGuard>,
+    },
+}
+
+/// Runs `work` unless the session's certificate is revoked first.
+async fn until_revoked<T>(
+    registered: Option<&SessionGuard>,
+    work: impl Future<Output = Result<T, ConnError>>,
+) -> Result<T, ConnError> {
+    let Some(guard) = registered else {
+        return work.await;
+    };
+    tokio::select! {
+        result = work => result,
+        () = guard.revoked() => Err(ConnError::Revoked),
+    }
+}
+
+/// Keepalive notices a client that vanished without a FIN or RST while
+/// idle; TCP_USER_TIMEOUT one that vanished with our data unacknowledged.
+fn set_liveness_checks(tcp: &TcpStream, config: &Config) {
+    let socket = socket2::SockRef::from(tcp);
+    if let Some(keepalive) = config.keepalive {
+        let params = socket2::TcpKeepalive::new()
+            .with_time(keepalive.idle)
+            .with_interval(keepalive.interval)
+            .with_retries(keepalive.count);
+        if let Err(e) = socket.set_tcp_keepalive(&params) {
+            warn!(error = %e, "cannot set TCP keepalive");
+        }
+    }
+    if let Some(stall) = config.stall_timeout {
+        if let Err(e) = socket.set_tcp_user_timeout(Some(stall)) {
+            warn!(error = %e, "cannot set TCP_USER_TIMEOUT");
+        }
+    }
+}
+
+/// `io` with the stall timeout: an error if it makes no progress in time.
+async fn within_stall<T>(
+    config: &Config,
+    doing: &'static str,
+    io: impl Future<Output = Result<T, ConnError>>,
+) -> Result<T, ConnError> {
+    match config.stall_timeout {
+        None => io.await,
+        Some(limit) => tokio::time::timeout(limit, io)
+            .await
+            .map_err(|_| ConnError::Stalled(doing, limit))?,
+    }
+}
+
+/// Reads and drops `len` bytes of a request payload nbdgw refuses: it must
+/// still leave the stream, or the next request header is read from it.
+/// Each read must make progress within the stall timeout.
+async fn discard<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    len: u64,
+    config: &Config,
+) -> Result<(), ConnError> {
+    let mut scratch = [0u8; 16 * 1024];
+    let mut left = len;
+    while left > 0 {
+        let want = scratch
+            .len()
+            .min(usize::try_from(left).unwrap_or(usize::MAX));
+        let read = within_stall(config, "sending a request payload", async {
+            reader
+                .read(&mut scratch[..want])
+                .await
+                .map_err(ConnError::Client)
+        })
+        .await?;
+        if read == 0 {
+            return Err(ConnError::ClientClosed(
+                "in the middle of a request payload",
+            ));
+        }
+        left -= read as u64;
     }
     Ok(())
 }

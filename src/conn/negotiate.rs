@@ -2,23 +2,24 @@
 //! options one at a time, learning from the upstream's replies what
 //! framing transmission will use.
 
-use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 use tracing::{debug, info, warn};
 
-use super::plain::{read_option, refused_for_shutdown, send_reply};
+use super::plain::{read_option, refused_for_shutdown, send_reply, ShutdownAnswer};
 use super::{ClientTls, ConnError};
 use crate::config::Config;
+use crate::logsafe::Escaped;
 use crate::proto::consts::*;
 use crate::proto::handshake::{
-    encode_export_name_reply, export_name_prefix, parse_export_name_reply, parse_info_export,
-    ClientFlags, OptionHeader, OptionReplyHeader,
+    clamp_block_size, encode_export_name_reply, export_name_prefix, parse_export_name_reply,
+    parse_info_export, ClientFlags, OptionHeader, OptionReplyHeader,
 };
 use crate::proto::transmission::ReplyMode;
 use crate::proto::ProtoError;
+use crate::shutdown::Shutdown;
 use crate::upstream::{self, Upstream};
 
 /// A connection that has entered transmission.
@@ -47,19 +48,15 @@ pub async fn relay_options(
     mut tls: ClientTls,
     client: ClientFlags,
     config: &Config,
-    shutting_down: &AtomicBool,
+    shutdown: &Shutdown,
 ) -> Result<Outcome, ConnError> {
     // Only now, with TLS up, does the upstream hear of this client.
     let upstream = match upstream::open(config).await {
         Ok(u) => u,
         Err(e) => {
             warn!(error = %e, "upstream unavailable");
-            return refuse_all(
-                tls,
-                &format!("nbdgw: upstream NBD server unavailable: {e}"),
-                config,
-            )
-            .await;
+            let message = format!("nbdgw: upstream NBD server unavailable: {e}");
+            return refuse_all(tls, &message, config).await.map(Outcome::Closed);
         }
     };
     let Upstream {
@@ -74,8 +71,10 @@ pub async fn relay_options(
     let mut extended = false;
     loop {
         let option = read_option(&mut tls, config, &mut data).await?;
-        if refused_for_shutdown(&mut tls, &option, shutting_down).await? {
-            continue;
+        match refused_for_shutdown(&mut tls, &option, shutdown).await? {
+            ShutdownAnswer::Serve => {}
+            ShutdownAnswer::Refused => continue,
+            ShutdownAnswer::End(reason) => return Ok(Outcome::Closed(reason)),
         }
         let name = option_name(option.option);
         match option.option {
@@ -102,7 +101,7 @@ pub async fn relay_options(
                 let mut reply = [0u8; 10];
                 if let Err(e) = up.read_exact(&mut reply).await {
                     // The only way a server can refuse EXPORT_NAME.
-                    warn!(export, error = %e, "upstream refused NBD_OPT_EXPORT_NAME");
+                    warn!(export = %Escaped(&export), error = %e, "upstream refused NBD_OPT_EXPORT_NAME");
                     return Ok(Outcome::Closed("upstream refused the export"));
                 }
                 if pads_export_name {
@@ -213,7 +212,7 @@ fn enter_transmission(
     let upstream = upstream.into_inner();
     let read_only = tflags & TFLAG_READ_ONLY != 0;
     info!(
-        export,
+        export = %Escaped(export),
         ?mode,
         size,
         transmission_flags = format_args!("{tflags:#x}"),
@@ -287,9 +286,16 @@ async fn relay_one(
             ));
         }
         if reply.reply_type == REP_INFO {
-            let body = &reply_data[start + OPTION_REPLY_HEADER_LEN..];
+            let body = &mut reply_data[start + OPTION_REPLY_HEADER_LEN..];
             if let Some(export) = parse_info_export(body) {
                 info_export = Some(export);
+            }
+            // A compliant client then never sends more than nbdgw takes.
+            if clamp_block_size(body, config.max_payload) {
+                debug!(
+                    max_payload = config.max_payload,
+                    "lowered the upstream's maximum block size to --max-payload"
+                );
             }
         }
         if reply.is_final() || reply_data.len() >= CLIENT_REPLY_BATCH {
@@ -304,24 +310,22 @@ async fn relay_one(
     }
 }
 
-/// Without an upstream, every option gets an error that names the cause,
-/// so clients report it instead of hanging.
-async fn refuse_all(
+/// Without an upstream (or a session slot), every option gets an error
+/// that names the cause, so clients report it instead of hanging.
+pub async fn refuse_all(
     mut tls: ClientTls,
     message: &str,
     config: &Config,
-) -> Result<Outcome, ConnError> {
+) -> Result<&'static str, ConnError> {
     let mut data = Vec::new();
     loop {
         let option = read_option(&mut tls, config, &mut data).await?;
         match option.option {
-            OPT_EXPORT_NAME => return Ok(Outcome::Closed("upstream unavailable for EXPORT_NAME")),
+            OPT_EXPORT_NAME => return Ok("refused NBD_OPT_EXPORT_NAME: no reply is possible"),
             OPT_ABORT => {
                 send_reply(&mut tls, OPT_ABORT, REP_ACK, "").await?;
                 let _ = tokio::time::timeout(GOODBYE_TIMEOUT, tls.shutdown()).await;
-                return Ok(Outcome::Closed(
-                    "client sent NBD_OPT_ABORT (upstream unavailable)",
-                ));
+                return Ok("client sent NBD_OPT_ABORT after a refusal");
             }
             _ => send_reply(&mut tls, option.option, REP_ERR_SHUTDOWN, message).await?,
         }

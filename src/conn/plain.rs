@@ -3,7 +3,6 @@
 //! STARTTLS (and ABORT) is served here, and nothing here is remembered
 //! once TLS is up.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -16,6 +15,7 @@ use crate::proto::handshake::{
     encode_option_reply, parse_client_flags, server_greeting, ClientFlags, OptionHeader,
 };
 use crate::proto::ProtoError;
+use crate::shutdown::Shutdown;
 
 pub enum Outcome {
     /// STARTTLS acknowledged: the stream (with whatever the client already
@@ -29,7 +29,7 @@ const TLS_REQUIRED: &str = "TLS is required: send NBD_OPT_STARTTLS first";
 pub async fn negotiate(
     mut io: ClientIo,
     config: &Config,
-    shutting_down: &AtomicBool,
+    shutdown: &Shutdown,
 ) -> Result<Outcome, ConnError> {
     io.get_mut()
         .write_all(&server_greeting())
@@ -44,8 +44,10 @@ pub async fn negotiate(
     let mut data = Vec::new();
     loop {
         let option = read_option(&mut io, config, &mut data).await?;
-        if refused_for_shutdown(io.get_mut(), &option, shutting_down).await? {
-            continue;
+        match refused_for_shutdown(io.get_mut(), &option, shutdown).await? {
+            ShutdownAnswer::Serve => {}
+            ShutdownAnswer::Refused => continue,
+            ShutdownAnswer::End(reason) => return Ok(Outcome::Closed(reason)),
         }
         let (reply, message) = match option.option {
             OPT_STARTTLS if option.length == 0 => {
@@ -138,16 +140,30 @@ pub(super) async fn read_option<R: AsyncRead + Unpin>(
     Ok(option)
 }
 
+pub(super) enum ShutdownAnswer {
+    /// Not shutting down, or an option served even then (ABORT).
+    Serve,
+    /// Answered with `NBD_REP_ERR_SHUTDOWN`.
+    Refused,
+    /// No reply is possible: the connection ends.
+    End(&'static str),
+}
+
 /// While nbdgw shuts down, options other than ABORT get
-/// `NBD_REP_ERR_SHUTDOWN`, which makes the client disconnect softly.
-/// Returns whether the option was answered that way.
+/// `NBD_REP_ERR_SHUTDOWN`, which makes the client disconnect softly;
+/// EXPORT_NAME has no error reply in the spec, so it ends the connection.
 pub(super) async fn refused_for_shutdown<W: AsyncWrite + Unpin>(
     writer: &mut W,
     option: &OptionHeader,
-    shutting_down: &AtomicBool,
-) -> Result<bool, ConnError> {
-    if option.option == OPT_ABORT || !shutting_down.load(Ordering::Relaxed) {
-        return Ok(false);
+    shutdown: &Shutdown,
+) -> Result<ShutdownAnswer, ConnError> {
+    if option.option == OPT_ABORT || !shutdown.is_draining() {
+        return Ok(ShutdownAnswer::Serve);
+    }
+    if option.option == OPT_EXPORT_NAME {
+        return Ok(ShutdownAnswer::End(
+            "NBD_OPT_EXPORT_NAME while shutting down: closed without a reply",
+        ));
     }
     send_reply(
         writer,
@@ -156,7 +172,7 @@ pub(super) async fn refused_for_shutdown<W: AsyncWrite + Unpin>(
         "nbdgw is shutting down",
     )
     .await?;
-    Ok(true)
+    Ok(ShutdownAnswer::Refused)
 }
 
 /// Writes one option reply (with an optional message) and flushes it.

@@ -17,7 +17,7 @@ use std::future::poll_fn;
 use std::pin::{pin, Pin};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::task::Poll;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncBufRead, AsyncReadExt, AsyncWriteExt, BufReader, ReadHalf, WriteHalf};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
@@ -25,13 +25,14 @@ use tokio::sync::{mpsc, Notify};
 use tracing::debug;
 
 use super::negotiate::Session;
-use super::{discard, ClientTls, ConnError, Stats};
+use super::{discard, within_stall, ClientTls, ConnError, Link, Stats};
 use crate::config::{Config, Cork};
 use crate::proto::consts::*;
 use crate::proto::transmission::{
     encode_error_reply, parse_reply, reply_header_len, InFlight, InFlightTable, ReplyMode, Request,
 };
 use crate::proto::ProtoError;
+use crate::shutdown::Shutdown;
 
 /// Plaintext gathered per write to rustls: a multiple of the 16 KiB record
 /// size, so that every record of a large reply is full.
@@ -56,35 +57,56 @@ enum Local {
         cookie: u64,
         bytes: Vec<u8>,
     },
-    /// The client sent NBD_CMD_DISC: finish what is in flight, then close.
-    Disconnect,
+    /// Finish what is in flight, then close with this reason: the client
+    /// sent NBD_CMD_DISC, or nbdgw is shutting down.
+    Drain(&'static str),
 }
 
+const CLIENT_DISCONNECTED: &str = "client sent NBD_CMD_DISC";
+const SHUTTING_DOWN: &str = "nbdgw shutting down: nothing left in flight";
+
 struct Shared {
-    in_flight: Mutex<InFlightTable>,
+    flight: Mutex<Flight>,
     /// Signalled whenever a request completes.
     completed: Notify,
 }
 
+/// Requests in flight, and since when there have been none and every
+/// reply has been written: the two change together, under one lock, so
+/// the idle timeout never sees a request between them.
+struct Flight {
+    table: InFlightTable,
+    idle_since: Option<Instant>,
+}
+
 impl Shared {
-    fn table(&self) -> MutexGuard<'_, InFlightTable> {
+    fn flight(&self) -> MutexGuard<'_, Flight> {
         // The table stays consistent even if a holder panicked.
-        self.in_flight
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        self.flight.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn complete(&self, cookie: u64) {
-        self.table().remove(cookie);
+        self.flight().table.remove(cookie);
         self.completed.notify_waiters();
+    }
+
+    fn is_idle(&self) -> bool {
+        self.flight().table.is_empty()
+    }
+
+    /// Called when every reply so far has been written to the client.
+    fn replies_written(&self) {
+        let mut flight = self.flight();
+        if flight.table.is_empty() && flight.idle_since.is_none() {
+            flight.idle_since = Some(Instant::now());
+        }
     }
 }
 
 pub(super) async fn run(
     session: Box<Session>,
     cork: Option<socket2::Socket>,
-    config: &Config,
-    stats: &Stats,
+    link: &Link<'_>,
 ) -> Result<&'static str, ConnError> {
     let Session {
         tls,
@@ -92,11 +114,15 @@ pub(super) async fn run(
         mode,
         read_only,
     } = *session;
+    let config = link.config;
     let (mut client_rd, mut client_wr) = tokio::io::split(tls);
     let (up_rd, mut up_wr) = upstream.into_split();
     let mut up_rd = BufReader::with_capacity(UPSTREAM_READ_BUF, up_rd);
     let shared = Shared {
-        in_flight: Mutex::new(InFlightTable::default()),
+        flight: Mutex::new(Flight {
+            table: InFlightTable::default(),
+            idle_since: Some(Instant::now()),
+        }),
         completed: Notify::new(),
     };
     let (local_tx, local_rx) = mpsc::channel(LOCAL_QUEUE);
@@ -109,7 +135,8 @@ pub(super) async fn run(
         mode,
         read_only,
         config,
-        stats,
+        stats: link.stats,
+        shutdown: link.shutdown.clone(),
     };
     let mut writer = ReplyWriter {
         client: &mut client_wr,
@@ -117,22 +144,38 @@ pub(super) async fn run(
         cork: cork.as_ref(),
         corked: false,
         per_reply: config.cork == Cork::PerReply,
-        stats,
+        config,
+        stats: link.stats,
     };
-    let replies = relay_replies(&mut up_rd, &mut writer, &shared, local_rx, mode, config);
-    let result = tokio::try_join!(requests.run(), replies);
+    let result = {
+        let mut requests = pin!(requests.run());
+        let mut replies = pin!(relay_replies(
+            &mut up_rd,
+            &mut writer,
+            &shared,
+            local_rx,
+            mode,
+            config
+        ));
+        // The reply side decides when a drained connection ends; the
+        // request side ends on its own only with DISC or an error.
+        tokio::select! {
+            requested = &mut requests => match requested {
+                Ok(()) => replies.await,
+                Err(e) => Err(e),
+            },
+            replied = &mut replies => replied,
+        }
+    };
     if result.is_err() {
         writer.uncork();
     }
     drop(writer);
-    match result {
-        Ok(((), ())) => Ok("client sent NBD_CMD_DISC"),
-        Err(e) => {
-            // A hard disconnect still ends TLS properly where it can.
-            let _ = tokio::time::timeout(GOODBYE_TIMEOUT, client_wr.shutdown()).await;
-            Err(e)
-        }
+    if result.is_err() {
+        // A hard disconnect still ends TLS properly where it can.
+        let _ = tokio::time::timeout(GOODBYE_TIMEOUT, client_wr.shutdown()).await;
     }
+    result
 }
 
 struct Requests<'a> {
@@ -144,6 +187,7 @@ struct Requests<'a> {
     read_only: bool,
     config: &'a Config,
     stats: &'a Stats,
+    shutdown: Shutdown,
 }
 
 impl Requests<'_> {
@@ -157,15 +201,30 @@ impl Requests<'_> {
             read_only,
             config,
             stats,
+            mut shutdown,
         } = self;
+        let mut told_to_drain = false;
         let header_len = mode.request_header_len();
         let mut header = [0u8; EXTENDED_REQUEST_LEN];
         let mut buf: Vec<u8> = Vec::with_capacity(REQUEST_CHUNK);
         let max_payload = u64::from(config.max_payload);
         loop {
-            read_request_header(client, &mut header[..header_len], shared, config).await?;
-            let req =
-                Request::parse(mode, &header[..header_len]).map_err(ConnError::ClientProto)?;
+            let header = &mut header[..header_len];
+            loop {
+                let draining = !told_to_drain;
+                match read_request_header(client, header, shared, config, &mut shutdown, draining)
+                    .await?
+                {
+                    HeaderRead::Complete => break,
+                    HeaderRead::ShutdownBegan => {
+                        told_to_drain = true;
+                        if local.send(Local::Drain(SHUTTING_DOWN)).await.is_err() {
+                            return Ok(());
+                        }
+                    }
+                }
+            }
+            let req = Request::parse(mode, header).map_err(ConnError::ClientProto)?;
             let payload = req.payload_len(mode);
             ProtoError::check_limit("request payload", payload, max_payload)
                 .map_err(ConnError::ClientProto)?;
@@ -177,20 +236,19 @@ impl Requests<'_> {
                 // so it only goes upstream once every reply has come back.
                 wait_until_idle(shared).await;
                 upstream
-                    .write_all(&header[..header_len])
+                    .write_all(header)
                     .await
                     .map_err(ConnError::Upstream)?;
                 // The reply side finishes what is in flight, then closes.
-                let _ = local.send(Local::Disconnect).await;
+                let _ = local.send(Local::Drain(CLIENT_DISCONNECTED)).await;
                 return Ok(());
             }
 
             claim_cookie(shared, req.cookie, InFlight::from(&req)).await;
 
-            if let Some((error, message)) = refusal(&req, read_only, max_payload) {
-                discard(client, payload)
-                    .await
-                    .map_err(|e| ConnError::client_read(e, "in the middle of a request payload"))?;
+            let draining = shutdown.is_draining();
+            if let Some((error, message)) = refusal(&req, read_only, max_payload, draining) {
+                discard(client, payload, config).await?;
                 debug!(
                     command = command_name(req.command),
                     cookie = req.cookie,
@@ -222,16 +280,19 @@ impl Requests<'_> {
 
             // Header and the first part of the payload leave in one write.
             buf.clear();
-            buf.extend_from_slice(&header[..header_len]);
+            buf.extend_from_slice(header);
             let mut remaining = payload;
             loop {
                 if remaining > 0 {
                     let room = (REQUEST_CHUNK - buf.len()) as u64;
-                    let n = (&mut *client)
-                        .take(remaining.min(room))
-                        .read_buf(&mut buf)
-                        .await
-                        .map_err(ConnError::Client)?;
+                    let n = within_stall(config, "sending a request payload", async {
+                        (&mut *client)
+                            .take(remaining.min(room))
+                            .read_buf(&mut buf)
+                            .await
+                            .map_err(ConnError::Client)
+                    })
+                    .await?;
                     if n == 0 {
                         return Err(ConnError::ClientClosed(
                             "in the middle of a request payload",
@@ -256,8 +317,15 @@ impl Requests<'_> {
 }
 
 /// What nbdgw answers itself instead of forwarding, if anything.
-fn refusal(req: &Request, read_only: bool, max_payload: u64) -> Option<(u32, &'static str)> {
-    if read_only && req.is_modifying() {
+fn refusal(
+    req: &Request,
+    read_only: bool,
+    max_payload: u64,
+    draining: bool,
+) -> Option<(u32, &'static str)> {
+    if draining {
+        Some((ESHUTDOWN, "nbdgw is shutting down"))
+    } else if read_only && req.is_modifying() {
         // The spec asks for EPERM; qemu-nbd itself would answer EINVAL.
         Some((EPERM, "nbdgw: the export is read-only"))
     } else if req.command == CMD_READ && req.length > max_payload {
@@ -267,48 +335,81 @@ fn refusal(req: &Request, read_only: bool, max_payload: u64) -> Option<(u32, &'s
     }
 }
 
-/// Waits for the next request header. With an idle timeout, gives up once
-/// the timeout passes with nothing in flight.
+enum HeaderRead {
+    Complete,
+    /// Shutdown began while waiting; the header may still come.
+    ShutdownBegan,
+}
+
+/// Waits for the next request header. Gives up after the idle timeout,
+/// counted from the moment nothing was in flight and every reply had been
+/// written; with `watch_shutdown`, returns when a shutdown begins.
 async fn read_request_header(
     client: &mut ReadHalf<ClientTls>,
     header: &mut [u8],
     shared: &Shared,
     config: &Config,
-) -> Result<(), ConnError> {
+    shutdown: &mut Shutdown,
+    watch_shutdown: bool,
+) -> Result<HeaderRead, ConnError> {
     let mut read = pin!(client.read_exact(header));
-    let result = match config.idle_timeout {
-        None => read.await,
-        Some(idle) => loop {
-            match tokio::time::timeout(idle, &mut read).await {
-                Ok(r) => break r,
-                Err(_) if shared.table().is_empty() => return Err(ConnError::IdleTimeout(idle)),
-                Err(_) => {}
+    loop {
+        let idle_check = config.idle_timeout.map(|idle| {
+            let since = shared.flight().idle_since;
+            // While busy, look again one idle period from now.
+            since.unwrap_or_else(Instant::now) + idle
+        });
+        tokio::select! {
+            read = &mut read => {
+                read.map_err(|e| ConnError::client_read(e, "without sending NBD_CMD_DISC"))?;
+                shared.flight().idle_since = None;
+                return Ok(HeaderRead::Complete);
             }
-        },
-    };
-    result
-        .map(|_| ())
-        .map_err(|e| ConnError::client_read(e, "without sending NBD_CMD_DISC"))
+            () = shutdown.draining(), if watch_shutdown => return Ok(HeaderRead::ShutdownBegan),
+            () = sleep_until(idle_check) => {
+                let idle = config.idle_timeout.unwrap_or_default();
+                let flight = shared.flight();
+                if flight.table.is_empty() && flight.idle_since.is_some_and(|t| t.elapsed() >= idle) {
+                    return Err(ConnError::IdleTimeout(idle));
+                }
+            }
+        }
+    }
+}
+
+/// Sleeps until `deadline`, or forever without one.
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Records the request as in flight. A client that reuses a cookie still
 /// in flight is served in order: the second request waits until the
 /// first one's last reply has passed, so replies stay unambiguous.
 async fn claim_cookie(shared: &Shared, cookie: u64, req: InFlight) {
-    wait_for(shared, |table| table.insert(cookie, req)).await;
+    wait_for(shared, |flight| {
+        let claimed = flight.table.insert(cookie, req);
+        if claimed {
+            flight.idle_since = None;
+        }
+        claimed
+    })
+    .await;
 }
 
 async fn wait_until_idle(shared: &Shared) {
-    wait_for(shared, |table| table.is_empty()).await;
+    wait_for(shared, |flight| flight.table.is_empty()).await;
 }
 
 /// Waits until `ready` holds, checking again after every completion.
-async fn wait_for(shared: &Shared, mut ready: impl FnMut(&mut InFlightTable) -> bool) {
+async fn wait_for(shared: &Shared, mut ready: impl FnMut(&mut Flight) -> bool) {
     loop {
         let mut completed = pin!(shared.completed.notified());
         // Registered before the check, so a completion in between is not missed.
         completed.as_mut().enable();
-        if ready(&mut shared.table()) {
+        if ready(&mut shared.flight()) {
             return;
         }
         completed.await;
@@ -323,6 +424,7 @@ struct ReplyWriter<'a> {
     corked: bool,
     /// Cork every reply and release it at the reply's end (`Cork::PerReply`).
     per_reply: bool,
+    config: &'a Config,
     stats: &'a Stats,
 }
 
@@ -377,11 +479,12 @@ impl ReplyWriter<'_> {
         if self.per_reply || self.out.len() > UNCORKED_BURST_MAX {
             self.cork();
         }
-        self.client
-            .write_all(&self.out)
-            .await
-            .map_err(ConnError::Client)?;
-        self.client.flush().await.map_err(ConnError::Client)?;
+        let (client, out) = (&mut self.client, &self.out);
+        within_stall(self.config, "reading replies", async {
+            client.write_all(out).await.map_err(ConnError::Client)?;
+            client.flush().await.map_err(ConnError::Client)
+        })
+        .await?;
         Stats::add(&self.stats.bytes_to_client, self.out.len() as u64);
         self.out.clear();
         Ok(())
@@ -408,24 +511,25 @@ async fn relay_replies(
     mut local: mpsc::Receiver<Local>,
     mode: ReplyMode,
     config: &Config,
-) -> Result<(), ConnError> {
+) -> Result<&'static str, ConnError> {
     // Room for the largest payload plus a chunk's fixed overhead and an
     // error message.
     let max_reply = u64::from(config.max_payload).max(u64::from(DEFAULT_MAX_PAYLOAD)) + 8192;
     let mut header = [0u8; EXTENDED_REPLY_LEN];
-    let mut draining = false;
+    let mut draining = None;
     let mut local_open = true;
     loop {
-        if draining && shared.table().is_empty() {
+        if let (Some(reason), true) = (draining, shared.is_idle()) {
             writer.end_burst().await?;
             // close_notify: the client knows every reply has arrived.
             let _ = tokio::time::timeout(GOODBYE_TIMEOUT, writer.client.shutdown()).await;
-            return Ok(());
+            return Ok(reason);
         }
         let next = match next_ready(upstream, &mut local, local_open).await? {
             Some(next) => next,
             None => {
                 writer.end_burst().await?;
+                shared.replies_written();
                 next_waiting(upstream, &mut local, local_open).await?
             }
         };
@@ -438,14 +542,14 @@ async fn relay_replies(
                     writer.end_burst().await?;
                 }
             }
-            Next::Local(Some(Local::Disconnect)) => draining = true,
+            Next::Local(Some(Local::Drain(reason))) => draining = Some(reason),
             Next::Local(None) => {
                 local_open = false;
-                draining = true;
+                draining = draining.or(Some(CLIENT_DISCONNECTED));
             }
             Next::UpstreamEof => {
-                let in_flight = shared.table().len();
-                if !(draining && in_flight == 0) {
+                let in_flight = shared.flight().table.len();
+                if !(draining.is_some() && in_flight == 0) {
                     writer.end_burst().await?;
                     return Err(ConnError::UpstreamClosed(format!(
                         "with {in_flight} requests in flight"
@@ -524,8 +628,13 @@ async fn relay_one_reply(
         .read_exact(&mut header[4..header_len])
         .await
         .map_err(eof)?;
-    let frame = parse_reply(mode, &header[..header_len], &shared.table(), max_reply)
-        .map_err(ConnError::UpstreamProto)?;
+    let frame = parse_reply(
+        mode,
+        &header[..header_len],
+        &shared.flight().table,
+        max_reply,
+    )
+    .map_err(ConnError::UpstreamProto)?;
 
     writer.append(&header[..header_len]).await?;
     let mut remaining = frame.payload_len;

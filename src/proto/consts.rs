@@ -50,6 +50,7 @@ pub const REP_ERR_EXT_HEADER_REQD: u32 = REP_FLAG_ERROR | 10;
 
 /// `NBD_INFO_*` types carried in `NBD_REP_INFO`.
 pub const INFO_EXPORT: u16 = 0;
+pub const INFO_BLOCK_SIZE: u16 = 3;
 
 /// Transmission flags.
 pub const TFLAG_HAS_FLAGS: u16 = 1 << 0;

@@ -167,6 +167,32 @@ pub fn parse_info_export(data: &[u8]) -> Option<(u64, u16)> {
     Some((be_u64(data, 2), be_u16(data, 10)))
 }
 
+/// Lowers the maximum block size of an `NBD_INFO_BLOCK_SIZE` body to
+/// `limit`, in place, so that a compliant client never sends a request
+/// nbdgw would refuse. The result keeps the spec's rules: the maximum a
+/// multiple of the minimum, the preferred size a power of two no larger
+/// than the maximum. Returns whether anything changed; other bodies, and
+/// limits below the minimum block size, are left alone.
+pub fn clamp_block_size(body: &mut [u8], limit: u32) -> bool {
+    if body.len() != 14 || be_u16(body, 0) != INFO_BLOCK_SIZE {
+        return false;
+    }
+    let (minimum, preferred, maximum) = (be_u32(body, 2), be_u32(body, 6), be_u32(body, 10));
+    if maximum <= limit || minimum == 0 || limit < minimum {
+        return false;
+    }
+    let maximum = limit - limit % minimum;
+    let preferred = if preferred > maximum {
+        // The largest power of two not above the new maximum.
+        1 << (31 - maximum.leading_zeros())
+    } else {
+        preferred
+    };
+    body[6..10].copy_from_slice(&preferred.to_be_bytes());
+    body[10..14].copy_from_slice(&maximum.to_be_bytes());
+    true
+}
+
 /// The export name at the start of INFO, GO and META_CONTEXT option data
 /// (a u32 length, then the name); for logs only.
 pub fn export_name_prefix(data: &[u8]) -> Option<String> {
@@ -314,6 +340,53 @@ mod tests {
                 prop_assert!(raw & !3 == 0 && raw & 1 == 1);
                 prop_assert_eq!(f.no_zeroes, raw & 2 != 0);
             }
+        }
+    }
+
+    fn block_size(minimum: u32, preferred: u32, maximum: u32) -> Vec<u8> {
+        let mut body = INFO_BLOCK_SIZE.to_be_bytes().to_vec();
+        for v in [minimum, preferred, maximum] {
+            body.extend_from_slice(&v.to_be_bytes());
+        }
+        body
+    }
+
+    #[test]
+    fn block_size_maximum_is_clamped_to_the_limit() {
+        // qemu-nbd advertises 1 / 4096 / 32 MiB.
+        let mut body = block_size(1, 4096, 32 << 20);
+        assert!(clamp_block_size(&mut body, 1 << 20));
+        assert_eq!(body, block_size(1, 4096, 1 << 20));
+        // Already below: untouched.
+        assert!(!clamp_block_size(&mut body, 2 << 20));
+        // The preferred size follows a maximum that falls below it.
+        let mut body = block_size(512, 2 << 20, 32 << 20);
+        assert!(clamp_block_size(&mut body, (1 << 20) + 100));
+        assert_eq!(body, block_size(512, 1 << 20, 1 << 20));
+        // Not a block-size body, or a limit below the minimum: left alone.
+        let mut export = vec![0u8; 12];
+        assert!(!clamp_block_size(&mut export, 1));
+        let mut body = block_size(4096, 4096, 1 << 20);
+        assert!(!clamp_block_size(&mut body, 1000));
+    }
+
+    proptest! {
+        #[test]
+        fn a_clamped_block_size_keeps_the_spec_rules(
+            min_log in 0u32..17, pref_log in 0u32..26, max in 1u32.., limit in 1u32..,
+        ) {
+            let minimum = 1u32 << min_log;
+            let preferred = 1u32 << pref_log.max(min_log);
+            let maximum = max.max(preferred) / minimum * minimum;
+            let mut body = block_size(minimum, preferred, maximum);
+            clamp_block_size(&mut body, limit);
+            let (mn, pr, mx) = (be_u32(&body, 2), be_u32(&body, 6), be_u32(&body, 10));
+            prop_assert_eq!(mn, minimum);
+            if limit >= minimum {
+                prop_assert!(mx <= limit);
+            }
+            prop_assert!(mx <= maximum && mx % mn == 0);
+            prop_assert!(pr.is_power_of_two() && pr >= mn && pr <= mx);
         }
     }
 }

@@ -5,6 +5,8 @@ use std::fmt;
 
 use thiserror::Error;
 use x509_parser::extensions::GeneralName;
+
+use crate::logsafe::Escaped;
 use x509_parser::prelude::{FromDer, X509Certificate};
 
 /// The parts of a certificate nbdgw logs and authorises on.
@@ -68,15 +70,16 @@ impl CertInfo {
     }
 }
 
-/// How a client is named in log lines: every name an allow-list could match.
+/// How a client is named in log lines: every name an allow-list could
+/// match. Any peer can present any certificate, so every name is escaped.
 impl fmt::Display for CertInfo {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "subject \"{}\"", self.subject)?;
+        write!(f, "subject \"{}\"", Escaped(&self.subject))?;
         if !self.dns_names.is_empty() {
-            write!(f, ", DNS {}", self.dns_names.join(" "))?;
+            write!(f, ", DNS {}", Escaped(&self.dns_names.join(" ")))?;
         }
         if !self.uris.is_empty() {
-            write!(f, ", URI {}", self.uris.join(" "))?;
+            write!(f, ", URI {}", Escaped(&self.uris.join(" ")))?;
         }
         write!(f, ", serial {}", self.serial)
     }

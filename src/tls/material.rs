@@ -51,35 +51,50 @@ impl TlsSources {
         }
     }
 
-    fn resolve(&self) -> Result<Paths, TlsConfigError> {
-        let mut paths = Paths::default();
+    /// Which files to read, decided once: the directory's layout, and
+    /// whether a client CA and a CRL are there, are fixed at start so that
+    /// no later change in the directory (a CA moved away for a moment, a
+    /// `tls.crt` dropped into a qemu-layout directory) can switch client
+    /// authentication or revocation off. A file fixed here that later
+    /// goes missing fails the reload instead.
+    pub fn resolve(&self) -> Result<TlsPaths, TlsConfigError> {
+        let mut layout = None;
+        let (mut cert, mut key, mut client_ca, mut crl) = (None, None, None, None);
         if let Some(dir) = &self.dir {
-            let layout = [&KUBERNETES_LAYOUT, &QEMU_LAYOUT]
+            let found = [&KUBERNETES_LAYOUT, &QEMU_LAYOUT]
                 .into_iter()
                 .find(|layout| dir.join(layout.cert).exists())
                 .ok_or_else(|| TlsConfigError::NoLayout(dir.clone()))?;
-            let optional = |name: &str| Some(dir.join(name)).filter(|p| p.exists());
-            paths.cert = Some(dir.join(layout.cert));
-            paths.key = Some(dir.join(layout.key));
-            paths.client_ca = optional(layout.client_ca);
-            paths.crl = layout.crl.and_then(optional);
+            let present = |name: &str| Some(dir.join(name)).filter(|p| p.exists());
+            layout = Some(found.name);
+            cert = Some(dir.join(found.cert));
+            key = Some(dir.join(found.key));
+            client_ca = present(found.client_ca);
+            crl = found.crl.and_then(present);
         }
-        let chosen = |flag: &Option<PathBuf>, from_dir: Option<PathBuf>| flag.clone().or(from_dir);
-        Ok(Paths {
-            cert: chosen(&self.cert, paths.cert),
-            key: chosen(&self.key, paths.key),
-            client_ca: chosen(&self.client_ca, paths.client_ca),
-            crl: chosen(&self.crl, paths.crl),
+        // A flag overrides the directory's file of the same role.
+        let (Some(cert), Some(key)) = (self.cert.clone().or(cert), self.key.clone().or(key)) else {
+            return Err(TlsConfigError::NoCertificateGiven);
+        };
+        Ok(TlsPaths {
+            layout,
+            cert,
+            key,
+            client_ca: self.client_ca.clone().or(client_ca),
+            crl: self.crl.clone().or(crl),
         })
     }
 }
 
-#[derive(Default)]
-struct Paths {
-    cert: Option<PathBuf>,
-    key: Option<PathBuf>,
-    client_ca: Option<PathBuf>,
-    crl: Option<PathBuf>,
+/// The files a gateway reads for its whole life (see `TlsSources::resolve`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsPaths {
+    /// The directory layout the files were found in, if from a directory.
+    pub layout: Option<&'static str>,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub client_ca: Option<PathBuf>,
+    pub crl: Option<PathBuf>,
 }
 
 /// One file's path and the bytes read from it.
@@ -114,14 +129,12 @@ pub struct Material {
 }
 
 impl Material {
-    pub fn read(sources: &TlsSources) -> Result<Self, TlsConfigError> {
-        let paths = sources.resolve()?;
-        let (Some(cert), Some(key)) = (&paths.cert, &paths.key) else {
-            return Err(TlsConfigError::NoCertificateGiven);
-        };
+    /// Every file `paths` names must be there: a CA or CRL that was there
+    /// at start and is gone now is an error, not a policy change.
+    pub fn read(paths: &TlsPaths) -> Result<Self, TlsConfigError> {
         Ok(Material {
-            cert: PemFile::read(cert)?,
-            key: PemFile::read(key)?,
+            cert: PemFile::read(&paths.cert)?,
+            key: PemFile::read(&paths.key)?,
             client_ca: paths.client_ca.as_deref().map(PemFile::read).transpose()?,
             crl: paths.crl.as_deref().map(PemFile::read).transpose()?,
         })
@@ -131,6 +144,10 @@ impl Material {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn read(sources: &TlsSources) -> Result<Material, TlsConfigError> {
+        Material::read(&sources.resolve()?)
+    }
 
     fn touch(dir: &Path, names: &[&str]) {
         for name in names {
@@ -146,21 +163,21 @@ mod tests {
             dir: Some(d.to_owned()),
             ..TlsSources::default()
         };
-        let err = Material::read(&sources).err().unwrap().to_string();
+        let err = read(&sources).err().unwrap().to_string();
         assert!(err.contains("neither tls.crt"), "{err}");
 
         touch(d, &["server-cert.pem", "server-key.pem"]);
-        let m = Material::read(&sources).unwrap();
+        let m = read(&sources).unwrap();
         assert_eq!(m.cert.bytes, b"server-cert.pem");
         assert!(m.client_ca.is_none() && m.crl.is_none());
 
         touch(d, &["ca-cert.pem", "ca-crl.pem"]);
-        let m = Material::read(&sources).unwrap();
+        let m = read(&sources).unwrap();
         assert_eq!(m.client_ca.unwrap().bytes, b"ca-cert.pem");
         assert_eq!(m.crl.unwrap().bytes, b"ca-crl.pem");
 
         touch(d, &["tls.crt", "tls.key", "ca.crt"]);
-        let m = Material::read(&sources).unwrap();
+        let m = read(&sources).unwrap();
         assert_eq!(
             (m.cert.bytes, m.key.bytes, m.client_ca.unwrap().bytes),
             (b"tls.crt".to_vec(), b"tls.key".to_vec(), b"ca.crt".to_vec())
@@ -172,11 +189,46 @@ mod tests {
             client_ca: Some(d.join("other-ca.pem")),
             ..sources
         };
-        let m = Material::read(&overridden).unwrap();
+        let m = read(&overridden).unwrap();
         assert_eq!(m.client_ca.unwrap().bytes, b"other-ca.pem");
 
         std::fs::remove_file(d.join("tls.key")).unwrap();
-        let err = Material::read(&overridden).err().unwrap().to_string();
+        let err = read(&overridden).err().unwrap().to_string();
         assert!(err.contains("tls.key"), "{err}");
+    }
+
+    #[test]
+    fn paths_are_fixed_at_start_so_a_vanished_ca_fails_instead_of_switching_auth_off() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        touch(
+            d,
+            &[
+                "server-cert.pem",
+                "server-key.pem",
+                "ca-cert.pem",
+                "ca-crl.pem",
+            ],
+        );
+        let sources = TlsSources {
+            dir: Some(d.to_owned()),
+            ..TlsSources::default()
+        };
+        let paths = sources.resolve().unwrap();
+        assert_eq!(paths.layout, Some("qemu"));
+        assert_eq!(paths.client_ca, Some(d.join("ca-cert.pem")));
+
+        // A Kubernetes-layout file appearing does not flip the layout.
+        touch(d, &["tls.crt", "tls.key"]);
+        let m = Material::read(&paths).unwrap();
+        assert_eq!(m.cert.bytes, b"server-cert.pem");
+        assert_eq!(m.client_ca.unwrap().bytes, b"ca-cert.pem");
+
+        for gone in ["ca-cert.pem", "ca-crl.pem"] {
+            std::fs::rename(d.join(gone), d.join("moved")).unwrap();
+            let err = Material::read(&paths).err().unwrap().to_string();
+            assert!(err.contains(gone) && err.contains("cannot read"), "{err}");
+            std::fs::rename(d.join("moved"), d.join(gone)).unwrap();
+        }
     }
 }

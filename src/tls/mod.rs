@@ -5,6 +5,7 @@
 pub mod identity;
 mod material;
 mod reload;
+mod sessions;
 mod verifier;
 
 use std::path::{Path, PathBuf};
@@ -12,13 +13,17 @@ use std::sync::Arc;
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, CertificateRevocationListDer, PrivateKeyDer};
+use rustls::server::danger::ClientCertVerifier;
 use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig};
 use thiserror::Error;
 
 pub use identity::{AllowList, CertInfo, PatternError};
-pub use material::{DirLayout, Material, PemFile, TlsSources, KUBERNETES_LAYOUT, QEMU_LAYOUT};
+pub use material::{
+    DirLayout, Material, PemFile, TlsPaths, TlsSources, KUBERNETES_LAYOUT, QEMU_LAYOUT,
+};
 pub use reload::{ReloadOutcome, Reloader, TlsStore, Trigger, EXPIRY_WARNING_DAYS};
+pub use sessions::{SessionGuard, Sessions};
 
 #[derive(Debug, Error)]
 pub enum TlsConfigError {
@@ -75,11 +80,15 @@ pub enum MinVersion {
 }
 
 /// What the operator asks of clients, as opposed to the files (which can
-/// change while nbdgw runs).
+/// change while nbdgw runs). Fixed for the life of the process.
 #[derive(Debug, Clone, Default)]
 pub struct TlsPolicy {
     pub min_version: MinVersion,
     pub allow: AllowList,
+    /// Admit clients whose CRL is past its nextUpdate (otherwise refused).
+    pub crl_allow_expired: bool,
+    /// End established sessions whose certificate a reload revokes.
+    pub revoke_closes: bool,
 }
 
 /// A built configuration and what the log should say about it.
@@ -89,6 +98,26 @@ pub struct Loaded {
     /// Client CA certificates, when client certificates are required.
     pub client_cas: Option<usize>,
     pub crls: usize,
+    /// The chain and revocation check alone (no allow-list, no logging),
+    /// to judge established sessions again after a reload.
+    pub chain_verifier: Option<Arc<dyn ClientCertVerifier>>,
+}
+
+/// What decides who may connect, as far as the files decide it. A reload
+/// may replace the CA bundle or the CRLs, never drop either.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Guards {
+    pub client_certificates: bool,
+    pub revocation: bool,
+}
+
+impl Loaded {
+    pub fn guards(&self) -> Guards {
+        Guards {
+            client_certificates: self.client_cas.is_some(),
+            revocation: self.crls > 0,
+        }
+    }
 }
 
 /// Builds the server configuration from one consistent set of files.
@@ -123,15 +152,20 @@ pub fn build(material: &Material, policy: &TlsPolicy) -> Result<Loaded, TlsConfi
     let builder = ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(versions)
         .map_err(rustls_err)?;
-    let (builder, client_cas, crls) = match &material.client_ca {
+    let (builder, client) = match &material.client_ca {
         Some(ca_file) => {
-            let (verifier, cas, crls) = client_verifier(ca_file, material.crl.as_ref(), policy)?;
-            (builder.with_client_cert_verifier(verifier), Some(cas), crls)
+            let client = client_verifier(ca_file, material.crl.as_ref(), policy)?;
+            let authorizing =
+                verifier::AuthorizingVerifier::new(client.chain.clone(), policy.allow.clone());
+            (
+                builder.with_client_cert_verifier(Arc::new(authorizing)),
+                Some(client),
+            )
         }
         None if !policy.allow.is_empty() => return Err(TlsConfigError::AllowWithoutCa),
         None => match &material.crl {
             Some(crl) => return Err(TlsConfigError::CrlWithoutCa(crl.path.clone())),
-            None => (builder.with_no_client_auth(), None, 0),
+            None => (builder.with_no_client_auth(), None),
         },
     };
     let mut config = builder
@@ -146,58 +180,76 @@ pub fn build(material: &Material, policy: &TlsPolicy) -> Result<Loaded, TlsConfi
     Ok(Loaded {
         config: Arc::new(config),
         served,
-        client_cas,
-        crls,
+        client_cas: client.as_ref().map(|c| c.cas),
+        crls: client.as_ref().map_or(0, |c| c.crls),
+        chain_verifier: client.map(|c| c.chain),
     })
+}
+
+struct ClientVerifier {
+    chain: Arc<dyn ClientCertVerifier>,
+    cas: usize,
+    crls: usize,
 }
 
 fn client_verifier(
     ca_file: &PemFile,
     crl_file: Option<&PemFile>,
     policy: &TlsPolicy,
-) -> Result<
-    (
-        Arc<dyn rustls::server::danger::ClientCertVerifier>,
-        usize,
-        usize,
-    ),
-    TlsConfigError,
-> {
+) -> Result<ClientVerifier, TlsConfigError> {
     let ca_err = |error: String| TlsConfigError::ClientCa {
         path: ca_file.path.clone(),
         error,
     };
     let mut roots = RootCertStore::empty();
-    let cas = certificates(ca_file, "client CA")?;
-    for ca in cas {
+    for ca in certificates(ca_file, "client CA")? {
         roots.add(ca).map_err(|e| ca_err(e.to_string()))?;
     }
     let crls = match crl_file {
-        Some(file) => CertificateRevocationListDer::pem_slice_iter(&file.bytes)
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|error| TlsConfigError::Pem {
-                what: "CRL",
-                path: file.path.clone(),
-                error,
-            })?,
+        Some(file) => crls(file)?,
         None => Vec::new(),
     };
     let crl_count = crls.len();
     let cas = roots.len();
-    // Revocation is checked for the client's own certificate; a client
+    // Revocation is checked for every certificate of the client's chain
+    // that a CRL in the file covers, intermediates included. A certificate
     // whose issuer has no CRL in the file is not refused for that, so a
     // CRL for one CA of a bundle does not lock out the others.
-    let chain = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+    let mut builder = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
         .with_crls(crls)
-        .only_check_end_entity_revocation()
-        .allow_unknown_revocation_status()
-        .build()
-        .map_err(|e| match crl_file {
-            Some(crl) => ca_err(format!("with CRL {}: {e}", crl.path.display())),
-            None => ca_err(e.to_string()),
+        .allow_unknown_revocation_status();
+    if !policy.crl_allow_expired {
+        builder = builder.enforce_revocation_expiration();
+    }
+    let chain = builder.build().map_err(|e| match crl_file {
+        Some(crl) => ca_err(format!("with CRL {}: {e}", crl.path.display())),
+        None => ca_err(e.to_string()),
+    })?;
+    Ok(ClientVerifier {
+        chain,
+        cas,
+        crls: crl_count,
+    })
+}
+
+/// A CRL file must hold at least one CRL: an empty file (one being
+/// rewritten in place) or a certificate put there by mistake would
+/// otherwise switch revocation off without a word.
+fn crls(file: &PemFile) -> Result<Vec<CertificateRevocationListDer<'static>>, TlsConfigError> {
+    let crls = CertificateRevocationListDer::pem_slice_iter(&file.bytes)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|error| TlsConfigError::Pem {
+            what: "CRL",
+            path: file.path.clone(),
+            error,
         })?;
-    let verifier = verifier::AuthorizingVerifier::new(chain, policy.allow.clone());
-    Ok((Arc::new(verifier), cas, crl_count))
+    if crls.is_empty() {
+        return Err(TlsConfigError::Empty {
+            what: "CRL",
+            path: file.path.clone(),
+        });
+    }
+    Ok(crls)
 }
 
 fn certificates(
@@ -223,7 +275,7 @@ fn certificates(
 /// A server configuration from a certificate and key alone, with no client
 /// certificates: what tests and simple set-ups need.
 pub fn load_server_config(cert: &Path, key: &Path) -> Result<ServerConfig, TlsConfigError> {
-    let material = Material::read(&TlsSources::files(cert, key))?;
+    let material = Material::read(&TlsSources::files(cert, key).resolve()?)?;
     let loaded = build(&material, &TlsPolicy::default())?;
     Ok(Arc::unwrap_or_clone(loaded.config))
 }
@@ -262,10 +314,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().to_owned();
         crate::certs::for_test(&out, "localhost", 3);
-        let mut material = Material::read(&TlsSources::files(
-            &out.join("server-cert.pem"),
-            &out.join("server-key.pem"),
-        ))
+        let mut material = Material::read(
+            &TlsSources::files(&out.join("server-cert.pem"), &out.join("server-key.pem"))
+                .resolve()
+                .unwrap(),
+        )
         .unwrap();
         let policy = TlsPolicy {
             allow: AllowList::new(vec!["client".into()], vec![], vec![]).unwrap(),

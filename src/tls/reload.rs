@@ -1,27 +1,55 @@
 //! Live rotation: the configuration new connections use can be swapped at
 //! any time; connections already established keep the one they started with.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use rustls::ServerConfig;
 use tracing::{error, info, warn};
 
-use super::{build, CertInfo, Loaded, Material, TlsConfigError, TlsPolicy, TlsSources};
+use super::{
+    build, CertInfo, Guards, Loaded, Material, Sessions, TlsConfigError, TlsPaths, TlsPolicy,
+    TlsSources,
+};
 
 /// Warn this long before the served certificate expires.
 pub const EXPIRY_WARNING_DAYS: i64 = 7;
 
-/// The configuration handed to each new connection.
+/// The configuration handed to each new connection, the sessions it
+/// established, and how reloads went.
 pub struct TlsStore {
     current: RwLock<Arc<ServerConfig>>,
+    sessions: Arc<Sessions>,
+    reloads_ok: AtomicU64,
+    reloads_failed: AtomicU64,
 }
 
 impl TlsStore {
     pub fn fixed(config: ServerConfig) -> Arc<Self> {
-        Arc::new(TlsStore {
-            current: RwLock::new(Arc::new(config)),
-        })
+        Arc::new(Self::new(Arc::new(config)))
+    }
+
+    fn new(config: Arc<ServerConfig>) -> Self {
+        TlsStore {
+            current: RwLock::new(config),
+            sessions: Arc::default(),
+            reloads_ok: AtomicU64::new(0),
+            reloads_failed: AtomicU64::new(0),
+        }
+    }
+
+    pub fn sessions(&self) -> &Arc<Sessions> {
+        &self.sessions
+    }
+
+    /// Reloads that replaced the configuration, and reloads refused
+    /// (broken files, or files that would weaken client authentication).
+    pub fn reload_counts(&self) -> (u64, u64) {
+        (
+            self.reloads_ok.load(Ordering::Relaxed),
+            self.reloads_failed.load(Ordering::Relaxed),
+        )
     }
 
     pub fn current(&self) -> Arc<ServerConfig> {
@@ -57,11 +85,14 @@ pub enum ReloadOutcome {
     Failed,
 }
 
-/// Owns the sources and the last files seen, and swaps the store's
-/// configuration when they change and build cleanly.
+/// Owns the files and the last bytes seen, and swaps the store's
+/// configuration when they change, build cleanly, and keep every guard
+/// the start-up configuration had.
 pub struct Reloader {
-    sources: TlsSources,
+    paths: TlsPaths,
     policy: TlsPolicy,
+    /// Decided once, at start: a reload may not drop any of them.
+    guards: Guards,
     store: Arc<TlsStore>,
     /// What the last look at the files found, good or bad, so a file that
     /// stays broken is reported once, not on every poll.
@@ -72,15 +103,22 @@ pub struct Reloader {
 impl Reloader {
     /// The first load: unlike a reload, its failure stops start-up.
     pub fn start(sources: TlsSources, policy: TlsPolicy) -> Result<Self, TlsConfigError> {
-        let material = Material::read(&sources)?;
+        let paths = sources.resolve()?;
+        let material = Material::read(&paths)?;
         let loaded = build(&material, &policy)?;
         log_loaded(&loaded, &material, "loaded");
+        let guards = loaded.guards();
+        info!(
+            layout = paths.layout.unwrap_or("files"),
+            client_certificates = if guards.client_certificates { "required" } else { "not requested" },
+            revocation = if guards.revocation { "checked" } else { "no CRL" },
+            "client authentication fixed for the life of the process; reloads may replace the files' contents, not drop them"
+        );
         Ok(Reloader {
-            sources,
+            paths,
             policy,
-            store: Arc::new(TlsStore {
-                current: RwLock::new(loaded.config),
-            }),
+            guards,
+            store: Arc::new(TlsStore::new(loaded.config)),
             last_seen: Ok(material),
             served: loaded.served,
         })
@@ -91,33 +129,52 @@ impl Reloader {
     }
 
     pub fn check(&mut self, trigger: Trigger) -> ReloadOutcome {
-        let seen = Material::read(&self.sources).map_err(|e| e.to_string());
+        let seen = Material::read(&self.paths).map_err(|e| e.to_string());
         if trigger == Trigger::Poll && seen == self.last_seen {
             return ReloadOutcome::Unchanged;
         }
         self.last_seen = seen.clone();
         let built = seen.and_then(|material| {
-            build(&material, &self.policy)
-                .map(|loaded| (loaded, material))
-                .map_err(|e| e.to_string())
+            let loaded = build(&material, &self.policy).map_err(|e| e.to_string())?;
+            self.keeps_the_guards(&loaded)?;
+            Ok((loaded, material))
         });
         match built {
             Ok((loaded, material)) => {
                 log_loaded(&loaded, &material, "reloaded");
                 self.store.replace(loaded.config);
+                self.store.reloads_ok.fetch_add(1, Ordering::Relaxed);
                 self.served = loaded.served;
+                if let (true, Some(verifier)) = (self.policy.revoke_closes, &loaded.chain_verifier)
+                {
+                    self.store.sessions.close_revoked(verifier.as_ref());
+                }
                 ReloadOutcome::Reloaded
             }
             Err(e) => {
+                self.store.reloads_failed.fetch_add(1, Ordering::Relaxed);
                 error!(
                     error = %e,
                     still_serving = %self.served.sha256,
                     ?trigger,
-                    "TLS reload failed; new connections keep getting the previous certificate"
+                    "TLS reload failed; new connections keep getting the previous certificate and client policy"
                 );
                 ReloadOutcome::Failed
             }
         }
+    }
+
+    /// The paths are fixed at start, so a missing CA or CRL already fails
+    /// to read; this says it again where a future change could not miss it.
+    fn keeps_the_guards(&self, loaded: &Loaded) -> Result<(), String> {
+        let now = loaded.guards();
+        if now == self.guards {
+            return Ok(());
+        }
+        Err(format!(
+            "it would change client authentication from {:?} to {now:?}; restart nbdgw to change it",
+            self.guards
+        ))
     }
 
     /// Reloads on SIGHUP, and whenever a poll every `interval` (if any)
@@ -168,7 +225,7 @@ fn log_loaded(loaded: &Loaded, material: &Material, what: &'static str) {
     };
     info!(
         cert = %material.cert.path.display(),
-        subject = %served.subject,
+        subject = %crate::logsafe::Escaped(&served.subject),
         not_after = %served.not_after,
         sha256 = %served.sha256,
         %client_auth,
@@ -181,9 +238,9 @@ fn warn_if_expiring(served: &CertInfo) {
     let now = time::OffsetDateTime::now_utc().unix_timestamp();
     let days = served.days_left(now);
     if days < 0 {
-        error!(subject = %served.subject, not_after = %served.not_after, "the served certificate has expired; clients will refuse it");
+        error!(subject = %crate::logsafe::Escaped(&served.subject), not_after = %served.not_after, "the served certificate has expired; clients will refuse it");
     } else if days < EXPIRY_WARNING_DAYS {
-        warn!(subject = %served.subject, not_after = %served.not_after, days_left = days, "the served certificate expires within {EXPIRY_WARNING_DAYS} days");
+        warn!(subject = %crate::logsafe::Escaped(&served.subject), not_after = %served.not_after, days_left = days, "the served certificate expires within {EXPIRY_WARNING_DAYS} days");
     }
 }
 

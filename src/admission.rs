@@ -1,0 +1,247 @@
+//! Who gets a slot. Peers that have not yet authenticated draw from a
+//! budget of their own (`--max-handshakes`, at most
+//! `--max-handshakes-per-source` from one address, with a short queue),
+//! apart from the authenticated sessions (`--max-connections`), so a flood
+//! of silent or slow connections can delay other handshakes but never
+//! takes an established session's place, and one address cannot hold all
+//! the handshake slots.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tracing::{debug, warn};
+
+use crate::config::Config;
+
+/// How long a connection may wait for a handshake slot once all are taken.
+/// Long enough to ride out a burst of reconnecting VMs; short enough that
+/// a waiting peer costs a descriptor for moments, not minutes.
+pub const HANDSHAKE_QUEUE_WAIT: Duration = Duration::from_secs(2);
+/// Refusals are summed up in one log line this often, so a flood cannot
+/// turn into a flood of log lines.
+const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
+pub enum Refusal {
+    #[error("--max-handshakes-per-source ({0}) reached for this address")]
+    SourceBusy(usize),
+    #[error("--max-handshakes ({0}) reached and the queue is full")]
+    QueueFull(usize),
+    #[error("no handshake slot within {0:?} (--max-handshakes reached)")]
+    QueueTimeout(Duration),
+    #[error("--max-connections ({0}) reached")]
+    SessionsFull(usize),
+}
+
+pub struct Admission {
+    handshakes: Arc<Semaphore>,
+    max_handshakes: usize,
+    /// Connections waiting for a handshake slot; at most `max_handshakes`.
+    queued: Semaphore,
+    per_source_limit: usize,
+    per_source: Mutex<HashMap<IpAddr, usize>>,
+    sessions: Arc<Semaphore>,
+    max_sessions: usize,
+    refusals: RefusalLog,
+}
+
+/// One connection counted against its source address until dropped.
+pub struct SourceClaim {
+    admission: Arc<Admission>,
+    ip: IpAddr,
+}
+
+/// Held from accept until the client has authenticated.
+pub struct HandshakePermit {
+    _slot: OwnedSemaphorePermit,
+    _source: SourceClaim,
+}
+
+/// Held for as long as an authenticated session lasts.
+pub type SessionPermit = OwnedSemaphorePermit;
+
+impl Admission {
+    pub fn new(config: &Config) -> Arc<Self> {
+        Arc::new(Admission {
+            handshakes: Arc::new(Semaphore::new(config.max_handshakes)),
+            max_handshakes: config.max_handshakes,
+            queued: Semaphore::new(config.max_handshakes),
+            per_source_limit: config.max_handshakes_per_source,
+            per_source: Mutex::default(),
+            sessions: Arc::new(Semaphore::new(config.max_connections)),
+            max_sessions: config.max_connections,
+            refusals: RefusalLog::default(),
+        })
+    }
+
+    fn sources(&self) -> MutexGuard<'_, HashMap<IpAddr, usize>> {
+        // Each change is one increment or decrement: never half done.
+        self.per_source
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// At accept, without waiting: counts the connection against its
+    /// source address, or refuses it.
+    pub fn claim_source(self: &Arc<Self>, peer: SocketAddr) -> Result<SourceClaim, Refusal> {
+        // An IPv4 client on a dual-stack socket is one address, not two.
+        let ip = peer.ip().to_canonical();
+        let mut sources = self.sources();
+        let held = sources.entry(ip).or_insert(0);
+        if *held >= self.per_source_limit {
+            return Err(Refusal::SourceBusy(self.per_source_limit));
+        }
+        *held += 1;
+        Ok(SourceClaim {
+            admission: self.clone(),
+            ip,
+        })
+    }
+
+    /// A handshake slot, at once or after a short wait in the queue.
+    pub async fn handshake(&self, source: SourceClaim) -> Result<HandshakePermit, Refusal> {
+        let slot = match self.handshakes.clone().try_acquire_owned() {
+            Ok(slot) => slot,
+            Err(_) => {
+                let _place = self
+                    .queued
+                    .try_acquire()
+                    .map_err(|_| Refusal::QueueFull(self.max_handshakes))?;
+                let wait = self.handshakes.clone().acquire_owned();
+                tokio::time::timeout(HANDSHAKE_QUEUE_WAIT, wait)
+                    .await
+                    .map_err(|_| Refusal::QueueTimeout(HANDSHAKE_QUEUE_WAIT))?
+                    .map_err(|_| Refusal::QueueFull(self.max_handshakes))?
+            }
+        };
+        Ok(HandshakePermit {
+            _slot: slot,
+            _source: source,
+        })
+    }
+
+    /// A session slot for a client that has just authenticated.
+    pub fn session(&self) -> Result<SessionPermit, Refusal> {
+        self.sessions
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| Refusal::SessionsFull(self.max_sessions))
+    }
+
+    /// Logs a refusal: each at debug, a summary at warn every ten seconds.
+    pub fn log_refusal(&self, peer: SocketAddr, refusal: Refusal) {
+        debug!(%peer, reason = %refusal, "connection refused");
+        if let Some(count) = self.refusals.due() {
+            warn!(
+                refused = count,
+                last_peer = %peer,
+                last_reason = %refusal,
+                "connections refused (at most one such line every {}s)",
+                REFUSAL_LOG_EVERY.as_secs()
+            );
+        }
+    }
+}
+
+impl Drop for SourceClaim {
+    fn drop(&mut self) {
+        let mut sources = self.admission.sources();
+        if let Some(held) = sources.get_mut(&self.ip) {
+            *held -= 1;
+            if *held == 0 {
+                sources.remove(&self.ip);
+            }
+        }
+    }
+}
+
+#[derive(Default)]
+struct RefusalLog {
+    since_last: AtomicU64,
+    last: Mutex<Option<Instant>>,
+}
+
+impl RefusalLog {
+    /// Counts one refusal; returns the count to log when a line is due.
+    fn due(&self) -> Option<u64> {
+        self.since_last.fetch_add(1, Ordering::Relaxed);
+        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = Instant::now();
+        if last.is_some_and(|at| now.duration_since(at) < REFUSAL_LOG_EVERY) {
+            return None;
+        }
+        *last = Some(now);
+        Some(self.since_last.swap(0, Ordering::Relaxed))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn admission(handshakes: usize, per_source: usize, sessions: usize) -> Arc<Admission> {
+        let tls = crate::tls::TlsStore::fixed(test_server_config());
+        let mut config = Config::new("/nonexistent".into(), tls);
+        config.max_handshakes = handshakes;
+        config.max_handshakes_per_source = per_source;
+        config.max_connections = sessions;
+        Admission::new(&config)
+    }
+
+    fn test_server_config() -> rustls::ServerConfig {
+        let dir = tempfile::tempdir().unwrap();
+        crate::certs::for_test(dir.path(), "localhost", 1);
+        crate::tls::load_server_config(
+            &dir.path().join("server-cert.pem"),
+            &dir.path().join("server-key.pem"),
+        )
+        .unwrap()
+    }
+
+    fn peer(ip: &str, port: u16) -> SocketAddr {
+        SocketAddr::new(ip.parse().unwrap(), port)
+    }
+
+    #[test]
+    fn one_source_cannot_hold_more_than_its_share() {
+        let a = admission(64, 2, 10);
+        let first = a.claim_source(peer("192.0.2.1", 1)).unwrap();
+        let second = a.claim_source(peer("192.0.2.1", 2)).unwrap();
+        assert_eq!(
+            a.claim_source(peer("192.0.2.1", 3)).err(),
+            Some(Refusal::SourceBusy(2))
+        );
+        // The same address as IPv4-mapped IPv6 is the same source.
+        assert!(a.claim_source(peer("::ffff:192.0.2.1", 4)).is_err());
+        let other = a.claim_source(peer("192.0.2.2", 1)).unwrap();
+        drop(first);
+        let third = a.claim_source(peer("192.0.2.1", 5)).unwrap();
+        // Every claim given back leaves nothing behind.
+        drop((second, third, other));
+        assert!(a.sources().is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn handshakes_queue_briefly_and_sessions_have_their_own_budget() {
+        let a = admission(1, 8, 1);
+        let source = |port| a.claim_source(peer("192.0.2.1", port)).unwrap();
+        let held = a.handshake(source(1)).await.unwrap();
+        // All handshake slots busy: one more waits, then gives up.
+        let waited = a.handshake(source(2)).await.err();
+        assert_eq!(waited, Some(Refusal::QueueTimeout(HANDSHAKE_QUEUE_WAIT)));
+        // A slot freed while waiting is taken.
+        let waiting = a.handshake(source(3));
+        let (got, ()) = tokio::join!(waiting, async { drop(held) });
+        let _permit = got.unwrap();
+        // Sessions do not depend on handshake slots.
+        let session = a.session().unwrap();
+        assert_eq!(a.session().err(), Some(Refusal::SessionsFull(1)));
+        drop(session);
+        assert!(a.session().is_ok());
+    }
+}
