@@ -7,9 +7,12 @@ mod common;
 use std::ffi::OsStr;
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::clients::{
+    connect_as, nbdinfo_size, nbds_uri, qemu_img_info, text, write_server_files,
+};
 use common::pki::{anonymous_client_dir, Ca, Leaf};
 use common::process::{NbdgwProcess, UpstreamCounter};
 use common::raw::{client_tls, RawClient};
@@ -17,51 +20,6 @@ use common::{run, run_ok, Env, QemuNbd};
 use nbdgw::proto::transmission::ReplyMode;
 
 const IMAGE_LEN: usize = 1 << 20;
-
-fn qemu_img_info(port: u16, client_dir: &Path) -> Output {
-    run(Command::new("qemu-img")
-        .arg("info")
-        .arg("--object")
-        .arg(format!(
-            "tls-creds-x509,id=tls0,dir={},endpoint=client",
-            client_dir.display()
-        ))
-        .arg("--image-opts")
-        .arg(format!(
-            "driver=nbd,host=localhost,port={port},tls-creds=tls0"
-        )))
-}
-
-fn nbds_uri(port: u16, client_dir: &Path) -> String {
-    format!(
-        "nbds://localhost:{port}/?tls-certificates={}",
-        client_dir.display()
-    )
-}
-
-fn nbdinfo_size(port: u16, client_dir: &Path) -> Output {
-    run(Command::new("nbdinfo")
-        .arg("--size")
-        .arg(nbds_uri(port, client_dir)))
-}
-
-fn text(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).trim().to_string()
-}
-
-/// Server certificate, key, and the CA clients must chain to, as files.
-fn write_server_files(dir: &Path, server: &Leaf, client_ca: &Ca) -> (PathBuf, PathBuf, PathBuf) {
-    std::fs::create_dir_all(dir).unwrap();
-    let files = (
-        dir.join("server-cert.pem"),
-        dir.join("server-key.pem"),
-        dir.join("client-ca.pem"),
-    );
-    std::fs::write(&files.0, &server.cert).unwrap();
-    std::fs::write(&files.1, &server.key).unwrap();
-    std::fs::write(&files.2, &client_ca.pem).unwrap();
-    files
-}
 
 #[test]
 fn client_certificates_and_allow_lists_with_real_clients() {
@@ -388,17 +346,7 @@ fn served_cert(gw: &NbdgwProcess, client_dir: &Path) -> Vec<u8> {
 }
 
 fn connect(gw: &NbdgwProcess, client_dir: &Path) -> RawClient {
-    let mut c = RawClient::handshake(gw.addr());
-    c.try_starttls(client_tls(
-        &client_dir.join("ca-cert.pem"),
-        Some((
-            &client_dir.join("client-cert.pem"),
-            &client_dir.join("client-key.pem"),
-        )),
-        &[],
-    ))
-    .expect("TLS handshake");
-    c
+    connect_as(gw.addr(), client_dir)
 }
 
 fn wait_until_served(gw: &NbdgwProcess, client_dir: &Path, expected: &Leaf) {

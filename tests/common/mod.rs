@@ -2,6 +2,7 @@
 //! in-process on a port-0 listener, and a raw NBD client.
 #![allow(dead_code)]
 
+pub mod clients;
 pub mod fake_upstream;
 pub mod pki;
 pub mod process;

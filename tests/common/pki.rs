@@ -1,7 +1,7 @@
 //! Throw-away certificate authorities for identity tests: leaves with
 //! chosen names and serials, and CRLs revoking some of them.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use rcgen::{
     BasicConstraints, CertificateParams, CertificateRevocationListParams, DistinguishedName,
@@ -32,6 +32,21 @@ impl Ca {
         params.not_before = OffsetDateTime::now_utc() - Duration::days(1);
         params.not_after = OffsetDateTime::now_utc() + Duration::days(30);
         let pem = params.self_signed(&key).unwrap().pem();
+        Ca { params, key, pem }
+    }
+
+    /// An intermediate CA signed by this one; `serial` is what this CA's
+    /// CRL names to revoke it.
+    pub fn intermediate(&self, name: &str, serial: u64) -> Ca {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.distinguished_name = dn(name);
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        params.serial_number = Some(SerialNumber::from(serial));
+        params.not_before = OffsetDateTime::now_utc() - Duration::days(1);
+        params.not_after = OffsetDateTime::now_utc() + Duration::days(30);
+        let pem = params.signed_by(&key, &self.issuer()).unwrap().pem();
         Ca { params, key, pem }
     }
 
@@ -88,10 +103,18 @@ impl Ca {
     }
 
     pub fn crl(&self, revoked_serials: &[u64]) -> String {
+        self.crl_until(
+            revoked_serials,
+            OffsetDateTime::now_utc() + Duration::days(7),
+        )
+    }
+
+    /// A CRL whose nextUpdate is `next_update` (in the past: expired).
+    pub fn crl_until(&self, revoked_serials: &[u64], next_update: OffsetDateTime) -> String {
         let now = OffsetDateTime::now_utc();
         let params = CertificateRevocationListParams {
-            this_update: now - Duration::hours(1),
-            next_update: now + Duration::days(7),
+            this_update: next_update.min(now) - Duration::days(1),
+            next_update,
             crl_number: SerialNumber::from(1u64),
             issuing_distribution_point: None,
             revoked_certs: revoked_serials
@@ -126,6 +149,15 @@ impl Leaf {
         std::fs::write(dir.join("client-cert.pem"), &self.cert).unwrap();
         std::fs::write(dir.join("client-key.pem"), &self.key).unwrap();
         dir.to_owned()
+    }
+
+    /// As `client_dir`, with `client-cert.pem` holding this leaf followed
+    /// by `intermediate`, the chain a client of an intermediate CA sends.
+    pub fn client_dir_via(&self, dir: &Path, server_ca: &Ca, intermediate: &Ca) -> PathBuf {
+        let dir = self.client_dir(dir, server_ca);
+        let chain = format!("{}{}", self.cert, intermediate.pem);
+        std::fs::write(dir.join("client-cert.pem"), chain).unwrap();
+        dir
     }
 
     pub fn der(&self) -> Vec<u8> {

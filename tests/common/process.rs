@@ -2,12 +2,12 @@
 //! runs; and a counting relay in front of the upstream socket.
 
 use std::ffi::OsStr;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 pub struct NbdgwProcess {
@@ -35,27 +35,11 @@ impl NbdgwProcess {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_nbdgw"));
         cmd.args(args)
             .arg("--listen")
-            .arg(format!("127.0.0.1:{port}"))
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
+            .arg(format!("127.0.0.1:{port}"));
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let mut child = cmd.spawn().expect("spawn nbdgw");
-        let log = Arc::new(Mutex::new(String::new()));
-        let stderr = child.stderr.take().unwrap();
-        let sink = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                let mut log = sink.lock().unwrap();
-                log.push_str(&line);
-                log.push('\n');
-            }
-        });
-        let mut process = NbdgwProcess { child, port, log };
+        let mut process = Self::spawn(cmd, port);
         let deadline = Instant::now() + Duration::from_secs(10);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
             if let Ok(Some(status)) = process.child.try_wait() {
@@ -69,6 +53,28 @@ impl NbdgwProcess {
             std::thread::sleep(Duration::from_millis(20));
         }
         process
+    }
+
+    /// Runs `cmd` (nbdgw, or a wrapper such as `ip netns exec … nbdgw`)
+    /// with its log collected; does not wait for it to listen.
+    pub fn spawn(mut cmd: Command, port: u16) -> Self {
+        cmd.env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().expect("spawn nbdgw");
+        let log = Arc::new(Mutex::new(String::new()));
+        let stderr = child.stderr.take().unwrap();
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                let mut log = sink.lock().unwrap();
+                log.push_str(&line);
+                log.push('\n');
+            }
+        });
+        NbdgwProcess { child, port, log }
     }
 
     pub fn addr(&self) -> std::net::SocketAddr {
@@ -109,6 +115,22 @@ impl NbdgwProcess {
         self.child.try_wait().unwrap().is_none()
     }
 
+    /// The exit status, if the process ends within `within`.
+    pub fn wait_exit(&mut self, within: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                // The reader thread ends at EOF; give it a moment.
+                std::thread::sleep(Duration::from_millis(100));
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// SIGTERM, then the exit status and the whole log.
     pub fn stop(mut self) -> (ExitStatus, String) {
         self.signal("TERM");
@@ -129,6 +151,43 @@ impl NbdgwProcess {
     }
 }
 
+/// Runs `nbdgw ARGS`, which must fail to start; returns what it said.
+pub fn start_must_fail<I, S>(args: I) -> String
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    let mut child = Command::new(env!("CARGO_BIN_EXE_nbdgw"))
+        .args(args)
+        .arg("--listen")
+        .arg("127.0.0.1:0")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn nbdgw");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            panic!("nbdgw started although it should have refused to");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    assert!(!status.success(), "nbdgw exited 0: {stderr}");
+    stderr
+}
+
 impl Drop for NbdgwProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -137,10 +196,12 @@ impl Drop for NbdgwProcess {
 }
 
 /// A Unix-socket relay in front of the real upstream that counts the
-/// connections nbdgw opens to it.
+/// connections nbdgw opens to it, and can hold the upstream's replies
+/// back (a slow disk, as far as nbdgw can tell).
 pub struct UpstreamCounter {
     pub socket: PathBuf,
     accepted: Arc<AtomicUsize>,
+    hold: Arc<(Mutex<bool>, Condvar)>,
 }
 
 impl UpstreamCounter {
@@ -148,6 +209,8 @@ impl UpstreamCounter {
         let listener = UnixListener::bind(socket).unwrap();
         let accepted = Arc::new(AtomicUsize::new(0));
         let count = accepted.clone();
+        let hold = Arc::new((Mutex::new(false), Condvar::new()));
+        let gate = hold.clone();
         let target = target.to_owned();
         std::thread::spawn(move || {
             for client in listener.incoming() {
@@ -163,8 +226,18 @@ impl UpstreamCounter {
                     let _ = s_wr.shutdown(std::net::Shutdown::Write);
                 });
                 let (mut s_rd, mut c_wr) = (server, client);
+                let gate = gate.clone();
                 std::thread::spawn(move || {
-                    let _ = std::io::copy(&mut s_rd, &mut c_wr);
+                    let mut buf = vec![0u8; 1 << 16];
+                    while let Ok(n @ 1..) = s_rd.read(&mut buf) {
+                        let (held, resumed) = &*gate;
+                        let _open = resumed
+                            .wait_while(held.lock().unwrap(), |held| *held)
+                            .unwrap();
+                        if c_wr.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
                     let _ = c_wr.shutdown(std::net::Shutdown::Write);
                 });
             }
@@ -172,7 +245,15 @@ impl UpstreamCounter {
         UpstreamCounter {
             socket: socket.to_owned(),
             accepted,
+            hold,
         }
+    }
+
+    /// Holds back (or lets go) every upstream reply not yet relayed.
+    pub fn hold_replies(&self, held: bool) {
+        let (flag, resumed) = &*self.hold;
+        *flag.lock().unwrap() = held;
+        resumed.notify_all();
     }
 
     pub fn connections(&self) -> usize {

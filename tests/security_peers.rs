@@ -1,0 +1,371 @@
+//! Peers that cannot hold the gateway hostage: floods of silent
+//! connections, slow handshakers, stalled payloads, clients that stop
+//! reading or power off, the idle timeout counted from the last reply,
+//! and a shutdown that ends idle sessions at once, finishes what is in
+//! flight, and can be cut short. A real qemu-nbd upstream throughout;
+//! where replies must be held back, a relay in front of it holds them.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use common::process::{NbdgwProcess, UpstreamCounter};
+use common::raw::{go_data, RawClient};
+use common::{run, run_ok, Env, Gateway, QemuNbd};
+use nbdgw::proto::consts::*;
+use nbdgw::proto::transmission::ReplyMode;
+
+const SIZE: usize = 4 << 20;
+
+struct Setup {
+    env: Env,
+    _upstream: QemuNbd,
+    gateway: Gateway,
+    image: Vec<u8>,
+}
+
+fn setup(size: usize, tune: impl FnOnce(&mut nbdgw::Config)) -> Setup {
+    let env = Env::new();
+    let path = env.random_image("disk.img", size, 5);
+    let upstream = QemuNbd::start(&env, &path, &[]);
+    let mut config = env.config(&upstream.socket);
+    tune(&mut config);
+    Setup {
+        gateway: Gateway::start(config),
+        image: std::fs::read(&path).unwrap(),
+        env,
+        _upstream: upstream,
+    }
+}
+
+impl Setup {
+    fn client(&self) -> RawClient {
+        let mut c = RawClient::tls(self.gateway.addr, &self.env.certs());
+        c.go(ReplyMode::Structured);
+        c
+    }
+
+    fn assert_still_serving(&self) {
+        let mut c = self.client();
+        assert_eq!(c.read(9, 8192, 4096), self.image[8192..8192 + 4096]);
+        c.disconnect();
+    }
+}
+
+/// A TCP connection to `to` from the loopback address `from`, so that
+/// tests can play several source addresses.
+fn connect_from(from: [u8; 4], to: SocketAddr) -> std::io::Result<TcpStream> {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+    socket.bind(&SocketAddr::from((from, 0)).into())?;
+    socket.connect(&to.into())?;
+    Ok(socket.into())
+}
+
+/// Reads until the connection ends; how many bytes came.
+fn drain(stream: &mut impl Read) -> usize {
+    let mut buf = vec![0u8; 1 << 16];
+    let mut total = 0;
+    while let Ok(n @ 1..) = stream.read(&mut buf) {
+        total += n;
+    }
+    total
+}
+
+#[test]
+fn silent_connections_and_a_slow_handshaker_do_not_lock_out_real_clients() {
+    let env = Env::new();
+    let path = env.random_image("disk.img", SIZE, 6);
+    let upstream = QemuNbd::start(&env, &path, &[]);
+    let certs = env.certs();
+    let gw = NbdgwProcess::start([
+        "--upstream".as_ref(),
+        upstream.socket.as_os_str(),
+        "--tls-cert".as_ref(),
+        certs.join("server-cert.pem").as_os_str(),
+        "--tls-key".as_ref(),
+        certs.join("server-key.pem").as_os_str(),
+        // Before the handshake budget, this many silent peers were enough.
+        "--max-connections".as_ref(),
+        "64".as_ref() as &std::ffi::OsStr,
+    ]);
+    // Hundreds of connections that never say a word, from one address.
+    let silent: Vec<TcpStream> = (0..300)
+        .filter_map(|_| connect_from([127, 0, 0, 2], gw.addr()).ok())
+        .collect();
+    assert!(silent.len() >= 250, "only {} connected", silent.len());
+    // And one that starts TLS and then sends its ClientHello a byte at a time.
+    let slow = std::thread::spawn({
+        let addr = gw.addr();
+        move || {
+            let mut tcp = connect_from([127, 0, 0, 3], addr).unwrap();
+            let mut greeting = [0u8; 18];
+            tcp.read_exact(&mut greeting).unwrap();
+            let mut starttls = 3u32.to_be_bytes().to_vec();
+            starttls.extend_from_slice(&IHAVEOPT.to_be_bytes());
+            starttls.extend_from_slice(&OPT_STARTTLS.to_be_bytes());
+            starttls.extend_from_slice(&0u32.to_be_bytes());
+            tcp.write_all(&starttls).unwrap();
+            let mut ack = [0u8; 20];
+            tcp.read_exact(&mut ack).unwrap();
+            for byte in [0x16u8, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00] {
+                std::thread::sleep(Duration::from_millis(400));
+                if tcp.write_all(&[byte]).is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    std::thread::sleep(Duration::from_millis(300));
+
+    let copy = env.path("copy.img");
+    let uri = format!(
+        "nbds://localhost:{}/?tls-certificates={}",
+        gw.port,
+        certs.display()
+    );
+    let started = Instant::now();
+    run_ok(std::process::Command::new("nbdcopy").arg(&uri).arg(&copy));
+    assert_eq!(std::fs::read(&copy).unwrap(), std::fs::read(&path).unwrap());
+    let info = run(std::process::Command::new("qemu-img")
+        .arg("info")
+        .arg("--object")
+        .arg(format!(
+            "tls-creds-x509,id=tls0,dir={},endpoint=client",
+            certs.display()
+        ))
+        .arg("--image-opts")
+        .arg(format!(
+            "driver=nbd,host=localhost,port={},tls-creds=tls0",
+            gw.port
+        )));
+    assert!(
+        info.status.success(),
+        "{}",
+        String::from_utf8_lossy(&info.stderr)
+    );
+    assert!(started.elapsed() < Duration::from_secs(5));
+    gw.wait_for_log("--max-handshakes-per-source (8) reached", 1);
+    drop(silent);
+    slow.join().unwrap();
+}
+
+#[test]
+fn a_half_sent_write_payload_is_closed_after_the_stall_timeout() {
+    let s = setup(SIZE, |c| c.stall_timeout = Some(Duration::from_secs(1)));
+    let mut c = s.client();
+    let mut request = c.request_bytes(0, CMD_WRITE, 1, 0, 1 << 20);
+    request.extend_from_slice(&[7u8; 1000]);
+    c.send(&request);
+    let started = Instant::now();
+    c.expect_closed();
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(800) && waited < Duration::from_secs(5),
+        "{waited:?}"
+    );
+    s.assert_still_serving();
+}
+
+#[test]
+fn a_client_that_stops_reading_replies_is_closed_after_the_stall_timeout() {
+    let s = setup(SIZE, |c| c.stall_timeout = Some(Duration::from_secs(1)));
+    let mut c = s.client();
+    const READS: u64 = 48;
+    let requests: Vec<u8> = (0..READS)
+        .flat_map(|cookie| c.request_bytes(0, CMD_READ, cookie, 0, 1 << 20))
+        .collect();
+    c.send(&requests);
+    // Far longer than the stall timeout, with 48 MiB of replies waiting.
+    std::thread::sleep(Duration::from_secs(3));
+    let received = drain(&mut c.stream);
+    assert!(
+        received < (READS as usize) << 20,
+        "all {received} bytes arrived: the stalled connection was kept"
+    );
+    s.assert_still_serving();
+}
+
+#[test]
+fn the_idle_timeout_counts_from_the_last_reply_byte() {
+    const LEN: usize = 32 << 20;
+    let s = setup(LEN, |c| c.idle_timeout = Some(Duration::from_secs(3)));
+    let mut c = s.client();
+    // A reply larger than the socket buffers, read only after 5.5 s: it
+    // is being written all that time, so the connection is not idle.
+    c.send_request(0, CMD_READ, 1, 0, LEN as u64, &[]);
+    std::thread::sleep(Duration::from_millis(5500));
+    let chunks = c.read_reply(LEN);
+    let data = common::raw::assemble(&chunks, 1, 0, LEN);
+    assert!(data == s.image, "the long read came back wrong");
+    let last_byte = Instant::now();
+    // Well inside the idle timeout after the last reply byte.
+    std::thread::sleep(Duration::from_millis(900));
+    assert_eq!(c.read(2, 0, 4096), s.image[..4096]);
+    let second_reply = Instant::now();
+    c.expect_closed();
+    let idle = second_reply.elapsed();
+    assert!(
+        idle >= Duration::from_millis(2800) && last_byte.elapsed() < Duration::from_secs(9),
+        "closed after {idle:?} idle"
+    );
+}
+
+#[test]
+fn export_name_while_shutting_down_ends_the_connection_without_a_reply() {
+    let Setup {
+        env,
+        mut gateway,
+        _upstream,
+        ..
+    } = setup(SIZE, |c| c.shutdown_grace = Duration::from_secs(3));
+    let mut c = RawClient::tls(gateway.addr, &env.certs());
+    let stopper = std::thread::spawn(move || gateway.stop());
+    std::thread::sleep(Duration::from_millis(300));
+    c.send_option(OPT_EXPORT_NAME, b"");
+    // No option reply exists for EXPORT_NAME: nothing but the close.
+    c.expect_closed();
+    stopper.join().unwrap().expect("run() returns Ok");
+}
+
+#[test]
+fn shutdown_closes_idle_sessions_at_once_with_close_notify() {
+    let Setup {
+        env,
+        mut gateway,
+        _upstream,
+        ..
+    } = setup(SIZE, |c| c.shutdown_grace = Duration::from_secs(30));
+    let mut idle = RawClient::tls(gateway.addr, &env.certs());
+    idle.go(ReplyMode::Extended);
+    let started = Instant::now();
+    let stopper = std::thread::spawn(move || gateway.stop());
+    let mut buf = [0u8; 1];
+    assert_eq!(
+        idle.stream.read(&mut buf).expect("a clean close_notify"),
+        0,
+        "an idle session gets close_notify at once"
+    );
+    stopper.join().unwrap().expect("run() returns Ok");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+/// The binary in front of a relay that can hold qemu-nbd's replies back.
+struct HeldUpstream {
+    env: Env,
+    _upstream: QemuNbd,
+    relay: UpstreamCounter,
+    image: Vec<u8>,
+}
+
+impl HeldUpstream {
+    fn new() -> Self {
+        let env = Env::new();
+        let path = env.random_image("disk.img", SIZE, 7);
+        let upstream = QemuNbd::start(&env, &path, &[]);
+        let relay = UpstreamCounter::start(&upstream.socket, &env.path("held.sock"));
+        HeldUpstream {
+            image: std::fs::read(&path).unwrap(),
+            env,
+            _upstream: upstream,
+            relay,
+        }
+    }
+
+    fn gateway(&self, grace_secs: &str) -> NbdgwProcess {
+        let certs = self.env.certs();
+        NbdgwProcess::start([
+            "--upstream".as_ref(),
+            self.relay.socket.as_os_str(),
+            "--tls-cert".as_ref(),
+            certs.join("server-cert.pem").as_os_str(),
+            "--tls-key".as_ref(),
+            certs.join("server-key.pem").as_os_str(),
+            "--shutdown-grace".as_ref(),
+            grace_secs.as_ref() as &std::ffi::OsStr,
+        ])
+    }
+
+    /// A client in transmission with one read (cookie 1) held upstream.
+    fn read_in_flight(&self, gw: &NbdgwProcess) -> RawClient {
+        let mut c = RawClient::tls(gw.addr(), &self.env.certs());
+        c.go(ReplyMode::Structured);
+        self.relay.hold_replies(true);
+        c.send_request(0, CMD_READ, 1, 0, 65536, &[]);
+        std::thread::sleep(Duration::from_millis(200));
+        c
+    }
+}
+
+#[test]
+fn at_shutdown_requests_in_flight_finish_and_new_ones_get_eshutdown() {
+    let held = HeldUpstream::new();
+    let mut gw = held.gateway("30");
+    let mut c = held.read_in_flight(&gw);
+    gw.signal("TERM");
+    gw.wait_for_log("SIGTERM received", 1);
+    c.send_request(0, CMD_READ, 2, 0, 4096, &[]);
+    let refused = c.read_chunk(0);
+    assert_eq!((refused.cookie, refused.error_code()), (2, ESHUTDOWN));
+    assert!(refused.error_message().contains("shutting down"));
+    held.relay.hold_replies(false);
+    let data = common::raw::assemble(&c.read_reply(65536), 1, 0, 65536);
+    assert!(
+        data == held.image[..65536],
+        "the read in flight came back wrong"
+    );
+    let mut buf = [0u8; 1];
+    assert_eq!(c.stream.read(&mut buf).expect("close_notify"), 0);
+    let status = gw
+        .wait_exit(Duration::from_secs(5))
+        .expect("exits once drained");
+    let log = gw.log();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("reason=\"nbdgw shutting down"), "{log}");
+}
+
+#[test]
+fn after_the_grace_period_the_cut_is_logged_and_a_second_signal_exits_at_once() {
+    let held = HeldUpstream::new();
+    let mut gw = held.gateway("1");
+    let _c = held.read_in_flight(&gw);
+    gw.signal("TERM");
+    gw.wait_for_log("closed error=shutdown grace period over", 1);
+    assert!(gw
+        .wait_exit(Duration::from_secs(5))
+        .is_some_and(|s| s.success()));
+    held.relay.hold_replies(false);
+
+    let mut gw = held.gateway("30");
+    let _c = held.read_in_flight(&gw);
+    gw.signal("TERM");
+    gw.wait_for_log("SIGTERM received", 1);
+    let started = Instant::now();
+    gw.signal("INT");
+    let status = gw.wait_exit(Duration::from_secs(3)).expect("exits at once");
+    assert!(!status.success() && started.elapsed() < Duration::from_secs(3));
+    assert!(
+        gw.log().contains("second SIGINT: exiting at once"),
+        "{}",
+        gw.log()
+    );
+    held.relay.hold_replies(false);
+}
+
+#[test]
+fn the_advertised_maximum_block_size_is_clamped_to_max_payload() {
+    let s = setup(SIZE, |c| c.max_payload = 1 << 20);
+    let mut c = RawClient::tls(s.gateway.addr, &s.env.certs());
+    let replies = c.option(OPT_GO, &go_data("", &[INFO_BLOCK_SIZE]));
+    let block_size = replies
+        .iter()
+        .find(|r| r.reply_type == REP_INFO && r.data[..2] == INFO_BLOCK_SIZE.to_be_bytes())
+        .expect("qemu-nbd sends NBD_INFO_BLOCK_SIZE");
+    let field = |at: usize| u32::from_be_bytes(block_size.data[at..at + 4].try_into().unwrap());
+    assert_eq!((field(2), field(6), field(10)), (1, 4096, 1 << 20));
+}
