@@ -148,15 +148,7 @@ fn keepalive_drops_a_client_that_powered_off() {
     // qemu-io holds its connection open while it waits for commands.
     let client = lan
         .exec(&lan.client, "qemu-io")
-        .arg("--object")
-        .arg(format!(
-            "tls-creds-x509,id=tls0,dir={},endpoint=client",
-            certs.display()
-        ))
-        .arg("--image-opts")
-        .arg(format!(
-            "driver=nbd,host={SERVER_IP},port=10809,tls-creds=tls0"
-        ))
+        .args(common::clients::qemu_tls_args(SERVER_IP, 10809, &certs))
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .spawn()

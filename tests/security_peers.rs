@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use common::process::{NbdgwProcess, UpstreamCounter};
 use common::raw::{go_data, RawClient};
-use common::{run, run_ok, Env, Gateway, QemuNbd};
+use common::{run_ok, Env, Gateway, QemuNbd};
 use nbdgw::proto::consts::*;
 use nbdgw::proto::transmission::ReplyMode;
 
@@ -128,18 +128,7 @@ fn silent_connections_and_a_slow_handshaker_do_not_lock_out_real_clients() {
     let started = Instant::now();
     run_ok(std::process::Command::new("nbdcopy").arg(&uri).arg(&copy));
     assert_eq!(std::fs::read(&copy).unwrap(), std::fs::read(&path).unwrap());
-    let info = run(std::process::Command::new("qemu-img")
-        .arg("info")
-        .arg("--object")
-        .arg(format!(
-            "tls-creds-x509,id=tls0,dir={},endpoint=client",
-            certs.display()
-        ))
-        .arg("--image-opts")
-        .arg(format!(
-            "driver=nbd,host=localhost,port={},tls-creds=tls0",
-            gw.port
-        )));
+    let info = common::clients::qemu_img_info(gw.port, &certs);
     assert!(
         info.status.success(),
         "{}",

@@ -1,12 +1,17 @@
 //! Client certificates arrive from unauthenticated peers: parsing one and
-//! matching it against allow-lists must never panic.
+//! matching it against allow-lists must never panic, and the names it
+//! puts in a log line must never carry a control character.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use nbdgw::tls::{AllowList, CertInfo};
 
 fuzz_target!(|data: &[u8]| {
-    let _ = nbdgw::tls::identity::describe(data);
+    let described = nbdgw::tls::identity::describe(data);
+    assert!(
+        !described.chars().any(char::is_control),
+        "a control character reaches the log: {described:?}"
+    );
     if let Ok(info) = CertInfo::from_der(data) {
         let allow = AllowList::new(
             vec!["agent".into()],

@@ -89,7 +89,7 @@ impl fmt::Display for CertInfo {
 pub fn describe(der: &[u8]) -> String {
     match CertInfo::from_der(der) {
         Ok(info) => info.to_string(),
-        Err(e) => e.to_string(),
+        Err(e) => crate::logsafe::escape(&e.to_string()).into_owned(),
     }
 }
 

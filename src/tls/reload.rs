@@ -152,9 +152,10 @@ impl Reloader {
                 ReloadOutcome::Reloaded
             }
             Err(e) => {
-                self.store.reloads_failed.fetch_add(1, Ordering::Relaxed);
+                let failed = self.store.reloads_failed.fetch_add(1, Ordering::Relaxed) + 1;
                 error!(
                     error = %e,
+                    reloads_failed = failed,
                     still_serving = %self.served.sha256,
                     ?trigger,
                     "TLS reload failed; new connections keep getting the previous certificate and client policy"

@@ -11,18 +11,24 @@ use super::pki::{Ca, Leaf};
 use super::raw::{client_tls, RawClient};
 use super::run;
 
+/// qemu's `--object` and `--image-opts` arguments for an NBD client
+/// using the certificates in `client_dir`.
+pub fn qemu_tls_args(host: &str, port: u16, client_dir: &Path) -> [String; 4] {
+    [
+        "--object".into(),
+        format!(
+            "tls-creds-x509,id=tls0,dir={},endpoint=client",
+            client_dir.display()
+        ),
+        "--image-opts".into(),
+        format!("driver=nbd,host={host},port={port},tls-creds=tls0"),
+    ]
+}
+
 pub fn qemu_img_info(port: u16, client_dir: &Path) -> Output {
     run(Command::new("qemu-img")
         .arg("info")
-        .arg("--object")
-        .arg(format!(
-            "tls-creds-x509,id=tls0,dir={},endpoint=client",
-            client_dir.display()
-        ))
-        .arg("--image-opts")
-        .arg(format!(
-            "driver=nbd,host=localhost,port={port},tls-creds=tls0"
-        )))
+        .args(qemu_tls_args("localhost", port, client_dir)))
 }
 
 pub fn nbds_uri(port: u16, client_dir: &Path) -> String {

@@ -221,16 +221,9 @@ impl Gateway {
 
     /// qemu's `--object` and `--image-opts` arguments for this gateway.
     pub fn qemu_args(&self, env: &Env) -> (String, String) {
-        (
-            format!(
-                "tls-creds-x509,id=tls0,dir={},endpoint=client",
-                env.certs().display()
-            ),
-            format!(
-                "driver=nbd,host=localhost,port={},tls-creds=tls0",
-                self.addr.port()
-            ),
-        )
+        let [_, object, _, image] =
+            clients::qemu_tls_args("localhost", self.addr.port(), &env.certs());
+        (object, image)
     }
 
     pub fn stop(&mut self) -> std::io::Result<()> {
