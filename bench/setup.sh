@@ -2,8 +2,13 @@
 # Everything bench/run.py needs on a fresh Debian machine, from Debian's
 # packages: the peers (qemu-nbd, nbdkit), the clients (nbdcopy, libnbd's
 # Python bindings), packet capture, iperf3 and the namespace tools.
+# Needs root, as bench/run.py does (apt-get, network namespaces, tshark).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "$(id -u)" -ne 0 ]; then
+    echo "bench/setup.sh: run as root (sudo bench/setup.sh): it installs packages" >&2
+    exit 1
+fi
 scripts/setup.sh
 need=()
 for pair in qemu-nbd:qemu-utils nbdkit:nbdkit nbdcopy:libnbd-bin tshark:tshark \

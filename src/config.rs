@@ -41,7 +41,6 @@ pub struct Config {
     pub cork: Cork,
     /// How long open connections may finish after SIGTERM.
     pub shutdown_grace: Duration,
-    pub upstream_connect_timeout: Duration,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,13 +80,12 @@ impl Config {
             max_option_len: DEFAULT_MAX_OPTION_LEN,
             cork: Cork::Deferred,
             shutdown_grace: Duration::from_secs(DEFAULT_SHUTDOWN_GRACE_SECS),
-            upstream_connect_timeout: Duration::from_secs(5),
         }
     }
 }
 
 /// TCP_CORK around replies.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Cork {
     /// Corked while the next reply is already waiting; released when
     /// nothing more is (a burst that fits one write needs no cork at all).

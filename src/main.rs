@@ -14,7 +14,7 @@ use tokio::net::TcpListener;
 use tracing::{info, warn};
 
 use nbdgw::config::{self, Config, Cork, Keepalive};
-use nbdgw::tls::{AllowList, MinVersion, Reloader, TlsPolicy, TlsSources};
+use nbdgw::tls::{AllowList, MinVersion, Reloader, TlsPolicy, TlsSources, TlsStore};
 
 /// TLS gateway for the Network Block Device protocol: accepts NBD clients
 /// over TCP, requires NBD_OPT_STARTTLS, and relays them to an NBD server's
@@ -84,7 +84,7 @@ struct ServeArgs {
     tls_revoke_closes: bool,
     /// Oldest TLS version accepted.
     #[arg(long, env = "NBDGW_TLS_MIN_VERSION", value_enum, default_value = "1.2")]
-    tls_min_version: TlsVersion,
+    tls_min_version: MinVersion,
     /// Seconds between looks at the TLS files for changes; 0 reloads only
     /// on SIGHUP.
     #[arg(long, env = "NBDGW_TLS_RELOAD_INTERVAL", default_value_t = 5)]
@@ -142,11 +142,8 @@ struct ServeArgs {
     /// TCP_CORK around replies: deferred (held while the next reply is
     /// already waiting), per-reply (as QEMU), or off. For measuring; the
     /// default gives full segments.
-    #[arg(long, env = "NBDGW_CORK", value_enum, default_value_t = CorkArg::Deferred)]
-    cork: CorkArg,
-    /// Same as --cork off.
-    #[arg(long, env = "NBDGW_NO_CORK", hide = true)]
-    no_cork: bool,
+    #[arg(long, env = "NBDGW_CORK", value_enum, default_value_t = Cork::Deferred)]
+    cork: Cork,
     /// Worker threads; 0 means one per CPU. In a container, match the CPU
     /// limit.
     #[arg(long, env = "NBDGW_THREADS", default_value_t = 0)]
@@ -179,21 +176,6 @@ struct CertsArgs {
     /// Overwrite existing files.
     #[arg(long)]
     force: bool,
-}
-
-#[derive(ValueEnum, Clone, Copy, Debug)]
-enum CorkArg {
-    Deferred,
-    PerReply,
-    Off,
-}
-
-#[derive(ValueEnum, Clone, Copy, Debug)]
-enum TlsVersion {
-    #[value(name = "1.2")]
-    V1_2,
-    #[value(name = "1.3")]
-    V1_3,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug)]
@@ -278,69 +260,18 @@ fn init_logging(format: LogFormat) {
 
 fn serve(args: ServeArgs) -> Result<()> {
     init_logging(args.log_format);
-    let Some(upstream) = &args.upstream else {
+    let Some(upstream) = args.upstream.clone() else {
         bail!("--upstream is required (or NBDGW_UPSTREAM); see --help");
     };
-    if args.tls_cert.is_none() && args.tls_dir.is_none() {
-        bail!("a server certificate is required: --tls-cert and --tls-key, or --tls-dir (or NBDGW_TLS_CERT, NBDGW_TLS_KEY, NBDGW_TLS_DIR); see --help");
-    }
-    if args.max_connections == 0
-        || args.max_handshakes == 0
-        || args.max_handshakes_per_source == 0
-        || args.max_payload == 0
-        || args.handshake_timeout == 0
-    {
-        bail!("--max-connections, --max-handshakes, --max-handshakes-per-source, --max-payload and --handshake-timeout must be greater than 0");
-    }
-    if args.tcp_keepalive > 0 && (args.tcp_keepalive_interval == 0 || args.tcp_keepalive_count == 0)
-    {
-        bail!("--tcp-keepalive-interval and --tcp-keepalive-count must be greater than 0 while keepalive is on");
-    }
-    let sources = TlsSources {
-        dir: args.tls_dir.clone(),
-        cert: args.tls_cert.clone(),
-        key: args.tls_key.clone(),
-        client_ca: args.tls_client_ca.clone(),
-        crl: args.tls_crl.clone(),
-    };
-    let policy = TlsPolicy {
-        min_version: match args.tls_min_version {
-            TlsVersion::V1_2 => MinVersion::Tls12,
-            TlsVersion::V1_3 => MinVersion::Tls13,
-        },
-        allow: AllowList::new(args.allow_cn, args.allow_dns, args.allow_uri)?,
-        crl_allow_expired: args.tls_crl_allow_expired,
-        revoke_closes: args.tls_revoke_closes,
-    };
-    let reloader = Reloader::start(sources, policy).context("loading the TLS files")?;
-    let reload_interval =
-        (args.tls_reload_interval > 0).then(|| Duration::from_secs(args.tls_reload_interval));
-    let mut config = Config::new(upstream.clone(), reloader.store());
-    config.upstream_sndbuf = args.upstream_sndbuf;
-    config.max_connections = args.max_connections;
-    config.max_handshakes = args.max_handshakes;
-    config.max_handshakes_per_source = args.max_handshakes_per_source;
-    config.handshake_timeout = Duration::from_secs(args.handshake_timeout);
-    config.idle_timeout = seconds_or_off(args.idle_timeout);
-    config.stall_timeout = seconds_or_off(args.stall_timeout);
-    config.keepalive = seconds_or_off(args.tcp_keepalive).map(|idle| Keepalive {
-        idle,
-        interval: Duration::from_secs(args.tcp_keepalive_interval),
-        count: args.tcp_keepalive_count,
-    });
-    config.max_payload = args.max_payload;
-    config.max_option_len = args.max_option_len;
-    config.shutdown_grace = Duration::from_secs(args.shutdown_grace);
-    config.cork = match (args.no_cork, args.cork) {
-        (true, _) | (_, CorkArg::Off) => Cork::Off,
-        (_, CorkArg::PerReply) => Cork::PerReply,
-        (_, CorkArg::Deferred) => Cork::Deferred,
-    };
+    check_limits(&args)?;
+    let reloader = tls_reloader(&args)?;
+    let reload_interval = seconds_or_off(args.tls_reload_interval);
+    let config = gateway_config(&args, upstream, reloader.store());
 
     report_fd_limit(args.max_connections + args.max_handshakes);
     report_sndbuf(args.upstream_sndbuf);
-    if !nbdgw::upstream::looks_like_socket(upstream) {
-        warn!(upstream = %upstream.display(), "upstream socket does not exist yet; clients will get an error until it does");
+    if !nbdgw::upstream::looks_like_socket(&config.upstream) {
+        warn!(upstream = %config.upstream.display(), "upstream socket does not exist yet; clients will get an error until it does");
     }
 
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
@@ -358,13 +289,75 @@ fn serve(args: ServeArgs) -> Result<()> {
             .with_context(|| format!("cannot listen on {}", args.listen))?;
         info!(
             listen = %listener.local_addr().unwrap_or(args.listen),
-            upstream = %upstream.display(),
+            upstream = %config.upstream.display(),
             cork = ?config.cork,
             "nbdgw listening"
         );
         nbdgw::run(listener, Arc::new(config), shutdown_signals()).await?;
         Ok(())
     })
+}
+
+fn check_limits(args: &ServeArgs) -> Result<()> {
+    if args.tls_cert.is_none() && args.tls_dir.is_none() {
+        bail!("a server certificate is required: --tls-cert and --tls-key, or --tls-dir (or NBDGW_TLS_CERT, NBDGW_TLS_KEY, NBDGW_TLS_DIR); see --help");
+    }
+    if args.max_connections == 0
+        || args.max_handshakes == 0
+        || args.max_handshakes_per_source == 0
+        || args.max_payload == 0
+        || args.handshake_timeout == 0
+    {
+        bail!("--max-connections, --max-handshakes, --max-handshakes-per-source, --max-payload and --handshake-timeout must be greater than 0");
+    }
+    if args.tcp_keepalive > 0 && (args.tcp_keepalive_interval == 0 || args.tcp_keepalive_count == 0)
+    {
+        bail!("--tcp-keepalive-interval and --tcp-keepalive-count must be greater than 0 while keepalive is on");
+    }
+    Ok(())
+}
+
+/// The first load of the TLS files, whose failure stops start-up.
+fn tls_reloader(args: &ServeArgs) -> Result<Reloader> {
+    let sources = TlsSources {
+        dir: args.tls_dir.clone(),
+        cert: args.tls_cert.clone(),
+        key: args.tls_key.clone(),
+        client_ca: args.tls_client_ca.clone(),
+        crl: args.tls_crl.clone(),
+    };
+    let policy = TlsPolicy {
+        min_version: args.tls_min_version,
+        allow: AllowList::new(
+            args.allow_cn.clone(),
+            args.allow_dns.clone(),
+            args.allow_uri.clone(),
+        )?,
+        crl_allow_expired: args.tls_crl_allow_expired,
+        revoke_closes: args.tls_revoke_closes,
+    };
+    Reloader::start(sources, policy).context("loading the TLS files")
+}
+
+fn gateway_config(args: &ServeArgs, upstream: PathBuf, tls: Arc<TlsStore>) -> Config {
+    let mut config = Config::new(upstream, tls);
+    config.upstream_sndbuf = args.upstream_sndbuf;
+    config.max_connections = args.max_connections;
+    config.max_handshakes = args.max_handshakes;
+    config.max_handshakes_per_source = args.max_handshakes_per_source;
+    config.handshake_timeout = Duration::from_secs(args.handshake_timeout);
+    config.idle_timeout = seconds_or_off(args.idle_timeout);
+    config.stall_timeout = seconds_or_off(args.stall_timeout);
+    config.keepalive = seconds_or_off(args.tcp_keepalive).map(|idle| Keepalive {
+        idle,
+        interval: Duration::from_secs(args.tcp_keepalive_interval),
+        count: args.tcp_keepalive_count,
+    });
+    config.max_payload = args.max_payload;
+    config.max_option_len = args.max_option_len;
+    config.shutdown_grace = Duration::from_secs(args.shutdown_grace);
+    config.cork = args.cork;
+    config
 }
 
 fn seconds_or_off(secs: u64) -> Option<Duration> {

@@ -63,15 +63,23 @@ pub async fn run(
         }
     }
     drop(listener);
+    shut_down(connections, &control, config.shutdown_grace).await;
+    Ok(())
+}
+
+/// Draining, then after the grace period the cut, each announced to the
+/// connections, which end themselves and log it.
+async fn shut_down(mut connections: JoinSet<()>, control: &ShutdownControl, grace: Duration) {
     control.enter(Phase::Draining);
-    let open = connections.len();
     info!(
-        open,
-        grace_secs = config.shutdown_grace.as_secs(),
+        open = connections.len(),
+        grace_secs = grace.as_secs(),
         "shutting down: no longer accepting; idle connections close now, requests in flight finish"
     );
-    let drained = tokio::time::timeout(config.shutdown_grace, drain(&mut connections)).await;
-    if drained.is_err() {
+    if tokio::time::timeout(grace, drain(&mut connections))
+        .await
+        .is_err()
+    {
         warn!(
             open = connections.len(),
             "grace period over: cutting the remaining connections"
@@ -85,7 +93,6 @@ pub async fn run(
         }
     }
     info!("stopped");
-    Ok(())
 }
 
 async fn drain(connections: &mut JoinSet<()>) {

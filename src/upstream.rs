@@ -1,6 +1,7 @@
 //! The Unix-socket connection to the NBD server behind the gateway.
 
 use std::path::Path;
+use std::time::Duration;
 
 use socket2::{Domain, SockRef, Socket, Type};
 use thiserror::Error;
@@ -18,11 +19,16 @@ pub enum UpstreamError {
     Connect { path: String, error: std::io::Error },
     #[error("connecting to {0} timed out")]
     Timeout(String),
-    #[error("handshake with upstream failed: {0}")]
+    #[error("greeting: {0}")]
     Io(#[from] std::io::Error),
-    #[error("upstream handshake: {0}")]
+    #[error("bad greeting: {0}")]
     Proto(#[from] ProtoError),
 }
+
+/// A local Unix socket connects at once or not at all; a server that has
+/// stopped accepting (its backlog full) should not hold a client for
+/// longer than this.
+pub const UPSTREAM_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// An upstream connection that has finished the greeting and is ready for
 /// options.
@@ -36,7 +42,7 @@ pub struct Upstream {
 pub async fn open(config: &Config) -> Result<Upstream, UpstreamError> {
     let path = config.upstream.display().to_string();
     let connect = UnixStream::connect(&config.upstream);
-    let mut stream = tokio::time::timeout(config.upstream_connect_timeout, connect)
+    let mut stream = tokio::time::timeout(UPSTREAM_CONNECT_TIMEOUT, connect)
         .await
         .map_err(|_| UpstreamError::Timeout(path.clone()))?
         .map_err(|error| UpstreamError::Connect { path, error })?;

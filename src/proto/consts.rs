@@ -23,6 +23,9 @@ pub const FLAG_C_NO_ZEROES: u32 = 1 << 1;
 pub const OPT_EXPORT_NAME: u32 = 1;
 pub const OPT_ABORT: u32 = 2;
 pub const OPT_LIST: u32 = 3;
+/// Withdrawn from the spec before it was ever implemented; named only so
+/// that logs can name it.
+pub const OPT_PEEK_EXPORT: u32 = 4;
 pub const OPT_STARTTLS: u32 = 5;
 pub const OPT_INFO: u32 = 6;
 pub const OPT_GO: u32 = 7;
@@ -106,7 +109,7 @@ pub fn option_name(option: u32) -> &'static str {
         OPT_EXPORT_NAME => "EXPORT_NAME",
         OPT_ABORT => "ABORT",
         OPT_LIST => "LIST",
-        4 => "PEEK_EXPORT",
+        OPT_PEEK_EXPORT => "PEEK_EXPORT",
         OPT_STARTTLS => "STARTTLS",
         OPT_INFO => "INFO",
         OPT_GO => "GO",

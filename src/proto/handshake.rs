@@ -40,7 +40,7 @@ pub fn parse_upstream_greeting(buf: &[u8; GREETING_LEN]) -> Result<u16, ProtoErr
     let magic = be_u64(buf, 0);
     if magic != NBDMAGIC {
         return Err(ProtoError::BadMagic {
-            what: "upstream greeting",
+            what: "server greeting",
             found: magic,
         });
     }
@@ -48,13 +48,13 @@ pub fn parse_upstream_greeting(buf: &[u8; GREETING_LEN]) -> Result<u16, ProtoErr
     if opts != IHAVEOPT {
         // Oldstyle servers send cliserv_magic here; nbdgw only speaks newstyle.
         return Err(ProtoError::BadMagic {
-            what: "upstream newstyle",
+            what: "server newstyle",
             found: opts,
         });
     }
     let flags = be_u16(buf, 16);
     if flags & FLAG_FIXED_NEWSTYLE == 0 {
-        return Err(ProtoError::UpstreamNotFixedNewstyle(flags));
+        return Err(ProtoError::ServerNotFixedNewstyle(flags));
     }
     Ok(flags)
 }
@@ -259,7 +259,7 @@ mod tests {
         g[17] = 2;
         assert_eq!(
             parse_upstream_greeting(&g),
-            Err(ProtoError::UpstreamNotFixedNewstyle(2))
+            Err(ProtoError::ServerNotFixedNewstyle(2))
         );
     }
 

@@ -8,15 +8,16 @@ pub mod transmission;
 
 use thiserror::Error;
 
-/// A message that breaks the protocol. Each one ends the connection it
-/// came from, and only that one.
+/// A message that breaks the protocol: what is wrong with the bytes, not
+/// who sent them (the connection's error names the side). Each one ends
+/// the connection it came from, and only that one.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum ProtoError {
     #[error("bad {what} magic {found:#x}")]
     BadMagic { what: &'static str, found: u64 },
     #[error("client flags {0:#x} lack NBD_FLAG_C_FIXED_NEWSTYLE")]
     NotFixedNewstyle(u32),
-    #[error("client sent unknown or unoffered flags {0:#x}")]
+    #[error("unknown or unoffered client flags {0:#x}")]
     UnknownClientFlags(u32),
     #[error("{what} length {length} exceeds the limit of {limit} bytes")]
     TooLong {
@@ -24,13 +25,13 @@ pub enum ProtoError {
         length: u64,
         limit: u64,
     },
-    #[error("upstream does not speak fixed-newstyle NBD (handshake flags {0:#x})")]
-    UpstreamNotFixedNewstyle(u16),
-    #[error("upstream replied to option {got} while option {expected} was pending")]
+    #[error("not fixed-newstyle NBD (handshake flags {0:#x})")]
+    ServerNotFixedNewstyle(u16),
+    #[error("a reply to option {got} while option {expected} was pending")]
     OptionMismatch { expected: u32, got: u32 },
-    #[error("upstream replied to cookie {0:#x}, which has no request in flight")]
+    #[error("a reply to cookie {0:#x}, which has no request in flight")]
     UnknownCookie(u64),
-    #[error("upstream sent a {what} reply, which the negotiated {mode:?} mode does not allow")]
+    #[error("a {what} reply, which the negotiated {mode:?} mode does not allow")]
     UnexpectedReply {
         what: &'static str,
         mode: transmission::ReplyMode,

@@ -71,11 +71,13 @@ pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 
 /// The oldest TLS version offered. Nothing below 1.2 exists in rustls, and
 /// its suites are all AEAD, so this is the only protocol knob there is.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum MinVersion {
     /// The NBD spec requires servers to support TLS 1.2.
     #[default]
+    #[value(name = "1.2")]
     Tls12,
+    #[value(name = "1.3")]
     Tls13,
 }
 

@@ -1,0 +1,74 @@
+//! Transmission: requests from the client go upstream, replies come back.
+//!
+//! The two directions run as two futures in the connection's own task,
+//! sharing the in-flight table (`flight`). The reply side is the only
+//! writer to the client (`writer`): replies nbdgw makes itself (refused
+//! requests) reach it through a channel, so they never land inside an
+//! upstream reply.
+
+mod flight;
+mod local;
+mod replies;
+mod requests;
+mod writer;
+
+use std::pin::pin;
+
+use tokio::io::BufReader;
+use tokio::sync::mpsc;
+
+use crate::conn::error::ConnError;
+use crate::conn::session::{Link, Session};
+use flight::Flight;
+use replies::Replies;
+use requests::Requests;
+use writer::ReplyWriter;
+
+/// Reads from the upstream smaller than this go through a buffer (reply
+/// headers); larger ones (payload) go straight into the reply buffer.
+const UPSTREAM_READ_BUF: usize = 64 * 1024;
+/// Replies nbdgw makes itself, queued for the reply side.
+const LOCAL_QUEUE: usize = 64;
+
+/// Relays until the client disconnects, a drain completes, or a side
+/// fails. Returns why the connection ended.
+pub async fn run(
+    session: Box<Session>,
+    cork: Option<socket2::Socket>,
+    link: &Link<'_>,
+) -> Result<&'static str, ConnError> {
+    let Session {
+        tls,
+        upstream,
+        mode,
+        read_only,
+    } = *session;
+    let (client_rd, client_wr) = tokio::io::split(tls);
+    let (up_rd, up_wr) = upstream.into_split();
+    let flight = Flight::new();
+    let (local_tx, local_rx) = mpsc::channel(LOCAL_QUEUE);
+    let requests = Requests::new(client_rd, up_wr, &flight, local_tx, (mode, read_only), link);
+    let upstream = BufReader::with_capacity(UPSTREAM_READ_BUF, up_rd);
+    let replies = Replies::new(upstream, &flight, local_rx, mode, link.config.max_payload);
+    let mut writer = ReplyWriter::new(client_wr, cork, link.config, link.stats);
+    let result = {
+        let mut requests = pin!(requests.run());
+        let mut replies = pin!(replies.run(&mut writer));
+        // The reply side decides when a drained connection ends; the
+        // request side ends on its own only with DISC or an error.
+        tokio::select! {
+            requested = &mut requests => match requested {
+                Ok(()) => replies.await,
+                Err(e) => Err(e),
+            },
+            replied = &mut replies => replied,
+        }
+    };
+    match result {
+        Ok(reason) => writer.close().await.map(|()| reason),
+        Err(e) => {
+            writer.abandon().await;
+            Err(e)
+        }
+    }
+}

@@ -1,0 +1,182 @@
+//! Upstream to client: relays each reply (or a reply nbdgw made itself)
+//! through the reply writer, keeps filling while more is already waiting,
+//! and ends the burst when nothing is.
+
+use std::future::poll_fn;
+use std::pin::Pin;
+use std::task::Poll;
+
+use tokio::io::{AsyncBufRead, AsyncReadExt, BufReader};
+use tokio::net::unix::OwnedReadHalf;
+use tokio::sync::mpsc;
+
+use super::flight::Flight;
+use super::local::{Local, CLIENT_DISCONNECTED};
+use super::writer::ReplyWriter;
+use crate::conn::error::{ConnError, Side};
+use crate::proto::consts::*;
+use crate::proto::transmission::{parse_reply, reply_header_len, ReplyMode};
+
+/// Beyond its payload, a reply chunk carries its own fields: an offset, an
+/// error code and a message of at most 4 KiB, block-status descriptors.
+/// 8 KiB covers them all.
+const REPLY_FIELDS_ALLOWANCE: u64 = 8192;
+
+pub struct Replies<'a> {
+    upstream: BufReader<OwnedReadHalf>,
+    flight: &'a Flight,
+    local: mpsc::Receiver<Local>,
+    local_open: bool,
+    mode: ReplyMode,
+    /// Longest reply payload accepted from the upstream.
+    max_reply: u64,
+    /// Set by DISC or shutdown: finish what is in flight, then close.
+    draining: Option<&'static str>,
+}
+
+enum Next {
+    Local(Option<Local>),
+    Upstream,
+    UpstreamEof,
+}
+
+impl<'a> Replies<'a> {
+    pub fn new(
+        upstream: BufReader<OwnedReadHalf>,
+        flight: &'a Flight,
+        local: mpsc::Receiver<Local>,
+        mode: ReplyMode,
+        max_payload: u32,
+    ) -> Self {
+        Replies {
+            upstream,
+            flight,
+            local,
+            local_open: true,
+            mode,
+            max_reply: u64::from(max_payload).max(u64::from(DEFAULT_MAX_PAYLOAD))
+                + REPLY_FIELDS_ALLOWANCE,
+            draining: None,
+        }
+    }
+
+    /// Relays replies until a drain is complete (returns why the
+    /// connection ends) or something fails.
+    pub async fn run(mut self, writer: &mut ReplyWriter<'_>) -> Result<&'static str, ConnError> {
+        loop {
+            if let (Some(reason), true) = (self.draining, self.flight.is_empty()) {
+                return Ok(reason);
+            }
+            let next = match self.next_ready().await? {
+                Some(next) => next,
+                None => {
+                    writer.end_burst().await?;
+                    self.flight.replies_written();
+                    self.next_waiting().await?
+                }
+            };
+            match next {
+                Next::Local(Some(Local::Reply { cookie, bytes })) => {
+                    writer.append(&bytes).await?;
+                    self.flight.complete(cookie);
+                    writer.end_of_reply().await?;
+                }
+                Next::Local(Some(Local::Drain(reason))) => self.draining = Some(reason),
+                Next::Local(None) => {
+                    self.local_open = false;
+                    self.draining = self.draining.or(Some(CLIENT_DISCONNECTED));
+                }
+                Next::UpstreamEof => {
+                    // What the upstream did answer still reaches the client.
+                    writer.end_burst().await?;
+                    self.upstream_ended()?
+                }
+                Next::Upstream => self.relay_one(writer).await?,
+            }
+        }
+    }
+
+    /// The upstream closed: fine only once the client's DISC has drained.
+    fn upstream_ended(&self) -> Result<(), ConnError> {
+        let in_flight = self.flight.lock().table.len();
+        if self.draining.is_some() && in_flight == 0 {
+            return Ok(());
+        }
+        Err(ConnError::UpstreamGone(in_flight))
+    }
+
+    /// What can be handled without waiting, if anything.
+    async fn next_ready(&mut self) -> Result<Option<Next>, ConnError> {
+        if self.local_open {
+            match self.local.try_recv() {
+                Ok(m) => return Ok(Some(Next::Local(Some(m)))),
+                Err(mpsc::error::TryRecvError::Disconnected) => return Ok(Some(Next::Local(None))),
+                Err(mpsc::error::TryRecvError::Empty) => {}
+            }
+        }
+        let upstream = &mut self.upstream;
+        poll_fn(|cx| match Pin::new(&mut *upstream).poll_fill_buf(cx) {
+            Poll::Ready(Ok([])) => Poll::Ready(Ok(Some(Next::UpstreamEof))),
+            Poll::Ready(Ok(_)) => Poll::Ready(Ok(Some(Next::Upstream))),
+            Poll::Ready(Err(e)) => Poll::Ready(Err(ConnError::Io {
+                side: Side::Upstream,
+                error: e,
+            })),
+            Poll::Pending => Poll::Ready(Ok(None)),
+        })
+        .await
+    }
+
+    /// Waits for the upstream or a local reply.
+    async fn next_waiting(&mut self) -> Result<Next, ConnError> {
+        let upstream = &mut self.upstream;
+        let upstream_ready = poll_fn(|cx| {
+            Pin::new(&mut *upstream)
+                .poll_fill_buf(cx)
+                .map_ok(|b| b.is_empty())
+        });
+        tokio::select! {
+            biased;
+            m = self.local.recv(), if self.local_open => Ok(Next::Local(m)),
+            r = upstream_ready => match r {
+                Ok(true) => Ok(Next::UpstreamEof),
+                Ok(false) => Ok(Next::Upstream),
+                Err(error) => Err(ConnError::Io { side: Side::Upstream, error }),
+            },
+        }
+    }
+
+    /// One reply message: header (its magic tells how long), then its
+    /// payload straight into the writer.
+    async fn relay_one(&mut self, writer: &mut ReplyWriter<'_>) -> Result<(), ConnError> {
+        let eof = || ConnError::io(Side::Upstream, "in the middle of a reply");
+        let mut header = [0u8; EXTENDED_REPLY_LEN];
+        self.upstream
+            .read_exact(&mut header[..4])
+            .await
+            .map_err(eof())?;
+        let magic = u32::from_be_bytes([header[0], header[1], header[2], header[3]]);
+        let header_len =
+            reply_header_len(self.mode, magic).map_err(ConnError::proto(Side::Upstream))?;
+        self.upstream
+            .read_exact(&mut header[4..header_len])
+            .await
+            .map_err(eof())?;
+        let frame = parse_reply(
+            self.mode,
+            &header[..header_len],
+            &self.flight.lock().table,
+            self.max_reply,
+        )
+        .map_err(ConnError::proto(Side::Upstream))?;
+        writer.append(&header[..header_len]).await?;
+        writer
+            .append_from(&mut self.upstream, frame.payload_len)
+            .await?;
+        if frame.done {
+            self.flight.complete(frame.cookie);
+            writer.end_of_reply().await?;
+        }
+        Ok(())
+    }
+}

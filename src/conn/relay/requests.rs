@@ -1,0 +1,272 @@
+//! Client to upstream: reads each request, answers locally what nbdgw
+//! refuses (through the reply side, the only writer to the client), and
+//! forwards the rest with their payload.
+
+use std::pin::pin;
+use std::time::Instant;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf};
+use tokio::net::unix::OwnedWriteHalf;
+use tokio::sync::mpsc;
+use tracing::debug;
+
+use super::flight::Flight;
+use super::local::{Local, CLIENT_DISCONNECTED, SHUTTING_DOWN};
+use crate::config::Config;
+use crate::conn::error::{ConnError, Side};
+use crate::conn::session::{within_stall, ClientTls, Link};
+use crate::proto::consts::*;
+use crate::proto::transmission::{encode_error_reply, InFlight, ReplyMode, Request};
+use crate::proto::ProtoError;
+use crate::shutdown::Shutdown;
+
+/// Request payload is forwarded upstream in pieces of this size.
+const REQUEST_CHUNK: usize = 256 * 1024;
+
+pub struct Requests<'a> {
+    client: ReadHalf<ClientTls>,
+    upstream: OwnedWriteHalf,
+    flight: &'a Flight,
+    local: mpsc::Sender<Local>,
+    mode: ReplyMode,
+    read_only: bool,
+    link: &'a Link<'a>,
+    shutdown: Shutdown,
+    /// Header and the first part of the payload, then further pieces.
+    buf: Vec<u8>,
+}
+
+enum HeaderRead {
+    Complete,
+    /// Shutdown began while waiting; the header may still come.
+    ShutdownBegan,
+}
+
+impl<'a> Requests<'a> {
+    pub fn new(
+        client: ReadHalf<ClientTls>,
+        upstream: OwnedWriteHalf,
+        flight: &'a Flight,
+        local: mpsc::Sender<Local>,
+        (mode, read_only): (ReplyMode, bool),
+        link: &'a Link<'a>,
+    ) -> Self {
+        Requests {
+            client,
+            upstream,
+            flight,
+            local,
+            mode,
+            read_only,
+            link,
+            shutdown: link.shutdown.clone(),
+            buf: Vec::with_capacity(REQUEST_CHUNK),
+        }
+    }
+
+    fn config(&self) -> &'a Config {
+        self.link.config
+    }
+
+    /// Relays requests until the client disconnects (Ok) or fails.
+    pub async fn run(mut self) -> Result<(), ConnError> {
+        let header_len = self.mode.request_header_len();
+        let mut header = [0u8; EXTENDED_REQUEST_LEN];
+        let header = &mut header[..header_len];
+        let mut told_to_drain = false;
+        loop {
+            while let HeaderRead::ShutdownBegan = self.read_header(header, !told_to_drain).await? {
+                told_to_drain = true;
+                if self.local.send(Local::Drain(SHUTTING_DOWN)).await.is_err() {
+                    return Ok(());
+                }
+            }
+            let request =
+                Request::parse(self.mode, header).map_err(ConnError::proto(Side::Client))?;
+            let payload = request.payload_len(self.mode);
+            let max_payload = u64::from(self.config().max_payload);
+            ProtoError::check_limit("request payload", payload, max_payload)
+                .map_err(ConnError::proto(Side::Client))?;
+            self.link.stats.request(header_len as u64 + payload);
+            if request.command == CMD_DISC {
+                return self.disconnect(header).await;
+            }
+            self.flight
+                .claim(request.cookie, InFlight::from(&request))
+                .await;
+            match self.refusal(&request) {
+                Some((error, message)) => {
+                    if !self.refuse(&request, payload, error, message).await? {
+                        return Ok(());
+                    }
+                }
+                None => self.forward(header, payload).await?,
+            }
+        }
+    }
+
+    /// What nbdgw answers itself instead of forwarding, if anything.
+    fn refusal(&self, request: &Request) -> Option<(u32, &'static str)> {
+        if self.shutdown.is_draining() {
+            Some((ESHUTDOWN, "nbdgw is shutting down"))
+        } else if self.read_only && request.is_modifying() {
+            // The spec asks for EPERM; qemu-nbd itself would answer EINVAL.
+            Some((EPERM, "nbdgw: the export is read-only"))
+        } else if request.command == CMD_READ
+            && request.length > u64::from(self.config().max_payload)
+        {
+            Some((EINVAL, "nbdgw: read length exceeds --max-payload"))
+        } else {
+            None
+        }
+    }
+
+    /// Consumes the payload and queues an error reply. Returns false when
+    /// the reply side is gone.
+    async fn refuse(
+        &mut self,
+        request: &Request,
+        payload: u64,
+        error: u32,
+        message: &'static str,
+    ) -> Result<bool, ConnError> {
+        self.discard(payload).await?;
+        debug!(
+            command = command_name(request.command),
+            cookie = request.cookie,
+            error,
+            message,
+            "refused request"
+        );
+        let mut bytes = Vec::new();
+        let in_flight = InFlight::from(request);
+        encode_error_reply(
+            self.mode,
+            request.cookie,
+            &in_flight,
+            error,
+            message,
+            &mut bytes,
+        );
+        let reply = Local::Reply {
+            cookie: request.cookie,
+            bytes,
+        };
+        Ok(self.local.send(reply).await.is_ok())
+    }
+
+    /// Header and the first part of the payload leave in one write.
+    async fn forward(&mut self, header: &[u8], payload: u64) -> Result<(), ConnError> {
+        self.buf.clear();
+        self.buf.extend_from_slice(header);
+        let mut remaining = payload;
+        loop {
+            if remaining > 0 {
+                remaining -= self.read_payload(remaining).await?;
+                if remaining > 0 && self.buf.len() < REQUEST_CHUNK {
+                    continue;
+                }
+            }
+            self.send_upstream().await?;
+            if remaining == 0 {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Reads what is there of the next `remaining` payload bytes onto the
+    /// buffer, up to its `REQUEST_CHUNK`: some progress within the stall
+    /// timeout, or an error.
+    async fn read_payload(&mut self, remaining: u64) -> Result<u64, ConnError> {
+        const WHEN: &str = "in the middle of a request payload";
+        let room = (REQUEST_CHUNK - self.buf.len()) as u64;
+        let (client, buf) = (&mut self.client, &mut self.buf);
+        let read = within_stall(self.link.config, "sending a request payload", async {
+            client
+                .take(remaining.min(room))
+                .read_buf(buf)
+                .await
+                .map_err(ConnError::io(Side::Client, WHEN))
+        })
+        .await?;
+        if read == 0 {
+            return Err(ConnError::closed(Side::Client, WHEN));
+        }
+        Ok(read as u64)
+    }
+
+    /// Reads and drops the payload of a request nbdgw refuses: it must
+    /// still leave the stream, or the next request header is read from it.
+    async fn discard(&mut self, payload: u64) -> Result<(), ConnError> {
+        let mut remaining = payload;
+        while remaining > 0 {
+            self.buf.clear();
+            remaining -= self.read_payload(remaining).await?;
+        }
+        Ok(())
+    }
+
+    async fn send_upstream(&mut self) -> Result<(), ConnError> {
+        self.upstream
+            .write_all(&self.buf)
+            .await
+            .map_err(ConnError::io(
+                Side::Upstream,
+                "while a request was forwarded",
+            ))?;
+        self.buf.clear();
+        Ok(())
+    }
+
+    /// qemu-nbd drops requests still in flight when it sees DISC, so it
+    /// only goes upstream once every reply has come back; the reply side
+    /// then finishes and closes.
+    async fn disconnect(&mut self, header: &[u8]) -> Result<(), ConnError> {
+        self.flight.wait_until_empty().await;
+        self.buf.clear();
+        self.buf.extend_from_slice(header);
+        self.send_upstream().await?;
+        let _ = self.local.send(Local::Drain(CLIENT_DISCONNECTED)).await;
+        Ok(())
+    }
+
+    /// Waits for the next request header. Gives up after the idle
+    /// timeout, counted from the moment nothing was in flight and every
+    /// reply had been written; with `watch_shutdown`, returns when a
+    /// shutdown begins.
+    async fn read_header(
+        &mut self,
+        header: &mut [u8],
+        watch_shutdown: bool,
+    ) -> Result<HeaderRead, ConnError> {
+        let idle = self.config().idle_timeout;
+        let flight = self.flight;
+        let mut read = pin!(self.client.read_exact(header));
+        loop {
+            // While busy, look again one idle period from now.
+            let check_at = idle.map(|idle| flight.idle_since().unwrap_or_else(Instant::now) + idle);
+            tokio::select! {
+                read = &mut read => {
+                    read.map_err(ConnError::io(Side::Client, "without sending NBD_CMD_DISC"))?;
+                    flight.busy();
+                    return Ok(HeaderRead::Complete);
+                }
+                () = self.shutdown.draining(), if watch_shutdown => return Ok(HeaderRead::ShutdownBegan),
+                () = sleep_until(check_at) => {
+                    let idle = idle.unwrap_or_default();
+                    if flight.is_empty() && flight.idle_since().is_some_and(|t| t.elapsed() >= idle) {
+                        return Err(ConnError::IdleTimeout(idle));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Sleeps until `deadline`, or forever without one.
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
+}

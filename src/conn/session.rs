@@ -1,0 +1,108 @@
+//! The contract between a connection's phases: the streams each hands to
+//! the next, the buffer sizes and limits they share, the counters.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::io::BufReader;
+use tokio::net::{TcpStream, UnixStream};
+
+use super::error::ConnError;
+use crate::admission::Admission;
+use crate::config::Config;
+use crate::proto::transmission::ReplyMode;
+use crate::shutdown::Shutdown;
+
+pub type ClientIo = BufReader<TcpStream>;
+pub type ClientTls = tokio_rustls::server::TlsStream<ClientIo>;
+
+/// Plaintext reads before STARTTLS are tiny, but the same buffer sits under
+/// TLS afterwards, where large reads cut syscalls (a 32 MiB write payload:
+/// about 2,000 reads of one record each without it, about 130 with it).
+/// Its pages are only touched as data arrives, so idle connections stay small.
+pub const CLIENT_READ_BUF: usize = 256 * 1024;
+/// Plaintext gathered per write to rustls: a multiple of the 16 KiB record
+/// size, so that every record of a large reply is full.
+pub const REPLY_CHUNK: usize = 256 * 1024;
+/// rustls accepts a whole `REPLY_CHUNK` at once only if its queue has room
+/// for it; the queue is empty after each flush, so this is enough.
+pub const TLS_BUFFER_LIMIT: usize = REPLY_CHUNK + 64 * 1024;
+/// How long a closing connection may take to say goodbye (close_notify).
+pub const GOODBYE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A connection that has entered transmission.
+pub struct Session {
+    pub tls: ClientTls,
+    pub upstream: UnixStream,
+    pub mode: ReplyMode,
+    pub read_only: bool,
+}
+
+/// What a connection's phases share besides its streams.
+pub struct Link<'a> {
+    pub id: u64,
+    pub config: &'a Config,
+    pub admission: &'a Admission,
+    pub shutdown: Shutdown,
+    pub stats: &'a Stats,
+}
+
+/// Counters for the close log line.
+#[derive(Debug, Default)]
+pub struct Stats {
+    requests: AtomicU64,
+    replies: AtomicU64,
+    bytes_from_client: AtomicU64,
+    bytes_to_client: AtomicU64,
+}
+
+/// The counters as the close line reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Counts {
+    pub requests: u64,
+    pub replies: u64,
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+}
+
+impl Stats {
+    /// A request of `bytes` (header and payload) arrived.
+    pub fn request(&self, bytes: u64) {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        self.bytes_from_client.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// A request's last reply has been queued for the client.
+    pub fn reply(&self) {
+        self.replies.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// `bytes` of replies were handed to TLS.
+    pub fn sent(&self, bytes: u64) {
+        self.bytes_to_client.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    pub fn counts(&self) -> Counts {
+        Counts {
+            requests: self.requests.load(Ordering::Relaxed),
+            replies: self.replies.load(Ordering::Relaxed),
+            bytes_in: self.bytes_from_client.load(Ordering::Relaxed),
+            bytes_out: self.bytes_to_client.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// `io` under the stall timeout: an error if it makes no progress in time.
+pub async fn within_stall<T>(
+    config: &Config,
+    doing: &'static str,
+    io: impl Future<Output = Result<T, ConnError>>,
+) -> Result<T, ConnError> {
+    match config.stall_timeout {
+        None => io.await,
+        Some(limit) => tokio::time::timeout(limit, io)
+            .await
+            .map_err(|_| ConnError::Stalled(doing, limit))?,
+    }
+}
