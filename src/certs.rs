@@ -8,8 +8,9 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use rcgen::{
-    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
-    Issuer, KeyPair, KeyUsagePurpose, SanType,
+    BasicConstraints, CertificateParams, CertificateRevocationListParams, DistinguishedName,
+    DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyIdMethod, KeyPair, KeyUsagePurpose,
+    RevocationReason, RevokedCertParams, SanType, SerialNumber,
 };
 use thiserror::Error;
 use time::{Duration, OffsetDateTime};
@@ -102,21 +103,7 @@ pub fn generate(req: &CertsRequest) -> Result<Vec<PathBuf>, CertsError> {
         error,
     })?;
 
-    let now = OffsetDateTime::now_utc();
-    let ca_key = KeyPair::generate()?;
-    let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
-    ca_params.distinguished_name = dn("nbdgw CA");
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params.key_usages = vec![
-        KeyUsagePurpose::KeyCertSign,
-        KeyUsagePurpose::CrlSign,
-        KeyUsagePurpose::DigitalSignature,
-    ];
-    ca_params.not_before = now - Duration::days(1);
-    ca_params.not_after = now + Duration::days(i64::from(req.days) + 1);
-    let ca_cert = ca_params.self_signed(&ca_key)?;
-    let issuer = Issuer::new(ca_params, &ca_key);
-
+    let ca = Authority::new("nbdgw CA", i64::from(req.days) + 1)?;
     let mut written = Vec::new();
     let mut put = |name: &str, contents: &str, secret: bool| -> Result<(), CertsError> {
         let path = req.out.join(name);
@@ -124,56 +111,177 @@ pub fn generate(req: &CertsRequest) -> Result<Vec<PathBuf>, CertsError> {
         written.push(path);
         Ok(())
     };
-    put("ca-cert.pem", &ca_cert.pem(), false)?;
-
-    let leaf =
-        |names: &[String], uri: Option<&String>, cn: &str, usage: ExtendedKeyUsagePurpose| {
-            let key = KeyPair::generate()?;
-            let mut params = CertificateParams::new(names.to_vec())?;
-            if let Some(uri) = uri {
-                params
-                    .subject_alt_names
-                    .push(SanType::URI(uri.as_str().try_into()?));
-            }
-            params.distinguished_name = dn(cn);
-            // GnuTLS (qemu, libnbd, nbdkit) refuses leaves without keyEncipherment.
-            params.key_usages = vec![
-                KeyUsagePurpose::DigitalSignature,
-                KeyUsagePurpose::KeyEncipherment,
-            ];
-            params.extended_key_usages = vec![usage];
-            params.not_before = now - Duration::days(1);
-            params.not_after = now + Duration::days(i64::from(req.days));
-            let cert = params.signed_by(&key, &issuer)?;
-            Ok::<_, CertsError>((cert.pem(), key.serialize_pem()))
-        };
-
+    put("ca-cert.pem", &ca.pem, false)?;
     let server_cn = req
         .server_names
         .first()
         .map(String::as_str)
         .unwrap_or("localhost");
-    let (cert, key) = leaf(
-        &req.server_names,
-        None,
-        server_cn,
-        ExtendedKeyUsagePurpose::ServerAuth,
-    )?;
-    put("server-cert.pem", &cert, false)?;
-    put("server-key.pem", &key, true)?;
-
+    let server = ca.leaf(&LeafSpec {
+        names: &req.server_names,
+        ..LeafSpec::server(server_cn, req.days)
+    })?;
+    put("server-cert.pem", &server.cert, false)?;
+    put("server-key.pem", &server.key, true)?;
     for (i, name) in req.client_names.iter().enumerate() {
-        let (cert, key) = leaf(
-            std::slice::from_ref(name),
-            req.client_uris.get(i),
-            name,
-            ExtendedKeyUsagePurpose::ClientAuth,
-        )?;
+        let client = ca.leaf(&LeafSpec {
+            names: std::slice::from_ref(name),
+            uris: req
+                .client_uris
+                .get(i)
+                .map(std::slice::from_ref)
+                .unwrap_or(&[]),
+            ..LeafSpec::client(name, req.days)
+        })?;
         let stem = client_stem(i, name);
-        put(&format!("{stem}-cert.pem"), &cert, false)?;
-        put(&format!("{stem}-key.pem"), &key, true)?;
+        put(&format!("{stem}-cert.pem"), &client.cert, false)?;
+        put(&format!("{stem}-key.pem"), &client.key, true)?;
     }
     Ok(written)
+}
+
+/// A certificate authority: what `nbdgw certs` makes, and what tests use
+/// to make CAs, intermediates, leaves with chosen names and serials, and
+/// CRLs.
+pub struct Authority {
+    params: CertificateParams,
+    key: KeyPair,
+    /// The CA certificate, PEM.
+    pub pem: String,
+}
+
+/// A leaf certificate and its key, as PEM.
+pub struct Leaf {
+    pub cert: String,
+    pub key: String,
+}
+
+/// What a leaf certificate says.
+#[derive(Debug, Clone)]
+pub struct LeafSpec<'a> {
+    pub common_name: &'a str,
+    /// DNS names and IP addresses (an address becomes an IP SAN).
+    pub names: &'a [String],
+    /// URI SANs, SPIFFE IDs say.
+    pub uris: &'a [String],
+    /// What a CRL names to revoke it; random when not given.
+    pub serial: Option<u64>,
+    pub server: bool,
+    pub days: u32,
+}
+
+impl<'a> LeafSpec<'a> {
+    pub fn server(common_name: &'a str, days: u32) -> Self {
+        LeafSpec {
+            common_name,
+            names: &[],
+            uris: &[],
+            serial: None,
+            server: true,
+            days,
+        }
+    }
+
+    pub fn client(common_name: &'a str, days: u32) -> Self {
+        LeafSpec {
+            server: false,
+            ..LeafSpec::server(common_name, days)
+        }
+    }
+}
+
+impl Authority {
+    /// A self-signed CA valid from yesterday for `days` days.
+    pub fn new(name: &str, days: i64) -> Result<Self, CertsError> {
+        let key = KeyPair::generate()?;
+        let params = ca_params(name, days, None)?;
+        let pem = params.self_signed(&key)?.pem();
+        Ok(Authority { params, key, pem })
+    }
+
+    /// An intermediate CA signed by this one; `serial` is what this CA's
+    /// CRL names to revoke it.
+    pub fn intermediate(&self, name: &str, serial: u64, days: i64) -> Result<Self, CertsError> {
+        let key = KeyPair::generate()?;
+        let params = ca_params(name, days, Some(serial))?;
+        let pem = params.signed_by(&key, &self.issuer())?.pem();
+        Ok(Authority { params, key, pem })
+    }
+
+    fn issuer(&self) -> Issuer<'_, &KeyPair> {
+        Issuer::new(self.params.clone(), &self.key)
+    }
+
+    pub fn leaf(&self, spec: &LeafSpec<'_>) -> Result<Leaf, CertsError> {
+        let now = OffsetDateTime::now_utc();
+        let key = KeyPair::generate()?;
+        let mut params = CertificateParams::new(spec.names.to_vec())?;
+        for uri in spec.uris {
+            params
+                .subject_alt_names
+                .push(SanType::URI(uri.as_str().try_into()?));
+        }
+        params.distinguished_name = dn(spec.common_name);
+        if let Some(serial) = spec.serial {
+            params.serial_number = Some(SerialNumber::from(serial));
+        }
+        // GnuTLS (qemu, libnbd, nbdkit) refuses leaves without keyEncipherment.
+        params.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+        ];
+        params.extended_key_usages = vec![if spec.server {
+            ExtendedKeyUsagePurpose::ServerAuth
+        } else {
+            ExtendedKeyUsagePurpose::ClientAuth
+        }];
+        params.not_before = now - Duration::days(1);
+        params.not_after = now + Duration::days(i64::from(spec.days));
+        let cert = params.signed_by(&key, &self.issuer())?;
+        Ok(Leaf {
+            cert: cert.pem(),
+            key: key.serialize_pem(),
+        })
+    }
+
+    /// A CRL revoking `serials`, valid until `next_update` (in the past:
+    /// an expired CRL).
+    pub fn crl(&self, serials: &[u64], next_update: OffsetDateTime) -> Result<String, CertsError> {
+        let now = OffsetDateTime::now_utc();
+        let params = CertificateRevocationListParams {
+            this_update: next_update.min(now) - Duration::days(1),
+            next_update,
+            crl_number: SerialNumber::from(1u64),
+            issuing_distribution_point: None,
+            revoked_certs: serials
+                .iter()
+                .map(|&serial| RevokedCertParams {
+                    serial_number: SerialNumber::from(serial),
+                    revocation_time: now - Duration::hours(1),
+                    reason_code: Some(RevocationReason::KeyCompromise),
+                    invalidity_date: None,
+                })
+                .collect(),
+            key_identifier_method: KeyIdMethod::Sha256,
+        };
+        Ok(params.signed_by(&self.issuer())?.pem()?)
+    }
+}
+
+fn ca_params(name: &str, days: i64, serial: Option<u64>) -> Result<CertificateParams, CertsError> {
+    let now = OffsetDateTime::now_utc();
+    let mut params = CertificateParams::new(Vec::<String>::new())?;
+    params.distinguished_name = dn(name);
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    params.serial_number = serial.map(SerialNumber::from);
+    params.not_before = now - Duration::days(1);
+    params.not_after = now + Duration::days(days);
+    Ok(params)
 }
 
 /// A CA, a server certificate for `server_name` and one client

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use common::clients::{
     connect_as, nbdinfo_size, nbds_uri, qemu_img_info, text, write_server_files,
 };
-use common::pki::{anonymous_client_dir, Ca, Leaf};
+use common::pki::{anonymous_client_dir, Ca, ClientDir, Leaf};
 use common::process::{NbdgwProcess, UpstreamCounter};
 use common::raw::{client_tls, RawClient};
 use common::{run, run_ok, Env, QemuNbd};
@@ -21,128 +21,158 @@ use nbdgw::proto::transmission::ReplyMode;
 
 const IMAGE_LEN: usize = 1 << 20;
 
+/// A gateway requiring client certificates of one CA, with a CRL and
+/// all three allow-lists, in front of a connection-counting relay.
+struct Policy {
+    env: Env,
+    image: PathBuf,
+    _upstream: QemuNbd,
+    counter: UpstreamCounter,
+    ca: Ca,
+    other_ca: Ca,
+    gw: NbdgwProcess,
+}
+
+impl Policy {
+    fn new() -> Self {
+        let env = Env::new();
+        let image = env.random_image("disk.img", IMAGE_LEN, 3);
+        let upstream = QemuNbd::start(&env, &image, &[]);
+        let counter = UpstreamCounter::start(&upstream.socket, &env.path("counted.sock"));
+        let ca = Ca::new("nbdgw test CA");
+        let (cert, key, client_ca) =
+            write_server_files(&env.path("server"), &ca.server("localhost"), &ca);
+        let crl = env.path("server/crl.pem");
+        std::fs::write(&crl, ca.crl(&[66])).unwrap();
+        let args: Vec<&OsStr> = vec![
+            "--upstream".as_ref(),
+            counter.socket.as_os_str(),
+            "--tls-cert".as_ref(),
+            cert.as_os_str(),
+            "--tls-key".as_ref(),
+            key.as_os_str(),
+            "--tls-client-ca".as_ref(),
+            client_ca.as_os_str(),
+            "--tls-crl".as_ref(),
+            crl.as_os_str(),
+            "--allow-cn".as_ref(),
+            "backup-agent".as_ref(),
+            "--allow-dns".as_ref(),
+            "*.clients.example".as_ref(),
+            "--allow-uri".as_ref(),
+            "spiffe://example.org/ns/*/sa/backup".as_ref(),
+        ];
+        let gw = NbdgwProcess::start(args);
+        let log = gw.log();
+        assert!(
+            log.contains("client_auth=required (1 CA certificate(s)") && log.contains("1 CRL(s)"),
+            "{log}"
+        );
+        Policy {
+            env,
+            image,
+            _upstream: upstream,
+            counter,
+            ca,
+            other_ca: Ca::new("some other CA"),
+            gw,
+        }
+    }
+}
+
 #[test]
-fn client_certificates_and_allow_lists_with_real_clients() {
-    let env = Env::new();
-    let image = env.random_image("disk.img", IMAGE_LEN, 3);
-    let upstream = QemuNbd::start(&env, &image, &[]);
-    let counter = UpstreamCounter::start(&upstream.socket, &env.path("counted.sock"));
-    let ca = Ca::new("nbdgw test CA");
-    let other_ca = Ca::new("some other CA");
-    let (cert, key, client_ca) =
-        write_server_files(&env.path("server"), &ca.server("localhost"), &ca);
-    let crl = env.path("server/crl.pem");
-    std::fs::write(&crl, ca.crl(&[66])).unwrap();
-
-    let args: Vec<&OsStr> = vec![
-        "--upstream".as_ref(),
-        counter.socket.as_os_str(),
-        "--tls-cert".as_ref(),
-        cert.as_os_str(),
-        "--tls-key".as_ref(),
-        key.as_os_str(),
-        "--tls-client-ca".as_ref(),
-        client_ca.as_os_str(),
-        "--tls-crl".as_ref(),
-        crl.as_os_str(),
-        "--allow-cn".as_ref(),
-        "backup-agent".as_ref(),
-        "--allow-dns".as_ref(),
-        "*.clients.example".as_ref(),
-        "--allow-uri".as_ref(),
-        "spiffe://example.org/ns/*/sa/backup".as_ref(),
-    ];
-    let gw = NbdgwProcess::start(args);
-    let log = gw.log();
-    assert!(
-        log.contains("client_auth=required (1 CA certificate(s)") && log.contains("1 CRL(s)"),
-        "{log}"
-    );
-
+fn clients_named_by_the_allow_lists_read_with_qemu_img_and_nbdcopy() {
+    let p = Policy::new();
     let accepted = [
-        ("cn", ca.client("backup-agent", &[], &[], 10)),
+        ("cn", p.ca.client("backup-agent", &[], &[], 10)),
         (
             "dns",
-            ca.client("node", &["node1.clients.example"], &[], 11),
+            p.ca.client("node", &["node1.clients.example"], &[], 11),
         ),
         (
             "uri",
-            ca.client("svc", &[], &["spiffe://example.org/ns/prod/sa/backup"], 12),
+            p.ca.client("svc", &[], &["spiffe://example.org/ns/prod/sa/backup"], 12),
         ),
     ];
     for (name, leaf) in &accepted {
-        let dir = leaf.client_dir(&env.path(&format!("client-{name}")), &ca);
-        let info = qemu_img_info(gw.port, &dir);
+        let dir = leaf.client_dir(&p.env.path(&format!("client-{name}")), &p.ca);
+        let info = qemu_img_info(p.gw.port, &dir);
         assert!(info.status.success(), "{name}: {}", text(&info));
         assert!(
             String::from_utf8_lossy(&info.stdout).contains("virtual size: 1 MiB"),
             "{name}"
         );
-        let copy = env.path(&format!("copy-{name}.img"));
+        let copy = p.env.path(&format!("copy-{name}.img"));
         run_ok(
             Command::new("nbdcopy")
-                .arg(nbds_uri(gw.port, &dir))
+                .arg(nbds_uri(p.gw.port, &dir))
                 .arg(&copy),
         );
         assert_eq!(
             std::fs::read(&copy).unwrap(),
-            std::fs::read(&image).unwrap(),
+            std::fs::read(&p.image).unwrap(),
             "{name}"
         );
     }
-    let upstream_connections = counter.connections();
+    let upstream_connections = p.counter.connections();
     assert!(upstream_connections >= 6, "{upstream_connections}");
+}
+
+#[test]
+fn refused_clients_get_an_alert_in_qemu_img_and_nbdinfo_and_never_reach_the_upstream() {
+    let p = Policy::new();
+    let upstream_connections = p.counter.connections();
 
     let refused: Vec<(&str, PathBuf, &str)> = vec![
         (
             "no certificate",
-            anonymous_client_dir(&env.path("client-none"), &ca),
+            anonymous_client_dir(&p.env.path("client-none"), &p.ca),
             "peer sent no certificates",
         ),
         (
             "another CA",
-            other_ca
+            p.other_ca
                 .client("backup-agent", &[], &[], 10)
-                .client_dir_trusting(&env.path("client-other-ca"), &[&ca, &other_ca]),
+                .client_dir_trusting(&p.env.path("client-other-ca"), &[&p.ca, &p.other_ca]),
             // GnuTLS offers only a certificate from a CA the server's
             // request names, so these clients send none at all.
             "peer sent no certificates",
         ),
         (
             "revoked",
-            ca.client("backup-agent", &[], &[], 66)
-                .client_dir(&env.path("client-revoked"), &ca),
+            p.ca.client("backup-agent", &[], &[], 66)
+                .client_dir(&p.env.path("client-revoked"), &p.ca),
             "Revoked",
         ),
         (
             "wrong CN",
-            ca.client("intruder", &[], &[], 21)
-                .client_dir(&env.path("client-cn"), &ca),
+            p.ca.client("intruder", &[], &[], 21)
+                .client_dir(&p.env.path("client-cn"), &p.ca),
             "no name matches",
         ),
         (
             "wrong DNS",
-            ca.client("intruder", &["node1.other.example"], &[], 22)
-                .client_dir(&env.path("client-dns"), &ca),
+            p.ca.client("intruder", &["node1.other.example"], &[], 22)
+                .client_dir(&p.env.path("client-dns"), &p.ca),
             "no name matches",
         ),
         (
             "wrong URI",
-            ca.client(
+            p.ca.client(
                 "intruder",
                 &[],
                 &["spiffe://example.org/ns/prod/sa/other"],
                 23,
             )
-            .client_dir(&env.path("client-uri"), &ca),
+            .client_dir(&p.env.path("client-uri"), &p.ca),
             "no name matches",
         ),
     ];
     for (case, dir, reason) in &refused {
-        let before = gw.count_in_log(reason);
-        let qemu = qemu_img_info(gw.port, dir);
+        let before = p.gw.count_in_log(reason);
+        let qemu = qemu_img_info(p.gw.port, dir);
         assert!(!qemu.status.success(), "{case}: qemu-img was let in");
-        let libnbd = nbdinfo_size(gw.port, dir);
+        let libnbd = nbdinfo_size(p.gw.port, dir);
         assert!(!libnbd.status.success(), "{case}: nbdinfo was let in");
         // What users see, for the record (the closing note quotes it).
         eprintln!(
@@ -157,14 +187,14 @@ fn client_certificates_and_allow_lists_with_real_clients() {
                 text(out)
             );
         }
-        gw.wait_for_log(reason, before + 2);
+        p.gw.wait_for_log(reason, before + 2);
     }
     assert_eq!(
-        counter.connections(),
+        p.counter.connections(),
         upstream_connections,
         "a refused client reached the upstream"
     );
-    let log = gw.log();
+    let log = p.gw.log();
     assert!(
         log.contains("client certificate refused")
             && log.contains("subject \"CN=intruder\", URI spiffe://example.org/ns/prod/sa/other"),
@@ -174,25 +204,29 @@ fn client_certificates_and_allow_lists_with_real_clients() {
         log.contains("subject \"CN=backup-agent\", serial 42"),
         "the revoked client (serial 0x42 = 66) is named: {log}"
     );
+}
 
+#[test]
+fn refusals_send_the_alert_that_says_why() {
+    let p = Policy::new();
     // The alerts, seen with a client that sends its certificate whatever
     // the server asks for (in TLS 1.3 on the first read after the handshake).
     let raw_cases = [
         (
-            ca.client("intruder", &[], &[], 30),
+            p.ca.client("intruder", &[], &[], 30),
             "AccessDenied",
             "no name matches",
         ),
         (
-            other_ca.client("backup-agent", &[], &[], 31),
+            p.other_ca.client("backup-agent", &[], &[], 31),
             "UnknownCA",
             "UnknownIssuer",
         ),
     ];
     for (leaf, alert, logged) in raw_cases {
-        let dir = leaf.client_dir(&env.path("raw-client"), &ca);
-        let before = gw.count_in_log(logged);
-        let mut raw = RawClient::handshake(gw.addr());
+        let dir = leaf.client_dir(&p.env.path("raw-client"), &p.ca);
+        let before = p.gw.count_in_log(logged);
+        let mut raw = RawClient::handshake(p.gw.addr());
         let refusal = raw
             .try_starttls(client_tls(
                 &dir.join("ca-cert.pem"),
@@ -206,14 +240,19 @@ fn client_certificates_and_allow_lists_with_real_clients() {
             .unwrap_err()
             .to_string();
         assert!(refusal.contains(alert), "{refusal}");
-        gw.wait_for_log(logged, before + 1);
+        p.gw.wait_for_log(logged, before + 1);
     }
     assert!(
-        gw.log().contains("subject \"CN=backup-agent\", serial 1F"),
+        p.gw.log()
+            .contains("subject \"CN=backup-agent\", serial 1F"),
         "the other CA's client is named: {}",
-        gw.log()
+        p.gw.log()
     );
-    assert_eq!(counter.connections(), upstream_connections);
+    assert_eq!(
+        p.counter.connections(),
+        0,
+        "a refused client reached the upstream"
+    );
 }
 
 /// The Kubernetes Secret volume layout: files are symlinks into `..data`,
@@ -389,41 +428,107 @@ impl Reader {
     }
 }
 
-#[test]
-fn rotation_by_symlink_swap_rename_and_sighup() {
-    let env = Env::new();
-    let image = env.random_image("disk.img", IMAGE_LEN, 5);
-    let upstream = QemuNbd::start(&env, &image, &[]);
-    let ca = Ca::new("rotation CA");
-    let client = ca
-        .client("agent", &[], &[], 10)
-        .client_dir(&env.path("client"), &ca);
-    let upstream_args = [OsStr::new("--upstream"), upstream.socket.as_os_str()];
+/// An upstream, a CA, a client of it, and two server certificates to
+/// rotate between.
+struct Rotation {
+    env: Env,
+    image: PathBuf,
+    upstream: QemuNbd,
+    ca: Ca,
+    client: PathBuf,
+    first: Leaf,
+    second: Leaf,
+}
 
-    // 1. Kubernetes symlink swap, noticed by polling.
-    let first = ca.server("first");
-    let mut secret = SecretVolume::new(&env.path("secret"), &secret_files(&first, &ca));
-    let gw = NbdgwProcess::start(upstream_args.iter().copied().chain([
-        OsStr::new("--tls-dir"),
+impl Rotation {
+    fn new() -> Self {
+        let env = Env::new();
+        let image = env.random_image("disk.img", IMAGE_LEN, 5);
+        let upstream = QemuNbd::start(&env, &image, &[]);
+        let ca = Ca::new("rotation CA");
+        let client = ca
+            .client("agent", &[], &[], 10)
+            .client_dir(&env.path("client"), &ca);
+        Rotation {
+            first: ca.server("first"),
+            second: ca.server("second"),
+            env,
+            image,
+            upstream,
+            ca,
+            client,
+        }
+    }
+
+    fn gateway(&self, tls: &[&OsStr]) -> NbdgwProcess {
+        NbdgwProcess::start(
+            [OsStr::new("--upstream"), self.upstream.socket.as_os_str()]
+                .into_iter()
+                .chain(tls.iter().copied()),
+        )
+    }
+
+    /// Certificate, key and client CA as single files, replaced by rename.
+    fn files(&self) -> PathBuf {
+        let files = self.env.path("files");
+        std::fs::create_dir_all(&files).unwrap();
+        std::fs::write(files.join("ca.pem"), &self.ca.pem).unwrap();
+        install(&files, &self.first);
+        files
+    }
+
+    fn gateway_on_files(&self, files: &Path, interval: &str) -> NbdgwProcess {
+        let (cert, key, ca) = (
+            files.join("cert.pem"),
+            files.join("key.pem"),
+            files.join("ca.pem"),
+        );
+        self.gateway(&[
+            "--tls-cert".as_ref(),
+            cert.as_os_str(),
+            "--tls-key".as_ref(),
+            key.as_os_str(),
+            "--tls-client-ca".as_ref(),
+            ca.as_os_str(),
+            "--tls-reload-interval".as_ref(),
+            interval.as_ref(),
+        ])
+    }
+}
+
+/// Writes the leaf's certificate and key beside, then renames them over.
+fn install(files: &Path, leaf: &Leaf) {
+    for (name, contents) in [("cert.pem", &leaf.cert), ("key.pem", &leaf.key)] {
+        let tmp = files.join(format!("{name}.tmp"));
+        std::fs::write(&tmp, contents).unwrap();
+        std::fs::rename(&tmp, files.join(name)).unwrap();
+    }
+}
+
+#[test]
+fn rotation_by_kubernetes_symlink_swap_and_a_broken_version_kept_out() {
+    let r = Rotation::new();
+    let mut secret = SecretVolume::new(&r.env.path("secret"), &secret_files(&r.first, &r.ca));
+    let gw = r.gateway(&[
+        "--tls-dir".as_ref(),
         secret.dir.as_os_str(),
-        OsStr::new("--tls-reload-interval"),
-        OsStr::new("1"),
-    ]));
-    assert_eq!(served_cert(&gw, &client), first.der());
-    let mut before = Reader::open(&gw, &client, &image);
+        "--tls-reload-interval".as_ref(),
+        "1".as_ref(),
+    ]);
+    assert_eq!(served_cert(&gw, &r.client), r.first.der());
+    let mut before = Reader::open(&gw, &r.client, &r.image);
     before.check(0);
-    let second = ca.server("second");
-    secret.publish(&secret_files(&second, &ca));
-    wait_until_served(&gw, &client, &second);
+    secret.publish(&secret_files(&r.second, &r.ca));
+    wait_until_served(&gw, &r.client, &r.second);
     before.check(512 * 1024);
-    assert!(nbdinfo_size(gw.port, &client).status.success());
+    assert!(nbdinfo_size(gw.port, &r.client).status.success());
     assert_eq!(gw.count_in_log("TLS certificate reloaded"), 1);
 
     // A broken version (a key that is not PEM): the old certificate stays.
     let broken = [
-        ("tls.crt", ca.server("broken").cert),
+        ("tls.crt", r.ca.server("broken").cert),
         ("tls.key", "not a key".to_string()),
-        ("ca.crt", ca.pem.clone()),
+        ("ca.crt", r.ca.pem.clone()),
     ];
     secret.publish(
         &broken
@@ -432,76 +537,51 @@ fn rotation_by_symlink_swap_rename_and_sighup() {
             .collect::<Vec<_>>(),
     );
     gw.wait_for_log("TLS reload failed", 1);
-    assert_eq!(served_cert(&gw, &client), second.der());
+    assert_eq!(served_cert(&gw, &r.client), r.second.der());
     before.check(IMAGE_LEN - 65536);
-    assert!(qemu_img_info(gw.port, &client).status.success());
+    assert!(qemu_img_info(gw.port, &r.client).status.success());
     let log = gw.log();
     assert!(log.contains("tls.key holds no private key"), "{log}");
-    drop(gw);
+}
 
-    // 2. Files renamed over, noticed by polling.
-    let files = env.path("files");
-    std::fs::create_dir_all(&files).unwrap();
-    let install = |leaf: &Leaf| {
-        for (name, contents) in [("cert.pem", &leaf.cert), ("key.pem", &leaf.key)] {
-            let tmp = files.join(format!("{name}.tmp"));
-            std::fs::write(&tmp, contents).unwrap();
-            std::fs::rename(&tmp, files.join(name)).unwrap();
-        }
-    };
-    install(&first);
-    std::fs::write(files.join("ca.pem"), &ca.pem).unwrap();
-    let (cert, key, client_ca) = (
-        files.join("cert.pem"),
-        files.join("key.pem"),
-        files.join("ca.pem"),
-    );
-    let with_files = |interval: &'static str| {
-        let mut args = upstream_args.to_vec();
-        args.extend([
-            OsStr::new("--tls-cert"),
-            cert.as_os_str(),
-            OsStr::new("--tls-key"),
-            key.as_os_str(),
-            OsStr::new("--tls-client-ca"),
-            client_ca.as_os_str(),
-            OsStr::new("--tls-reload-interval"),
-            OsStr::new(interval),
-        ]);
-        args
-    };
-    let gw = NbdgwProcess::start(with_files("1"));
-    let mut before = Reader::open(&gw, &client, &image);
-    install(&second);
-    wait_until_served(&gw, &client, &second);
+#[test]
+fn rotation_by_files_renamed_over() {
+    let r = Rotation::new();
+    let files = r.files();
+    let gw = r.gateway_on_files(&files, "1");
+    let mut before = Reader::open(&gw, &r.client, &r.image);
+    install(&files, &r.second);
+    wait_until_served(&gw, &r.client, &r.second);
     before.check(65536);
-    drop(gw);
+}
 
-    // 3. SIGHUP only (no polling): nothing changes until the signal.
-    install(&first);
-    let gw = NbdgwProcess::start(with_files("0"));
-    let mut before = Reader::open(&gw, &client, &image);
-    install(&second);
+#[test]
+fn rotation_by_sighup_alone_and_a_mismatched_key_kept_out() {
+    let r = Rotation::new();
+    let files = r.files();
+    let gw = r.gateway_on_files(&files, "0");
+    let mut before = Reader::open(&gw, &r.client, &r.image);
+    install(&files, &r.second);
     std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(
-        served_cert(&gw, &client),
-        first.der(),
+        served_cert(&gw, &r.client),
+        r.first.der(),
         "reloaded without SIGHUP"
     );
     gw.signal("HUP");
     gw.wait_for_log("TLS certificate reloaded", 1);
-    assert_eq!(served_cert(&gw, &client), second.der());
+    assert_eq!(served_cert(&gw, &r.client), r.second.der());
     before.check(128 * 1024);
 
     // A key that does not belong to the certificate, then SIGHUP.
-    let third = ca.server("third");
+    let third = r.ca.server("third");
     std::fs::write(files.join("cert.pem"), &third.cert).unwrap();
     gw.signal("HUP");
     gw.wait_for_log("TLS reload failed", 1);
     assert!(gw.log().contains("cannot be used together"), "{}", gw.log());
-    assert_eq!(served_cert(&gw, &client), second.der());
+    assert_eq!(served_cert(&gw, &r.client), r.second.der());
     before.check(256 * 1024);
-    assert!(nbdinfo_size(gw.port, &client).status.success());
+    assert!(nbdinfo_size(gw.port, &r.client).status.success());
     drop(before);
     let (status, _) = gw.stop();
     assert!(status.success());
@@ -551,11 +631,10 @@ fn certs_command_output_works_with_qemu_nbd_qemu_img_and_libnbd() {
         .arg(&image)
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "qemu-nbd did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    common::wait_until_listening(port, "qemu-nbd", || {
+        qemu_nbd.try_wait().unwrap().map(|s| s.to_string())
+    })
+    .unwrap();
     let info = qemu_img_info(port, &dir);
     let libnbd = nbdinfo_size(port, &dir);
     let _ = qemu_nbd.kill();

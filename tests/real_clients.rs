@@ -231,11 +231,7 @@ fn the_command_line_certs_serve_and_sigterm() {
             ("NBDGW_TLS_KEY", dir.join("server-key.pem").as_os_str()),
         ],
     );
-    let uri = format!(
-        "nbds://localhost:{}/?tls-certificates={}",
-        gateway.port,
-        dir.display()
-    );
+    let uri = common::clients::nbds_uri(gateway.port, &dir);
     let copy = env.path("copy.img");
     run_ok(Command::new("nbdcopy").arg(&uri).arg(&copy));
     assert_eq!(

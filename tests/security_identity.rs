@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use common::clients::{
     admitted, connect_as, nbdinfo_size, qemu_img_info, text, write_server_files,
 };
-use common::pki::{anonymous_client_dir, Ca};
+use common::pki::{anonymous_client_dir, Ca, ClientDir};
 use common::process::{start_must_fail, NbdgwProcess};
 use common::raw::RawClient;
 use common::{Env, QemuNbd};

@@ -120,11 +120,7 @@ fn silent_connections_and_a_slow_handshaker_do_not_lock_out_real_clients() {
     std::thread::sleep(Duration::from_millis(300));
 
     let copy = env.path("copy.img");
-    let uri = format!(
-        "nbds://localhost:{}/?tls-certificates={}",
-        gw.port,
-        certs.display()
-    );
+    let uri = common::clients::nbds_uri(gw.port, &certs);
     let started = Instant::now();
     run_ok(std::process::Command::new("nbdcopy").arg(&uri).arg(&copy));
     assert_eq!(std::fs::read(&copy).unwrap(), std::fs::read(&path).unwrap());

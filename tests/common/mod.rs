@@ -77,6 +77,26 @@ impl Env {
     }
 }
 
+/// Waits until something listens on 127.0.0.1:`port`, or `gone` says the
+/// process that should has died (its status, to report).
+pub fn wait_until_listening(
+    port: u16,
+    what: &str,
+    mut gone: impl FnMut() -> Option<String>,
+) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if let Some(status) = gone() {
+            return Err(format!("{what} exited with {status}"));
+        }
+        if Instant::now() >= deadline {
+            return Err(format!("{what} did not start listening on port {port}"));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -212,11 +232,7 @@ impl Gateway {
     }
 
     pub fn uri(&self, env: &Env) -> String {
-        format!(
-            "nbds://localhost:{}/?tls-certificates={}",
-            self.addr.port(),
-            env.certs().display()
-        )
+        clients::nbds_uri(self.addr.port(), &env.certs())
     }
 
     /// qemu's `--object` and `--image-opts` arguments for this gateway.
@@ -273,7 +289,6 @@ impl RecordCounter {
     /// `plaintext_prefix`: bytes the gateway sends before TLS starts
     /// (greeting and option replies), which are passed through uncounted.
     pub fn start(target: SocketAddr, plaintext_prefix: usize) -> Self {
-        use std::io::{Read, Write};
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let records = Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -283,51 +298,21 @@ impl RecordCounter {
             let server = std::net::TcpStream::connect(target).unwrap();
             client.set_nodelay(true).unwrap();
             server.set_nodelay(true).unwrap();
-            let (mut c_rd, mut s_wr) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+            let (c_rd, s_wr) = (client.try_clone().unwrap(), server.try_clone().unwrap());
             std::thread::spawn(move || {
-                let _ = std::io::copy(&mut c_rd, &mut s_wr);
+                pipe(c_rd, &s_wr, |_| {});
                 let _ = s_wr.shutdown(std::net::Shutdown::Write);
             });
-            let (mut s_rd, mut c_wr) = (server, client);
-            let mut skip = plaintext_prefix;
-            let mut header = Vec::with_capacity(5);
-            let mut body_left = 0usize;
-            let mut buf = vec![0u8; 1 << 16];
-            loop {
-                let n = match s_rd.read(&mut buf) {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => n,
-                };
-                // Count before forwarding, so a client that has its reply
-                // knows the count includes it.
-                let mut bytes = &buf[..n];
-                while !bytes.is_empty() {
-                    if skip > 0 {
-                        let k = skip.min(bytes.len());
-                        skip -= k;
-                        bytes = &bytes[k..];
-                    } else if body_left > 0 {
-                        let k = body_left.min(bytes.len());
-                        body_left -= k;
-                        bytes = &bytes[k..];
-                    } else {
-                        let k = (5 - header.len()).min(bytes.len());
-                        header.extend_from_slice(&bytes[..k]);
-                        bytes = &bytes[k..];
-                        if header.len() == 5 {
-                            body_left = u16::from_be_bytes([header[3], header[4]]) as usize;
-                            if header[0] == 23 {
-                                seen.lock().unwrap().push(body_left);
-                            }
-                            header.clear();
-                        }
-                    }
-                }
-                if c_wr.write_all(&buf[..n]).is_err() {
-                    break;
-                }
-            }
-            let _ = c_wr.shutdown(std::net::Shutdown::Write);
+            let mut records = TlsRecords {
+                skip: plaintext_prefix,
+                header: Vec::with_capacity(5),
+                body_left: 0,
+                seen,
+            };
+            // Counted before they are passed on, so a client that has its
+            // reply knows the count includes it.
+            pipe(server, &client, |bytes| records.scan(bytes));
+            let _ = client.shutdown(std::net::Shutdown::Write);
         });
         RecordCounter { addr, records }
     }
@@ -335,5 +320,52 @@ impl RecordCounter {
     /// Application-data record lengths seen so far (ciphertext bytes).
     pub fn records(&self) -> Vec<usize> {
         self.records.lock().unwrap().clone()
+    }
+}
+
+/// Copies `from` to `to` until either ends, showing each piece to `tap`
+/// before passing it on (a tap may count it, or wait).
+pub fn pipe(mut from: impl std::io::Read, mut to: impl std::io::Write, mut tap: impl FnMut(&[u8])) {
+    let mut buf = vec![0u8; 1 << 16];
+    while let Ok(n @ 1..) = from.read(&mut buf) {
+        tap(&buf[..n]);
+        if to.write_all(&buf[..n]).is_err() {
+            break;
+        }
+    }
+}
+
+/// Finds TLS record boundaries in a byte stream, after a plaintext prefix.
+struct TlsRecords {
+    skip: usize,
+    header: Vec<u8>,
+    body_left: usize,
+    seen: Arc<std::sync::Mutex<Vec<usize>>>,
+}
+
+impl TlsRecords {
+    fn scan(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            if self.skip > 0 {
+                let k = self.skip.min(bytes.len());
+                self.skip -= k;
+                bytes = &bytes[k..];
+            } else if self.body_left > 0 {
+                let k = self.body_left.min(bytes.len());
+                self.body_left -= k;
+                bytes = &bytes[k..];
+            } else {
+                let k = (5 - self.header.len()).min(bytes.len());
+                self.header.extend_from_slice(&bytes[..k]);
+                bytes = &bytes[k..];
+                if self.header.len() == 5 {
+                    self.body_left = u16::from_be_bytes([self.header[3], self.header[4]]) as usize;
+                    if self.header[0] == 23 {
+                        self.seen.lock().unwrap().push(self.body_left);
+                    }
+                    self.header.clear();
+                }
+            }
+        }
     }
 }

@@ -2,7 +2,7 @@
 //! runs; and a counting relay in front of the upstream socket.
 
 use std::ffi::OsStr;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Read};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -40,17 +40,12 @@ impl NbdgwProcess {
             cmd.env(k, v);
         }
         let mut process = Self::spawn(cmd, port);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if let Ok(Some(status)) = process.child.try_wait() {
-                panic!("nbdgw exited with {status}:\n{}", process.log());
-            }
-            assert!(
-                Instant::now() < deadline,
-                "nbdgw did not start listening:\n{}",
-                process.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
+        let child = &mut process.child;
+        let started = super::wait_until_listening(port, "nbdgw", || {
+            child.try_wait().ok().flatten().map(|s| s.to_string())
+        });
+        if let Err(e) = started {
+            panic!("{e}:\n{}", process.log());
         }
         process
     }
@@ -219,26 +214,20 @@ impl UpstreamCounter {
                 let Ok(server) = UnixStream::connect(&target) else {
                     continue;
                 };
-                let (mut c_rd, mut s_wr) =
-                    (client.try_clone().unwrap(), server.try_clone().unwrap());
+                let (c_rd, s_wr) = (client.try_clone().unwrap(), server.try_clone().unwrap());
                 std::thread::spawn(move || {
-                    let _ = std::io::copy(&mut c_rd, &mut s_wr);
+                    super::pipe(c_rd, &s_wr, |_| {});
                     let _ = s_wr.shutdown(std::net::Shutdown::Write);
                 });
-                let (mut s_rd, mut c_wr) = (server, client);
                 let gate = gate.clone();
                 std::thread::spawn(move || {
-                    let mut buf = vec![0u8; 1 << 16];
-                    while let Ok(n @ 1..) = s_rd.read(&mut buf) {
+                    super::pipe(server, &client, |_| {
                         let (held, resumed) = &*gate;
                         let _open = resumed
                             .wait_while(held.lock().unwrap(), |held| *held)
                             .unwrap();
-                        if c_wr.write_all(&buf[..n]).is_err() {
-                            break;
-                        }
-                    }
-                    let _ = c_wr.shutdown(std::net::Shutdown::Write);
+                    });
+                    let _ = client.shutdown(std::net::Shutdown::Write);
                 });
             }
         });
