@@ -1,8 +1,10 @@
 //! The contract between a connection's phases: the streams each hands to
 //! the next, the buffer sizes and limits they share, the counters.
 
-use std::future::Future;
+use std::future::{poll_fn, Future};
+use std::pin::pin;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::Poll;
 use std::time::Duration;
 
 use tokio::io::BufReader;
@@ -94,15 +96,22 @@ impl Stats {
 }
 
 /// `io` under the stall timeout: an error if it makes no progress in time.
+/// Most reads and writes finish at the first poll (the data or the buffer
+/// space is there), so the timer is armed only for those that wait: a
+/// timer per request would cost every request a trip to the timer wheel.
 pub async fn within_stall<T>(
     config: &Config,
     doing: &'static str,
     io: impl Future<Output = Result<T, ConnError>>,
 ) -> Result<T, ConnError> {
-    match config.stall_timeout {
-        None => io.await,
-        Some(limit) => tokio::time::timeout(limit, io)
-            .await
-            .map_err(|_| ConnError::Stalled(doing, limit))?,
+    let Some(limit) = config.stall_timeout else {
+        return io.await;
+    };
+    let mut io = pin!(io);
+    if let Poll::Ready(done) = poll_fn(|cx| Poll::Ready(io.as_mut().poll(cx))).await {
+        return done;
     }
+    tokio::time::timeout(limit, io)
+        .await
+        .map_err(|_| ConnError::Stalled(doing, limit))?
 }

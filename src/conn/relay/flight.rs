@@ -55,11 +55,6 @@ impl Flight {
         self.lock().idle_since
     }
 
-    /// A request header arrived: the connection is busy again.
-    pub fn busy(&self) {
-        self.lock().idle_since = None;
-    }
-
     /// Every reply so far has been written to the client.
     pub fn replies_written(&self) {
         let mut state = self.lock();

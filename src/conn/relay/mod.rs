@@ -20,6 +20,7 @@ use tokio::sync::mpsc;
 use crate::conn::error::ConnError;
 use crate::conn::session::{Link, Session};
 use flight::Flight;
+use local::{Local, SHUTTING_DOWN};
 use replies::Replies;
 use requests::Requests;
 use writer::ReplyWriter;
@@ -47,6 +48,7 @@ pub async fn run(
     let (up_rd, up_wr) = upstream.into_split();
     let flight = Flight::new();
     let (local_tx, local_rx) = mpsc::channel(LOCAL_QUEUE);
+    let drain = local_tx.clone();
     let requests = Requests::new(client_rd, up_wr, &flight, local_tx, (mode, read_only), link);
     let upstream = BufReader::with_capacity(UPSTREAM_READ_BUF, up_rd);
     let replies = Replies::new(upstream, &flight, local_rx, mode, link.config.max_payload);
@@ -54,14 +56,24 @@ pub async fn run(
     let result = {
         let mut requests = pin!(requests.run());
         let mut replies = pin!(replies.run(&mut writer));
+        let mut shutdown = link.shutdown.clone();
+        let (mut requests_done, mut told_to_drain) = (false, false);
         // The reply side decides when a drained connection ends; the
-        // request side ends on its own only with DISC or an error.
-        tokio::select! {
-            requested = &mut requests => match requested {
-                Ok(()) => replies.await,
-                Err(e) => Err(e),
-            },
-            replied = &mut replies => replied,
+        // request side ends on its own only with DISC or an error. The
+        // shutdown is watched here, once per connection rather than once
+        // per request; new requests see it through `is_draining`.
+        loop {
+            tokio::select! {
+                requested = &mut requests, if !requests_done => match requested {
+                    Ok(()) => requests_done = true,
+                    Err(e) => break Err(e),
+                },
+                replied = &mut replies => break replied,
+                () = shutdown.draining(), if !told_to_drain => {
+                    told_to_drain = true;
+                    let _ = drain.send(Local::Drain(SHUTTING_DOWN)).await;
+                }
+            }
         }
     };
     match result {

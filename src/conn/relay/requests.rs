@@ -11,7 +11,7 @@ use tokio::sync::mpsc;
 use tracing::debug;
 
 use super::flight::Flight;
-use super::local::{Local, CLIENT_DISCONNECTED, SHUTTING_DOWN};
+use super::local::{Local, CLIENT_DISCONNECTED};
 use crate::config::Config;
 use crate::conn::error::{ConnError, Side};
 use crate::conn::session::{within_stall, ClientTls, Link};
@@ -34,12 +34,6 @@ pub struct Requests<'a> {
     shutdown: Shutdown,
     /// Header and the first part of the payload, then further pieces.
     buf: Vec<u8>,
-}
-
-enum HeaderRead {
-    Complete,
-    /// Shutdown began while waiting; the header may still come.
-    ShutdownBegan,
 }
 
 impl<'a> Requests<'a> {
@@ -73,14 +67,8 @@ impl<'a> Requests<'a> {
         let header_len = self.mode.request_header_len();
         let mut header = [0u8; EXTENDED_REQUEST_LEN];
         let header = &mut header[..header_len];
-        let mut told_to_drain = false;
         loop {
-            while let HeaderRead::ShutdownBegan = self.read_header(header, !told_to_drain).await? {
-                told_to_drain = true;
-                if self.local.send(Local::Drain(SHUTTING_DOWN)).await.is_err() {
-                    return Ok(());
-                }
-            }
+            self.read_header(header).await?;
             let request =
                 Request::parse(self.mode, header).map_err(ConnError::proto(Side::Client))?;
             let payload = request.payload_len(self.mode);
@@ -232,41 +220,28 @@ impl<'a> Requests<'a> {
 
     /// Waits for the next request header. Gives up after the idle
     /// timeout, counted from the moment nothing was in flight and every
-    /// reply had been written; with `watch_shutdown`, returns when a
-    /// shutdown begins.
-    async fn read_header(
-        &mut self,
-        header: &mut [u8],
-        watch_shutdown: bool,
-    ) -> Result<HeaderRead, ConnError> {
-        let idle = self.config().idle_timeout;
+    /// reply had been written.
+    async fn read_header(&mut self, header: &mut [u8]) -> Result<(), ConnError> {
+        let when = "without sending NBD_CMD_DISC";
+        let Some(idle) = self.config().idle_timeout else {
+            let read = self.client.read_exact(header).await;
+            return read.map(|_| ()).map_err(ConnError::io(Side::Client, when));
+        };
         let flight = self.flight;
         let mut read = pin!(self.client.read_exact(header));
         loop {
             // While busy, look again one idle period from now.
-            let check_at = idle.map(|idle| flight.idle_since().unwrap_or_else(Instant::now) + idle);
+            let check_at = flight.idle_since().unwrap_or_else(Instant::now) + idle;
             tokio::select! {
                 read = &mut read => {
-                    read.map_err(ConnError::io(Side::Client, "without sending NBD_CMD_DISC"))?;
-                    flight.busy();
-                    return Ok(HeaderRead::Complete);
+                    return read.map(|_| ()).map_err(ConnError::io(Side::Client, when));
                 }
-                () = self.shutdown.draining(), if watch_shutdown => return Ok(HeaderRead::ShutdownBegan),
-                () = sleep_until(check_at) => {
-                    let idle = idle.unwrap_or_default();
+                () = tokio::time::sleep_until(check_at.into()) => {
                     if flight.is_empty() && flight.idle_since().is_some_and(|t| t.elapsed() >= idle) {
                         return Err(ConnError::IdleTimeout(idle));
                     }
                 }
             }
         }
-    }
-}
-
-/// Sleeps until `deadline`, or forever without one.
-async fn sleep_until(deadline: Option<Instant>) {
-    match deadline {
-        Some(at) => tokio::time::sleep_until(at.into()).await,
-        None => std::future::pending().await,
     }
 }
