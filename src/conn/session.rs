@@ -69,9 +69,15 @@ pub struct Counts {
 }
 
 impl Stats {
-    /// A request of `bytes` (header and payload) arrived.
+    /// A request header of `bytes` arrived.
     pub fn request(&self, bytes: u64) {
         self.requests.fetch_add(1, Ordering::Relaxed);
+        self.received(bytes);
+    }
+
+    /// `bytes` of request payload arrived: counted as they do, so a client
+    /// that leaves mid-payload is not credited with what it announced.
+    pub fn received(&self, bytes: u64) {
         self.bytes_from_client.fetch_add(bytes, Ordering::Relaxed);
     }
 

@@ -75,7 +75,7 @@ impl<'a> Requests<'a> {
             let max_payload = u64::from(self.config().max_payload);
             ProtoError::check_limit("request payload", payload, max_payload)
                 .map_err(ConnError::proto(Side::Client))?;
-            self.link.stats.request(header_len as u64 + payload);
+            self.link.stats.request(header_len as u64);
             if request.command == CMD_DISC {
                 return self.disconnect(header).await;
             }
@@ -180,6 +180,7 @@ impl<'a> Requests<'a> {
         if read == 0 {
             return Err(ConnError::closed(Side::Client, WHEN));
         }
+        self.link.stats.received(read as u64);
         Ok(read as u64)
     }
 
