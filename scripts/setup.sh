@@ -17,3 +17,8 @@ if ((${#missing[@]})); then
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 command -v cargo >/dev/null || { echo "setup: cargo (Rust toolchain) is required" >&2; exit 1; }
+# cargo-fuzz, for scripts/fuzz.sh (the fuzzers run on the nightly toolchain).
+if ! command -v cargo-fuzz >/dev/null; then
+    echo "setup: installing cargo-fuzz" >&2
+    cargo install cargo-fuzz --locked --quiet
+fi

@@ -24,4 +24,15 @@ fuzz_target!(|data: &[u8]| {
     }
     let _ = parse_info_export(data);
     let _ = export_name_prefix(data);
+    // A block-size body nbdgw lowers keeps the spec's rules.
+    if let Some((limit, body)) = data.split_first_chunk::<4>() {
+        let mut body = body.to_vec();
+        if clamp_block_size(&mut body, u32::from_be_bytes(*limit)) {
+            let field = |at: usize| u32::from_be_bytes(body[at..at + 4].try_into().unwrap());
+            let (minimum, preferred, maximum) = (field(2), field(6), field(10));
+            assert!(maximum <= u32::from_be_bytes(*limit));
+            assert_eq!(maximum % minimum, 0);
+            assert!(preferred <= maximum);
+        }
+    }
 });
