@@ -12,6 +12,7 @@ use rcgen::{
     DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyIdMethod, KeyPair, KeyUsagePurpose,
     RevocationReason, RevokedCertParams, SanType, SerialNumber,
 };
+use rustls::pki_types::pem::PemObject;
 use thiserror::Error;
 use time::{Duration, OffsetDateTime};
 
@@ -39,6 +40,15 @@ pub enum CertsError {
         "invalid --client-uri {0:?}: expected scheme:rest, e.g. spiffe://example.org/ns/x/sa/y"
     )]
     BadUri(String),
+    #[error("cannot read {path}: {error}")]
+    Read {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    #[error("CA certificate {0}: not a parsable CA certificate")]
+    BadCa(PathBuf),
+    #[error("CA key {key} does not belong to CA certificate {cert}")]
+    CaKeyMismatch { cert: PathBuf, key: PathBuf },
 }
 
 /// What to generate.
@@ -55,6 +65,11 @@ pub struct CertsRequest {
     pub client_uris: Vec<String>,
     pub days: u32,
     pub force: bool,
+    /// Issue from this existing CA (certificate, key) instead of a new one.
+    pub ca: Option<(PathBuf, PathBuf)>,
+    /// Write a new CA's key to `ca-key.pem`, to issue more later;
+    /// otherwise it is thrown away.
+    pub keep_ca_key: bool,
 }
 
 pub const DEFAULT_SERVER_NAMES: [&str; 2] = ["localhost", "127.0.0.1"];
@@ -83,6 +98,10 @@ pub fn generate(req: &CertsRequest) -> Result<Vec<PathBuf>, CertsError> {
         ("server-cert.pem".to_string(), false),
         ("server-key.pem".to_string(), true),
     ];
+    let keep_ca_key = req.keep_ca_key && req.ca.is_none();
+    if keep_ca_key {
+        files.push(("ca-key.pem".to_string(), true));
+    }
     for (i, name) in req.client_names.iter().enumerate() {
         let stem = client_stem(i, name);
         files.push((format!("{stem}-cert.pem"), false));
@@ -103,7 +122,10 @@ pub fn generate(req: &CertsRequest) -> Result<Vec<PathBuf>, CertsError> {
         error,
     })?;
 
-    let ca = Authority::new("nbdgw CA", i64::from(req.days) + 1)?;
+    let ca = match &req.ca {
+        Some((cert, key)) => Authority::load(cert, key)?,
+        None => Authority::new(&unique_ca_name(), i64::from(req.days) + 1)?,
+    };
     let mut written = Vec::new();
     let mut put = |name: &str, contents: &str, secret: bool| -> Result<(), CertsError> {
         let path = req.out.join(name);
@@ -112,6 +134,9 @@ pub fn generate(req: &CertsRequest) -> Result<Vec<PathBuf>, CertsError> {
         Ok(())
     };
     put("ca-cert.pem", &ca.pem, false)?;
+    if keep_ca_key {
+        put("ca-key.pem", &ca.issuer.key().serialize_pem(), true)?;
+    }
     let server_cn = req
         .server_names
         .first()
@@ -144,8 +169,7 @@ pub fn generate(req: &CertsRequest) -> Result<Vec<PathBuf>, CertsError> {
 /// to make CAs, intermediates, leaves with chosen names and serials, and
 /// CRLs.
 pub struct Authority {
-    params: CertificateParams,
-    key: KeyPair,
+    issuer: Issuer<'static, KeyPair>,
     /// The CA certificate, PEM.
     pub pem: String,
 }
@@ -196,7 +220,35 @@ impl Authority {
         let key = KeyPair::generate()?;
         let params = ca_params(name, days, None)?;
         let pem = params.self_signed(&key)?.pem();
-        Ok(Authority { params, key, pem })
+        Ok(Authority {
+            issuer: Issuer::new(params, key),
+            pem,
+        })
+    }
+
+    /// An existing CA, read from its certificate and key files, to issue
+    /// more leaves from.
+    pub fn load(cert: &Path, key: &Path) -> Result<Self, CertsError> {
+        let read = |path: &Path| {
+            std::fs::read_to_string(path).map_err(|error| CertsError::Read {
+                path: path.to_owned(),
+                error,
+            })
+        };
+        let (pem, key_pem) = (read(cert)?, read(key)?);
+        let key_pair = KeyPair::from_pem(&key_pem)?;
+        let bad_ca = || CertsError::BadCa(cert.to_owned());
+        let der = rustls::pki_types::CertificateDer::from_pem_slice(pem.as_bytes())
+            .map_err(|_| bad_ca())?;
+        let (_, parsed) = x509_parser::parse_x509_certificate(&der).map_err(|_| bad_ca())?;
+        if *parsed.public_key().subject_public_key.data != *key_pair.public_key_raw() {
+            return Err(CertsError::CaKeyMismatch {
+                cert: cert.to_owned(),
+                key: key.to_owned(),
+            });
+        }
+        let issuer = Issuer::from_ca_cert_der(&der, key_pair).map_err(|_| bad_ca())?;
+        Ok(Authority { issuer, pem })
     }
 
     /// An intermediate CA signed by this one; `serial` is what this CA's
@@ -204,12 +256,11 @@ impl Authority {
     pub fn intermediate(&self, name: &str, serial: u64, days: i64) -> Result<Self, CertsError> {
         let key = KeyPair::generate()?;
         let params = ca_params(name, days, Some(serial))?;
-        let pem = params.signed_by(&key, &self.issuer())?.pem();
-        Ok(Authority { params, key, pem })
-    }
-
-    fn issuer(&self) -> Issuer<'_, &KeyPair> {
-        Issuer::new(self.params.clone(), &self.key)
+        let pem = params.signed_by(&key, &self.issuer)?.pem();
+        Ok(Authority {
+            issuer: Issuer::new(params, key),
+            pem,
+        })
     }
 
     pub fn leaf(&self, spec: &LeafSpec<'_>) -> Result<Leaf, CertsError> {
@@ -237,7 +288,7 @@ impl Authority {
         }];
         params.not_before = now - Duration::days(1);
         params.not_after = now + Duration::days(i64::from(spec.days));
-        let cert = params.signed_by(&key, &self.issuer())?;
+        let cert = params.signed_by(&key, &self.issuer)?;
         Ok(Leaf {
             cert: cert.pem(),
             key: key.serialize_pem(),
@@ -264,8 +315,18 @@ impl Authority {
                 .collect(),
             key_identifier_method: KeyIdMethod::Sha256,
         };
-        Ok(params.signed_by(&self.issuer())?.pem()?)
+        Ok(params.signed_by(&self.issuer)?.pem()?)
     }
+}
+
+/// GnuTLS (qemu, libnbd) looks a certificate's issuer up by name, so two
+/// CAs with one name cannot be trusted side by side, as they must be
+/// while clients move from an old CA to a new one.
+fn unique_ca_name() -> String {
+    let mut tag = [0u8; 4];
+    let _ = aws_lc_rs::rand::fill(&mut tag);
+    let hex: String = tag.iter().map(|b| format!("{b:02x}")).collect();
+    format!("nbdgw CA {hex}")
 }
 
 fn ca_params(name: &str, days: i64, serial: Option<u64>) -> Result<CertificateParams, CertsError> {
@@ -295,6 +356,8 @@ pub(crate) fn for_test(out: &Path, server_name: &str, days: u32) -> Vec<PathBuf>
         client_uris: vec![],
         days,
         force: true,
+        ca: None,
+        keep_ca_key: false,
     })
     .expect("generate test certificates")
 }
@@ -356,6 +419,8 @@ mod tests {
             client_uris: uris.iter().map(|u| u.to_string()).collect(),
             days: 1,
             force: false,
+            ca: None,
+            keep_ca_key: false,
         }
     }
 

@@ -176,6 +176,17 @@ struct CertsArgs {
     /// Overwrite existing files.
     #[arg(long)]
     force: bool,
+    /// Issue from this existing CA certificate instead of making a new CA
+    /// (with --ca-key), e.g. one kept with --keep-ca-key.
+    #[arg(long, requires = "ca_key", value_name = "FILE")]
+    ca_cert: Option<PathBuf>,
+    /// The key of --ca-cert.
+    #[arg(long, requires = "ca_cert", value_name = "FILE")]
+    ca_key: Option<PathBuf>,
+    /// Keep the new CA's key as ca-key.pem (mode 0600), to issue more
+    /// certificates from it later; without it the key is thrown away.
+    #[arg(long, conflicts_with = "ca_cert")]
+    keep_ca_key: bool,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug)]
@@ -238,6 +249,8 @@ fn certs(args: CertsArgs) -> Result<()> {
         client_uris: args.client_uris,
         days: args.days,
         force: args.force,
+        ca: args.ca_cert.zip(args.ca_key),
+        keep_ca_key: args.keep_ca_key,
     };
     for path in nbdgw::certs::generate(&request)? {
         println!("{}", path.display());

@@ -127,6 +127,8 @@ fn keepalive_drops_a_client_that_powered_off() {
         client_uris: vec![],
         days: 2,
         force: false,
+        ca: None,
+        keep_ca_key: false,
     })
     .unwrap();
     let image = env.random_image("disk.img", 1 << 20, 4);

@@ -4,8 +4,12 @@
 mod common;
 
 use std::ffi::OsStr;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::Command;
 use std::time::Duration;
 
+use common::clients::{nbdinfo_size, qemu_img_info, text};
 use common::process::NbdgwProcess;
 use common::raw::RawClient;
 use common::{Env, QemuNbd};
@@ -46,4 +50,98 @@ fn bytes_in_counts_what_arrived_not_what_was_announced() {
         .unwrap();
     // The 28-byte header and the 1000 bytes that came.
     assert!(closed.contains("bytes_in=1028"), "{closed}");
+}
+
+fn nbdgw_certs(out: &Path, extra: &[&OsStr]) -> std::process::Output {
+    common::run(
+        Command::new(env!("CARGO_BIN_EXE_nbdgw"))
+            .arg("certs")
+            .arg("--out")
+            .arg(out)
+            .args(extra),
+    )
+}
+
+fn ca_subject(dir: &Path) -> String {
+    use rustls::pki_types::pem::PemObject;
+    let der = rustls::pki_types::CertificateDer::from_pem_file(dir.join("ca-cert.pem")).unwrap();
+    nbdgw::tls::CertInfo::from_der(&der).unwrap().subject
+}
+
+#[test]
+fn clients_trust_two_certificate_sets_at_once_and_a_kept_ca_issues_more() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", 1 << 20, 3);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let (old, new) = (env.path("old"), env.path("new"));
+    assert!(nbdgw_certs(&old, &[OsStr::new("--keep-ca-key")])
+        .status
+        .success());
+    assert!(nbdgw_certs(&new, &[]).status.success());
+    let key_mode = std::fs::metadata(old.join("ca-key.pem"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(key_mode & 0o777, 0o600);
+    assert!(
+        !new.join("ca-key.pem").exists(),
+        "the CA key is kept only when asked"
+    );
+    assert_ne!(ca_subject(&old), ca_subject(&new));
+
+    // During a CA rotation a client trusts the old and the new CA.
+    let both = env.path("both");
+    std::fs::create_dir_all(&both).unwrap();
+    let bundle = [old.join("ca-cert.pem"), new.join("ca-cert.pem")]
+        .iter()
+        .map(|p| std::fs::read_to_string(p).unwrap())
+        .collect::<String>();
+    std::fs::write(both.join("ca-cert.pem"), bundle).unwrap();
+    for name in ["client-cert.pem", "client-key.pem"] {
+        std::fs::copy(new.join(name), both.join(name)).unwrap();
+    }
+    let serve = |dir: &Path| {
+        NbdgwProcess::start([
+            OsStr::new("--upstream"),
+            upstream.socket.as_os_str(),
+            OsStr::new("--tls-dir"),
+            dir.as_os_str(),
+        ])
+    };
+    let gw = serve(&new);
+    let info = qemu_img_info(gw.port, &both);
+    assert!(info.status.success(), "{}", text(&info));
+    assert!(nbdinfo_size(gw.port, &both).status.success());
+
+    // More certificates from the kept CA: old clients keep working.
+    let more = env.path("more");
+    let (old_ca, old_key) = (old.join("ca-cert.pem"), old.join("ca-key.pem"));
+    let ca_args = [
+        OsStr::new("--ca-cert"),
+        old_ca.as_os_str(),
+        OsStr::new("--ca-key"),
+        old_key.as_os_str(),
+    ];
+    let issued = nbdgw_certs(&more, &ca_args);
+    assert!(issued.status.success(), "{}", text(&issued));
+    assert_eq!(ca_subject(&more), ca_subject(&old));
+    let gw = serve(&more);
+    let info = qemu_img_info(gw.port, &old);
+    assert!(info.status.success(), "{}", text(&info));
+
+    // A key that is not the CA's is refused before anything is written.
+    let not_the_ca_key = new.join("server-key.pem");
+    let wrong = [
+        ca_args[0],
+        ca_args[1],
+        OsStr::new("--ca-key"),
+        not_the_ca_key.as_os_str(),
+    ];
+    let refused = nbdgw_certs(&env.path("wrong"), &wrong);
+    assert!(!refused.status.success());
+    assert!(
+        text(&refused).contains("does not belong"),
+        "{}",
+        text(&refused)
+    );
 }

@@ -44,6 +44,8 @@ impl Env {
             client_uris: vec![],
             days: 2,
             force: false,
+            ca: None,
+            keep_ca_key: false,
         };
         nbdgw::certs::generate(&request).expect("generate certificates");
         Env { dir }
