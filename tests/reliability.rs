@@ -10,6 +10,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::clients::{nbdinfo_size, qemu_img_info, text};
+use common::fake_upstream;
 use common::process::NbdgwProcess;
 use common::raw::RawClient;
 use common::{Env, QemuNbd};
@@ -144,4 +145,131 @@ fn clients_trust_two_certificate_sets_at_once_and_a_kept_ca_issues_more() {
         "{}",
         text(&refused)
     );
+}
+
+/// One misbehaviour: how the victim connection negotiates, what the
+/// upstream answers its read, and what nbdgw must log.
+struct Misbehaviour {
+    name: &'static str,
+    mode: ReplyMode,
+    script: fake_upstream::Script,
+    logged: &'static str,
+}
+
+const VICTIM: usize = 1;
+
+fn misbehaviours() -> Vec<Misbehaviour> {
+    use fake_upstream::{chunk, good_read, Asked};
+    // Connection 0 is the bystander, and is always answered correctly.
+    vec![
+        Misbehaviour {
+            name: "a reply to another cookie",
+            mode: ReplyMode::Structured,
+            script: |c, r| {
+                let cookie = r.cookie + u64::from(c == VICTIM);
+                good_read(Asked { cookie, ..r }).into()
+            },
+            logged: "a reply to cookie 0x2, which has no request in flight",
+        },
+        Misbehaviour {
+            name: "a reply to a request never sent",
+            mode: ReplyMode::Structured,
+            script: |c, r| {
+                let mut out = Vec::new();
+                if c == VICTIM {
+                    out = good_read(Asked { cookie: 999, ..r });
+                }
+                out.extend(good_read(r));
+                out.into()
+            },
+            logged: "a reply to cookie 0x3e7",
+        },
+        Misbehaviour {
+            name: "more data than was asked for",
+            mode: ReplyMode::Structured,
+            script: |c, r| {
+                let length = if c == VICTIM { r.length * 2 } else { r.length };
+                good_read(Asked { length, ..r }).into()
+            },
+            logged: "a chunk of type 0x1 and 8200 bytes, which a READ request cannot get",
+        },
+        Misbehaviour {
+            name: "a structured reply in simple mode",
+            mode: ReplyMode::Simple,
+            // The bystander negotiated structured replies; the victim did not.
+            script: |_, r| good_read(r).into(),
+            logged: "a structured reply, which the negotiated Simple mode does not allow",
+        },
+        Misbehaviour {
+            name: "a chunk after the DONE flag",
+            mode: ReplyMode::Structured,
+            script: |c, r| {
+                let mut out = good_read(r);
+                if c == VICTIM {
+                    out.extend(chunk(REPLY_FLAG_DONE, REPLY_TYPE_NONE, r.cookie, 0));
+                }
+                out.into()
+            },
+            logged: "a reply to cookie 0x1, which has no request in flight",
+        },
+        Misbehaviour {
+            name: "an error chunk whose message overruns it",
+            mode: ReplyMode::Structured,
+            script: |c, r| {
+                if c != VICTIM {
+                    return good_read(r).into();
+                }
+                let mut out = chunk(REPLY_FLAG_DONE, REPLY_TYPE_ERROR, r.cookie, 6 + 10);
+                out.extend_from_slice(&EIO.to_be_bytes());
+                out.extend_from_slice(&300u16.to_be_bytes());
+                out.extend_from_slice(b"0123456789");
+                out.into()
+            },
+            logged: "an error chunk whose message length 300 does not fit its 16 bytes",
+        },
+        Misbehaviour {
+            name: "a close in the middle of a payload",
+            mode: ReplyMode::Structured,
+            script: |c, r| {
+                let mut bytes = good_read(r);
+                let close = c == VICTIM;
+                if close {
+                    bytes.truncate(20 + 100);
+                }
+                fake_upstream::Answer { bytes, close }
+            },
+            logged: "upstream closed the connection in the middle of a reply payload",
+        },
+    ]
+}
+
+#[test]
+fn a_misbehaving_upstream_ends_only_that_connection_with_the_reason_logged() {
+    for case in misbehaviours() {
+        let env = Env::new();
+        let fake = fake_upstream::scripted(&env.path("fake.sock"), 1 << 20, case.script);
+        let gw = gateway(&env, &fake.socket);
+        let mut bystander = RawClient::tls(gw.addr(), &env.certs());
+        bystander.go(ReplyMode::Structured);
+        assert_eq!(bystander.read(1, 0, 4096), vec![7u8; 4096], "{}", case.name);
+
+        let mut victim = RawClient::tls(gw.addr(), &env.certs());
+        victim.go(case.mode);
+        victim.send_request(0, CMD_READ, 1, 0, 4096, &[]);
+        let received = common::drain_stream(&mut victim.stream);
+        assert!(
+            received < 4096 + 32 + 8 || case.name.contains("DONE"),
+            "{}: {received}",
+            case.name
+        );
+        gw.wait_for_log(case.logged, 1);
+        assert_eq!(
+            bystander.read(2, 4096, 4096),
+            vec![7u8; 4096],
+            "{}",
+            case.name
+        );
+        bystander.disconnect();
+        eprintln!("{}: {}", case.name, case.logged);
+    }
 }

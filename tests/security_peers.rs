@@ -63,16 +63,6 @@ fn connect_from(from: [u8; 4], to: SocketAddr) -> std::io::Result<TcpStream> {
     Ok(socket.into())
 }
 
-/// Reads until the connection ends; how many bytes came.
-fn drain(stream: &mut impl Read) -> usize {
-    let mut buf = vec![0u8; 1 << 16];
-    let mut total = 0;
-    while let Ok(n @ 1..) = stream.read(&mut buf) {
-        total += n;
-    }
-    total
-}
-
 #[test]
 fn silent_connections_and_a_slow_handshaker_do_not_lock_out_real_clients() {
     let env = Env::new();
@@ -164,7 +154,7 @@ fn a_client_that_stops_reading_replies_is_closed_after_the_stall_timeout() {
     c.send(&requests);
     // Far longer than the stall timeout, with 48 MiB of replies waiting.
     std::thread::sleep(Duration::from_secs(3));
-    let received = drain(&mut c.stream);
+    let received = common::drain_stream(&mut c.stream);
     assert!(
         received < (READS as usize) << 20,
         "all {received} bytes arrived: the stalled connection was kept"

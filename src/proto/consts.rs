@@ -77,9 +77,15 @@ pub const CMD_FLAG_PAYLOAD_LEN: u16 = 1 << 5;
 pub const REPLY_FLAG_DONE: u16 = 1 << 0;
 pub const REPLY_TYPE_NONE: u16 = 0;
 pub const REPLY_TYPE_OFFSET_DATA: u16 = 1;
+pub const REPLY_TYPE_OFFSET_HOLE: u16 = 2;
 pub const REPLY_TYPE_BLOCK_STATUS: u16 = 5;
 pub const REPLY_TYPE_BLOCK_STATUS_EXT: u16 = 6;
 pub const REPLY_TYPE_ERROR: u16 = 0x8001;
+pub const REPLY_TYPE_ERROR_OFFSET: u16 = 0x8002;
+/// Error chunk types have this bit set.
+pub const REPLY_TYPE_ERROR_BIT: u16 = 0x8000;
+/// The longest message an error chunk may carry.
+pub const MAX_ERROR_MESSAGE: usize = 4096;
 
 /// Error values carried in replies.
 pub const EPERM: u32 = 1;

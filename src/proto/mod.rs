@@ -36,6 +36,14 @@ pub enum ProtoError {
         what: &'static str,
         mode: transmission::ReplyMode,
     },
+    #[error("a chunk of type {kind:#x} and {length} bytes, which a {command} request cannot get")]
+    BadChunk {
+        kind: u16,
+        length: u64,
+        command: &'static str,
+    },
+    #[error("an error chunk whose message length {message} does not fit its {length} bytes")]
+    BadErrorChunk { message: usize, length: usize },
     #[error("{0}")]
     Malformed(&'static str),
 }

@@ -198,6 +198,15 @@ pub struct ReplyFrame {
     pub done: bool,
     /// The error a simple reply carries (chunks carry theirs in the payload).
     pub simple_error: u32,
+    /// The chunk type (0 for a simple reply).
+    pub kind: u16,
+}
+
+impl ReplyFrame {
+    /// An error chunk, whose payload nbdgw reads whole to check it.
+    pub fn is_error_chunk(&self) -> bool {
+        self.kind & REPLY_TYPE_ERROR_BIT != 0
+    }
 }
 
 /// Frames a reply header (`reply_header_len` bytes). A simple reply does
@@ -235,6 +244,7 @@ pub fn parse_reply(
                 payload_len,
                 done: true,
                 simple_error: error,
+                kind: 0,
             }
         }
         STRUCTURED_REPLY_MAGIC => ReplyFrame {
@@ -242,19 +252,83 @@ pub fn parse_reply(
             payload_len: be_u32(header, 16).into(),
             done: be_u16(header, 4) & REPLY_FLAG_DONE != 0,
             simple_error: 0,
+            kind: be_u16(header, 6),
         },
         _ => ReplyFrame {
             cookie: be_u64(header, 8),
             payload_len: be_u64(header, 24),
             done: be_u16(header, 4) & REPLY_FLAG_DONE != 0,
             simple_error: 0,
+            kind: be_u16(header, 6),
         },
     };
-    if !in_flight.contains(frame.cookie) {
-        return Err(ProtoError::UnknownCookie(frame.cookie));
+    let req = in_flight
+        .get(frame.cookie)
+        .ok_or(ProtoError::UnknownCookie(frame.cookie))?;
+    if magic != SIMPLE_REPLY_MAGIC {
+        check_chunk(&frame, &req)?;
     }
     ProtoError::check_limit("reply payload", frame.payload_len, max_payload)?;
     Ok(frame)
+}
+
+/// Whether a chunk's type and length fit the request it answers, as the
+/// spec lays them out: a client must never get data it did not ask for,
+/// nor a chunk it cannot frame.
+fn check_chunk(frame: &ReplyFrame, req: &InFlight) -> Result<(), ProtoError> {
+    const OFFSET: u64 = 8;
+    let length = frame.payload_len;
+    let fits = match frame.kind {
+        REPLY_TYPE_NONE => length == 0 && frame.done,
+        REPLY_TYPE_OFFSET_DATA => {
+            req.command == CMD_READ && length > OFFSET && length <= OFFSET + req.length
+        }
+        REPLY_TYPE_OFFSET_HOLE => req.command == CMD_READ && length == OFFSET + 4,
+        REPLY_TYPE_BLOCK_STATUS => {
+            req.command == CMD_BLOCK_STATUS && length >= 12 && (length - 4) % 8 == 0
+        }
+        REPLY_TYPE_BLOCK_STATUS_EXT => {
+            req.command == CMD_BLOCK_STATUS && length >= 24 && (length - 8) % 16 == 0
+        }
+        kind if kind & REPLY_TYPE_ERROR_BIT != 0 => {
+            let extra = if kind == REPLY_TYPE_ERROR_OFFSET {
+                OFFSET
+            } else {
+                0
+            };
+            (6 + extra..=6 + extra + MAX_ERROR_MESSAGE as u64).contains(&length)
+        }
+        _ => false,
+    };
+    if fits {
+        return Ok(());
+    }
+    Err(ProtoError::BadChunk {
+        kind: frame.kind,
+        length,
+        command: command_name(req.command),
+    })
+}
+
+/// An error chunk's payload (error, message length, message, and for
+/// ERROR_OFFSET an offset): the message must fit inside it.
+pub fn check_error_payload(kind: u16, payload: &[u8]) -> Result<(), ProtoError> {
+    let extra = if kind == REPLY_TYPE_ERROR_OFFSET {
+        8
+    } else {
+        0
+    };
+    let message = match payload.get(4..6) {
+        Some(len) => usize::from(be_u16(len, 0)),
+        None => 0,
+    };
+    if payload.len() >= 6 && message <= MAX_ERROR_MESSAGE && 6 + message + extra == payload.len() {
+        return Ok(());
+    }
+    Err(ProtoError::BadErrorChunk {
+        message,
+        length: payload.len(),
+    })
 }
 
 /// Appends an error reply for `req` that nbdgw itself answers, in the
@@ -529,9 +603,95 @@ mod tests {
             h.extend_from_slice(&kind.to_be_bytes());
             h.extend_from_slice(&cookie.to_be_bytes());
             h.extend_from_slice(&len.to_be_bytes());
-            let f = parse_reply(ReplyMode::Structured, &h, &t, 1 << 25).unwrap();
-            prop_assert_eq!(f.payload_len, u64::from(len));
-            prop_assert_eq!(f.done, flags & 1 == 1);
+            match parse_reply(ReplyMode::Structured, &h, &t, 1 << 25) {
+                Ok(f) => {
+                    prop_assert_eq!(f.payload_len, u64::from(len));
+                    prop_assert_eq!(f.done, flags & 1 == 1);
+                    prop_assert_eq!(f.kind, kind);
+                }
+                Err(e) => prop_assert!(matches!(e, ProtoError::BadChunk { .. }), "{e}"),
+            }
+            // Data within the request always frames.
+            h[6..8].copy_from_slice(&REPLY_TYPE_OFFSET_DATA.to_be_bytes());
+            h[16..20].copy_from_slice(&(len.max(1) + 8).to_be_bytes());
+            let f = parse_reply(ReplyMode::Structured, &h, &t, 1 << 26).unwrap();
+            prop_assert_eq!(f.payload_len, u64::from(len.max(1) + 8));
         }
+    }
+
+    fn chunk(kind: u16, flags: u16, cookie: u64, len: u32) -> Vec<u8> {
+        let mut h = STRUCTURED_REPLY_MAGIC.to_be_bytes().to_vec();
+        h.extend_from_slice(&flags.to_be_bytes());
+        h.extend_from_slice(&kind.to_be_bytes());
+        h.extend_from_slice(&cookie.to_be_bytes());
+        h.extend_from_slice(&len.to_be_bytes());
+        h
+    }
+
+    #[test]
+    fn chunks_that_do_not_fit_their_request_are_refused() {
+        let mut t = InFlightTable::default();
+        t.insert(
+            1,
+            InFlight {
+                command: CMD_READ,
+                offset: 0,
+                length: 4096,
+            },
+        );
+        t.insert(
+            2,
+            InFlight {
+                command: CMD_FLUSH,
+                offset: 0,
+                length: 0,
+            },
+        );
+        let frame = |h: &[u8]| parse_reply(ReplyMode::Structured, h, &t, 1 << 25);
+        let refused = [
+            chunk(REPLY_TYPE_OFFSET_DATA, 1, 1, 8 + 4097),
+            chunk(REPLY_TYPE_OFFSET_DATA, 1, 1, 8),
+            chunk(REPLY_TYPE_OFFSET_DATA, 1, 2, 8 + 512),
+            chunk(REPLY_TYPE_OFFSET_HOLE, 1, 1, 16),
+            chunk(REPLY_TYPE_NONE, 0, 1, 0),
+            chunk(REPLY_TYPE_NONE, 1, 1, 4),
+            chunk(REPLY_TYPE_BLOCK_STATUS, 1, 1, 12),
+            chunk(REPLY_TYPE_ERROR, 1, 1, 5),
+            chunk(REPLY_TYPE_ERROR, 1, 1, 6 + 4097),
+            chunk(77, 1, 1, 0),
+        ];
+        for h in &refused {
+            assert!(
+                matches!(frame(h), Err(ProtoError::BadChunk { .. })),
+                "{:?}",
+                frame(h)
+            );
+        }
+        for h in [
+            chunk(REPLY_TYPE_OFFSET_DATA, 0, 1, 8 + 4096),
+            chunk(REPLY_TYPE_OFFSET_HOLE, 1, 1, 12),
+            chunk(REPLY_TYPE_NONE, 1, 2, 0),
+            chunk(REPLY_TYPE_ERROR, 1, 2, 6 + 10),
+            chunk(REPLY_TYPE_ERROR_OFFSET, 1, 1, 6 + 10 + 8),
+        ] {
+            assert!(frame(&h).is_ok(), "{:?}", frame(&h));
+        }
+    }
+
+    #[test]
+    fn an_error_message_must_fit_its_chunk() {
+        let payload = |message_len: u16, actual: usize| {
+            let mut p = 5u32.to_be_bytes().to_vec();
+            p.extend_from_slice(&message_len.to_be_bytes());
+            p.extend(std::iter::repeat_n(b'x', actual));
+            p
+        };
+        assert!(check_error_payload(REPLY_TYPE_ERROR, &payload(3, 3)).is_ok());
+        assert!(check_error_payload(REPLY_TYPE_ERROR, &payload(300, 3)).is_err());
+        assert!(check_error_payload(REPLY_TYPE_ERROR, &payload(3, 5)).is_err());
+        let mut with_offset = payload(3, 3);
+        with_offset.extend_from_slice(&0u64.to_be_bytes());
+        assert!(check_error_payload(REPLY_TYPE_ERROR_OFFSET, &with_offset).is_ok());
+        assert!(check_error_payload(REPLY_TYPE_ERROR, &with_offset).is_err());
     }
 }

@@ -371,3 +371,13 @@ impl TlsRecords {
         }
     }
 }
+
+/// Reads until the stream ends or fails; how many bytes came.
+pub fn drain_stream(stream: &mut impl std::io::Read) -> usize {
+    let mut buf = vec![0u8; 1 << 16];
+    let mut total = 0;
+    while let Ok(n @ 1..) = stream.read(&mut buf) {
+        total += n;
+    }
+    total
+}

@@ -15,7 +15,7 @@ use super::local::{Local, CLIENT_DISCONNECTED};
 use super::writer::ReplyWriter;
 use crate::conn::error::{ConnError, Side};
 use crate::proto::consts::*;
-use crate::proto::transmission::{parse_reply, reply_header_len, ReplyMode};
+use crate::proto::transmission::{check_error_payload, parse_reply, reply_header_len, ReplyMode};
 
 /// Beyond its payload, a reply chunk carries its own fields: an offset, an
 /// error code and a message of at most 4 KiB, block-status descriptors.
@@ -170,9 +170,21 @@ impl<'a> Replies<'a> {
         )
         .map_err(ConnError::proto(Side::Upstream))?;
         writer.append(&header[..header_len]).await?;
-        writer
-            .append_from(&mut self.upstream, frame.payload_len)
-            .await?;
+        if frame.is_error_chunk() {
+            // Small (a message of at most 4 KiB): read whole and checked,
+            // so a message longer than its chunk never reaches the client.
+            let mut payload = vec![0u8; frame.payload_len as usize];
+            self.upstream
+                .read_exact(&mut payload)
+                .await
+                .map_err(eof())?;
+            check_error_payload(frame.kind, &payload).map_err(ConnError::proto(Side::Upstream))?;
+            writer.append(&payload).await?;
+        } else {
+            writer
+                .append_from(&mut self.upstream, frame.payload_len)
+                .await?;
+        }
         if frame.done {
             self.flight.complete(frame.cookie);
             writer.end_of_reply().await?;
