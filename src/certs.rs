@@ -77,43 +77,19 @@ pub const DEFAULT_CLIENT_NAME: &str = "nbdgw-client";
 
 /// Generates the files and returns their paths.
 pub fn generate(req: &CertsRequest) -> Result<Vec<PathBuf>, CertsError> {
-    for name in req.server_names.iter().chain(&req.client_names) {
-        if name.is_empty() || name.contains('/') {
-            return Err(CertsError::BadName(name.clone()));
-        }
-    }
-    if req.client_uris.len() > req.client_names.len() {
-        return Err(CertsError::TooManyUris {
-            uris: req.client_uris.len(),
-            names: req.client_names.len(),
-        });
-    }
-    for uri in &req.client_uris {
-        if !uri.contains(':') || uri.chars().any(char::is_whitespace) {
-            return Err(CertsError::BadUri(uri.clone()));
-        }
-    }
-    let mut files = vec![
-        ("ca-cert.pem".to_string(), false),
-        ("server-cert.pem".to_string(), false),
-        ("server-key.pem".to_string(), true),
-    ];
+    check_request(req)?;
+    // Everything is checked, the CA read, before anything is written, so
+    // a refusal leaves no half-written directory behind.
+    let ca = match &req.ca {
+        Some((cert, key)) => Authority::load(cert, key)?,
+        None => Authority::new(&unique_ca_name(), i64::from(req.days) + 1)?,
+    };
     let keep_ca_key = req.keep_ca_key && req.ca.is_none();
-    if keep_ca_key {
-        files.push(("ca-key.pem".to_string(), true));
-    }
-    for (i, name) in req.client_names.iter().enumerate() {
-        let stem = client_stem(i, name);
-        files.push((format!("{stem}-cert.pem"), false));
-        files.push((format!("{stem}-key.pem"), true));
-    }
-    // Check everything before writing anything, so a refusal leaves no
-    // half-written directory behind.
     if !req.force {
-        for (f, _) in &files {
-            let p = req.out.join(f);
-            if p.exists() {
-                return Err(CertsError::Exists(p));
+        for name in planned_files(req, keep_ca_key) {
+            let path = req.out.join(name);
+            if path.exists() {
+                return Err(CertsError::Exists(path));
             }
         }
     }
@@ -121,11 +97,6 @@ pub fn generate(req: &CertsRequest) -> Result<Vec<PathBuf>, CertsError> {
         path: req.out.clone(),
         error,
     })?;
-
-    let ca = match &req.ca {
-        Some((cert, key)) => Authority::load(cert, key)?,
-        None => Authority::new(&unique_ca_name(), i64::from(req.days) + 1)?,
-    };
     let mut written = Vec::new();
     let mut put = |name: &str, contents: &str, secret: bool| -> Result<(), CertsError> {
         let path = req.out.join(name);
@@ -163,6 +134,42 @@ pub fn generate(req: &CertsRequest) -> Result<Vec<PathBuf>, CertsError> {
         put(&format!("{stem}-key.pem"), &client.key, true)?;
     }
     Ok(written)
+}
+
+fn check_request(req: &CertsRequest) -> Result<(), CertsError> {
+    for name in req.server_names.iter().chain(&req.client_names) {
+        if name.is_empty() || name.contains('/') {
+            return Err(CertsError::BadName(name.clone()));
+        }
+    }
+    if req.client_uris.len() > req.client_names.len() {
+        return Err(CertsError::TooManyUris {
+            uris: req.client_uris.len(),
+            names: req.client_names.len(),
+        });
+    }
+    for uri in &req.client_uris {
+        if !uri.contains(':') || uri.chars().any(char::is_whitespace) {
+            return Err(CertsError::BadUri(uri.clone()));
+        }
+    }
+    Ok(())
+}
+
+/// The files `generate` writes.
+fn planned_files(req: &CertsRequest, keep_ca_key: bool) -> Vec<String> {
+    let mut files: Vec<String> = ["ca-cert.pem", "server-cert.pem", "server-key.pem"]
+        .map(String::from)
+        .to_vec();
+    if keep_ca_key {
+        files.push("ca-key.pem".into());
+    }
+    for (i, name) in req.client_names.iter().enumerate() {
+        let stem = client_stem(i, name);
+        files.push(format!("{stem}-cert.pem"));
+        files.push(format!("{stem}-key.pem"));
+    }
+    files
 }
 
 /// A certificate authority: what `nbdgw certs` makes, and what tests use

@@ -81,6 +81,18 @@ pub enum MinVersion {
     Tls13,
 }
 
+impl MinVersion {
+    fn versions(self) -> &'static [&'static rustls::SupportedProtocolVersion] {
+        const FROM_12: &[&rustls::SupportedProtocolVersion] =
+            &[&rustls::version::TLS13, &rustls::version::TLS12];
+        const ONLY_13: &[&rustls::SupportedProtocolVersion] = &[&rustls::version::TLS13];
+        match self {
+            MinVersion::Tls12 => FROM_12,
+            MinVersion::Tls13 => ONLY_13,
+        }
+    }
+}
+
 /// What the operator asks of clients, as opposed to the files (which can
 /// change while nbdgw runs). Fixed for the life of the process.
 #[derive(Debug, Clone, Default)]
@@ -147,12 +159,8 @@ pub fn build(material: &Material, policy: &TlsPolicy) -> Result<Loaded, TlsConfi
         key: material.key.path.clone(),
         error,
     };
-    let versions: &[&rustls::SupportedProtocolVersion] = match policy.min_version {
-        MinVersion::Tls12 => &[&rustls::version::TLS13, &rustls::version::TLS12],
-        MinVersion::Tls13 => &[&rustls::version::TLS13],
-    };
     let builder = ServerConfig::builder_with_provider(provider())
-        .with_protocol_versions(versions)
+        .with_protocol_versions(policy.min_version.versions())
         .map_err(rustls_err)?;
     let (builder, client) = match &material.client_ca {
         Some(ca_file) => {
