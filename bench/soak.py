@@ -1,0 +1,390 @@
+#!/usr/bin/python3
+"""Verified soak: many clients through nbdgw to qemu-nbd while faults are injected.
+
+Each client owns a region of the export and does random reads, writes (a
+pattern of offset, generation and client id), write-zeroes, trims, flushes
+and block-status queries; every read is checked against what that client
+last had acknowledged. On a schedule: clients vanish in the middle of a
+write payload, clients stop reading their replies, qemu-nbd is killed and
+restarted, the server certificate is rotated, and SIGHUP comes in storms.
+
+    bench/soak.py --seconds 60                 # what CI runs
+    bench/soak.py --seconds 14400 --clients 64 # a long run by hand
+
+Prints operations, acknowledged writes, mismatches (must be 0), errors by
+kind, faults injected, latency percentiles, nbdgw's peak RSS, and its
+descriptors before and after (must come back to the baseline). Exits
+non-zero on any mismatch, descriptor leak, or nbdgw dying.
+"""
+
+import argparse
+import collections
+import os
+import random
+import signal
+import socket
+import ssl
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import nbd
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NBDGW = os.path.join(ROOT, "target", "debug", "nbdgw")
+IHAVEOPT = 0x49484156454F5054
+REQUEST_MAGIC = 0x25609513
+OPT_STARTTLS, OPT_GO, OPT_STRUCTURED_REPLY = 5, 7, 8
+CMD_READ, CMD_WRITE = 0, 1
+BLOCK = 4096
+
+
+class Stats:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.ops = collections.Counter()
+        self.errors = collections.Counter()
+        self.faults = collections.Counter()
+        self.latency = collections.defaultdict(list)
+        self.acked_writes = 0
+        self.mismatches = []
+
+    def op(self, kind, seconds):
+        with self.lock:
+            self.ops[kind] += 1
+            self.latency[kind].append(seconds)
+
+    def error(self, kind):
+        with self.lock:
+            self.errors[kind] += 1
+
+    def fault(self, kind):
+        with self.lock:
+            self.faults[kind] += 1
+
+
+class Region:
+    """What one client knows its part of the disk holds: bytes it had
+    acknowledged, and blocks whose content is unknown (a write whose reply
+    never came, a trim)."""
+
+    def __init__(self, start, length):
+        self.start, self.length = start, length
+        self.data = bytearray(length)
+        self.known = [False] * (length // BLOCK)
+
+    def set(self, offset, data):
+        rel = offset - self.start
+        self.data[rel:rel + len(data)] = data
+        for b in range(rel // BLOCK, (rel + len(data)) // BLOCK):
+            self.known[b] = True
+
+    def forget(self, offset, length):
+        rel = offset - self.start
+        for b in range(rel // BLOCK, (rel + length) // BLOCK):
+            self.known[b] = False
+
+    def check(self, offset, got):
+        """Offsets of blocks whose content differs from what is known."""
+        rel = offset - self.start
+        bad = []
+        for i in range(len(got) // BLOCK):
+            b = rel // BLOCK + i
+            if self.known[b] and got[i * BLOCK:(i + 1) * BLOCK] != self.data[b * BLOCK:(b + 1) * BLOCK]:
+                bad.append(offset + i * BLOCK)
+        return bad
+
+
+def pattern(offset, generation, client, length):
+    head = struct.pack(">QQQ", offset, generation, client)
+    return (head * (length // len(head) + 1))[:length]
+
+
+def connect(uri):
+    h = nbd.NBD()
+    h.add_meta_context(nbd.CONTEXT_BASE_ALLOCATION)
+    h.set_uri_allow_local_file(True)
+    h.connect_uri(uri)
+    return h
+
+
+def client_loop(cid, region, uri, stats, stop):
+    rng = random.Random(cid)
+    h, generation = None, 0
+    while not stop.is_set():
+        if h is None:
+            try:
+                h = connect(uri)
+            except nbd.Error:
+                stats.error("connect (upstream down or restarting)")
+                time.sleep(0.2)
+                continue
+        blocks = rng.choice([1, 1, 1, 4, 16])
+        offset = region.start + rng.randrange(region.length // BLOCK - blocks + 1) * BLOCK
+        length = blocks * BLOCK
+        kind = rng.choices(["read", "write", "zero", "trim", "flush", "block-status"],
+                           [40, 35, 8, 4, 8, 5])[0]
+        t = time.perf_counter()
+        try:
+            if kind == "read":
+                got = h.pread(length, offset)
+                bad = region.check(offset, got)
+                if bad:
+                    with stats.lock:
+                        stats.mismatches.append((cid, bad[:4]))
+            elif kind == "write":
+                generation += 1
+                data = pattern(offset, generation, cid, length)
+                region.forget(offset, length)
+                h.pwrite(data, offset)
+                region.set(offset, data)
+                with stats.lock:
+                    stats.acked_writes += 1
+            elif kind == "zero":
+                region.forget(offset, length)
+                h.zero(length, offset)
+                region.set(offset, bytes(length))
+            elif kind == "trim":
+                # qemu-nbd may or may not discard: the content is unknown.
+                region.forget(offset, length)
+                h.trim(length, offset)
+            elif kind == "flush":
+                h.flush()
+            else:
+                h.block_status(length, offset, lambda *args: 0)
+            stats.op(kind, time.perf_counter() - t)
+        except nbd.Error as e:
+            stats.error(f"{kind}: {short(e)}")
+            try:
+                h.shutdown()
+            except nbd.Error:
+                pass
+            h = None
+    if h is not None:
+        try:
+            h.shutdown()
+        except nbd.Error:
+            pass
+
+
+def short(error):
+    text = str(error)
+    for known in ("Connection reset", "server reported", "Broken pipe", "ESHUTDOWN",
+                  "end of file", "connection is dead", "Transport endpoint"):
+        if known in text:
+            return known
+    return text[:60]
+
+
+def raw_tls(port, certs):
+    """A raw client in transmission (structured replies), for faults
+    libnbd cannot make: a partial write payload, replies never read."""
+    s = socket.create_connection(("127.0.0.1", port))
+    s.recv(18, socket.MSG_WAITALL)
+    s.sendall(struct.pack(">I", 3) + struct.pack(">QII", IHAVEOPT, OPT_STARTTLS, 0))
+    s.recv(20, socket.MSG_WAITALL)
+    ctx = ssl.create_default_context(cafile=os.path.join(certs, "ca-cert.pem"))
+    ctx.load_cert_chain(os.path.join(certs, "client-cert.pem"), os.path.join(certs, "client-key.pem"))
+    t = ctx.wrap_socket(s, server_hostname="localhost")
+    for option, data in ((OPT_STRUCTURED_REPLY, b""), (OPT_GO, struct.pack(">IH", 0, 0))):
+        t.sendall(struct.pack(">QII", IHAVEOPT, option, len(data)) + data)
+        while True:
+            h = recv_exact(t, 20)
+            _, _, kind, length = struct.unpack(">QIII", h)
+            recv_exact(t, length)
+            if kind == 1 or kind & 0x80000000:
+                break
+    return t
+
+
+def recv_exact(t, n):
+    out = b""
+    while len(out) < n:
+        chunk = t.recv(n - len(out))
+        if not chunk:
+            raise ConnectionError("closed")
+        out += chunk
+    return out
+
+
+def request(command, cookie, offset, length):
+    return struct.pack(">IHHQQI", REQUEST_MAGIC, 0, command, cookie, offset, length)
+
+
+class Processes:
+    def __init__(self, work, image, certs, port, size):
+        self.work, self.image, self.certs, self.port = work, image, certs, port
+        self.sock = os.path.join(work, "nbd.sock")
+        self.size = size
+        self.qemu = None
+        self.start_qemu()
+        self.log = open(os.path.join(work, "nbdgw.log"), "w")
+        self.gw = subprocess.Popen(
+            [NBDGW, "--listen", f"127.0.0.1:{port}", "--upstream", self.sock, "--tls-dir", certs,
+             "--tls-reload-interval", "1", "--stall-timeout", "3", "--handshake-timeout", "5"],
+            stderr=self.log, env={**os.environ, "RUST_LOG": "info"})
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port)).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        sys.exit("soak: nbdgw did not start")
+
+    def start_qemu(self):
+        if os.path.exists(self.sock):
+            os.unlink(self.sock)
+        self.qemu = subprocess.Popen(
+            ["qemu-nbd", "-f", "raw", "--persistent", "--shared=0", "--cache=writeback",
+             "--discard=unmap", "-k", self.sock, self.image], stderr=subprocess.DEVNULL)
+        while not os.path.exists(self.sock):
+            time.sleep(0.01)
+
+    def restart_qemu(self):
+        self.qemu.kill()
+        self.qemu.wait()
+        time.sleep(0.3)
+        self.start_qemu()
+
+    def stop(self):
+        self.gw.send_signal(signal.SIGTERM)
+        try:
+            self.gw.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            self.gw.kill()
+        self.qemu.kill()
+        self.qemu.wait()
+
+
+def fds(pid):
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def rss_mib(pid, field="VmRSS"):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def faults(procs, certs, stats, stop, rng, every):
+    """One fault every `every` seconds, in turn."""
+    kinds = ["vanish mid-write", "stop reading", "upstream restart", "certificate rotation", "SIGHUP storm"]
+    i = 0
+    while not stop.wait(every):
+        kind = kinds[i % len(kinds)]
+        i += 1
+        try:
+            if kind == "vanish mid-write":
+                t = raw_tls(procs.port, certs)
+                t.sendall(request(CMD_WRITE, 1, 0, 1 << 20) + b"x" * 5000)
+                t.close()
+            elif kind == "stop reading":
+                t = raw_tls(procs.port, certs)
+                t.sendall(b"".join(request(CMD_READ, c, 0, 1 << 20) for c in range(32)))
+                threading.Timer(8, t.close).start()
+            elif kind == "upstream restart":
+                procs.restart_qemu()
+            elif kind == "certificate rotation":
+                subprocess.run([NBDGW, "certs", "--out", certs, "--force",
+                                "--ca-cert", os.path.join(certs, "ca-cert.pem"),
+                                "--ca-key", os.path.join(certs, "ca-key.pem")],
+                               check=True, stdout=subprocess.DEVNULL)
+            else:
+                for _ in range(20):
+                    procs.gw.send_signal(signal.SIGHUP)
+            stats.fault(kind)
+        except (OSError, ssl.SSLError, ConnectionError, subprocess.CalledProcessError) as e:
+            stats.error(f"fault {kind}: {e}")
+
+
+def percentile(values, p):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(len(values) * p))] * 1e6 if values else 0.0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seconds", type=float, default=60)
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--size-mib", type=int, default=256)
+    ap.add_argument("--fault-every", type=float, default=4)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    if not os.access(NBDGW, os.X_OK):
+        sys.exit(f"soak: build nbdgw first (cargo build): {NBDGW}")
+    with tempfile.TemporaryDirectory() as work:
+        image = os.path.join(work, "disk.img")
+        size = args.size_mib << 20
+        with open(image, "wb") as f:
+            f.truncate(size)
+        certs = os.path.join(work, "certs")
+        subprocess.run([NBDGW, "certs", "--out", certs, "--keep-ca-key"], check=True, stdout=subprocess.DEVNULL)
+        port = args.port or free_port()
+        procs = Processes(work, image, certs, port, size)
+        pid = procs.gw.pid
+        time.sleep(0.5)
+        fds_before, rss_idle = fds(pid), rss_mib(pid)
+        uri = f"nbds://localhost:{port}/?tls-certificates={certs}"
+        stats, stop = Stats(), threading.Event()
+        span = size // args.clients // BLOCK * BLOCK
+        workers = [threading.Thread(target=client_loop, args=(c, Region(c * span, span), uri, stats, stop))
+                   for c in range(args.clients)]
+        faulter = threading.Thread(target=faults, args=(procs, certs, stats, stop, random.Random(args.seed),
+                                                        args.fault_every))
+        for w in workers:
+            w.start()
+        faulter.start()
+        started, peak = time.time(), rss_idle
+        while time.time() - started < args.seconds:
+            time.sleep(0.5)
+            if procs.gw.poll() is not None:
+                stop.set()
+                sys.exit(f"soak: nbdgw died with {procs.gw.returncode}")
+            peak = max(peak, rss_mib(pid))
+        stop.set()
+        for w in workers:
+            w.join()
+        faulter.join()
+        # The stalled readers are closed by the stall timeout; then every
+        # connection nbdgw held is gone.
+        deadline = time.time() + 15
+        while fds(pid) > fds_before and time.time() < deadline:
+            time.sleep(0.25)
+        fds_after, rss_after = fds(pid), rss_mib(pid)
+        procs.stop()
+        report(args, stats, peak, rss_idle, rss_after, fds_before, fds_after)
+        ok = not stats.mismatches and fds_after <= fds_before and procs.gw.returncode == 0
+        print("soak:", "PASSED" if ok else "FAILED")
+        sys.exit(0 if ok else 1)
+
+
+def report(args, stats, peak, rss_idle, rss_after, fds_before, fds_after):
+    ops = sum(stats.ops.values())
+    print(f"# soak: {args.clients} clients, {args.seconds:.0f} s, {args.size_mib} MiB export")
+    print(f"operations: {ops} ({', '.join(f'{k} {v}' for k, v in sorted(stats.ops.items()))})")
+    print(f"acknowledged writes: {stats.acked_writes}")
+    print(f"mismatches: {len(stats.mismatches)} {stats.mismatches[:5]}")
+    print(f"faults injected: {dict(stats.faults)}")
+    print(f"errors by kind: {dict(stats.errors)}")
+    for kind in ("read", "write"):
+        lat = stats.latency.get(kind, [])
+        print(f"{kind} latency: p50 {percentile(lat, 0.5):.0f} us, p99 {percentile(lat, 0.99):.0f} us")
+    print(f"nbdgw RSS: idle {rss_idle:.1f} MiB, peak {peak:.1f} MiB, after {rss_after:.1f} MiB")
+    print(f"nbdgw descriptors: before {fds_before}, after {fds_after}")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    main()
