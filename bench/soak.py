@@ -40,6 +40,8 @@ REQUEST_MAGIC = 0x25609513
 OPT_STARTTLS, OPT_GO, OPT_STRUCTURED_REPLY = 5, 7, 8
 CMD_READ, CMD_WRITE = 0, 1
 BLOCK = 4096
+# How far above its idle RSS nbdgw may stay once every client is gone.
+RSS_MARGIN_MIB = 24
 
 
 class Stats:
@@ -260,6 +262,47 @@ class Processes:
         self.qemu.wait()
 
 
+def failed_handshakes(port, certs, count, stranger):
+    """`count` handshakes that fail: garbage where the TLS ClientHello
+    belongs, and (one in ten) a client certificate from another CA."""
+    failures = collections.Counter()
+    for i in range(count):
+        try:
+            s = socket.create_connection(("127.0.0.1", port))
+            s.recv(18, socket.MSG_WAITALL)
+            s.sendall(struct.pack(">I", 3) + struct.pack(">QII", IHAVEOPT, OPT_STARTTLS, 0))
+            s.recv(20, socket.MSG_WAITALL)
+            if i % 10:
+                s.sendall(b"\x16\x03\x01\x00\x05garbage")
+                s.recv(64)
+                failures["garbage"] += 1
+            else:
+                ctx = ssl.create_default_context(cafile=os.path.join(certs, "ca-cert.pem"))
+                ctx.load_cert_chain(os.path.join(stranger, "client-cert.pem"),
+                                    os.path.join(stranger, "client-key.pem"))
+                t = ctx.wrap_socket(s, server_hostname="localhost")
+                t.sendall(struct.pack(">QII", IHAVEOPT, 3, 0))
+                t.recv(20)
+                failures["unexpectedly admitted"] += 1
+            s.close()
+        except (OSError, ssl.SSLError):
+            failures["refused as expected" if i % 10 == 0 else "garbage"] += 1
+    return failures
+
+
+def settle(pid, fds_before, rss_idle):
+    """Waits for nbdgw's descriptors, then its RSS, to come back."""
+    deadline = time.time() + 15
+    while fds(pid) > fds_before and time.time() < deadline:
+        time.sleep(0.25)
+    # Freed memory goes back to the system within the allocator's decay
+    # time (jemalloc: 10 s, gradually).
+    deadline = time.time() + 30
+    while rss_mib(pid) > rss_idle + RSS_MARGIN_MIB and time.time() < deadline:
+        time.sleep(0.5)
+    return fds(pid), rss_mib(pid)
+
+
 def fds(pid):
     return len(os.listdir(f"/proc/{pid}/fd"))
 
@@ -316,6 +359,7 @@ def main():
     ap.add_argument("--fault-every", type=float, default=4)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--failed-handshakes", type=int, default=10000)
     args = ap.parse_args()
     if not os.access(NBDGW, os.X_OK):
         sys.exit(f"soak: build nbdgw first (cargo build): {NBDGW}")
@@ -354,13 +398,19 @@ def main():
         faulter.join()
         # The stalled readers are closed by the stall timeout; then every
         # connection nbdgw held is gone.
-        deadline = time.time() + 15
-        while fds(pid) > fds_before and time.time() < deadline:
-            time.sleep(0.25)
-        fds_after, rss_after = fds(pid), rss_mib(pid)
+        fds_after, rss_after = settle(pid, fds_before, rss_idle)
+        stranger = os.path.join(work, "stranger")
+        subprocess.run([NBDGW, "certs", "--out", stranger], check=True, stdout=subprocess.DEVNULL)
+        failures = failed_handshakes(port, certs, args.failed_handshakes, stranger)
+        fds_burst, rss_burst = settle(pid, fds_before, rss_idle)
         procs.stop()
         report(args, stats, peak, rss_idle, rss_after, fds_before, fds_after)
-        ok = not stats.mismatches and fds_after <= fds_before and procs.gw.returncode == 0
+        print(f"after {args.failed_handshakes} failed handshakes {dict(failures)}: "
+              f"RSS {rss_burst:.1f} MiB, descriptors {fds_burst}")
+        ok = (not stats.mismatches and procs.gw.returncode == 0
+              and max(fds_after, fds_burst) <= fds_before
+              and max(rss_after, rss_burst) <= rss_idle + RSS_MARGIN_MIB
+              and failures["unexpectedly admitted"] == 0)
         print("soak:", "PASSED" if ok else "FAILED")
         sys.exit(0 if ok else 1)
 

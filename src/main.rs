@@ -14,6 +14,12 @@ use tokio::net::TcpListener;
 use tracing::{info, warn};
 
 use nbdgw::config::{self, Config, Cork, Keepalive};
+
+/// glibc's malloc keeps what a burst of connections freed (a 64-client
+/// soak left RSS at its peak, 66 MiB against 13 idle); jemalloc, with its
+/// background thread, gives freed pages back within seconds.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 use nbdgw::tls::{AllowList, MinVersion, Reloader, TlsPolicy, TlsSources, TlsStore};
 
 /// TLS gateway for the Network Block Device protocol: accepts NBD clients
