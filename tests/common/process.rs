@@ -47,6 +47,9 @@ impl NbdgwProcess {
         if let Err(e) = started {
             panic!("{e}:\n{}", process.log());
         }
+        // Everything logged at start-up is in the collected log before a
+        // test looks at it.
+        process.wait_for_log("nbdgw listening", 1);
         process
     }
 
