@@ -41,7 +41,7 @@ OPT_STARTTLS, OPT_GO, OPT_STRUCTURED_REPLY = 5, 7, 8
 CMD_READ, CMD_WRITE = 0, 1
 BLOCK = 4096
 # How far above its idle RSS nbdgw may stay once every client is gone.
-RSS_MARGIN_MIB = 24
+RSS_MARGIN_MIB = 16
 
 
 class Stats:
