@@ -181,16 +181,16 @@ def short(error):
     return text[:60]
 
 
-def raw_tls(port, certs):
+def raw_tls(host, port, certs):
     """A raw client in transmission (structured replies), for faults
     libnbd cannot make: a partial write payload, replies never read."""
-    s = socket.create_connection(("127.0.0.1", port))
+    s = socket.create_connection((host, port))
     s.recv(18, socket.MSG_WAITALL)
     s.sendall(struct.pack(">I", 3) + struct.pack(">QII", IHAVEOPT, OPT_STARTTLS, 0))
     s.recv(20, socket.MSG_WAITALL)
     ctx = ssl.create_default_context(cafile=os.path.join(certs, "ca-cert.pem"))
     ctx.load_cert_chain(os.path.join(certs, "client-cert.pem"), os.path.join(certs, "client-key.pem"))
-    t = ctx.wrap_socket(s, server_hostname="localhost")
+    t = ctx.wrap_socket(s, server_hostname=host)
     for option, data in ((OPT_STRUCTURED_REPLY, b""), (OPT_GO, struct.pack(">IH", 0, 0))):
         t.sendall(struct.pack(">QII", IHAVEOPT, option, len(data)) + data)
         while True:
@@ -217,21 +217,23 @@ def request(command, cookie, offset, length):
 
 
 class Processes:
-    def __init__(self, work, image, certs, port, size):
-        self.work, self.image, self.certs, self.port = work, image, certs, port
+    def __init__(self, work, image, certs, host, port, netns):
+        self.work, self.image, self.certs = work, image, certs
+        self.host, self.port = host, port
         self.sock = os.path.join(work, "nbd.sock")
-        self.size = size
         self.qemu = None
         self.start_qemu()
         self.log = open(os.path.join(work, "nbdgw.log"), "w")
+        # `ip netns exec` execs nbdgw in place: the pid is nbdgw's.
+        inside = ["ip", "netns", "exec", netns] if netns else []
         self.gw = subprocess.Popen(
-            [NBDGW, "--listen", f"127.0.0.1:{port}", "--upstream", self.sock, "--tls-dir", certs,
+            [*inside, NBDGW, "--listen", f"{host}:{port}", "--upstream", self.sock, "--tls-dir", certs,
              "--tls-reload-interval", "1", "--stall-timeout", "3", "--handshake-timeout", "5"],
             stderr=self.log, env={**os.environ, "RUST_LOG": "info"})
         deadline = time.time() + 10
         while time.time() < deadline:
             try:
-                socket.create_connection(("127.0.0.1", port)).close()
+                socket.create_connection((host, port)).close()
                 return
             except OSError:
                 time.sleep(0.05)
@@ -262,13 +264,13 @@ class Processes:
         self.qemu.wait()
 
 
-def failed_handshakes(port, certs, count, stranger):
+def failed_handshakes(host, port, certs, count, stranger):
     """`count` handshakes that fail: garbage where the TLS ClientHello
     belongs, and (one in ten) a client certificate from another CA."""
     failures = collections.Counter()
     for i in range(count):
         try:
-            s = socket.create_connection(("127.0.0.1", port))
+            s = socket.create_connection((host, port))
             s.recv(18, socket.MSG_WAITALL)
             s.sendall(struct.pack(">I", 3) + struct.pack(">QII", IHAVEOPT, OPT_STARTTLS, 0))
             s.recv(20, socket.MSG_WAITALL)
@@ -280,7 +282,7 @@ def failed_handshakes(port, certs, count, stranger):
                 ctx = ssl.create_default_context(cafile=os.path.join(certs, "ca-cert.pem"))
                 ctx.load_cert_chain(os.path.join(stranger, "client-cert.pem"),
                                     os.path.join(stranger, "client-key.pem"))
-                t = ctx.wrap_socket(s, server_hostname="localhost")
+                t = ctx.wrap_socket(s, server_hostname=host)
                 t.sendall(struct.pack(">QII", IHAVEOPT, 3, 0))
                 t.recv(20)
                 failures["unexpectedly admitted"] += 1
@@ -324,17 +326,17 @@ def faults(procs, certs, stats, stop, rng, every):
         i += 1
         try:
             if kind == "vanish mid-write":
-                t = raw_tls(procs.port, certs)
+                t = raw_tls(procs.host, procs.port, certs)
                 t.sendall(request(CMD_WRITE, 1, 0, 1 << 20) + b"x" * 5000)
                 t.close()
             elif kind == "stop reading":
-                t = raw_tls(procs.port, certs)
+                t = raw_tls(procs.host, procs.port, certs)
                 t.sendall(b"".join(request(CMD_READ, c, 0, 1 << 20) for c in range(32)))
                 threading.Timer(8, t.close).start()
             elif kind == "upstream restart":
                 procs.restart_qemu()
             elif kind == "certificate rotation":
-                subprocess.run([NBDGW, "certs", "--out", certs, "--force",
+                subprocess.run([NBDGW, "certs", "--out", certs, "--force", "--server-name", procs.host,
                                 "--ca-cert", os.path.join(certs, "ca-cert.pem"),
                                 "--ca-key", os.path.join(certs, "ca-key.pem")],
                                check=True, stdout=subprocess.DEVNULL)
@@ -360,6 +362,10 @@ def main():
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--failed-handshakes", type=int, default=10000)
+    ap.add_argument("--host", default="127.0.0.1", help="address nbdgw listens on and clients dial")
+    ap.add_argument("--gateway-netns", help="run nbdgw in this network namespace")
+    ap.add_argument("--max-op-seconds", type=float, default=0,
+                    help="fail if a successful operation took longer (0: no limit)")
     args = ap.parse_args()
     if not os.access(NBDGW, os.X_OK):
         sys.exit(f"soak: build nbdgw first (cargo build): {NBDGW}")
@@ -369,13 +375,14 @@ def main():
         with open(image, "wb") as f:
             f.truncate(size)
         certs = os.path.join(work, "certs")
-        subprocess.run([NBDGW, "certs", "--out", certs, "--keep-ca-key"], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([NBDGW, "certs", "--out", certs, "--keep-ca-key", "--server-name", args.host],
+                       check=True, stdout=subprocess.DEVNULL)
         port = args.port or free_port()
-        procs = Processes(work, image, certs, port, size)
+        procs = Processes(work, image, certs, args.host, port, args.gateway_netns)
         pid = procs.gw.pid
         time.sleep(0.5)
         fds_before, rss_idle = fds(pid), rss_mib(pid)
-        uri = f"nbds://localhost:{port}/?tls-certificates={certs}"
+        uri = f"nbds://{args.host}:{port}/?tls-certificates={certs}"
         stats, stop = Stats(), threading.Event()
         span = size // args.clients // BLOCK * BLOCK
         workers = [threading.Thread(target=client_loop, args=(c, Region(c * span, span), uri, stats, stop))
@@ -401,13 +408,16 @@ def main():
         fds_after, rss_after = settle(pid, fds_before, rss_idle)
         stranger = os.path.join(work, "stranger")
         subprocess.run([NBDGW, "certs", "--out", stranger], check=True, stdout=subprocess.DEVNULL)
-        failures = failed_handshakes(port, certs, args.failed_handshakes, stranger)
+        failures = failed_handshakes(args.host, port, certs, args.failed_handshakes, stranger)
         fds_burst, rss_burst = settle(pid, fds_before, rss_idle)
         procs.stop()
         report(args, stats, peak, rss_idle, rss_after, fds_before, fds_after)
         print(f"after {args.failed_handshakes} failed handshakes {dict(failures)}: "
               f"RSS {rss_burst:.1f} MiB, descriptors {fds_burst}")
+        slowest = max((max(v) for v in stats.latency.values() if v), default=0.0)
+        print(f"slowest successful operation: {slowest * 1000:.0f} ms")
         ok = (not stats.mismatches and procs.gw.returncode == 0
+              and (not args.max_op_seconds or slowest <= args.max_op_seconds)
               and max(fds_after, fds_burst) <= fds_before
               and max(rss_after, rss_burst) <= rss_idle + RSS_MARGIN_MIB
               and failures["unexpectedly admitted"] == 0)

@@ -11,6 +11,13 @@ scripts/fuzz.sh 30
 # A minute of verified I/O from 64 clients under injected faults (needs the
 # debug binary cargo test built; bench/soak.py --seconds 14400 for hours).
 /usr/bin/python3 bench/soak.py --seconds 60
+# The same soak across a link with 1 % loss, 3-5 ms delay and 1 %
+# reordering between two network namespaces (needs root, as CI has).
+if [ "$(id -u)" -eq 0 ]; then
+    /usr/bin/python3 bench/lossy_lan.py --seconds 60
+else
+    echo "lossy LAN soak SKIPPED: needs root (sudo bench/lossy_lan.py)"
+fi
 # The benchmark's own logic (capture analysis); the benchmark itself needs
 # root and minutes, so it runs from bench/, not here.
-(cd bench && python3 -m py_compile run.py nbdclient.py wire.py soak.py && python3 -m unittest -q test_wire)
+(cd bench && python3 -m py_compile run.py nbdclient.py wire.py soak.py lossy_lan.py && python3 -m unittest -q test_wire)
