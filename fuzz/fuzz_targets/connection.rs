@@ -73,7 +73,9 @@ fn gateway() -> &'static Gateway {
                 .build()
                 .expect("runtime");
             runtime.block_on(async move {
-                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                    .await
+                    .expect("bind");
                 tx.send(listener.local_addr().expect("addr")).expect("send");
                 let _ = nbdgw::run(listener, Arc::new(config), std::future::pending()).await;
             })

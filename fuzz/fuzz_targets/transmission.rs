@@ -25,7 +25,14 @@ fuzz_target!(|data: &[u8]| {
     }
     let mut table = InFlightTable::default();
     for cookie in [0u64, 1, u64::MAX] {
-        table.insert(cookie, InFlight { command: u16::from(selector & 7), offset: 0, length: 4096 });
+        table.insert(
+            cookie,
+            InFlight {
+                command: u16::from(selector & 7),
+                offset: 0,
+                length: 4096,
+            },
+        );
     }
     for end in [16usize, 20, 32] {
         if let Some(header) = rest.get(..end) {
