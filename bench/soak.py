@@ -340,12 +340,33 @@ def faults(procs, certs, stats, stop, rng, every):
                                 "--ca-cert", os.path.join(certs, "ca-cert.pem"),
                                 "--ca-key", os.path.join(certs, "ca-key.pem")],
                                check=True, stdout=subprocess.DEVNULL)
+                if not serves_new_certificate(procs, certs):
+                    stats.error("rotation: new sessions never got the new certificate")
             else:
                 for _ in range(20):
                     procs.gw.send_signal(signal.SIGHUP)
             stats.fault(kind)
         except (OSError, ssl.SSLError, ConnectionError, subprocess.CalledProcessError) as e:
             stats.error(f"fault {kind}: {e}")
+
+
+def serves_new_certificate(procs, certs, within=5.0):
+    """Whether new sessions get the certificate now in the files (nbdgw
+    polls them every second), while the clients' sessions go on."""
+    with open(os.path.join(certs, "server-cert.pem")) as f:
+        expected = ssl.PEM_cert_to_DER_cert(f.read())
+    deadline = time.time() + within
+    while time.time() < deadline:
+        try:
+            t = raw_tls(procs.host, procs.port, certs)
+            served = t.getpeercert(binary_form=True)
+            t.close()
+            if served == expected:
+                return True
+        except (OSError, ssl.SSLError, ConnectionError):
+            pass
+        time.sleep(0.25)
+    return False
 
 
 def percentile(values, p):
@@ -417,6 +438,7 @@ def main():
         slowest = max((max(v) for v in stats.latency.values() if v), default=0.0)
         print(f"slowest successful operation: {slowest * 1000:.0f} ms")
         ok = (not stats.mismatches and procs.gw.returncode == 0
+              and not any(k.startswith("rotation") for k in stats.errors)
               and (not args.max_op_seconds or slowest <= args.max_op_seconds)
               and max(fds_after, fds_burst) <= fds_before
               and max(rss_after, rss_burst) <= rss_idle + RSS_MARGIN_MIB
