@@ -41,6 +41,11 @@ pub struct Config {
     pub cork: Cork,
     /// How long open connections may finish after SIGTERM.
     pub shutdown_grace: Duration,
+    /// After SIGTERM, how long to go on accepting (not ready) so that
+    /// load balancers stop sending clients first.
+    pub drain_delay: Duration,
+    pub metrics: Arc<crate::metrics::Metrics>,
+    pub health: Arc<crate::metrics::Health>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,6 +71,9 @@ impl Config {
     /// Defaults for everything but the two things only the operator knows.
     pub fn new(upstream: PathBuf, tls: Arc<crate::tls::TlsStore>) -> Self {
         Config {
+            metrics: Arc::new(crate::metrics::Metrics::new(&tls)),
+            health: Arc::default(),
+            drain_delay: Duration::ZERO,
             upstream,
             tls,
             upstream_sndbuf: DEFAULT_UPSTREAM_SNDBUF,

@@ -4,12 +4,14 @@
 //! are relayed to an NBD server on a local Unix socket.
 #![forbid(unsafe_code)]
 
+pub mod admin;
 mod admission;
 pub mod certs;
 pub mod config;
 mod conn;
 pub mod limits;
 pub mod logsafe;
+pub mod metrics;
 pub mod proto;
 mod server;
 pub mod shutdown;

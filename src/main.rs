@@ -142,6 +142,14 @@ struct ServeArgs {
     /// Largest option data (and option reply) in bytes.
     #[arg(long, env = "NBDGW_MAX_OPTION_LEN", default_value_t = config::DEFAULT_MAX_OPTION_LEN)]
     max_option_len: u32,
+    /// Plain-HTTP admin endpoints (/healthz, /readyz, /metrics) on this
+    /// address, meant for localhost or the pod network; off by default.
+    #[arg(long, env = "NBDGW_ADMIN_LISTEN", value_name = "HOST:PORT")]
+    admin_listen: Option<SocketAddr>,
+    /// Seconds to go on accepting after SIGTERM, not ready, so that load
+    /// balancers stop sending clients first (5 s suits Kubernetes).
+    #[arg(long, env = "NBDGW_DRAIN_DELAY", default_value_t = 0)]
+    drain_delay: u64,
     /// Seconds open connections may finish after SIGTERM or SIGINT.
     #[arg(long, env = "NBDGW_SHUTDOWN_GRACE", default_value_t = config::DEFAULT_SHUTDOWN_GRACE_SECS)]
     shutdown_grace: u64,
@@ -288,7 +296,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     let config = gateway_config(&args, upstream, reloader.store());
 
     report_fd_limit(args.max_connections + args.max_handshakes);
-    report_sndbuf(args.upstream_sndbuf);
+    report_sndbuf(args.upstream_sndbuf, &config.metrics);
     if !nbdgw::upstream::looks_like_socket(&config.upstream) {
         warn!(upstream = %config.upstream.display(), "upstream socket does not exist yet; clients will get an error until it does");
     }
@@ -303,6 +311,15 @@ fn serve(args: ServeArgs) -> Result<()> {
         .context("starting the async runtime")?;
     runtime.block_on(async move {
         tokio::spawn(reloader.watch(reload_interval));
+        if let Some(admin) = args.admin_listen {
+            let listener = TcpListener::bind(admin)
+                .await
+                .with_context(|| format!("cannot listen on {admin} (--admin-listen)"))?;
+            info!(admin = %listener.local_addr().unwrap_or(admin), "admin endpoints: /healthz /readyz /metrics");
+            let (metrics, health) = (config.metrics.clone(), config.health.clone());
+            tokio::spawn(nbdgw::admin::watch_upstream(config.upstream.clone(), health.clone()));
+            tokio::spawn(nbdgw::admin::serve(listener, metrics, health));
+        }
         let listener = TcpListener::bind(args.listen)
             .await
             .with_context(|| format!("cannot listen on {}", args.listen))?;
@@ -375,6 +392,7 @@ fn gateway_config(args: &ServeArgs, upstream: PathBuf, tls: Arc<TlsStore>) -> Co
     config.max_payload = args.max_payload;
     config.max_option_len = args.max_option_len;
     config.shutdown_grace = Duration::from_secs(args.shutdown_grace);
+    config.drain_delay = Duration::from_secs(args.drain_delay);
     config.cork = args.cork;
     config
 }
@@ -404,8 +422,14 @@ fn report_fd_limit(max_connections: usize) {
 
 /// Logs the upstream send buffer the kernel grants, and warns once when
 /// `net.core.wmem_max` clipped it.
-fn report_sndbuf(requested: usize) {
-    match nbdgw::upstream::probe_sndbuf(requested) {
+fn report_sndbuf(requested: usize, metrics: &nbdgw::metrics::Metrics) {
+    let report = nbdgw::upstream::probe_sndbuf(requested);
+    if let Ok(report) = &report {
+        metrics
+            .upstream_sndbuf
+            .set(i64::try_from(report.effective).unwrap_or(i64::MAX));
+    }
+    match report {
         Ok(report) if report.clipped() => warn!(
             requested,
             effective = report.effective,

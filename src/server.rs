@@ -30,9 +30,18 @@ pub async fn run(
     let mut next_id: u64 = 0;
     let (control, phase) = ShutdownControl::new();
     let mut shutdown = std::pin::pin!(shutdown);
+    // From SIGTERM until then nbdgw is not ready but still accepts, so
+    // load balancers can stop sending clients first (--drain-delay).
+    let mut stop_accepting_at: Option<tokio::time::Instant> = None;
+    config.health.set_accepting(true);
     loop {
         tokio::select! {
-            _ = &mut shutdown => break,
+            _ = &mut shutdown, if stop_accepting_at.is_none() => match drain_deadline(&config) {
+                Some(at) => stop_accepting_at = Some(at),
+                None => break,
+            },
+            _ = tokio::time::sleep_until(stop_accepting_at.unwrap_or_else(tokio::time::Instant::now)),
+                if stop_accepting_at.is_some() => break,
             // Reap finished connections so the set does not grow.
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
             accepted = listener.accept() => {
@@ -49,6 +58,7 @@ pub async fn run(
                 let source = match admission.claim_source(peer) {
                     Ok(source) => source,
                     Err(refusal) => {
+                        config.metrics.connection("refused");
                         admission.log_refusal(peer, refusal);
                         continue;
                     }
@@ -63,8 +73,23 @@ pub async fn run(
         }
     }
     drop(listener);
+    config.health.set_accepting(false);
     shut_down(connections, &control, config.shutdown_grace).await;
     Ok(())
+}
+
+/// SIGTERM: not ready from now on; accepting goes on until the returned
+/// time, if there is a drain delay.
+fn drain_deadline(config: &Config) -> Option<tokio::time::Instant> {
+    config.health.set_draining();
+    if config.drain_delay.is_zero() {
+        return None;
+    }
+    info!(
+        drain_delay_secs = config.drain_delay.as_secs_f64(),
+        "shutting down: not ready, still accepting for the drain delay"
+    );
+    Some(tokio::time::Instant::now() + config.drain_delay)
 }
 
 /// Draining, then after the grace period the cut, each announced to the

@@ -46,13 +46,18 @@ pub async fn serve(conn: Accepted, config: &Config, admission: &Admission, shutd
     } = conn;
     let span = tracing::info_span!("conn", id, %peer);
     async move {
+        let metrics = &config.metrics;
         let handshake = match admission.handshake(source).await {
             Ok(permit) => permit,
-            Err(refusal) => return admission.log_refusal(peer, refusal),
+            Err(refusal) => {
+                metrics.connection("refused");
+                return admission.log_refusal(peer, refusal);
+            }
         };
         info!("accepted");
+        metrics.connections_open.inc();
         let started = Instant::now();
-        let stats = Stats::default();
+        let stats = Stats::new(metrics.clone());
         let mut cut = shutdown.clone();
         let link = Link {
             id,
@@ -65,6 +70,11 @@ pub async fn serve(conn: Accepted, config: &Config, admission: &Admission, shutd
             result = run(tcp, handshake, &link) => result,
             () = cut.cut() => Err(ConnError::GraceOver),
         };
+        metrics.connections_open.dec();
+        metrics.connection(match &result {
+            Err(e) if !e.is_routine() => "error",
+            _ => "closed",
+        });
         log_close(result, &stats, started);
     }
     .instrument(span)

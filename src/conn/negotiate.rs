@@ -47,6 +47,7 @@ pub async fn relay_options(
     let upstream = match upstream::open(config).await {
         Ok(upstream) => upstream,
         Err(e) => {
+            config.metrics.upstream_connect_failures.inc();
             warn!(error = %e, "upstream unavailable");
             let message = format!("nbdgw: upstream NBD server unavailable: {e}");
             return refuse_all(client, &message).await.map(Outcome::Closed);

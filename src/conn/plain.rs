@@ -91,10 +91,39 @@ pub async fn accept_tls(io: ClientIo, config: &Config) -> Result<ClientTls, Conn
     match accepted {
         Ok(tls) => Ok(tls),
         Err((error, mut io)) => {
+            let (reason, certificate) = failure_reason(&error);
+            config.metrics.handshake_failed(reason, certificate);
             close_after_alert(&mut io).await;
             Err(ConnError::Tls(error))
         }
     }
+}
+
+/// A short label for why a handshake failed (the alert nbdgw sent, in
+/// effect), and whether it was the client's certificate.
+fn failure_reason(error: &std::io::Error) -> (String, bool) {
+    use rustls::{CertificateError, Error};
+    let Some(tls) = error.get_ref().and_then(|e| e.downcast_ref::<Error>()) else {
+        return ("io".into(), false);
+    };
+    let reason = match tls {
+        Error::NoCertificatesPresented => "certificate_required",
+        Error::InvalidCertificate(CertificateError::Revoked) => "certificate_revoked",
+        Error::InvalidCertificate(CertificateError::UnknownIssuer) => "unknown_ca",
+        Error::InvalidCertificate(CertificateError::ApplicationVerificationFailure) => {
+            "access_denied"
+        }
+        Error::InvalidCertificate(_) => "bad_certificate",
+        Error::PeerIncompatible(_) => "incompatible",
+        Error::InvalidMessage(_) => "decode_error",
+        Error::AlertReceived(_) => "alert_received",
+        _ => "other",
+    };
+    let certificate = matches!(
+        tls,
+        Error::NoCertificatesPresented | Error::InvalidCertificate(_)
+    );
+    (reason.into(), certificate)
 }
 
 /// How long a refused client has to read the alert that says why.

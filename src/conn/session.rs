@@ -4,6 +4,7 @@
 use std::future::{poll_fn, Future};
 use std::pin::pin;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
@@ -13,6 +14,7 @@ use tokio::net::{TcpStream, UnixStream};
 use super::error::ConnError;
 use crate::admission::Admission;
 use crate::config::Config;
+use crate::metrics::Metrics;
 use crate::proto::transmission::ReplyMode;
 use crate::shutdown::Shutdown;
 
@@ -50,13 +52,13 @@ pub struct Link<'a> {
     pub stats: &'a Stats,
 }
 
-/// Counters for the close log line.
-#[derive(Debug, Default)]
+/// Counters for the close log line, and the gateway's metrics beside.
 pub struct Stats {
     requests: AtomicU64,
     replies: AtomicU64,
     bytes_from_client: AtomicU64,
     bytes_to_client: AtomicU64,
+    pub metrics: Arc<Metrics>,
 }
 
 /// The counters as the close line reports them.
@@ -69,9 +71,20 @@ pub struct Counts {
 }
 
 impl Stats {
+    pub fn new(metrics: Arc<Metrics>) -> Self {
+        Stats {
+            requests: AtomicU64::new(0),
+            replies: AtomicU64::new(0),
+            bytes_from_client: AtomicU64::new(0),
+            bytes_to_client: AtomicU64::new(0),
+            metrics,
+        }
+    }
+
     /// A request header of `bytes` arrived.
-    pub fn request(&self, bytes: u64) {
+    pub fn request(&self, command: &'static str, bytes: u64) {
         self.requests.fetch_add(1, Ordering::Relaxed);
+        self.metrics.request(command);
         self.received(bytes);
     }
 
@@ -79,6 +92,7 @@ impl Stats {
     /// that leaves mid-payload is not credited with what it announced.
     pub fn received(&self, bytes: u64) {
         self.bytes_from_client.fetch_add(bytes, Ordering::Relaxed);
+        self.metrics.bytes_received.inc_by(bytes);
     }
 
     /// A request's last reply has been queued for the client.
@@ -89,6 +103,7 @@ impl Stats {
     /// `bytes` of replies were handed to TLS.
     pub fn sent(&self, bytes: u64) {
         self.bytes_to_client.fetch_add(bytes, Ordering::Relaxed);
+        self.metrics.bytes_sent.inc_by(bytes);
     }
 
     pub fn counts(&self) -> Counts {

@@ -115,6 +115,8 @@ pub struct Loaded {
     /// The chain and revocation check alone (no allow-list, no logging),
     /// to judge established sessions again after a reload.
     pub chain_verifier: Option<Arc<dyn ClientCertVerifier>>,
+    /// The earliest expiry in the client CA bundle, Unix time.
+    pub client_ca_not_after: Option<i64>,
 }
 
 /// What decides who may connect, as far as the files decide it. A reload
@@ -192,6 +194,7 @@ pub fn build(material: &Material, policy: &TlsPolicy) -> Result<Loaded, TlsConfi
         served,
         client_cas: client.as_ref().map(|c| c.cas),
         crls: client.as_ref().map_or(0, |c| c.crls),
+        client_ca_not_after: client.as_ref().and_then(|c| c.not_after),
         chain_verifier: client.map(|c| c.chain),
     })
 }
@@ -200,6 +203,7 @@ struct ClientVerifier {
     chain: Arc<dyn ClientCertVerifier>,
     cas: usize,
     crls: usize,
+    not_after: Option<i64>,
 }
 
 fn client_verifier(
@@ -212,7 +216,11 @@ fn client_verifier(
         error,
     };
     let mut roots = RootCertStore::empty();
+    let mut not_after = None::<i64>;
     for ca in certificates(ca_file, "client CA")? {
+        if let Ok(info) = CertInfo::from_der(&ca) {
+            not_after = Some(not_after.map_or(info.not_after_unix, |t| t.min(info.not_after_unix)));
+        }
         roots.add(ca).map_err(|e| ca_err(e.to_string()))?;
     }
     let crls = match crl_file {
@@ -239,6 +247,7 @@ fn client_verifier(
         chain,
         cas,
         crls: crl_count,
+        not_after,
     })
 }
 

@@ -1,8 +1,10 @@
 //! Live rotation: the configuration new connections use can be swapped at
 //! any time; connections already established keep the one they started with.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
 use std::time::{Duration, Instant};
 
 use rustls::ServerConfig;
@@ -21,8 +23,12 @@ pub const EXPIRY_WARNING_DAYS: i64 = 7;
 pub struct TlsStore {
     current: RwLock<Arc<ServerConfig>>,
     sessions: Arc<Sessions>,
-    reloads_ok: AtomicU64,
-    reloads_failed: AtomicU64,
+    /// Shared with the metrics registry.
+    pub reloads_ok: Counter,
+    pub reloads_failed: Counter,
+    /// Unix times, for alerts before expiry.
+    pub certificate_not_after: Gauge,
+    pub client_ca_not_after: Gauge,
 }
 
 impl TlsStore {
@@ -34,9 +40,17 @@ impl TlsStore {
         TlsStore {
             current: RwLock::new(config),
             sessions: Arc::default(),
-            reloads_ok: AtomicU64::new(0),
-            reloads_failed: AtomicU64::new(0),
+            reloads_ok: Counter::default(),
+            reloads_failed: Counter::default(),
+            certificate_not_after: Gauge::default(),
+            client_ca_not_after: Gauge::default(),
         }
+    }
+
+    fn note_expiry(&self, loaded: &Loaded) {
+        self.certificate_not_after.set(loaded.served.not_after_unix);
+        self.client_ca_not_after
+            .set(loaded.client_ca_not_after.unwrap_or(0));
     }
 
     pub fn sessions(&self) -> &Arc<Sessions> {
@@ -46,10 +60,7 @@ impl TlsStore {
     /// Reloads that replaced the configuration, and reloads refused
     /// (broken files, or files that would weaken client authentication).
     pub fn reload_counts(&self) -> (u64, u64) {
-        (
-            self.reloads_ok.load(Ordering::Relaxed),
-            self.reloads_failed.load(Ordering::Relaxed),
-        )
+        (self.reloads_ok.get(), self.reloads_failed.get())
     }
 
     pub fn current(&self) -> Arc<ServerConfig> {
@@ -118,7 +129,11 @@ impl Reloader {
             paths,
             policy,
             guards,
-            store: Arc::new(TlsStore::new(loaded.config)),
+            store: {
+                let store = Arc::new(TlsStore::new(loaded.config.clone()));
+                store.note_expiry(&loaded);
+                store
+            },
             last_seen: Ok(material),
             served: loaded.served,
         })
@@ -142,8 +157,9 @@ impl Reloader {
         match built {
             Ok((loaded, material)) => {
                 log_loaded(&loaded, &material, "reloaded");
+                self.store.reloads_ok.inc();
+                self.store.note_expiry(&loaded);
                 self.store.replace(loaded.config);
-                self.store.reloads_ok.fetch_add(1, Ordering::Relaxed);
                 self.served = loaded.served;
                 if let (true, Some(verifier)) = (self.policy.revoke_closes, &loaded.chain_verifier)
                 {
@@ -152,7 +168,7 @@ impl Reloader {
                 ReloadOutcome::Reloaded
             }
             Err(e) => {
-                let failed = self.store.reloads_failed.fetch_add(1, Ordering::Relaxed) + 1;
+                let failed = self.store.reloads_failed.inc() + 1;
                 error!(
                     error = %e,
                     reloads_failed = failed,

@@ -2,9 +2,10 @@
 //! request side claims cookies, the reply side completes them, and both
 //! wait on each other through here.
 
+use std::collections::HashMap;
 use std::pin::pin;
 use std::sync::{Mutex, MutexGuard, PoisonError};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
@@ -22,6 +23,8 @@ pub struct Flight {
 pub struct State {
     pub table: InFlightTable,
     idle_since: Option<Instant>,
+    /// When each request in flight arrived, for the latency histogram.
+    arrived: HashMap<u64, Instant>,
 }
 
 impl Flight {
@@ -30,6 +33,7 @@ impl Flight {
             state: Mutex::new(State {
                 table: InFlightTable::default(),
                 idle_since: Some(Instant::now()),
+                arrived: HashMap::new(),
             }),
             completed: Notify::new(),
         }
@@ -40,9 +44,19 @@ impl Flight {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    pub fn complete(&self, cookie: u64) {
-        self.lock().table.remove(cookie);
+    /// The request's last reply has passed: returns its command and how
+    /// long it was in flight.
+    pub fn complete(&self, cookie: u64) -> Option<(u16, Duration)> {
+        let finished = {
+            let mut state = self.lock();
+            let request = state.table.remove(cookie);
+            let arrived = state.arrived.remove(&cookie);
+            request
+                .zip(arrived)
+                .map(|(r, at)| (r.command, at.elapsed()))
+        };
         self.completed.notify_waiters();
+        finished
     }
 
     pub fn is_empty(&self) -> bool {
@@ -71,6 +85,7 @@ impl Flight {
             let claimed = state.table.insert(cookie, request);
             if claimed {
                 state.idle_since = None;
+                state.arrived.insert(cookie, Instant::now());
             }
             claimed
         })

@@ -78,8 +78,7 @@ impl<'a> Replies<'a> {
             match next {
                 Next::Local(Some(Local::Reply { cookie, bytes })) => {
                     writer.append(&bytes).await?;
-                    self.flight.complete(cookie);
-                    writer.end_of_reply().await?;
+                    self.finish(cookie, writer).await?;
                 }
                 Next::Local(Some(Local::Drain(reason))) => self.draining = Some(reason),
                 Next::Local(None) => {
@@ -179,16 +178,29 @@ impl<'a> Replies<'a> {
                 .await
                 .map_err(eof())?;
             check_error_payload(frame.kind, &payload).map_err(ConnError::proto(Side::Upstream))?;
+            writer.metrics().error(u32::from_be_bytes([
+                payload[0], payload[1], payload[2], payload[3],
+            ]));
             writer.append(&payload).await?;
         } else {
             writer
                 .append_from(&mut self.upstream, frame.payload_len)
                 .await?;
         }
+        if frame.simple_error != 0 {
+            writer.metrics().error(frame.simple_error);
+        }
         if frame.done {
-            self.flight.complete(frame.cookie);
-            writer.end_of_reply().await?;
+            self.finish(frame.cookie, writer).await?;
         }
         Ok(())
+    }
+
+    /// A request's last reply is in the writer.
+    async fn finish(&self, cookie: u64, writer: &mut ReplyWriter<'_>) -> Result<(), ConnError> {
+        if let Some((command, took)) = self.flight.complete(cookie) {
+            writer.metrics().answered(command_name(command), took);
+        }
+        writer.end_of_reply().await
     }
 }

@@ -75,7 +75,9 @@ impl<'a> Requests<'a> {
             let max_payload = u64::from(self.config().max_payload);
             ProtoError::check_limit("request payload", payload, max_payload)
                 .map_err(ConnError::proto(Side::Client))?;
-            self.link.stats.request(header_len as u64);
+            self.link
+                .stats
+                .request(command_name(request.command), header_len as u64);
             if request.command == CMD_DISC {
                 return self.disconnect(header).await;
             }
@@ -136,6 +138,7 @@ impl<'a> Requests<'a> {
             message,
             &mut bytes,
         );
+        self.link.stats.metrics.error(error);
         let reply = Local::Reply {
             cookie: request.cookie,
             bytes,

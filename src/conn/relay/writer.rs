@@ -86,6 +86,10 @@ impl<'a> ReplyWriter<'a> {
         Ok(())
     }
 
+    pub fn metrics(&self) -> &crate::metrics::Metrics {
+        &self.stats.metrics
+    }
+
     /// A whole reply has been appended.
     pub async fn end_of_reply(&mut self) -> Result<(), ConnError> {
         self.stats.reply();

@@ -1,0 +1,268 @@
+//! What an operator can see from outside: Prometheus metrics, and the
+//! health the admin listener reports. Counters are cheap atomics, updated
+//! where things happen; the text exposition is prometheus-client's.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Outcome {
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Reason {
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Command {
+    pub command: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NbdError {
+    pub error: u32,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Build {
+    version: &'static str,
+}
+
+type Latency = Family<Command, Histogram, fn() -> Histogram>;
+
+/// Every metric nbdgw exports.
+pub struct Metrics {
+    registry: Registry,
+    pub connections_open: Gauge,
+    pub connections: Family<Outcome, Counter>,
+    pub handshake_failures: Family<Reason, Counter>,
+    pub identities_refused: Counter,
+    pub bytes_received: Counter,
+    pub bytes_sent: Counter,
+    pub requests: Family<Command, Counter>,
+    pub request_errors: Family<NbdError, Counter>,
+    pub request_seconds: Latency,
+    pub upstream_connect_failures: Counter,
+    pub upstream_sndbuf: Gauge,
+}
+
+fn latency_histogram() -> Histogram {
+    // 20 µs to about 5 s.
+    Histogram::new(exponential_buckets(20e-6, 2.0, 18))
+}
+
+impl Metrics {
+    /// The registry, with the TLS store's reload counters and expiry
+    /// gauges (which the store keeps current) among the rest.
+    pub fn new(tls: &crate::tls::TlsStore) -> Self {
+        let mut registry = Registry::with_prefix("nbdgw");
+        let metrics = Metrics {
+            connections_open: Gauge::default(),
+            connections: Family::default(),
+            handshake_failures: Family::default(),
+            identities_refused: Counter::default(),
+            bytes_received: Counter::default(),
+            bytes_sent: Counter::default(),
+            requests: Family::default(),
+            request_errors: Family::default(),
+            request_seconds: Family::new_with_constructor(latency_histogram),
+            upstream_connect_failures: Counter::default(),
+            upstream_sndbuf: Gauge::default(),
+            registry: Registry::default(),
+        };
+        metrics.register_connections(&mut registry);
+        metrics.register_requests(&mut registry, tls);
+        Metrics {
+            registry,
+            ..metrics
+        }
+    }
+}
+
+impl Metrics {
+    fn register_connections(&self, r: &mut Registry) {
+        let m = self;
+        r.register(
+            "connections_open",
+            "Client connections open now",
+            m.connections_open.clone(),
+        );
+        r.register(
+            "connections",
+            "Client connections ended, by outcome",
+            m.connections.clone(),
+        );
+        r.register(
+            "handshake_failures",
+            "TLS handshakes that failed, by the reason (the alert sent)",
+            m.handshake_failures.clone(),
+        );
+        r.register(
+            "identities_refused",
+            "Client certificates refused (chain, revocation or allow-lists)",
+            m.identities_refused.clone(),
+        );
+        r.register(
+            "received_bytes",
+            "Request bytes received from clients",
+            m.bytes_received.clone(),
+        );
+        r.register(
+            "sent_bytes",
+            "Reply bytes sent to clients",
+            m.bytes_sent.clone(),
+        );
+    }
+
+    fn register_requests(&self, r: &mut Registry, tls: &crate::tls::TlsStore) {
+        let m = self;
+        r.register("requests", "Requests by command", m.requests.clone());
+        r.register(
+            "request_errors",
+            "Replies carrying an NBD error, by error",
+            m.request_errors.clone(),
+        );
+        r.register(
+            "request_duration_seconds",
+            "From a request read to its last reply handed to TLS, by command",
+            m.request_seconds.clone(),
+        );
+        r.register(
+            "upstream_connect_failures",
+            "Connections to the upstream socket that failed",
+            m.upstream_connect_failures.clone(),
+        );
+        r.register(
+            "upstream_sndbuf_bytes",
+            "SO_SNDBUF the kernel grants upstream sockets",
+            m.upstream_sndbuf.clone(),
+        );
+        r.register(
+            "tls_reloads",
+            "TLS reloads that replaced the configuration",
+            tls.reloads_ok.clone(),
+        );
+        r.register(
+            "tls_reload_failures",
+            "TLS reloads refused (broken files, or files weakening authentication)",
+            tls.reloads_failed.clone(),
+        );
+        r.register(
+            "certificate_not_after_seconds",
+            "Expiry of the served certificate, Unix time",
+            tls.certificate_not_after.clone(),
+        );
+        r.register(
+            "client_ca_not_after_seconds",
+            "Earliest expiry in the client CA bundle, Unix time (0: none)",
+            tls.client_ca_not_after.clone(),
+        );
+        let build = Family::<Build, Gauge>::default();
+        build
+            .get_or_create(&Build {
+                version: env!("CARGO_PKG_VERSION"),
+            })
+            .set(1);
+        r.register("build_info", "The running build", build);
+    }
+
+    /// The text exposition format.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+
+    /// A client connection ended: "closed", "error", or "refused" (at
+    /// accept or in the handshake queue, before a word was exchanged).
+    pub fn connection(&self, outcome: &'static str) {
+        self.connections.get_or_create(&Outcome { outcome }).inc();
+    }
+
+    /// A TLS handshake failed; `certificate` when the client's
+    /// certificate was what was refused.
+    pub fn handshake_failed(&self, reason: String, certificate: bool) {
+        self.handshake_failures
+            .get_or_create(&Reason { reason })
+            .inc();
+        if certificate {
+            self.identities_refused.inc();
+        }
+    }
+
+    pub fn request(&self, command: &'static str) {
+        self.requests.get_or_create(&Command { command }).inc();
+    }
+
+    /// A request's last reply has been handed on, `took` after it came.
+    pub fn answered(&self, command: &'static str, took: Duration) {
+        self.request_seconds
+            .get_or_create(&Command { command })
+            .observe(took.as_secs_f64());
+    }
+
+    /// A reply carried NBD error `error`.
+    pub fn error(&self, error: u32) {
+        self.request_errors.get_or_create(&NbdError { error }).inc();
+    }
+}
+
+/// What `/healthz` and `/readyz` report.
+#[derive(Default)]
+pub struct Health {
+    accepting: AtomicBool,
+    draining: AtomicBool,
+    /// Why the upstream cannot be used, if it cannot.
+    upstream_problem: Mutex<Option<String>>,
+}
+
+impl Health {
+    pub fn set_accepting(&self, on: bool) {
+        self.accepting.store(on, Ordering::Relaxed);
+    }
+
+    pub fn is_accepting(&self) -> bool {
+        self.accepting.load(Ordering::Relaxed)
+    }
+
+    pub fn set_draining(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    pub fn set_upstream(&self, problem: Option<String>) {
+        *self
+            .upstream_problem
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = problem;
+    }
+
+    /// `Ok` when ready for clients, or the one-line reason it is not.
+    pub fn readiness(&self) -> Result<(), String> {
+        if self.draining.load(Ordering::Relaxed) {
+            return Err("shutting down".into());
+        }
+        if !self.is_accepting() {
+            return Err("not accepting connections yet".into());
+        }
+        let problem = self
+            .upstream_problem
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        match problem {
+            Some(problem) => Err(format!("upstream unavailable: {problem}")),
+            None => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,145 @@
+//! The admin endpoints, scraped with curl while real clients (qemu-img,
+//! nbdcopy) go through the gateway: metrics that move with traffic and
+//! refusals, readiness that follows the upstream socket and SIGTERM.
+
+mod common;
+
+use std::ffi::OsStr;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::clients::{nbds_uri, qemu_img_info, text};
+use common::process::NbdgwProcess;
+use common::{free_port, run, run_ok, Env, QemuNbd};
+
+/// Status code and body of `GET http://127.0.0.1:PORT/PATH`, by curl.
+fn get(port: u16, path: &str) -> (u16, String) {
+    let out = run(Command::new("curl")
+        .args(["-s", "-m", "5", "-w", "\n%{http_code}"])
+        .arg(format!("http://127.0.0.1:{port}{path}")));
+    let body = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = body.rsplit_once('\n').unwrap_or(("", "0"));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+/// The value of one sample, `name{labels}` exactly as exposed.
+fn sample(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no sample {name} in:\n{metrics}"))
+}
+
+fn gateway(env: &Env, upstream: &std::path::Path, admin: u16, extra: &[&str]) -> NbdgwProcess {
+    let certs = env.certs();
+    let admin = format!("127.0.0.1:{admin}");
+    let mut args = vec![
+        OsStr::new("--upstream"),
+        upstream.as_os_str(),
+        OsStr::new("--tls-dir"),
+        certs.as_os_str(),
+        OsStr::new("--admin-listen"),
+        OsStr::new(&admin),
+    ];
+    args.extend(extra.iter().map(OsStr::new));
+    NbdgwProcess::start(args)
+}
+
+#[test]
+fn metrics_move_with_traffic_and_refused_handshakes() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", 2 << 20, 9);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let admin = free_port();
+    let gw = gateway(&env, &upstream.socket, admin, &[]);
+
+    let copy = env.path("copy.img");
+    run_ok(
+        Command::new("nbdcopy")
+            .arg(nbds_uri(gw.port, &env.certs()))
+            .arg(&copy),
+    );
+    assert_eq!(
+        std::fs::read(&copy).unwrap(),
+        std::fs::read(&image).unwrap()
+    );
+    // A client that trusts the gateway but presents no certificate.
+    let anonymous = env.path("anonymous");
+    std::fs::create_dir_all(&anonymous).unwrap();
+    std::fs::copy(
+        env.certs().join("ca-cert.pem"),
+        anonymous.join("ca-cert.pem"),
+    )
+    .unwrap();
+    assert!(!qemu_img_info(gw.port, &anonymous).status.success());
+    gw.wait_for_log("TLS handshake failed", 1);
+
+    let (code, metrics) = get(admin, "/metrics");
+    assert_eq!(code, 200);
+    assert!(sample(&metrics, "nbdgw_requests_total{command=\"READ\"}") >= 1.0);
+    assert!(sample(&metrics, "nbdgw_sent_bytes_total") >= (2 << 20) as f64);
+    assert!(
+        sample(
+            &metrics,
+            "nbdgw_request_duration_seconds_count{command=\"READ\"}"
+        ) >= 1.0
+    );
+    assert!(sample(&metrics, "nbdgw_connections_total{outcome=\"closed\"}") >= 1.0);
+    assert_eq!(
+        sample(
+            &metrics,
+            "nbdgw_handshake_failures_total{reason=\"certificate_required\"}"
+        ),
+        1.0
+    );
+    assert_eq!(sample(&metrics, "nbdgw_identities_refused_total"), 1.0);
+    let now = time::OffsetDateTime::now_utc().unix_timestamp() as f64;
+    assert!(sample(&metrics, "nbdgw_certificate_not_after_seconds") > now);
+    assert!(sample(&metrics, "nbdgw_client_ca_not_after_seconds") > now);
+    assert_eq!(sample(&metrics, "nbdgw_build_info{version=\"0.1.0\"}"), 1.0);
+    assert!(metrics.contains("# TYPE nbdgw_request_duration_seconds histogram"));
+}
+
+fn wait_for(port: u16, path: &str, code: u16) -> String {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (got, body) = get(port, path);
+        if got == code {
+            return body;
+        }
+        assert!(Instant::now() < deadline, "{path} stayed {got}: {body}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn readiness_follows_the_upstream_socket_and_sigterm_with_a_drain_delay() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", 1 << 20, 10);
+    let socket = env.path("nbd.sock");
+    let admin = free_port();
+    // A sidecar may start before its NBD server: running, not ready.
+    let mut gw = gateway(&env, &socket, admin, &["--drain-delay", "2"]);
+    assert_eq!(get(admin, "/healthz").0, 200);
+    let not_ready = wait_for(admin, "/readyz", 503);
+    assert!(not_ready.contains("upstream unavailable"), "{not_ready}");
+
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    assert_eq!(upstream.socket, socket);
+    assert_eq!(wait_for(admin, "/readyz", 200).trim(), "ready");
+    let info = qemu_img_info(gw.port, &env.certs());
+    assert!(info.status.success(), "{}", text(&info));
+
+    gw.signal("TERM");
+    gw.wait_for_log("SIGTERM received", 1);
+    let draining = wait_for(admin, "/readyz", 503);
+    assert!(draining.contains("shutting down"), "{draining}");
+    // Still accepting during the drain delay.
+    let info = qemu_img_info(gw.port, &env.certs());
+    assert!(info.status.success(), "{}", text(&info));
+    let status = gw
+        .wait_exit(Duration::from_secs(10))
+        .expect("exits after the drain");
+    assert!(status.success());
+}
