@@ -57,12 +57,6 @@ impl TlsStore {
         &self.sessions
     }
 
-    /// Reloads that replaced the configuration, and reloads refused
-    /// (broken files, or files that would weaken client authentication).
-    pub fn reload_counts(&self) -> (u64, u64) {
-        (self.reloads_ok.get(), self.reloads_failed.get())
-    }
-
     pub fn current(&self) -> Arc<ServerConfig> {
         // A poisoned lock still holds a complete Arc: replacing it is a
         // single assignment, which cannot be left half done.

@@ -66,14 +66,6 @@ impl Sessions {
         }
     }
 
-    pub fn len(&self) -> usize {
-        self.lock().len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// Judges every session again with `verifier` (the chain and CRL check
     /// of a freshly loaded configuration) and signals those whose
     /// certificate is now revoked. Returns how many were signalled.
