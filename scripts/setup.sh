@@ -2,10 +2,12 @@
 # Installs what nbdgw's demo and tests need on a Debian machine:
 # qemu-utils (qemu-nbd, qemu-img, qemu-io), libnbd-bin (nbdinfo, nbdcopy),
 # python3-libnbd (the soak's clients, for Debian's /usr/bin/python3) and
-# iproute2 (ip netns, for the test of a client that powers off).
+# iproute2 (ip netns, for the test of a client that powers off), curl (the
+# admin endpoints' tests) and systemd (systemd-socket-activate and
+# systemd-analyze, for the units' tests).
 set -euo pipefail
 
-packages=(qemu-utils libnbd-bin python3-libnbd iproute2)
+packages=(qemu-utils libnbd-bin python3-libnbd iproute2 curl systemd)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -7,12 +7,15 @@
 pub mod admin;
 mod admission;
 pub mod certs;
+pub mod cli;
 pub mod config;
 mod conn;
 pub mod limits;
+pub mod listeners;
 pub mod logsafe;
 pub mod metrics;
 pub mod proto;
+pub mod sandbox;
 mod server;
 pub mod shutdown;
 pub mod tls;

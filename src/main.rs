@@ -1,218 +1,30 @@
 //! The nbdgw command: flags and environment, logging, signals, start-up.
 
 use std::io::IsTerminal;
-use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use clap::parser::ValueSource;
-use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use tokio::net::TcpListener;
 use tracing::{info, warn};
 
-use nbdgw::config::{self, Config, Cork, Keepalive};
+use nbdgw::cli::{CertsArgs, Command, LogFormat, ServeArgs};
+use nbdgw::config::{Config, Keepalive};
+use nbdgw::listeners::Listeners;
+use nbdgw::sandbox::Enforcement;
+use sd_notify::NotifyState;
 
 /// glibc's malloc keeps what a burst of connections freed (a 64-client
 /// soak left RSS at its peak, 66 MiB against 13 idle); jemalloc, with its
 /// background thread, gives freed pages back within seconds.
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
-use nbdgw::tls::{AllowList, MinVersion, Reloader, TlsPolicy, TlsSources, TlsStore};
-
-/// TLS gateway for the Network Block Device protocol: accepts NBD clients
-/// over TCP, requires NBD_OPT_STARTTLS, and relays them to an NBD server's
-/// Unix socket.
-#[derive(Parser, Debug)]
-#[command(version, args_conflicts_with_subcommands = true)]
-struct Cli {
-    #[command(subcommand)]
-    command: Option<Command>,
-    #[command(flatten)]
-    serve: ServeArgs,
-}
-
-#[derive(Subcommand, Debug)]
-enum Command {
-    /// Make a CA, a server certificate and client certificates in the
-    /// layout qemu, nbdkit and libnbd read.
-    Certs(CertsArgs),
-}
-
-#[derive(Args, Debug)]
-struct ServeArgs {
-    /// Address to listen on (the IANA NBD port by default).
-    #[arg(long, env = "NBDGW_LISTEN", default_value = "0.0.0.0:10809")]
-    listen: SocketAddr,
-    /// Server certificate chain (PEM).
-    #[arg(long, env = "NBDGW_TLS_CERT", requires = "tls_key")]
-    tls_cert: Option<PathBuf>,
-    /// Server private key (PEM).
-    #[arg(long, env = "NBDGW_TLS_KEY", requires = "tls_cert")]
-    tls_key: Option<PathBuf>,
-    /// Directory holding the certificate, key and optionally the client CA
-    /// and CRL: the qemu/nbdkit layout (server-cert.pem, server-key.pem,
-    /// ca-cert.pem, ca-crl.pem) or a Kubernetes TLS Secret (tls.crt,
-    /// tls.key, ca.crt). A CA there makes client certificates required.
-    /// Files named by the other --tls-* flags take precedence.
-    #[arg(long, env = "NBDGW_TLS_DIR")]
-    tls_dir: Option<PathBuf>,
-    /// CA bundle (PEM) that client certificates must chain to. Without it
-    /// (or a CA in --tls-dir) client certificates are not requested.
-    #[arg(long, env = "NBDGW_TLS_CLIENT_CA")]
-    tls_client_ca: Option<PathBuf>,
-    /// CRLs (PEM) from the client CA: revoked client certificates are refused.
-    #[arg(long, env = "NBDGW_TLS_CRL")]
-    tls_crl: Option<PathBuf>,
-    /// Admit client certificates with this subject CN (repeatable). Exact
-    /// match. The flag takes its value whole, commas included; only the
-    /// variable is a comma-separated list.
-    #[arg(long = "allow-cn", value_name = "NAME", env = "NBDGW_ALLOW_CN")]
-    allow_cn: Vec<String>,
-    /// Admit client certificates with this DNS SAN; a `*` label matches
-    /// one label (repeatable; comma-separated in the variable).
-    #[arg(long = "allow-dns", value_name = "NAME", env = "NBDGW_ALLOW_DNS")]
-    allow_dns: Vec<String>,
-    /// Admit client certificates with this URI SAN, e.g. a SPIFFE ID; a `*`
-    /// segment matches one path segment (repeatable; comma-separated in
-    /// the variable).
-    #[arg(long = "allow-uri", value_name = "URI", env = "NBDGW_ALLOW_URI")]
-    allow_uri: Vec<String>,
-    /// Admit clients whose CRL is past its nextUpdate. Without it such a
-    /// client is refused until a fresh CRL is in place.
-    #[arg(long, env = "NBDGW_TLS_CRL_ALLOW_EXPIRED")]
-    tls_crl_allow_expired: bool,
-    /// End established sessions whose client certificate a reloaded CRL
-    /// revokes (true or false).
-    #[arg(long, env = "NBDGW_TLS_REVOKE_CLOSES", default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
-    tls_revoke_closes: bool,
-    /// Oldest TLS version accepted.
-    #[arg(long, env = "NBDGW_TLS_MIN_VERSION", value_enum, default_value = "1.2")]
-    tls_min_version: MinVersion,
-    /// Seconds between looks at the TLS files for changes; 0 reloads only
-    /// on SIGHUP.
-    #[arg(long, env = "NBDGW_TLS_RELOAD_INTERVAL", default_value_t = 5)]
-    tls_reload_interval: u64,
-    /// Unix socket of the NBD server to relay to.
-    #[arg(long, env = "NBDGW_UPSTREAM")]
-    upstream: Option<PathBuf>,
-    /// SO_SNDBUF for upstream sockets in bytes; 0 keeps the kernel default.
-    #[arg(long, env = "NBDGW_UPSTREAM_SNDBUF", default_value_t = config::DEFAULT_UPSTREAM_SNDBUF)]
-    upstream_sndbuf: usize,
-    /// Most client connections served at once; more are closed at accept.
-    #[arg(long, env = "NBDGW_MAX_CONNECTIONS", default_value_t = config::DEFAULT_MAX_CONNECTIONS)]
-    max_connections: usize,
-    /// Connections still negotiating (before their client certificate is
-    /// verified) served at once, apart from --max-connections; more wait
-    /// briefly in a short queue, then are closed.
-    #[arg(long, env = "NBDGW_MAX_HANDSHAKES", default_value_t = config::DEFAULT_MAX_HANDSHAKES)]
-    max_handshakes: usize,
-    /// Of those, how many one source address may hold.
-    #[arg(long, env = "NBDGW_MAX_HANDSHAKES_PER_SOURCE", default_value_t = config::DEFAULT_MAX_HANDSHAKES_PER_SOURCE)]
-    max_handshakes_per_source: usize,
-    /// Seconds a client has from connecting to finishing negotiation.
-    #[arg(long, env = "NBDGW_HANDSHAKE_TIMEOUT", default_value_t = config::DEFAULT_HANDSHAKE_TIMEOUT_SECS)]
-    handshake_timeout: u64,
-    /// Seconds a connection may sit with no request in flight and no reply
-    /// being written, counted from the last reply's last byte; 0 never
-    /// closes it (VM disks can be idle for hours).
-    #[arg(long, env = "NBDGW_IDLE_TIMEOUT", default_value_t = 0)]
-    idle_timeout: u64,
-    /// Seconds a started request payload, or a reply the client does not
-    /// read, may make no progress before the connection is closed; also
-    /// the TCP_USER_TIMEOUT for unacknowledged data. 0: never.
-    #[arg(long, env = "NBDGW_STALL_TIMEOUT", default_value_t = config::DEFAULT_STALL_TIMEOUT_SECS)]
-    stall_timeout: u64,
-    /// Seconds of silence before TCP keepalive probes a client; 0 turns
-    /// keepalive off. A client that powered off is closed after about
-    /// IDLE + INTERVAL x COUNT seconds.
-    #[arg(long, env = "NBDGW_TCP_KEEPALIVE", value_name = "IDLE", default_value_t = config::DEFAULT_KEEPALIVE_IDLE_SECS)]
-    tcp_keepalive: u64,
-    /// Seconds between keepalive probes.
-    #[arg(long, env = "NBDGW_TCP_KEEPALIVE_INTERVAL", default_value_t = config::DEFAULT_KEEPALIVE_INTERVAL_SECS)]
-    tcp_keepalive_interval: u64,
-    /// Unanswered keepalive probes before the connection is dropped.
-    #[arg(long, env = "NBDGW_TCP_KEEPALIVE_COUNT", default_value_t = config::DEFAULT_KEEPALIVE_COUNT)]
-    tcp_keepalive_count: u32,
-    /// Largest request payload and read length in bytes.
-    #[arg(long, env = "NBDGW_MAX_PAYLOAD", default_value_t = nbdgw::proto::consts::DEFAULT_MAX_PAYLOAD)]
-    max_payload: u32,
-    /// Largest option data (and option reply) in bytes.
-    #[arg(long, env = "NBDGW_MAX_OPTION_LEN", default_value_t = config::DEFAULT_MAX_OPTION_LEN)]
-    max_option_len: u32,
-    /// Plain-HTTP admin endpoints (/healthz, /readyz, /metrics) on this
-    /// address, meant for localhost or the pod network; off by default.
-    #[arg(long, env = "NBDGW_ADMIN_LISTEN", value_name = "HOST:PORT")]
-    admin_listen: Option<SocketAddr>,
-    /// Seconds to go on accepting after SIGTERM, not ready, so that load
-    /// balancers stop sending clients first (5 s suits Kubernetes).
-    #[arg(long, env = "NBDGW_DRAIN_DELAY", default_value_t = 0)]
-    drain_delay: u64,
-    /// Seconds open connections may finish after SIGTERM or SIGINT.
-    #[arg(long, env = "NBDGW_SHUTDOWN_GRACE", default_value_t = config::DEFAULT_SHUTDOWN_GRACE_SECS)]
-    shutdown_grace: u64,
-    /// TCP_CORK around replies: deferred (held while the next reply is
-    /// already waiting), per-reply (as QEMU), or off. For measuring; the
-    /// default gives full segments.
-    #[arg(long, env = "NBDGW_CORK", value_enum, default_value_t = Cork::Deferred)]
-    cork: Cork,
-    /// Worker threads; 0 means one per CPU. In a container, match the CPU
-    /// limit.
-    #[arg(long, env = "NBDGW_THREADS", default_value_t = 0)]
-    threads: usize,
-    /// Log format; the filter comes from RUST_LOG (default info).
-    #[arg(long, env = "NBDGW_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
-    log_format: LogFormat,
-}
-
-#[derive(Args, Debug)]
-struct CertsArgs {
-    /// Directory to write into (created if missing).
-    #[arg(long, env = "NBDGW_CERTS_OUT")]
-    out: PathBuf,
-    /// DNS name or IP address for the server certificate (repeatable;
-    /// default localhost and 127.0.0.1).
-    #[arg(long = "server-name")]
-    server_names: Vec<String>,
-    /// Common name of a client certificate (repeatable; default
-    /// nbdgw-client). The first is client-cert.pem, others client-NAME-cert.pem.
-    #[arg(long = "client-name")]
-    client_names: Vec<String>,
-    /// URI SAN for a client certificate, e.g. a SPIFFE ID (repeatable: the
-    /// Nth goes into the Nth client certificate).
-    #[arg(long = "client-uri")]
-    client_uris: Vec<String>,
-    /// Validity of the leaf certificates in days.
-    #[arg(long, default_value_t = 365)]
-    days: u32,
-    /// Overwrite existing files.
-    #[arg(long)]
-    force: bool,
-    /// Issue from this existing CA certificate instead of making a new CA
-    /// (with --ca-key), e.g. one kept with --keep-ca-key.
-    #[arg(long, requires = "ca_key", value_name = "FILE")]
-    ca_cert: Option<PathBuf>,
-    /// The key of --ca-cert.
-    #[arg(long, requires = "ca_cert", value_name = "FILE")]
-    ca_key: Option<PathBuf>,
-    /// Keep the new CA's key as ca-key.pem (mode 0600), to issue more
-    /// certificates from it later; without it the key is thrown away.
-    #[arg(long, conflicts_with = "ca_cert")]
-    keep_ca_key: bool,
-}
-
-#[derive(ValueEnum, Clone, Copy, Debug)]
-enum LogFormat {
-    Text,
-    Json,
-}
+use nbdgw::tls::{AllowList, Reloader, TlsPolicy, TlsSources, TlsStore};
 
 fn main() -> ExitCode {
-    let matches = Cli::command().get_matches();
-    let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    split_lists_from_the_environment(&mut cli.serve, &matches);
+    let cli = nbdgw::cli::parse();
     let result = match cli.command {
         Some(Command::Certs(args)) => certs(args),
         None => serve(cli.serve),
@@ -222,25 +34,6 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("nbdgw: {e:#}");
             ExitCode::FAILURE
-        }
-    }
-}
-
-/// Names may hold commas (`CN=ACME, Backup`), so a flag's value is taken
-/// whole; a variable can hold only one value, so it is a comma-separated
-/// list.
-fn split_lists_from_the_environment(args: &mut ServeArgs, matches: &ArgMatches) {
-    for (id, list) in [
-        ("allow_cn", &mut args.allow_cn),
-        ("allow_dns", &mut args.allow_dns),
-        ("allow_uri", &mut args.allow_uri),
-    ] {
-        if matches.value_source(id) == Some(ValueSource::EnvVariable) {
-            *list = list
-                .iter()
-                .flat_map(|value| value.split(','))
-                .map(|name| name.trim().to_string())
-                .collect();
         }
     }
 }
@@ -300,38 +93,115 @@ fn serve(args: ServeArgs) -> Result<()> {
     if !nbdgw::upstream::looks_like_socket(&config.upstream) {
         warn!(upstream = %config.upstream.display(), "upstream socket does not exist yet; clients will get an error until it does");
     }
-
-    let mut runtime = tokio::runtime::Builder::new_multi_thread();
-    if args.threads > 0 {
-        runtime.worker_threads(args.threads);
+    let listeners = Listeners::open(args.listen, args.admin_listen)?;
+    // Counted before the sandbox hides /sys and /proc from the runtime.
+    let threads = match args.threads {
+        0 => std::thread::available_parallelism().map_or(1, usize::from),
+        n => n,
+    };
+    if args.landlock {
+        sandbox(&reloader, args.tls_dir.as_deref());
+    } else {
+        info!("--landlock false: the process is not sandboxed");
     }
-    let runtime = runtime
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
         .enable_all()
         .build()
         .context("starting the async runtime")?;
     runtime.block_on(async move {
         tokio::spawn(reloader.watch(reload_interval));
-        if let Some(admin) = args.admin_listen {
-            let listener = TcpListener::bind(admin)
-                .await
-                .with_context(|| format!("cannot listen on {admin} (--admin-listen)"))?;
-            info!(admin = %listener.local_addr().unwrap_or(admin), "admin endpoints: /healthz /readyz /metrics");
+        debug_probe::after_start();
+        if let Some(admin) = listeners.admin {
+            let listener = async_listener(admin)?;
+            info!(admin = %display_addr(&listener), "admin endpoints: /healthz /readyz /metrics");
             let (metrics, health) = (config.metrics.clone(), config.health.clone());
-            tokio::spawn(nbdgw::admin::watch_upstream(config.upstream.clone(), health.clone()));
+            tokio::spawn(nbdgw::admin::watch_upstream(
+                config.upstream.clone(),
+                health.clone(),
+            ));
             tokio::spawn(nbdgw::admin::serve(listener, metrics, health));
         }
-        let listener = TcpListener::bind(args.listen)
-            .await
-            .with_context(|| format!("cannot listen on {}", args.listen))?;
+        let listener = async_listener(listeners.nbd)?;
         info!(
-            listen = %listener.local_addr().unwrap_or(args.listen),
+            listen = %display_addr(&listener),
+            from_systemd = listeners.from_systemd,
             upstream = %config.upstream.display(),
             cork = ?config.cork,
             "nbdgw listening"
         );
-        nbdgw::run(listener, Arc::new(config), shutdown_signals()).await?;
+        notify(&[NotifyState::Ready]);
+        nbdgw::run(listener, Arc::new(config), async {
+            shutdown_signals().await;
+            notify(&[NotifyState::Stopping]);
+        })
+        .await?;
         Ok(())
     })
+}
+
+fn async_listener(listener: std::net::TcpListener) -> Result<TcpListener> {
+    listener
+        .set_nonblocking(true)
+        .context("setting the listening socket non-blocking")?;
+    TcpListener::from_std(listener).context("registering the listening socket")
+}
+
+fn display_addr(listener: &TcpListener) -> String {
+    listener
+        .local_addr()
+        .map_or_else(|e| format!("(unknown: {e})"), |addr| addr.to_string())
+}
+
+/// Tells systemd (Type=notify) where start-up and shutdown are; a no-op
+/// without NOTIFY_SOCKET.
+fn notify(state: &[NotifyState]) {
+    if let Err(e) = sd_notify::notify(state) {
+        warn!(error = %e, "cannot notify systemd (NOTIFY_SOCKET)");
+    }
+}
+
+/// Best effort: a kernel without Landlock logs once and serves anyway.
+fn sandbox(reloader: &Reloader, tls_dir: Option<&Path>) {
+    let files = reloader.paths().files().chain(tls_dir);
+    let dirs = nbdgw::sandbox::readable_dirs(files);
+    let shown: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+    match nbdgw::sandbox::restrict(&dirs) {
+        Ok(Enforcement::Full) => {
+            info!(readable = ?shown, "landlock: the process may read only beneath these directories and may not bind or connect TCP")
+        }
+        Ok(Enforcement::Partial) => {
+            warn!(readable = ?shown, "landlock: partly enforced (this kernel lacks some Landlock rights)")
+        }
+        Ok(Enforcement::None) => {
+            warn!("landlock is not available in this kernel: the process is not sandboxed")
+        }
+        Err(e) => warn!(error = %e, "landlock: cannot restrict the process; it is not sandboxed"),
+    }
+}
+
+/// A hook for the sandbox's test, compiled into debug builds only: after
+/// start, a runtime thread tries to open NBDGW_DEBUG_OPEN and logs what
+/// happened.
+mod debug_probe {
+    #[cfg(debug_assertions)]
+    pub fn after_start() {
+        if let Some(path) = std::env::var_os("NBDGW_DEBUG_OPEN") {
+            tokio::spawn(async move {
+                let path = std::path::PathBuf::from(path);
+                match std::fs::File::open(&path) {
+                    Ok(_) => tracing::info!(path = %path.display(), "debug probe: opened"),
+                    Err(e) => {
+                        tracing::info!(path = %path.display(), error = %e, "debug probe: cannot open")
+                    }
+                }
+            });
+        }
+    }
+
+    #[cfg(not(debug_assertions))]
+    pub fn after_start() {}
 }
 
 fn check_limits(args: &ServeArgs) -> Result<()> {

@@ -97,6 +97,21 @@ pub struct TlsPaths {
     pub crl: Option<PathBuf>,
 }
 
+impl TlsPaths {
+    /// Every file a reload reads.
+    pub fn files(&self) -> impl Iterator<Item = &Path> {
+        [
+            Some(&self.cert),
+            Some(&self.key),
+            self.client_ca.as_ref(),
+            self.crl.as_ref(),
+        ]
+        .into_iter()
+        .flatten()
+        .map(PathBuf::as_path)
+    }
+}
+
 /// One file's path and the bytes read from it.
 #[derive(Clone, PartialEq, Eq)]
 pub struct PemFile {

@@ -133,6 +133,11 @@ impl Reloader {
         })
     }
 
+    /// The files fixed at start, which every reload reads again.
+    pub fn paths(&self) -> &TlsPaths {
+        &self.paths
+    }
+
     pub fn store(&self) -> Arc<TlsStore> {
         self.store.clone()
     }

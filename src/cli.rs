@@ -1,0 +1,237 @@
+//! The command line: every flag, its environment variable and its default,
+//! in one place the binary, the man page and the shell completions share.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::parser::ValueSource;
+use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
+
+use crate::config::{self, Cork};
+use crate::tls::MinVersion;
+
+/// TLS gateway for the Network Block Device protocol: accepts NBD clients
+/// over TCP, requires NBD_OPT_STARTTLS, and relays them to an NBD server's
+/// Unix socket.
+#[derive(Parser, Debug)]
+#[command(version, args_conflicts_with_subcommands = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    #[command(flatten)]
+    pub serve: ServeArgs,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Make a CA, a server certificate and client certificates in the
+    /// layout qemu, nbdkit and libnbd read.
+    Certs(CertsArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Address to listen on (the IANA NBD port by default).
+    #[arg(long, env = "NBDGW_LISTEN", default_value = "0.0.0.0:10809")]
+    pub listen: SocketAddr,
+    /// Server certificate chain (PEM).
+    #[arg(long, env = "NBDGW_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// Server private key (PEM).
+    #[arg(long, env = "NBDGW_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Directory holding the certificate, key and optionally the client CA
+    /// and CRL: the qemu/nbdkit layout (server-cert.pem, server-key.pem,
+    /// ca-cert.pem, ca-crl.pem) or a Kubernetes TLS Secret (tls.crt,
+    /// tls.key, ca.crt). A CA there makes client certificates required.
+    /// Files named by the other --tls-* flags take precedence.
+    #[arg(long, env = "NBDGW_TLS_DIR")]
+    pub tls_dir: Option<PathBuf>,
+    /// CA bundle (PEM) that client certificates must chain to. Without it
+    /// (or a CA in --tls-dir) client certificates are not requested.
+    #[arg(long, env = "NBDGW_TLS_CLIENT_CA")]
+    pub tls_client_ca: Option<PathBuf>,
+    /// CRLs (PEM) from the client CA: revoked client certificates are refused.
+    #[arg(long, env = "NBDGW_TLS_CRL")]
+    pub tls_crl: Option<PathBuf>,
+    /// Admit client certificates with this subject CN (repeatable). Exact
+    /// match. The flag takes its value whole, commas included; only the
+    /// variable is a comma-separated list.
+    #[arg(long = "allow-cn", value_name = "NAME", env = "NBDGW_ALLOW_CN")]
+    pub allow_cn: Vec<String>,
+    /// Admit client certificates with this DNS SAN; a `*` label matches
+    /// one label (repeatable; comma-separated in the variable).
+    #[arg(long = "allow-dns", value_name = "NAME", env = "NBDGW_ALLOW_DNS")]
+    pub allow_dns: Vec<String>,
+    /// Admit client certificates with this URI SAN, e.g. a SPIFFE ID; a `*`
+    /// segment matches one path segment (repeatable; comma-separated in
+    /// the variable).
+    #[arg(long = "allow-uri", value_name = "URI", env = "NBDGW_ALLOW_URI")]
+    pub allow_uri: Vec<String>,
+    /// Admit clients whose CRL is past its nextUpdate. Without it such a
+    /// client is refused until a fresh CRL is in place.
+    #[arg(long, env = "NBDGW_TLS_CRL_ALLOW_EXPIRED")]
+    pub tls_crl_allow_expired: bool,
+    /// End established sessions whose client certificate a reloaded CRL
+    /// revokes (true or false).
+    #[arg(long, env = "NBDGW_TLS_REVOKE_CLOSES", default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub tls_revoke_closes: bool,
+    /// Oldest TLS version accepted.
+    #[arg(long, env = "NBDGW_TLS_MIN_VERSION", value_enum, default_value = "1.2")]
+    pub tls_min_version: MinVersion,
+    /// Seconds between looks at the TLS files for changes; 0 reloads only
+    /// on SIGHUP.
+    #[arg(long, env = "NBDGW_TLS_RELOAD_INTERVAL", default_value_t = 5)]
+    pub tls_reload_interval: u64,
+    /// Unix socket of the NBD server to relay to.
+    #[arg(long, env = "NBDGW_UPSTREAM")]
+    pub upstream: Option<PathBuf>,
+    /// SO_SNDBUF for upstream sockets in bytes; 0 keeps the kernel default.
+    #[arg(long, env = "NBDGW_UPSTREAM_SNDBUF", default_value_t = config::DEFAULT_UPSTREAM_SNDBUF)]
+    pub upstream_sndbuf: usize,
+    /// Most client connections served at once; more are closed at accept.
+    #[arg(long, env = "NBDGW_MAX_CONNECTIONS", default_value_t = config::DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
+    /// Connections still negotiating (before their client certificate is
+    /// verified) served at once, apart from --max-connections; more wait
+    /// briefly in a short queue, then are closed.
+    #[arg(long, env = "NBDGW_MAX_HANDSHAKES", default_value_t = config::DEFAULT_MAX_HANDSHAKES)]
+    pub max_handshakes: usize,
+    /// Of those, how many one source address may hold.
+    #[arg(long, env = "NBDGW_MAX_HANDSHAKES_PER_SOURCE", default_value_t = config::DEFAULT_MAX_HANDSHAKES_PER_SOURCE)]
+    pub max_handshakes_per_source: usize,
+    /// Seconds a client has from connecting to finishing negotiation.
+    #[arg(long, env = "NBDGW_HANDSHAKE_TIMEOUT", default_value_t = config::DEFAULT_HANDSHAKE_TIMEOUT_SECS)]
+    pub handshake_timeout: u64,
+    /// Seconds a connection may sit with no request in flight and no reply
+    /// being written, counted from the last reply's last byte; 0 never
+    /// closes it (VM disks can be idle for hours).
+    #[arg(long, env = "NBDGW_IDLE_TIMEOUT", default_value_t = 0)]
+    pub idle_timeout: u64,
+    /// Seconds a started request payload, or a reply the client does not
+    /// read, may make no progress before the connection is closed; also
+    /// the TCP_USER_TIMEOUT for unacknowledged data. 0: never.
+    #[arg(long, env = "NBDGW_STALL_TIMEOUT", default_value_t = config::DEFAULT_STALL_TIMEOUT_SECS)]
+    pub stall_timeout: u64,
+    /// Seconds of silence before TCP keepalive probes a client; 0 turns
+    /// keepalive off. A client that powered off is closed after about
+    /// IDLE + INTERVAL x COUNT seconds.
+    #[arg(long, env = "NBDGW_TCP_KEEPALIVE", value_name = "IDLE", default_value_t = config::DEFAULT_KEEPALIVE_IDLE_SECS)]
+    pub tcp_keepalive: u64,
+    /// Seconds between keepalive probes.
+    #[arg(long, env = "NBDGW_TCP_KEEPALIVE_INTERVAL", default_value_t = config::DEFAULT_KEEPALIVE_INTERVAL_SECS)]
+    pub tcp_keepalive_interval: u64,
+    /// Unanswered keepalive probes before the connection is dropped.
+    #[arg(long, env = "NBDGW_TCP_KEEPALIVE_COUNT", default_value_t = config::DEFAULT_KEEPALIVE_COUNT)]
+    pub tcp_keepalive_count: u32,
+    /// Largest request payload and read length in bytes.
+    #[arg(long, env = "NBDGW_MAX_PAYLOAD", default_value_t = crate::proto::consts::DEFAULT_MAX_PAYLOAD)]
+    pub max_payload: u32,
+    /// Largest option data (and option reply) in bytes.
+    #[arg(long, env = "NBDGW_MAX_OPTION_LEN", default_value_t = config::DEFAULT_MAX_OPTION_LEN)]
+    pub max_option_len: u32,
+    /// Plain-HTTP admin endpoints (/healthz, /readyz, /metrics) on this
+    /// address, meant for localhost or the pod network; off by default.
+    #[arg(long, env = "NBDGW_ADMIN_LISTEN", value_name = "HOST:PORT")]
+    pub admin_listen: Option<SocketAddr>,
+    /// Seconds to go on accepting after SIGTERM, not ready, so that load
+    /// balancers stop sending clients first (5 s suits Kubernetes).
+    #[arg(long, env = "NBDGW_DRAIN_DELAY", default_value_t = 0)]
+    pub drain_delay: u64,
+    /// Seconds open connections may finish after SIGTERM or SIGINT.
+    #[arg(long, env = "NBDGW_SHUTDOWN_GRACE", default_value_t = config::DEFAULT_SHUTDOWN_GRACE_SECS)]
+    pub shutdown_grace: u64,
+    /// TCP_CORK around replies: deferred (held while the next reply is
+    /// already waiting), per-reply (as QEMU), or off. For measuring; the
+    /// default gives full segments.
+    #[arg(long, env = "NBDGW_CORK", value_enum, default_value_t = Cork::Deferred)]
+    pub cork: Cork,
+    /// Worker threads; 0 means one per CPU. In a container, match the CPU
+    /// limit.
+    #[arg(long, env = "NBDGW_THREADS", default_value_t = 0)]
+    pub threads: usize,
+    /// Restrict the process with Landlock once started: read access only
+    /// beneath the TLS files' directories, no other file, no TCP bind or
+    /// connect (true or false; a kernel without Landlock logs it and runs
+    /// unrestricted).
+    #[arg(long, env = "NBDGW_LANDLOCK", default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub landlock: bool,
+    /// Log format; the filter comes from RUST_LOG (default info).
+    #[arg(long, env = "NBDGW_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+#[derive(Args, Debug)]
+pub struct CertsArgs {
+    /// Directory to write into (created if missing).
+    #[arg(long, env = "NBDGW_CERTS_OUT")]
+    pub out: PathBuf,
+    /// DNS name or IP address for the server certificate (repeatable;
+    /// default localhost and 127.0.0.1).
+    #[arg(long = "server-name")]
+    pub server_names: Vec<String>,
+    /// Common name of a client certificate (repeatable; default
+    /// nbdgw-client). The first is client-cert.pem, others client-NAME-cert.pem.
+    #[arg(long = "client-name")]
+    pub client_names: Vec<String>,
+    /// URI SAN for a client certificate, e.g. a SPIFFE ID (repeatable: the
+    /// Nth goes into the Nth client certificate).
+    #[arg(long = "client-uri")]
+    pub client_uris: Vec<String>,
+    /// Validity of the leaf certificates in days.
+    #[arg(long, default_value_t = 365)]
+    pub days: u32,
+    /// Overwrite existing files.
+    #[arg(long)]
+    pub force: bool,
+    /// Issue from this existing CA certificate instead of making a new CA
+    /// (with --ca-key), e.g. one kept with --keep-ca-key.
+    #[arg(long, requires = "ca_key", value_name = "FILE")]
+    pub ca_cert: Option<PathBuf>,
+    /// The key of --ca-cert.
+    #[arg(long, requires = "ca_cert", value_name = "FILE")]
+    pub ca_key: Option<PathBuf>,
+    /// Keep the new CA's key as ca-key.pem (mode 0600), to issue more
+    /// certificates from it later; without it the key is thrown away.
+    #[arg(long, conflicts_with = "ca_cert")]
+    pub keep_ca_key: bool,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Parses the process's arguments and environment, exiting with clap's
+/// message on an error, as a command line tool should.
+pub fn parse() -> Cli {
+    let matches = Cli::command().get_matches();
+    let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    split_lists_from_the_environment(&mut cli.serve, &matches);
+    cli
+}
+
+/// The clap definition, for the man page and shell completions.
+pub fn command() -> clap::Command {
+    Cli::command()
+}
+
+/// Names may hold commas (`CN=ACME, Backup`), so a flag's value is taken
+/// whole; a variable can hold only one value, so it is a comma-separated
+/// list.
+pub fn split_lists_from_the_environment(args: &mut ServeArgs, matches: &ArgMatches) {
+    for (id, list) in [
+        ("allow_cn", &mut args.allow_cn),
+        ("allow_dns", &mut args.allow_dns),
+        ("allow_uri", &mut args.allow_uri),
+    ] {
+        if matches.value_source(id) == Some(ValueSource::EnvVariable) {
+            *list = list
+                .iter()
+                .flat_map(|value| value.split(','))
+                .map(|name| name.trim().to_string())
+                .collect();
+        }
+    }
+}

@@ -1,0 +1,142 @@
+//! The systemd units in deploy/systemd as systemd would run them: the
+//! service's own ExecStart and Environment, the socket unit's descriptor
+//! name, a listening socket passed in by systemd-socket-activate, and the
+//! READY=1 / STOPPING=1 notifications on NOTIFY_SOCKET.
+
+mod common;
+
+use std::os::unix::net::UnixDatagram;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use common::clients::qemu_img_info;
+use common::process::NbdgwProcess;
+use common::{free_port, run, Env, QemuNbd};
+
+const UNIT_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/systemd");
+
+/// The values of `key=` in a unit file, in order.
+fn unit_values(unit: &str, key: &str) -> Vec<String> {
+    let text = std::fs::read_to_string(Path::new(UNIT_DIR).join(unit)).unwrap();
+    text.lines()
+        .filter_map(|line| line.strip_prefix(key)?.strip_prefix('='))
+        .map(str::to_string)
+        .collect()
+}
+
+/// The service's ExecStart with its host paths swapped for the test's.
+fn exec_start(certs: &Path, upstream: &Path) -> Vec<String> {
+    let line = unit_values("nbdgw.service", "ExecStart").pop().unwrap();
+    line.split_whitespace()
+        .map(|word| match word {
+            "/usr/local/bin/nbdgw" => env!("CARGO_BIN_EXE_nbdgw").to_string(),
+            "/etc/nbdgw/tls" => certs.display().to_string(),
+            "/run/nbd/disk.sock" => upstream.display().to_string(),
+            other => other.to_string(),
+        })
+        .collect()
+}
+
+fn receive(notify: &UnixDatagram) -> String {
+    let mut buf = [0u8; 512];
+    let n = notify.recv(&mut buf).expect("a notification within 10 s");
+    String::from_utf8_lossy(&buf[..n]).trim_end().to_string()
+}
+
+#[test]
+fn the_service_serves_qemu_img_through_a_socket_passed_by_systemd_and_notifies_it() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", 3 << 20, 4);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let notify_path = env.path("notify.sock");
+    let notify = UnixDatagram::bind(&notify_path).unwrap();
+    notify
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+
+    let port = free_port();
+    let fd_name = unit_values("nbdgw.socket", "FileDescriptorName")
+        .pop()
+        .unwrap();
+    let mut cmd = Command::new("systemd-socket-activate");
+    cmd.arg(format!("--listen=127.0.0.1:{port}"))
+        .arg(format!("--fdname={fd_name}"))
+        .arg(format!("--setenv=NOTIFY_SOCKET={}", notify_path.display()));
+    for variable in unit_values("nbdgw.service", "Environment") {
+        cmd.arg(format!("--setenv={variable}"));
+    }
+    // The unit passes no --listen; an address nbdgw could not bind shows
+    // that it serves on the passed socket rather than binding its own.
+    cmd.args(exec_start(&env.certs(), &upstream.socket))
+        .args(["--listen", "192.0.2.1:10809"]);
+    let gateway = NbdgwProcess::spawn(cmd, port);
+
+    let info = qemu_img_info(port, &env.certs());
+    let stdout = String::from_utf8_lossy(&info.stdout);
+    assert!(
+        info.status.success() && stdout.contains("virtual size: 3 MiB (3145728 bytes)"),
+        "qemu-img info through the passed socket: {stdout}\n{}\n{}",
+        common::clients::text(&info),
+        gateway.log()
+    );
+    assert_eq!(receive(&notify), "READY=1");
+    gateway.wait_for_log("from_systemd=true", 1);
+
+    let (status, log) = gateway.stop();
+    assert_eq!(receive(&notify), "STOPPING=1");
+    assert!(status.success(), "exit {status}:\n{log}");
+}
+
+#[test]
+fn the_units_pass_systemd_analyze_verify() {
+    let dir = tempfile::tempdir().unwrap();
+    for unit in ["nbdgw.service", "nbdgw.socket"] {
+        let text = std::fs::read_to_string(Path::new(UNIT_DIR).join(unit)).unwrap();
+        // verify checks that ExecStart's binary exists.
+        let text = text.replace("/usr/local/bin/nbdgw", env!("CARGO_BIN_EXE_nbdgw"));
+        std::fs::write(dir.path().join(unit), text).unwrap();
+    }
+    let units: Vec<PathBuf> = ["nbdgw.socket", "nbdgw.service"]
+        .iter()
+        .map(|unit| dir.path().join(unit))
+        .collect();
+    let out = run(Command::new("systemd-analyze")
+        .args(["verify", "--man=no"])
+        .args(&units));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stderr.trim().is_empty(),
+        "systemd-analyze verify: {stderr}"
+    );
+}
+
+#[test]
+fn the_service_is_notify_typed_reloads_with_sighup_and_is_hardened() {
+    let want = [
+        ("Type", "notify"),
+        ("ExecReload", "kill -HUP $MAINPID"),
+        ("DynamicUser", "yes"),
+        ("ProtectSystem", "strict"),
+        ("PrivateTmp", "yes"),
+        ("NoNewPrivileges", "yes"),
+        ("CapabilityBoundingSet", ""),
+        ("RestrictAddressFamilies", "AF_UNIX AF_INET AF_INET6"),
+        ("SystemCallFilter", "@system-service"),
+        (
+            "SystemCallFilter",
+            "landlock_create_ruleset landlock_add_rule landlock_restrict_self",
+        ),
+    ];
+    for (key, value) in want {
+        let values = unit_values("nbdgw.service", key);
+        assert!(
+            values.iter().any(|v| v == value),
+            "{key}={value} missing: {values:?}"
+        );
+    }
+    let nofile: u64 = unit_values("nbdgw.service", "LimitNOFILE")[0]
+        .parse()
+        .unwrap();
+    assert!(nofile >= 3 * nbdgw::config::DEFAULT_MAX_CONNECTIONS as u64);
+}
