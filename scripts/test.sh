@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 cargo test --all-targets --locked "$@"
+# The man page and shell completions in doc/ match the flags.
+cargo xtask docs --check
+bash -c 'source doc/completions/nbdgw.bash && complete -p nbdgw' >/dev/null
 # Every fuzz target, briefly, from the seed corpus (scripts/fuzz.sh 3600
 # for a long run).
 scripts/fuzz.sh 30

@@ -10,11 +10,30 @@ use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand,
 use crate::config::{self, Cork};
 use crate::tls::MinVersion;
 
+const AFTER_HELP: &str = "\
+Signals: SIGHUP re-reads the TLS files at once. SIGTERM or SIGINT stops \
+accepting (after --drain-delay), lets requests in flight finish within \
+--shutdown-grace, then exits 0; a second one exits 1 at once.
+
+systemd: a listening socket passed by socket activation (LISTEN_FDS) is \
+served instead of --listen; one named \"admin\" (FileDescriptorName=admin) \
+serves the admin endpoints. With NOTIFY_SOCKET set, nbdgw sends READY=1 \
+once it serves and STOPPING=1 when a shutdown starts (Type=notify).
+
+Examples:
+  nbdgw certs --out /etc/nbdgw/tls --server-name gateway.example
+  nbdgw --tls-dir /etc/nbdgw/tls --upstream /run/nbd/disk.sock
+  nbdinfo 'nbds://gateway.example/?tls-certificates=DIR'";
+
 /// TLS gateway for the Network Block Device protocol: accepts NBD clients
 /// over TCP, requires NBD_OPT_STARTTLS, and relays them to an NBD server's
 /// Unix socket.
 #[derive(Parser, Debug)]
-#[command(version, args_conflicts_with_subcommands = true)]
+#[command(
+    version,
+    args_conflicts_with_subcommands = true,
+    after_long_help = AFTER_HELP
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Option<Command>,

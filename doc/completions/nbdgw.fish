@@ -1,0 +1,81 @@
+# Print an optspec for argparse to handle cmd's options that are independent of any subcommand.
+function __fish_nbdgw_global_optspecs
+    string join \n listen= tls-cert= tls-key= tls-dir= tls-client-ca= tls-crl= allow-cn= allow-dns= allow-uri= tls-crl-allow-expired tls-revoke-closes= tls-min-version= tls-reload-interval= upstream= upstream-sndbuf= max-connections= max-handshakes= max-handshakes-per-source= handshake-timeout= idle-timeout= stall-timeout= tcp-keepalive= tcp-keepalive-interval= tcp-keepalive-count= max-payload= max-option-len= admin-listen= drain-delay= shutdown-grace= cork= threads= landlock= log-format= h/help V/version
+end
+
+function __fish_nbdgw_needs_command
+    # Figure out if the current invocation already has a command.
+    set -l cmd (commandline -opc)
+    set -e cmd[1]
+    argparse -s (__fish_nbdgw_global_optspecs) -- $cmd 2>/dev/null
+    or return
+    if set -q argv[1]
+        # Also print the command, so this can be used to figure out what it is.
+        echo $argv[1]
+        return 1
+    end
+    return 0
+end
+
+function __fish_nbdgw_using_subcommand
+    set -l cmd (__fish_nbdgw_needs_command)
+    test -z "$cmd"
+    and return 1
+    contains -- $cmd[1] $argv
+end
+
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l listen -d 'Address to listen on (the IANA NBD port by default)' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l tls-cert -d 'Server certificate chain (PEM)' -r -F
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l tls-key -d 'Server private key (PEM)' -r -F
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l tls-dir -d 'Directory holding the certificate, key and optionally the client CA and CRL: the qemu/nbdkit layout (server-cert.pem, server-key.pem, ca-cert.pem, ca-crl.pem) or a Kubernetes TLS Secret (tls.crt, tls.key, ca.crt). A CA there makes client certificates required. Files named by the other --tls-* flags take precedence' -r -F
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l tls-client-ca -d 'CA bundle (PEM) that client certificates must chain to. Without it (or a CA in --tls-dir) client certificates are not requested' -r -F
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l tls-crl -d 'CRLs (PEM) from the client CA: revoked client certificates are refused' -r -F
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l allow-cn -d 'Admit client certificates with this subject CN (repeatable). Exact match. The flag takes its value whole, commas included; only the variable is a comma-separated list' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l allow-dns -d 'Admit client certificates with this DNS SAN; a `*` label matches one label (repeatable; comma-separated in the variable)' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l allow-uri -d 'Admit client certificates with this URI SAN, e.g. a SPIFFE ID; a `*` segment matches one path segment (repeatable; comma-separated in the variable)' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l tls-revoke-closes -d 'End established sessions whose client certificate a reloaded CRL revokes (true or false)' -r -f -a "true\t''
+false\t''"
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l tls-min-version -d 'Oldest TLS version accepted' -r -f -a "1.2\t'The NBD spec requires servers to support TLS 1.2'
+1.3\t''"
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l tls-reload-interval -d 'Seconds between looks at the TLS files for changes; 0 reloads only on SIGHUP' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l upstream -d 'Unix socket of the NBD server to relay to' -r -F
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l upstream-sndbuf -d 'SO_SNDBUF for upstream sockets in bytes; 0 keeps the kernel default' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l max-connections -d 'Most client connections served at once; more are closed at accept' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l max-handshakes -d 'Connections still negotiating (before their client certificate is verified) served at once, apart from --max-connections; more wait briefly in a short queue, then are closed' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l max-handshakes-per-source -d 'Of those, how many one source address may hold' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l handshake-timeout -d 'Seconds a client has from connecting to finishing negotiation' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l idle-timeout -d 'Seconds a connection may sit with no request in flight and no reply being written, counted from the last reply\'s last byte; 0 never closes it (VM disks can be idle for hours)' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l stall-timeout -d 'Seconds a started request payload, or a reply the client does not read, may make no progress before the connection is closed; also the TCP_USER_TIMEOUT for unacknowledged data. 0: never' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l tcp-keepalive -d 'Seconds of silence before TCP keepalive probes a client; 0 turns keepalive off. A client that powered off is closed after about IDLE + INTERVAL x COUNT seconds' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l tcp-keepalive-interval -d 'Seconds between keepalive probes' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l tcp-keepalive-count -d 'Unanswered keepalive probes before the connection is dropped' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l max-payload -d 'Largest request payload and read length in bytes' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l max-option-len -d 'Largest option data (and option reply) in bytes' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l admin-listen -d 'Plain-HTTP admin endpoints (/healthz, /readyz, /metrics) on this address, meant for localhost or the pod network; off by default' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l drain-delay -d 'Seconds to go on accepting after SIGTERM, not ready, so that load balancers stop sending clients first (5 s suits Kubernetes)' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l shutdown-grace -d 'Seconds open connections may finish after SIGTERM or SIGINT' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l cork -d 'TCP_CORK around replies: deferred (held while the next reply is already waiting), per-reply (as QEMU), or off. For measuring; the default gives full segments' -r -f -a "deferred\t'Corked while the next reply is already waiting; released when nothing more is (a burst that fits one write needs no cork at all)'
+per-reply\t'Corked around every reply and released after it, as QEMU does'
+off\t''"
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l threads -d 'Worker threads; 0 means one per CPU. In a container, match the CPU limit' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l landlock -d 'Restrict the process with Landlock once started: read access only beneath the TLS files\' directories, no other file, no TCP bind or connect (true or false; a kernel without Landlock logs it and runs unrestricted)' -r -f -a "true\t''
+false\t''"
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l log-format -d 'Log format; the filter comes from RUST_LOG (default info)' -r -f -a "text\t''
+json\t''"
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l tls-crl-allow-expired -d 'Admit clients whose CRL is past its nextUpdate. Without it such a client is refused until a fresh CRL is in place'
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -s h -l help -d 'Print help (see more with \'--help\')'
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -s V -l version -d 'Print version'
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -f -a "certs" -d 'Make a CA, a server certificate and client certificates in the layout qemu, nbdkit and libnbd read'
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand certs" -l out -d 'Directory to write into (created if missing)' -r -F
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand certs" -l server-name -d 'DNS name or IP address for the server certificate (repeatable; default localhost and 127.0.0.1)' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand certs" -l client-name -d 'Common name of a client certificate (repeatable; default nbdgw-client). The first is client-cert.pem, others client-NAME-cert.pem' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand certs" -l client-uri -d 'URI SAN for a client certificate, e.g. a SPIFFE ID (repeatable: the Nth goes into the Nth client certificate)' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand certs" -l days -d 'Validity of the leaf certificates in days' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand certs" -l ca-cert -d 'Issue from this existing CA certificate instead of making a new CA (with --ca-key), e.g. one kept with --keep-ca-key' -r -F
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand certs" -l ca-key -d 'The key of --ca-cert' -r -F
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand certs" -l force -d 'Overwrite existing files'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand certs" -l keep-ca-key -d 'Keep the new CA\'s key as ca-key.pem (mode 0600), to issue more certificates from it later; without it the key is thrown away'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand certs" -s h -l help -d 'Print help'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and not __fish_seen_subcommand_from certs help" -f -a "certs" -d 'Make a CA, a server certificate and client certificates in the layout qemu, nbdkit and libnbd read'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and not __fish_seen_subcommand_from certs help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
