@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-cargo build --release --locked -q
+scripts/build-release.sh >/dev/null
 
 port="${NBDGW_DEMO_PORT:-10809}"
 demo="$PWD/demo"

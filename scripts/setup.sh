@@ -25,3 +25,13 @@ if ! command -v cargo-fuzz >/dev/null; then
     echo "setup: installing cargo-fuzz" >&2
     cargo install cargo-fuzz --locked --quiet
 fi
+# The deployment files' checkers (deploy/test_deploy.py): kubernetes-validate
+# (bundled Kubernetes schemas) and checkov, pinned, in a virtualenv kept
+# outside the work tree so that fresh clones share it.
+deploy_venv="${NBDGW_DEPLOY_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/nbdgw/deploy-venv-1}"
+if [ ! -x "$deploy_venv/bin/checkov" ] || [ ! -x "$deploy_venv/bin/kubernetes-validate" ]; then
+    echo "setup: installing kubernetes-validate and checkov into $deploy_venv" >&2
+    python3 -m venv "$deploy_venv"
+    "$deploy_venv/bin/pip" install --quiet --disable-pip-version-check \
+        kubernetes-validate==1.37.0 checkov==3.3.30 pyyaml
+fi

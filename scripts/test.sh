@@ -8,6 +8,10 @@ cargo test --all-targets --locked "$@"
 # The man page and shell completions in doc/ match the flags.
 cargo xtask docs --check
 bash -c 'source doc/completions/nbdgw.bash && complete -p nbdgw' >/dev/null
+# The Containerfile, the Kubernetes manifests (validated, linted, and their
+# command lines run as local processes) and nothing else in deploy/.
+deploy_venv="${NBDGW_DEPLOY_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/nbdgw/deploy-venv-1}"
+NBDGW_DEPLOY_VENV="$deploy_venv" "$deploy_venv/bin/python" -m unittest -v deploy/test_deploy.py
 # Every fuzz target, briefly, from the seed corpus (scripts/fuzz.sh 3600
 # for a long run).
 scripts/fuzz.sh 30

@@ -1,0 +1,354 @@
+"""The deployment files, checked as an operator's tools would and then run.
+
+- Every file in deploy/kubernetes/ but kustomization.yaml is one complete
+  resource that kubernetes-validate --strict accepts (cert-manager's kinds,
+  which it has no schema for, are held to the fields their v1 API has);
+  checkov finds nothing beyond the exceptions listed below, with reasons.
+- The pod's and the Job's container command lines run here as local
+  processes, with each volume a temporary directory: qemu-nbd (the native
+  sidecar), nbdgw (its args and env names as the manifest has them), the
+  probes, then the backup Job's nbdcopy through nbdgw, whose copy must equal
+  the disk; then SIGTERM drains nbdgw as the kubelet would.
+- The Containerfile builds with the same script and binary path as the
+  demo (scripts/build-release.sh).
+
+Run by scripts/test.sh with the tools' virtualenv (scripts/setup.sh), after
+cargo test built target/debug/nbdgw.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import unittest
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+K8S = REPO / "deploy" / "kubernetes"
+CONTAINER = REPO / "deploy" / "container"
+NBDGW = REPO / "target" / "debug" / "nbdgw"
+
+# checkov findings left open, each with its reason.
+CHECKOV_EXCEPTIONS = {
+    # The images are built by the operator from deploy/container/, so
+    # their digests exist only after that build; pin them with kustomize
+    # (`images: - name: … digest: sha256:…`) once pushed.
+    "CKV_K8S_43": "images are pinned by version tag; digests exist only after the operator builds them",
+}
+
+# The cert-manager v1 fields these manifests use, per kind: kubernetes-validate
+# bundles no CRD schemas, so a misspelt field would otherwise pass unseen.
+CERT_MANAGER_FIELDS = {
+    "Issuer": {"spec": {"ca": {"secretName": None}}},
+    "Certificate": {
+        "spec": {
+            "secretName": None,
+            "duration": None,
+            "renewBefore": None,
+            "privateKey": {"algorithm": None, "size": None, "rotationPolicy": None},
+            "usages": None,
+            "dnsNames": None,
+            "commonName": None,
+            "uris": None,
+            "issuerRef": {"kind": None, "name": None},
+        }
+    },
+}
+
+
+def tool(name):
+    """A tool from the deployment virtualenv, else from PATH."""
+    venv = Path(os.environ.get("NBDGW_DEPLOY_VENV", ""), "bin", name)
+    return str(venv) if venv.exists() else name
+
+
+def resource_files():
+    return sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def load(name):
+    docs = [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
+    assert len(docs) == 1, f"{name}: one resource per file, found {len(docs)}"
+    return docs[0]
+
+
+def unknown_fields(doc, allowed, where=""):
+    found = []
+    for key, value in doc.items():
+        if key not in allowed:
+            found.append(f"{where}{key}")
+        elif isinstance(allowed[key], dict):
+            found += unknown_fields(value, allowed[key], f"{where}{key}.")
+    return found
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_status(url):
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError as e:
+        return 0, str(e)
+
+
+class Manifests(unittest.TestCase):
+    def test_every_resource_file_validates_strictly(self):
+        for path in resource_files():
+            doc = load(path.name)
+            out = subprocess.run(
+                [tool("kubernetes-validate"), "--strict", str(path)],
+                capture_output=True, text=True, timeout=120,
+            )
+            said = out.stdout + out.stderr
+            self.assertEqual(out.returncode, 0, f"{path.name}: {said}")
+            if doc["apiVersion"] == "cert-manager.io/v1":
+                self.assertIn("Couldn't find schema", said)
+                allowed = {"apiVersion": None, "kind": None, "metadata": None}
+                allowed.update(CERT_MANAGER_FIELDS[doc["kind"]])
+                self.assertEqual(unknown_fields(doc, allowed), [], path.name)
+            else:
+                self.assertIn("passed", said, path.name)
+
+    def test_the_kustomization_lists_every_file(self):
+        kustomization = load("kustomization.yaml")
+        self.assertEqual(
+            sorted(kustomization["resources"]), [p.name for p in resource_files()]
+        )
+
+    def test_checkov_finds_nothing_but_the_listed_exceptions(self):
+        out = subprocess.run(
+            [tool("checkov"), "-d", str(K8S), "--framework", "kubernetes",
+             "--output", "json", "--quiet", "--compact",
+             "--skip-check", ",".join(CHECKOV_EXCEPTIONS)],
+            capture_output=True, text=True, timeout=600,
+        )
+        report = json.loads(out.stdout)
+        reports = report if isinstance(report, list) else [report]
+        failed = [
+            f"{c['check_id']} {c['resource']} {c['file_path']}"
+            for r in reports for c in r.get("results", {}).get("failed_checks", [])
+        ]
+        self.assertEqual(failed, [])
+        passed = sum(r.get("summary", {}).get("passed", 0) for r in reports)
+        self.assertGreater(passed, 100, out.stdout[:2000])
+
+    def test_every_environment_variable_is_one_nbdgw_reads(self):
+        help_text = subprocess.run([str(NBDGW), "--help"], capture_output=True, text=True).stdout
+        known = {word.split("=")[0] for word in help_text.split("[env: ")[1:]}
+        self.assertIn("NBDGW_ALLOW_URI", known)
+        nbdgw, = load("deployment.yaml")["spec"]["template"]["spec"]["containers"]
+        for var in nbdgw.get("env", []):
+            self.assertIn(var["name"], known)
+
+    def test_the_pod_follows_the_pitfalls_found_in_practice(self):
+        pod = load("deployment.yaml")["spec"]["template"]["spec"]
+        sidecar, = pod["initContainers"]
+        nbdgw, = pod["containers"]
+        # qemu-nbd starts first and stops last.
+        self.assertEqual(sidecar["restartPolicy"], "Always")
+        # One user for both, so nbdgw may connect to qemu-nbd's socket.
+        context = pod["securityContext"]
+        for key in ("runAsUser", "runAsGroup", "fsGroup"):
+            self.assertIn(key, context)
+        self.assertTrue(context["runAsNonRoot"])
+        self.assertEqual(context["seccompProfile"]["type"], "RuntimeDefault")
+        for container in (sidecar, nbdgw):
+            self.assertNotIn("runAsUser", container.get("securityContext", {}))
+            self.assertEqual(container["securityContext"]["capabilities"]["drop"], ["ALL"])
+            self.assertTrue(container["securityContext"]["readOnlyRootFilesystem"])
+            self.assertFalse(container["securityContext"]["allowPrivilegeEscalation"])
+            image = container["image"]
+            self.assertRegex(image, r":[\w.-]+$")
+            self.assertFalse(image.endswith(":latest"), image)
+        flags = dict(a.removeprefix("--").split("=", 1) for a in nbdgw["args"])
+        self.assertEqual(flags["listen"], "[::]:10809")
+        self.assertGreater(
+            pod["terminationGracePeriodSeconds"],
+            int(flags["drain-delay"]) + int(flags["shutdown-grace"]),
+        )
+        self.assertEqual(int(flags["threads"]), int(nbdgw["resources"]["limits"]["cpu"]))
+        self.assertEqual(nbdgw["readinessProbe"]["httpGet"]["path"], "/readyz")
+        self.assertEqual(nbdgw["livenessProbe"]["httpGet"]["path"], "/healthz")
+        annotations = load("deployment.yaml")["spec"]["template"]["metadata"]["annotations"]
+        self.assertEqual(annotations["prometheus.io/port"], flags["admin-listen"].rsplit(":", 1)[1])
+
+
+class Containerfile(unittest.TestCase):
+    def test_the_image_builds_with_the_demo_script_and_ships_its_binary(self):
+        text = (CONTAINER / "Containerfile").read_text()
+        lines = [l.strip() for l in text.splitlines() if l.strip() and not l.startswith("#")]
+        runs = [l for l in lines if l.startswith("RUN ")]
+        self.assertEqual(runs, ["RUN scripts/build-release.sh --strip"])
+        script = (REPO / "scripts" / "build-release.sh").read_text()
+        self.assertIn("cargo build --release --locked", script)
+        built = script.strip().splitlines()[-1]
+        self.assertEqual(built, "echo target/release/nbdgw")
+        self.assertIn("scripts/build-release.sh", (REPO / "scripts" / "demo.sh").read_text())
+        self.assertIn("WORKDIR /src", lines)
+        self.assertIn("COPY --from=build /src/target/release/nbdgw /usr/local/bin/nbdgw", lines)
+        self.assertIn('ENTRYPOINT ["nbdgw"]', lines)
+        user = next(l for l in lines if l.startswith("USER "))
+        self.assertRegex(user, r"^USER \d+:\d+$")
+        for base in (l.split()[1] for l in lines if l.startswith("FROM ")):
+            self.assertRegex(base, r":[\w.-]+$")
+            self.assertNotIn(":latest", base)
+        self.assertIn("target", (REPO / ".containerignore").read_text().split())
+
+
+class Pod:
+    """The manifests' containers as local processes; each volume a directory."""
+
+    def __init__(self, scratch):
+        self.scratch = scratch
+        self.nbd_port, self.admin_port = free_port(), free_port()
+        self.processes = []
+
+    def volume_dir(self, name):
+        path = self.scratch / "volumes" / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def translate(self, container, volumes):
+        """argv and environment for one container, paths and ports local."""
+        if "command" in container:
+            argv = list(container["command"]) + list(container.get("args", []))
+        else:  # the nbdgw image's ENTRYPOINT
+            argv = [str(NBDGW)] + list(container["args"])
+        mounts = {m["mountPath"]: self.volume_dir(m["name"]) for m in container.get("volumeMounts", [])}
+        swaps = {
+            "[::]:10809": f"127.0.0.1:{self.nbd_port}",
+            "[::]:9090": f"127.0.0.1:{self.admin_port}",
+            "disk-export:10809": f"localhost:{self.nbd_port}",
+        }
+        swaps.update({path: str(local) for path, local in mounts.items()})
+
+        def local(word):
+            for remote, here in sorted(swaps.items(), key=lambda kv: -len(kv[0])):
+                word = word.replace(remote, here)
+            return word
+
+        env = dict(os.environ, RUST_LOG="info")
+        for var in container.get("env", []):
+            env[var["name"]] = var["value"]
+        return [local(w) for w in argv], env
+
+    def start(self, container, volumes):
+        argv, env = self.translate(container, volumes)
+        with open(self.scratch / f"{container['name']}.log", "w") as log:
+            process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.processes.append(process)
+        return process
+
+    def stop_all(self):
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def write_secret(directory, files, items=None):
+    """A Secret volume: every key as a file, or only `items`, renamed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for item in items or [{"key": k, "path": k} for k in files]:
+        (directory / item["path"]).write_bytes(files[item["key"]].read_bytes())
+
+
+class RunLocally(unittest.TestCase):
+    def test_the_pod_and_the_backup_job_run_as_local_processes(self):
+        self.assertTrue(NBDGW.exists(), "build nbdgw first (cargo test builds target/debug/nbdgw)")
+        scratch = Path(tempfile.mkdtemp(prefix="nbdgw-deploy-"))
+        pod = Pod(scratch)
+        self.addCleanup(shutil.rmtree, scratch, ignore_errors=True)
+        self.addCleanup(pod.stop_all)
+        deployment = load("deployment.yaml")["spec"]["template"]["spec"]
+        job = load("backup-job.yaml")["spec"]["template"]["spec"]
+        client_cert = load("backup-client-certificate.yaml")["spec"]
+
+        pki = scratch / "pki"
+        subprocess.run(
+            [str(NBDGW), "certs", "--out", str(pki), "--server-name", "localhost",
+             "--client-name", client_cert["commonName"], "--client-uri", client_cert["uris"][0],
+             "--client-name", "intruder"],
+            check=True, capture_output=True,
+        )
+        write_secret(pod.volume_dir("tls"), {
+            "tls.crt": pki / "server-cert.pem", "tls.key": pki / "server-key.pem",
+            "ca.crt": pki / "ca-cert.pem"})
+        client_volume = next(v for v in job["volumes"] if v["name"] == "client-tls")
+        write_secret(pod.volume_dir("client-tls"), {
+            "tls.crt": pki / "client-cert.pem", "tls.key": pki / "client-key.pem",
+            "ca.crt": pki / "ca-cert.pem"}, client_volume["secret"]["items"])
+        disk = os.urandom(4 << 20)
+        (pod.volume_dir("data") / "disk.img").write_bytes(disk)
+
+        sidecar, = deployment["initContainers"]
+        pod.start(sidecar, deployment["volumes"])
+        probe, _ = pod.translate({"command": sidecar["startupProbe"]["exec"]["command"],
+                                  "volumeMounts": sidecar["volumeMounts"], "name": "probe"}, [])
+        self.wait_for(lambda: subprocess.run(probe).returncode == 0, "qemu-nbd's startupProbe")
+
+        container, = deployment["containers"]
+        gateway = pod.start(container, deployment["volumes"])
+        admin = f"http://127.0.0.1:{pod.admin_port}"
+        ready = container["readinessProbe"]["httpGet"]["path"]
+        self.wait_for(lambda: http_status(admin + ready)[0] == 200, "nbdgw's readinessProbe")
+        self.assertEqual(http_status(admin + container["livenessProbe"]["httpGet"]["path"])[0], 200)
+
+        backup, = job["containers"]
+        argv, env = pod.translate(backup, job["volumes"])
+        copied = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+        self.assertEqual(copied.returncode, 0, copied.stderr + self.log(scratch, "nbdgw"))
+        self.assertEqual((pod.volume_dir("backups") / "disk.img").read_bytes(), disk)
+        # The allow-list in the manifest's env is in force: another client of
+        # the same CA is refused.
+        intruder = scratch / "intruder"
+        write_secret(intruder, {
+            "ca-cert.pem": pki / "ca-cert.pem", "client-cert.pem": pki / "client-intruder-cert.pem",
+            "client-key.pem": pki / "client-intruder-key.pem"})
+        refused = subprocess.run(
+            ["nbdinfo", "--size", f"nbds://localhost:{pod.nbd_port}/?tls-certificates={intruder}"],
+            capture_output=True, text=True, timeout=60)
+        self.assertNotEqual(refused.returncode, 0, refused.stdout)
+        metrics = http_status(admin + "/metrics")[1]
+        self.assertIn("nbdgw_identities_refused_total 1", metrics)
+        sent = next(l for l in metrics.splitlines() if l.startswith("nbdgw_sent_bytes_total "))
+        self.assertGreaterEqual(int(sent.split()[1]), len(disk), metrics)
+
+        # The kubelet's SIGTERM: not ready at once, accepting for the drain
+        # delay, then a clean exit well inside terminationGracePeriodSeconds.
+        flags = dict(a.removeprefix("--").split("=", 1) for a in container["args"])
+        signalled = time.monotonic()
+        gateway.send_signal(signal.SIGTERM)
+        self.wait_for(lambda: http_status(admin + ready) == (503, "shutting down\n"), "503 after SIGTERM")
+        status = gateway.wait(timeout=deployment["terminationGracePeriodSeconds"])
+        self.assertEqual(status, 0, self.log(scratch, "nbdgw"))
+        self.assertGreaterEqual(time.monotonic() - signalled, int(flags["drain-delay"]) - 0.5)
+
+    def wait_for(self, condition, what, seconds=20):
+        deadline = time.monotonic() + seconds
+        while not condition():
+            self.assertLess(time.monotonic(), deadline, f"{what} never succeeded")
+            time.sleep(0.1)
+
+    @staticmethod
+    def log(scratch, name):
+        return (scratch / f"{name}.log").read_text()
+
+
+if __name__ == "__main__":
+    unittest.main()
