@@ -14,6 +14,7 @@ pub mod limits;
 pub mod listeners;
 pub mod logsafe;
 pub mod metrics;
+pub mod policy;
 pub mod proto;
 pub mod sandbox;
 mod server;

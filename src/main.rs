@@ -100,7 +100,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         n => n,
     };
     if args.landlock {
-        sandbox(&reloader, args.tls_dir.as_deref());
+        sandbox(&reloader, args.tls_dir.as_deref(), &config.upstream);
     } else {
         info!("--landlock false: the process is not sandboxed");
     }
@@ -163,20 +163,27 @@ fn notify(state: &[NotifyState]) {
 }
 
 /// Best effort: a kernel without Landlock logs once and serves anyway.
-fn sandbox(reloader: &Reloader, tls_dir: Option<&Path>) {
-    let files = reloader.paths().files().chain(tls_dir);
-    let dirs = nbdgw::sandbox::readable_dirs(files);
-    let shown: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
-    match nbdgw::sandbox::restrict(&dirs) {
-        Ok(Enforcement::Full) => {
-            info!(readable = ?shown, "landlock: the process may read only beneath these directories and may not bind or connect TCP")
-        }
-        Ok(Enforcement::Partial) => {
-            warn!(readable = ?shown, "landlock: partly enforced (this kernel lacks some Landlock rights)")
-        }
+fn sandbox(reloader: &Reloader, tls_dir: Option<&Path>, upstream: &Path) {
+    let readable = nbdgw::sandbox::dirs_covering(reloader.paths().files().chain(tls_dir));
+    // systemd's notification socket, when it is a path (not abstract).
+    let notify = std::env::var_os("NOTIFY_SOCKET")
+        .map(PathBuf::from)
+        .filter(|path| path.is_absolute());
+    let connectable =
+        nbdgw::sandbox::dirs_covering(std::iter::once(upstream).chain(notify.as_deref()));
+    let shown = |dirs: &[PathBuf]| -> Vec<String> {
+        dirs.iter().map(|d| d.display().to_string()).collect()
+    };
+    match nbdgw::sandbox::restrict(&readable, &connectable) {
         Ok(Enforcement::None) => {
             warn!("landlock is not available in this kernel: the process is not sandboxed")
         }
+        Ok(enforcement) => info!(
+            enforcement = enforcement.as_str(),
+            readable = ?shown(&readable),
+            unix_connect = ?shown(&connectable),
+            "landlock: the process may read only beneath these directories, connect only to Unix sockets beneath those, and neither bind nor connect TCP"
+        ),
         Err(e) => warn!(error = %e, "landlock: cannot restrict the process; it is not sandboxed"),
     }
 }

@@ -1,0 +1,462 @@
+//! Which client identities may open which exports, and with what access:
+//! the `--policy` file, parsed and judged without I/O.
+//!
+//! ```toml
+//! [[rule]]
+//! exports = ["{ns}-*"]                                      # globs over export names
+//! allow = { uri = ["spiffe://example.org/ns/{ns}/sa/*"] }   # cn / dns / uri
+//! access = "read-write"                                     # or "read-only"
+//! ```
+//!
+//! A client may open an export when a rule's identity pattern matches its
+//! certificate and one of that rule's export patterns matches the name;
+//! with several rules, the most permissive access wins. A `{name}`
+//! placeholder in an identity pattern binds one whole label (DNS), path
+//! segment (URI) or the whole CN, and stands for that text in the rule's
+//! export patterns, so one rule gives every tenant its own exports.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::Deserialize;
+use thiserror::Error;
+
+use crate::tls::CertInfo;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Access {
+    ReadOnly,
+    ReadWrite,
+}
+
+impl fmt::Display for Access {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Access::ReadOnly => "read-only",
+            Access::ReadWrite => "read-write",
+        })
+    }
+}
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum PolicyError {
+    #[error("not a valid policy file: {0}")]
+    Syntax(String),
+    #[error("rule {rule}: {problem}")]
+    Rule { rule: usize, problem: String },
+    #[error("rule {rule} of the new policy may grant what the running one does not ({why}); access can only be narrowed while nbdgw runs: restart it to widen access")]
+    Wider { rule: usize, why: String },
+}
+
+/// The file as written; `deny_unknown_fields` so a misspelt key is an
+/// error instead of a rule that silently matches nothing (or everything).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileShape {
+    #[serde(default)]
+    rule: Vec<RuleShape>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RuleShape {
+    exports: Vec<String>,
+    allow: AllowShape,
+    access: Access,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct AllowShape {
+    #[serde(default)]
+    cn: Vec<String>,
+    #[serde(default)]
+    dns: Vec<String>,
+    #[serde(default)]
+    uri: Vec<String>,
+}
+
+/// One piece of a pattern.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Part {
+    Literal(String),
+    /// `*`: in an export name any run of characters; in an identity one
+    /// whole, non-empty label or segment.
+    Any,
+    Placeholder(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Field {
+    Cn,
+    Dns,
+    Uri,
+}
+
+impl Field {
+    /// What one part of the value is: the whole CN, a DNS label, a URI
+    /// path segment.
+    fn separator(self) -> Option<char> {
+        match self {
+            Field::Cn => None,
+            Field::Dns => Some('.'),
+            Field::Uri => Some('/'),
+        }
+    }
+
+    fn values(self, cert: &CertInfo) -> &[String] {
+        match self {
+            Field::Cn => &cert.common_names,
+            Field::Dns => &cert.dns_names,
+            Field::Uri => &cert.uris,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct IdentityPattern {
+    field: Field,
+    text: String,
+    parts: Vec<Part>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ExportPattern {
+    text: String,
+    parts: Vec<Part>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Rule {
+    exports: Vec<ExportPattern>,
+    identities: Vec<IdentityPattern>,
+    access: Access,
+}
+
+type Bindings = BTreeMap<String, String>;
+
+/// The rules in force. Without `--policy` it is [`Policy::open`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Policy {
+    /// None: every admitted client may open every export read-write.
+    rules: Option<Vec<Rule>>,
+}
+
+impl Policy {
+    /// Every client the `--allow-*` flags admit may open every export
+    /// read-write (nbdgw without `--policy`).
+    pub fn open() -> Self {
+        Policy { rules: None }
+    }
+
+    pub fn parse(text: &str) -> Result<Self, PolicyError> {
+        let shape: FileShape =
+            toml::from_str(text).map_err(|e| PolicyError::Syntax(e.message().to_string()))?;
+        let rules = shape
+            .rule
+            .into_iter()
+            .enumerate()
+            .map(|(i, rule)| {
+                Rule::parse(rule).map_err(|problem| PolicyError::Rule {
+                    rule: i + 1,
+                    problem,
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Policy { rules: Some(rules) })
+    }
+
+    /// The access `cert` has to `export`, if any.
+    pub fn decide(&self, cert: &CertInfo, export: &str) -> Option<Access> {
+        let Some(rules) = &self.rules else {
+            return Some(Access::ReadWrite);
+        };
+        rules
+            .iter()
+            .filter(|rule| rule.admits(cert, export))
+            .map(|rule| rule.access)
+            .max()
+    }
+
+    /// Refuses a replacement that might grant any identity an export, or
+    /// an access, the running policy does not. Judged rule by rule and
+    /// conservatively: a rule the running one does not plainly cover is
+    /// refused even if it happens to grant nothing new.
+    pub fn check_no_wider_than(&self, running: &Policy) -> Result<(), PolicyError> {
+        let Some(running) = &running.rules else {
+            return Ok(());
+        };
+        let Some(new) = &self.rules else {
+            return Err(PolicyError::Wider {
+                rule: 0,
+                why: "no policy admits everyone read-write".into(),
+            });
+        };
+        for (i, rule) in new.iter().enumerate() {
+            if !running.iter().any(|old| old.covers(rule)) {
+                let exports: Vec<&str> = rule.exports.iter().map(|e| e.text.as_str()).collect();
+                return Err(PolicyError::Wider {
+                    rule: i + 1,
+                    why: format!("exports {exports:?}, {}", rule.access),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Rule {
+    fn parse(shape: RuleShape) -> Result<Self, String> {
+        if shape.exports.is_empty() {
+            return Err("`exports` is empty: name at least one pattern (\"*\" for all)".into());
+        }
+        let mut identities = Vec::new();
+        for (field, texts) in [
+            (Field::Cn, shape.allow.cn),
+            (Field::Dns, shape.allow.dns),
+            (Field::Uri, shape.allow.uri),
+        ] {
+            for text in texts {
+                identities.push(IdentityPattern::parse(field, text)?);
+            }
+        }
+        if identities.is_empty() {
+            return Err("`allow` names no identity (cn, dns or uri)".into());
+        }
+        let exports = shape
+            .exports
+            .into_iter()
+            .map(ExportPattern::parse)
+            .collect::<Result<Vec<_>, _>>()?;
+        for export in &exports {
+            for name in export.placeholders() {
+                if let Some(unbound) = identities.iter().find(|id| !id.binds(name)) {
+                    return Err(format!(
+                        "placeholder {{{name}}} in {:?} is not bound by the identity pattern {:?}",
+                        export.text, unbound.text
+                    ));
+                }
+            }
+        }
+        Ok(Rule {
+            exports,
+            identities,
+            access: shape.access,
+        })
+    }
+
+    fn admits(&self, cert: &CertInfo, export: &str) -> bool {
+        self.identities.iter().any(|identity| {
+            identity
+                .field
+                .values(cert)
+                .iter()
+                .filter_map(|value| identity.bind(value))
+                .any(|bindings| self.exports.iter().any(|e| e.matches(export, &bindings)))
+        })
+    }
+
+    /// Whether every grant of `new` is plainly a grant of this rule.
+    fn covers(&self, new: &Rule) -> bool {
+        let templated = |rule: &Rule| rule.exports.iter().any(|e| !e.placeholders().is_empty());
+        if templated(self) || templated(new) {
+            // Placeholders tie identities to exports: only the same rule
+            // (at no more access) is plainly no wider.
+            return self.exports == new.exports
+                && new.identities.iter().all(|id| self.identities.contains(id))
+                && new.access <= self.access;
+        }
+        new.access <= self.access
+            && new
+                .identities
+                .iter()
+                .all(|id| self.identities.iter().any(|old| old.covers(id)))
+            && new
+                .exports
+                .iter()
+                .all(|e| self.exports.iter().any(|old| old.covers(e)))
+    }
+}
+
+fn parse_braced(text: &str, chars: &mut std::str::Chars<'_>) -> Result<String, String> {
+    let mut name = String::new();
+    for c in chars.by_ref() {
+        if c == '}' {
+            return if !name.is_empty()
+                && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+            {
+                Ok(name)
+            } else {
+                Err(format!(
+                    "{text:?}: a placeholder is {{name}} with letters, digits or _"
+                ))
+            };
+        }
+        name.push(c);
+    }
+    Err(format!("{text:?}: unclosed {{"))
+}
+
+impl ExportPattern {
+    fn parse(text: String) -> Result<Self, String> {
+        if text.is_empty() {
+            return Err("an empty export pattern".into());
+        }
+        let mut parts = Vec::new();
+        let mut literal = String::new();
+        let mut chars = text.chars();
+        while let Some(c) = chars.next() {
+            let part = match c {
+                '*' => Part::Any,
+                '{' => Part::Placeholder(parse_braced(&text, &mut chars)?),
+                c => {
+                    literal.push(c);
+                    continue;
+                }
+            };
+            if !literal.is_empty() {
+                parts.push(Part::Literal(std::mem::take(&mut literal)));
+            }
+            parts.push(part);
+        }
+        if !literal.is_empty() {
+            parts.push(Part::Literal(literal));
+        }
+        Ok(ExportPattern { text, parts })
+    }
+
+    fn placeholders(&self) -> Vec<&str> {
+        self.parts
+            .iter()
+            .filter_map(|p| match p {
+                Part::Placeholder(name) => Some(name.as_str()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn matches(&self, name: &str, bindings: &Bindings) -> bool {
+        glob(&self.parts, name, bindings)
+    }
+
+    fn covers(&self, new: &ExportPattern) -> bool {
+        let literal = !new.parts.iter().any(|p| matches!(p, Part::Any));
+        self.parts == [Part::Any]
+            || self.parts == new.parts
+            || (literal && self.matches(&new.text, &Bindings::new()))
+    }
+}
+
+/// `*` matches any run of characters (none included); a placeholder its
+/// bound text exactly.
+fn glob(parts: &[Part], name: &str, bindings: &Bindings) -> bool {
+    match parts.split_first() {
+        None => name.is_empty(),
+        Some((Part::Literal(text), rest)) => name
+            .strip_prefix(text.as_str())
+            .is_some_and(|tail| glob(rest, tail, bindings)),
+        Some((Part::Placeholder(key), rest)) => bindings
+            .get(key)
+            .and_then(|value| name.strip_prefix(value.as_str()))
+            .is_some_and(|tail| glob(rest, tail, bindings)),
+        Some((Part::Any, rest)) => name
+            .char_indices()
+            .map(|(i, _)| i)
+            .chain(std::iter::once(name.len()))
+            .any(|i| glob(rest, &name[i..], bindings)),
+    }
+}
+
+impl IdentityPattern {
+    fn parse(field: Field, text: String) -> Result<Self, String> {
+        if text.is_empty() {
+            return Err("an empty identity pattern".into());
+        }
+        let units: Vec<&str> = match field.separator() {
+            Some(sep) => text.split(sep).collect(),
+            None => vec![text.as_str()],
+        };
+        let parts = units
+            .into_iter()
+            .map(|unit| match unit {
+                "*" => Ok(Part::Any),
+                _ if unit.starts_with('{') => {
+                    let mut chars = unit[1..].chars();
+                    let name = parse_braced(&text, &mut chars)?;
+                    match chars.as_str() {
+                        "" => Ok(Part::Placeholder(name)),
+                        _ => Err(format!("{text:?}: a placeholder stands for one whole part")),
+                    }
+                }
+                _ if unit.contains('*') || unit.contains('{') => Err(format!(
+                    "{text:?}: '*' and placeholders stand for one whole part"
+                )),
+                _ => Ok(Part::Literal(unit.to_string())),
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(IdentityPattern { field, text, parts })
+    }
+
+    fn binds(&self, name: &str) -> bool {
+        self.parts.contains(&Part::Placeholder(name.to_string()))
+    }
+
+    /// The placeholders' values if `value` matches, part by part.
+    fn bind(&self, value: &str) -> Option<Bindings> {
+        let units: Vec<&str> = match self.field.separator() {
+            Some(sep) => value.split(sep).collect(),
+            None => vec![value],
+        };
+        if units.len() != self.parts.len() {
+            return None;
+        }
+        let mut bindings = Bindings::new();
+        for (part, unit) in self.parts.iter().zip(units) {
+            let same = |p: &str| match self.field {
+                Field::Dns => p.eq_ignore_ascii_case(unit),
+                _ => p == unit,
+            };
+            match part {
+                Part::Literal(p) if same(p) => {}
+                Part::Any if !unit.is_empty() => {}
+                Part::Placeholder(name) if !unit.is_empty() => {
+                    let unit = if self.field == Field::Dns {
+                        unit.to_ascii_lowercase()
+                    } else {
+                        unit.to_string()
+                    };
+                    if bindings
+                        .insert(name.clone(), unit.clone())
+                        .is_some_and(|old| old != unit)
+                    {
+                        return None;
+                    }
+                }
+                _ => return None,
+            }
+        }
+        Some(bindings)
+    }
+
+    fn covers(&self, new: &IdentityPattern) -> bool {
+        self.field == new.field
+            && self.parts.len() == new.parts.len()
+            && self
+                .parts
+                .iter()
+                .zip(&new.parts)
+                .all(|(old, new)| match (old, new) {
+                    // Outside templates a placeholder matches like `*`.
+                    (Part::Any | Part::Placeholder(_), _) => true,
+                    (Part::Literal(a), Part::Literal(b)) => match self.field {
+                        Field::Dns => a.eq_ignore_ascii_case(b),
+                        _ => a == b,
+                    },
+                    _ => false,
+                })
+    }
+}
+
+#[cfg(test)]
+mod tests;
