@@ -102,9 +102,30 @@ pub struct ServeArgs {
     /// on SIGHUP.
     #[arg(long, env = "NBDGW_TLS_RELOAD_INTERVAL", default_value_t = 5)]
     pub tls_reload_interval: u64,
-    /// Unix socket of the NBD server to relay to.
-    #[arg(long, env = "NBDGW_UPSTREAM")]
+    /// Unix socket of the NBD server to relay to; every export name the
+    /// client asks for goes to it unchanged.
+    #[arg(long, env = "NBDGW_UPSTREAM", conflicts_with_all = ["exports", "export_dir"])]
     pub upstream: Option<PathBuf>,
+    /// A named export instead of --upstream: clients asking for NAME are
+    /// relayed to the server on the Unix socket PATH, which is asked for
+    /// UPSTREAM_NAME (default ""). Repeatable, or comma-separated.
+    #[arg(
+        long = "export",
+        value_name = "NAME=PATH[:UPSTREAM_NAME]",
+        env = "NBDGW_EXPORT",
+        value_delimiter = ','
+    )]
+    pub exports: Vec<crate::exports::Export>,
+    /// Every Unix socket NAME.sock in this directory is the export NAME,
+    /// picked up and dropped as sockets appear and disappear.
+    #[arg(long, env = "NBDGW_EXPORT_DIR", value_name = "DIR")]
+    pub export_dir: Option<PathBuf>,
+    /// TOML file saying which client identities may open which exports,
+    /// read-write or read-only; reloaded like the TLS files, and a reload
+    /// may only narrow it. Without it every admitted client may open every
+    /// export read-write. Needs client certificates (a client CA).
+    #[arg(long, env = "NBDGW_POLICY", value_name = "FILE")]
+    pub policy: Option<PathBuf>,
     /// SO_SNDBUF for upstream sockets in bytes; 0 keeps the kernel default.
     #[arg(long, env = "NBDGW_UPSTREAM_SNDBUF", default_value_t = config::DEFAULT_UPSTREAM_SNDBUF)]
     pub upstream_sndbuf: usize,

@@ -8,8 +8,14 @@ use std::time::Duration;
 /// environment; tests build it directly.
 #[derive(Clone)]
 pub struct Config {
-    /// Unix socket of the NBD server nbdgw relays to.
+    /// Unix socket of the NBD server nbdgw relays to (unless `exports`).
     pub upstream: PathBuf,
+    /// Named exports, each with its own socket; `None`: every export name
+    /// goes to `upstream` as the client gave it.
+    pub exports: Option<Arc<crate::exports::ExportTable>>,
+    /// Which identities may open which exports, and how; read afresh for
+    /// each connection: a reload may narrow it.
+    pub policy: Arc<crate::policy::PolicyStore>,
     /// Read afresh for each connection: a reload may replace it.
     pub tls: Arc<crate::tls::TlsStore>,
     /// `SO_SNDBUF` requested on each upstream socket; 0 keeps the kernel's.
@@ -75,6 +81,10 @@ impl Config {
             health: Arc::default(),
             drain_delay: Duration::ZERO,
             upstream,
+            exports: None,
+            policy: Arc::new(crate::reload::Swap::new(Arc::new(
+                crate::policy::Policy::open(),
+            ))),
             tls,
             upstream_sndbuf: DEFAULT_UPSTREAM_SNDBUF,
             max_connections: DEFAULT_MAX_CONNECTIONS,

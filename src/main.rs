@@ -80,17 +80,25 @@ fn init_logging(format: LogFormat) {
 
 fn serve(args: ServeArgs) -> Result<()> {
     init_logging(args.log_format);
-    let Some(upstream) = args.upstream.clone() else {
-        bail!("--upstream is required (or NBDGW_UPSTREAM); see --help");
+    let exports = export_table(&args)?;
+    let upstream = match (&args.upstream, &exports) {
+        (Some(upstream), _) => upstream.clone(),
+        (None, Some(_)) => PathBuf::new(),
+        (None, None) => bail!("--upstream, --export or --export-dir is required (or NBDGW_UPSTREAM, NBDGW_EXPORT, NBDGW_EXPORT_DIR); see --help"),
     };
     check_limits(&args)?;
     let reloader = tls_reloader(&args)?;
     let reload_interval = seconds_or_off(args.tls_reload_interval);
-    let config = gateway_config(&args, upstream, reloader.store());
+    let policy = policy_reloader(&args, &reloader)?;
+    let mut config = gateway_config(&args, upstream, reloader.store());
+    config.exports = exports.map(Arc::new);
+    if let Some(policy) = &policy {
+        config.policy = policy.store();
+    }
 
     report_fd_limit(args.max_connections + args.max_handshakes);
     report_sndbuf(args.upstream_sndbuf, &config.metrics);
-    if !nbdgw::upstream::looks_like_socket(&config.upstream) {
+    if config.exports.is_none() && !nbdgw::upstream::looks_like_socket(&config.upstream) {
         warn!(upstream = %config.upstream.display(), "upstream socket does not exist yet; clients will get an error until it does");
     }
     let listeners = Listeners::open(args.listen, args.admin_listen)?;
@@ -100,7 +108,18 @@ fn serve(args: ServeArgs) -> Result<()> {
         n => n,
     };
     if args.landlock {
-        sandbox(&reloader, args.tls_dir.as_deref(), &config.upstream);
+        let readable: Vec<&Path> = reloader
+            .paths()
+            .files()
+            .chain(args.tls_dir.as_deref())
+            .chain(policy.as_ref().map(|p| p.path()))
+            .chain(config.exports.as_ref().and_then(|e| e.dir()))
+            .collect();
+        let sockets: Vec<&Path> = match &config.exports {
+            Some(table) => table.socket_paths().collect(),
+            None => vec![config.upstream.as_path()],
+        };
+        sandbox(&readable, &sockets);
     } else {
         info!("--landlock false: the process is not sandboxed");
     }
@@ -112,6 +131,9 @@ fn serve(args: ServeArgs) -> Result<()> {
         .context("starting the async runtime")?;
     runtime.block_on(async move {
         tokio::spawn(reloader.watch(reload_interval));
+        if let Some(policy) = policy {
+            tokio::spawn(policy.watch(reload_interval));
+        }
         debug_probe::after_start();
         if let Some(admin) = listeners.admin {
             let listener = async_listener(admin)?;
@@ -128,6 +150,7 @@ fn serve(args: ServeArgs) -> Result<()> {
             listen = %display_addr(&listener),
             from_systemd = listeners.from_systemd,
             upstream = %config.upstream.display(),
+            exports = config.exports.is_some(),
             cork = ?config.cork,
             "nbdgw listening"
         );
@@ -163,14 +186,16 @@ fn notify(state: &[NotifyState]) {
 }
 
 /// Best effort: a kernel without Landlock logs once and serves anyway.
-fn sandbox(reloader: &Reloader, tls_dir: Option<&Path>, upstream: &Path) {
-    let readable = nbdgw::sandbox::dirs_covering(reloader.paths().files().chain(tls_dir));
+/// `readable`: the files (and directories) read after start; `sockets`:
+/// the Unix sockets (or their directory) connected to.
+fn sandbox(readable: &[&Path], sockets: &[&Path]) {
+    let readable = nbdgw::sandbox::dirs_covering(readable.iter().copied());
     // systemd's notification socket, when it is a path (not abstract).
     let notify = std::env::var_os("NOTIFY_SOCKET")
         .map(PathBuf::from)
         .filter(|path| path.is_absolute());
     let connectable =
-        nbdgw::sandbox::dirs_covering(std::iter::once(upstream).chain(notify.as_deref()));
+        nbdgw::sandbox::dirs_covering(sockets.iter().copied().chain(notify.as_deref()));
     let shown = |dirs: &[PathBuf]| -> Vec<String> {
         dirs.iter().map(|d| d.display().to_string()).collect()
     };
@@ -209,6 +234,37 @@ mod debug_probe {
 
     #[cfg(not(debug_assertions))]
     pub fn after_start() {}
+}
+
+fn export_table(args: &ServeArgs) -> Result<Option<nbdgw::exports::ExportTable>> {
+    if args.exports.is_empty() && args.export_dir.is_none() {
+        return Ok(None);
+    }
+    if let Some(dir) = &args.export_dir {
+        if !dir.is_dir() {
+            bail!("--export-dir {}: not a directory", dir.display());
+        }
+    }
+    let table = nbdgw::exports::ExportTable::new(args.exports.clone(), args.export_dir.clone())?;
+    info!(exports = ?table.names(), dir = ?args.export_dir, "exports routed by name");
+    Ok(Some(table))
+}
+
+/// The policy file's first read, which must succeed; it only means
+/// something when clients are identified by certificates.
+fn policy_reloader(
+    args: &ServeArgs,
+    tls: &Reloader,
+) -> Result<Option<nbdgw::policy::PolicyReloader>> {
+    let Some(path) = &args.policy else {
+        return Ok(None);
+    };
+    if !tls.requires_client_certificates() {
+        bail!("--policy needs client certificates: give a client CA (--tls-client-ca, or ca-cert.pem / ca.crt in --tls-dir)");
+    }
+    let policy = nbdgw::policy::PolicyReloader::start(path.clone())
+        .context("loading the access policy (--policy)")?;
+    Ok(Some(policy))
 }
 
 fn check_limits(args: &ServeArgs) -> Result<()> {

@@ -150,6 +150,16 @@ impl Policy {
         Policy { rules: None }
     }
 
+    /// How many rules; `None` for the open policy.
+    pub fn rule_count(&self) -> Option<usize> {
+        self.rules.as_ref().map(Vec::len)
+    }
+
+    /// Whether any rule limits anything (false without `--policy`).
+    pub fn is_open(&self) -> bool {
+        self.rules.is_none()
+    }
+
     pub fn parse(text: &str) -> Result<Self, PolicyError> {
         let shape: FileShape =
             toml::from_str(text).map_err(|e| PolicyError::Syntax(e.message().to_string()))?;
@@ -457,6 +467,9 @@ impl IdentityPattern {
                 })
     }
 }
+
+mod store;
+pub use store::{PolicyLoadError, PolicyReloader, PolicyStore};
 
 #[cfg(test)]
 mod tests;

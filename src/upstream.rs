@@ -38,10 +38,11 @@ pub struct Upstream {
     pub pads_export_name: bool,
 }
 
-/// Connects, sizes the send buffer, and does the newstyle greeting.
-pub async fn open(config: &Config) -> Result<Upstream, UpstreamError> {
-    let path = config.upstream.display().to_string();
-    let connect = UnixStream::connect(&config.upstream);
+/// Connects to `socket`, sizes the send buffer, and does the newstyle
+/// greeting.
+pub async fn open(socket: &Path, config: &Config) -> Result<Upstream, UpstreamError> {
+    let path = socket.display().to_string();
+    let connect = UnixStream::connect(socket);
     let mut stream = tokio::time::timeout(UPSTREAM_CONNECT_TIMEOUT, connect)
         .await
         .map_err(|_| UpstreamError::Timeout(path.clone()))?

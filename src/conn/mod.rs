@@ -178,17 +178,23 @@ async fn negotiate(
     };
     drop(handshake_permit);
     let chain = tls.get_ref().1.peer_certificates().unwrap_or_default();
+    // Anonymous clients (no client CA) have no names: a policy with rules
+    // opens nothing to them.
+    let identity = chain
+        .first()
+        .and_then(|leaf| crate::tls::CertInfo::from_der(leaf).ok())
+        .unwrap_or_default();
     let registered = (!chain.is_empty()).then(|| config.tls.sessions().register(link.id, chain));
-    Ok(
-        match negotiate::relay_options(tls, client_flags, config, &link.shutdown).await? {
-            negotiate::Outcome::Closed(reason) => Negotiated::Closed(reason),
-            negotiate::Outcome::Transmission(session) => Negotiated::Transmission {
-                session,
-                slot,
-                registered,
-            },
+    let relayed =
+        negotiate::relay_options(tls, client_flags, identity, config, &link.shutdown).await?;
+    Ok(match relayed {
+        negotiate::Outcome::Closed(reason) => Negotiated::Closed(reason),
+        negotiate::Outcome::Transmission(session) => Negotiated::Transmission {
+            session,
+            slot,
+            registered,
         },
-    )
+    })
 }
 
 fn log_tls(tls: &ClientTls) {

@@ -1,5 +1,6 @@
-//! Option haggling after TLS: connect upstream, then relay the client's
-//! options one at a time, learning from the upstream's replies what
+//! Option haggling after TLS: relay the client's options one at a time to
+//! the upstream of the export they name (connected only once the option
+//! passed authorization), learning from the upstream's replies what
 //! framing transmission will use. One short function per kind of option.
 
 use tokio::io::BufReader;
@@ -10,16 +11,21 @@ use super::error::{ConnError, Side};
 use super::options::{OptionChannel, ShutdownAnswer};
 use super::session::{ClientTls, Session};
 use crate::config::Config;
+use crate::exports::Export;
 use crate::logsafe::Escaped;
+use crate::policy::{Access, Policy};
 use crate::proto::consts::*;
 use crate::proto::handshake::{
-    clamp_block_size, encode_export_name_reply, export_name_prefix, parse_export_name_reply,
-    parse_info_export, ClientFlags, OptionHeader,
+    clamp_block_size, encode_export_name_reply, encode_info_name, encode_option_reply,
+    encode_server_entry, force_read_only, is_info_name, parse_export_name_reply, parse_info_export,
+    read_only_flags, split_export_name, with_export_name, ClientFlags, OptionHeader,
 };
 use crate::proto::transmission::ReplyMode;
 use crate::proto::ProtoError;
 use crate::shutdown::Shutdown;
+use crate::tls::CertInfo;
 use crate::upstream::{self, Upstream};
+use std::sync::Arc;
 
 pub enum Outcome {
     Transmission(Box<Session>),
@@ -39,21 +45,40 @@ type UpstreamChannel = OptionChannel<BufReader<UnixStream>>;
 pub async fn relay_options(
     tls: ClientTls,
     client_flags: ClientFlags,
+    identity: CertInfo,
     config: &Config,
     shutdown: &Shutdown,
 ) -> Result<Outcome, ConnError> {
     let client = OptionChannel::new(tls, Side::Client, config.max_option_len);
-    // Only now, with TLS up, does the upstream hear of this client.
-    let upstream = match upstream::open(config).await {
-        Ok(upstream) => upstream,
-        Err(e) => {
-            config.metrics.upstream_connect_failures.inc();
-            warn!(error = %e, "upstream unavailable");
-            let message = format!("nbdgw: upstream NBD server unavailable: {e}");
-            return refuse_all(client, &message).await.map(Outcome::Closed);
-        }
+    // Only now, with TLS up, does an upstream hear of this client; with
+    // named exports, only once an option names one it may open.
+    let upstream = match config.exports {
+        Some(_) => None,
+        None => match upstream::open(&config.upstream, config).await {
+            Ok(upstream) => Some(Attached::new(upstream, None, config)),
+            Err(e) => {
+                config.metrics.upstream_connect_failures.inc();
+                warn!(error = %e, "upstream unavailable");
+                let message = format!("nbdgw: upstream NBD server unavailable: {e}");
+                return refuse_all(client, &message).await.map(Outcome::Closed);
+            }
+        },
     };
-    let mut negotiation = Negotiation::new(client, upstream, client_flags, config);
+    let mut negotiation = Negotiation {
+        client,
+        upstream,
+        client_flags,
+        structured: false,
+        extended: false,
+        batch: Vec::new(),
+        answered: false,
+        forward: None,
+        client_name: String::new(),
+        access: Access::ReadWrite,
+        identity,
+        policy: config.policy.current(),
+        config,
+    };
     loop {
         let option = negotiation.client.read_option().await?;
         match negotiation
@@ -69,13 +94,11 @@ pub async fn relay_options(
             OPT_STARTTLS => negotiation.starttls_again().await?,
             OPT_ABORT => negotiation.abort(&option).await?,
             OPT_EXPORT_NAME => negotiation.export_name(&option).await?,
-            OPT_LIST
-            | OPT_INFO
-            | OPT_GO
-            | OPT_STRUCTURED_REPLY
-            | OPT_LIST_META_CONTEXT
-            | OPT_SET_META_CONTEXT
-            | OPT_EXTENDED_HEADERS => negotiation.relayed(&option).await?,
+            OPT_LIST => negotiation.list(&option).await?,
+            OPT_INFO | OPT_GO | OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
+                negotiation.naming_an_export(&option).await?
+            }
+            OPT_STRUCTURED_REPLY | OPT_EXTENDED_HEADERS => negotiation.framing(&option).await?,
             _ => negotiation.unsupported(&option).await?,
         };
         match step {
@@ -104,16 +127,47 @@ enum Step {
 
 struct Negotiation<'a> {
     client: Client,
-    upstream: UpstreamChannel,
+    /// The upstream options go to: connected at start with one upstream,
+    /// else to the export the last option named.
+    upstream: Option<Attached>,
     client_flags: ClientFlags,
-    pads_export_name: bool,
     structured: bool,
     extended: bool,
     /// Upstream replies to the current option not yet sent to the client.
     batch: Vec<u8>,
     /// Whether any reply to the current option has reached the client.
     answered: bool,
+    /// The current option's data as the upstream must see it (the export
+    /// renamed), when it differs from what the client sent, and the
+    /// client's name for that export.
+    forward: Option<Vec<u8>>,
+    client_name: String,
+    /// What the identity may do with the export the current option named.
+    access: Access,
+    identity: CertInfo,
+    /// The policy as it was when the connection started.
+    policy: Arc<Policy>,
     config: &'a Config,
+}
+
+/// An upstream connection in negotiation.
+struct Attached {
+    channel: UpstreamChannel,
+    /// The client's name for the export it serves; `None` for the single
+    /// `--upstream`, which serves every name.
+    export: Option<String>,
+    pads_export_name: bool,
+}
+
+impl Attached {
+    fn new(upstream: Upstream, export: Option<String>, config: &Config) -> Self {
+        let stream = BufReader::with_capacity(UPSTREAM_NEGOTIATION_BUF, upstream.stream);
+        Attached {
+            channel: OptionChannel::new(stream, Side::Upstream, config.max_option_len),
+            export,
+            pads_export_name: upstream.pads_export_name,
+        }
+    }
 }
 
 /// The final reply to a relayed option, and the export it announced.
@@ -122,27 +176,7 @@ struct Relayed {
     export: Option<(u64, u16)>,
 }
 
-impl<'a> Negotiation<'a> {
-    fn new(
-        client: Client,
-        upstream: Upstream,
-        client_flags: ClientFlags,
-        config: &'a Config,
-    ) -> Self {
-        let stream = BufReader::with_capacity(UPSTREAM_NEGOTIATION_BUF, upstream.stream);
-        Negotiation {
-            client,
-            upstream: OptionChannel::new(stream, Side::Upstream, config.max_option_len),
-            client_flags,
-            pads_export_name: upstream.pads_export_name,
-            structured: false,
-            extended: false,
-            batch: Vec::new(),
-            answered: false,
-            config,
-        }
-    }
-
+impl Negotiation<'_> {
     async fn starttls_again(&mut self) -> Result<Step, ConnError> {
         self.client
             .send_reply(OPT_STARTTLS, REP_ERR_INVALID, "TLS is already active")
@@ -153,7 +187,12 @@ impl<'a> Negotiation<'a> {
     async fn abort(&mut self, option: &OptionHeader) -> Result<Step, ConnError> {
         // Tell the upstream too, so it sees a clean soft disconnect; the
         // client's ACK does not depend on it.
-        let _ = self.upstream.send_option(option, self.client.data()).await;
+        if let Some(upstream) = self.upstream.as_mut() {
+            let _ = upstream
+                .channel
+                .send_option(option, self.client.data())
+                .await;
+        }
         self.client.acknowledge_abort().await?;
         Ok(Step::Closed("client sent NBD_OPT_ABORT"))
     }
@@ -170,23 +209,48 @@ impl<'a> Negotiation<'a> {
         Ok(Step::Next)
     }
 
+    /// The old way in: no error reply exists, so a refusal closes.
     async fn export_name(&mut self, option: &OptionHeader) -> Result<Step, ConnError> {
         let export = String::from_utf8_lossy(self.client.data()).into_owned();
-        self.upstream
-            .send_option(option, self.client.data())
-            .await?;
+        let Some(access) = self.policy.decide(&self.identity, &export) else {
+            self.log_refused(&export);
+            return Ok(Step::Closed(
+                "NBD_OPT_EXPORT_NAME for an export not open to it",
+            ));
+        };
+        self.access = access;
+        if let Some(found) = self.route(&export) {
+            let Some(target) = found else {
+                return Ok(Step::Closed("NBD_OPT_EXPORT_NAME for an unknown export"));
+            };
+            if let Err(why) = self.attach(&target).await? {
+                warn!(export = %Escaped(&export), %why, "closing: NBD_OPT_EXPORT_NAME cannot be refused");
+                return Ok(Step::Closed(
+                    "NBD_OPT_EXPORT_NAME for an unavailable export",
+                ));
+            }
+            self.forward = Some(target.upstream_name.into_bytes());
+        }
+        let Some(upstream) = self.upstream.as_mut() else {
+            return Ok(Step::Closed("no upstream"));
+        };
+        let data = self.forward.as_deref().unwrap_or(self.client.data());
+        upstream.channel.send_option(option, data).await?;
         let mut reply = [0u8; 10];
         let when = "in an EXPORT_NAME reply";
-        if let Err(e) = self.upstream.read_exact(&mut reply, when).await {
+        if let Err(e) = upstream.channel.read_exact(&mut reply, when).await {
             // Closing is the only way a server can refuse EXPORT_NAME.
             warn!(export = %Escaped(&export), error = %e, "upstream refused NBD_OPT_EXPORT_NAME");
             return Ok(Step::Closed("upstream refused the export"));
         }
-        if self.pads_export_name {
+        if upstream.pads_export_name {
             let mut zeroes = [0u8; EXPORT_NAME_PADDING];
-            self.upstream.read_exact(&mut zeroes, when).await?;
+            upstream.channel.read_exact(&mut zeroes, when).await?;
         }
-        let (size, tflags) = parse_export_name_reply(&reply);
+        let (size, mut tflags) = parse_export_name_reply(&reply);
+        if self.access == Access::ReadOnly {
+            tflags = read_only_flags(tflags);
+        }
         self.client
             .send(&encode_export_name_reply(size, tflags, self.client_flags))
             .await?;
@@ -197,10 +261,185 @@ impl<'a> Negotiation<'a> {
         })
     }
 
+    /// With named exports: `Some(the export)`, or `Some(None)` for a name
+    /// nothing serves. Without (one upstream for every name): `None`.
+    fn route(&self, name: &str) -> Option<Option<Export>> {
+        let table = self.config.exports.as_ref()?;
+        Some(table.lookup(name))
+    }
+
+    /// INFO, GO and the META_CONTEXT options: authorized for the export
+    /// they name, sent to its upstream under the upstream's name for it.
+    async fn naming_an_export(&mut self, option: &OptionHeader) -> Result<Step, ConnError> {
+        self.forward = None;
+        let Some((name, _)) = split_export_name(self.client.data()) else {
+            return self
+                .refuse(option, REP_ERR_INVALID, "malformed option data")
+                .await;
+        };
+        let Ok(name) = std::str::from_utf8(name).map(str::to_owned) else {
+            return self
+                .refuse(option, REP_ERR_INVALID, "export names are UTF-8")
+                .await;
+        };
+        let Some(access) = self.policy.decide(&self.identity, &name) else {
+            self.log_refused(&name);
+            return self.unknown(option).await;
+        };
+        self.access = access;
+        if let Some(found) = self.route(&name) {
+            let Some(target) = found else {
+                debug!(export = %Escaped(&name), "no such export");
+                return self.unknown(option).await;
+            };
+            if let Err(why) = self.attach(&target).await? {
+                let message = format!("nbdgw: export unavailable: {why}");
+                return self.refuse(option, REP_ERR_SHUTDOWN, &message).await;
+            }
+            self.forward = with_export_name(self.client.data(), &target.upstream_name);
+            self.client_name = name;
+        }
+        self.relayed(option).await
+    }
+
+    /// Denied and nonexistent exports get the same answer, so names do
+    /// not leak.
+    async fn unknown(&mut self, option: &OptionHeader) -> Result<Step, ConnError> {
+        self.refuse(option, REP_ERR_UNKNOWN, "unknown export").await
+    }
+
+    async fn refuse(
+        &mut self,
+        option: &OptionHeader,
+        reply_type: u32,
+        message: &str,
+    ) -> Result<Step, ConnError> {
+        self.client
+            .send_reply(option.option, reply_type, message)
+            .await?;
+        Ok(Step::Next)
+    }
+
+    fn log_refused(&self, export: &str) {
+        info!(
+            client = %self.identity,
+            export = %Escaped(export),
+            "refused: the policy does not open this export to this client"
+        );
+    }
+
+    /// Makes `target`'s upstream the one options go to, connecting (and
+    /// agreeing the framing already agreed with the client) if it is not
+    /// already. `Err(why)` when that fails; the client is told by the caller.
+    async fn attach(&mut self, target: &Export) -> Result<Result<(), String>, ConnError> {
+        let current = self.upstream.as_ref().and_then(|u| u.export.as_deref());
+        if current == Some(target.name.as_str()) {
+            return Ok(Ok(()));
+        }
+        if let Some(mut old) = self.upstream.take() {
+            old.channel.goodbye().await;
+        }
+        let upstream = match upstream::open(&target.socket, self.config).await {
+            Ok(upstream) => upstream,
+            Err(e) => {
+                self.config.metrics.upstream_connect_failures.inc();
+                warn!(export = %Escaped(&target.name), error = %e, "upstream unavailable");
+                return Ok(Err(e.to_string()));
+            }
+        };
+        let mut attached = Attached::new(upstream, Some(target.name.clone()), self.config);
+        let replay = if self.extended {
+            Some(OPT_EXTENDED_HEADERS)
+        } else {
+            self.structured.then_some(OPT_STRUCTURED_REPLY)
+        };
+        if let Some(code) = replay {
+            let header = OptionHeader {
+                option: code,
+                length: 0,
+            };
+            attached.channel.send_option(&header, &[]).await?;
+            let mut scratch = Vec::new();
+            let reply = attached.channel.read_reply(code, &mut scratch).await?;
+            if reply.reply_type != REP_ACK {
+                return Ok(Err(format!(
+                    "its server refused the reply framing already agreed (option {code})"
+                )));
+            }
+        }
+        self.upstream = Some(attached);
+        Ok(Ok(()))
+    }
+
+    /// LIST: with named exports nbdgw answers itself, else the upstream's
+    /// answer is relayed; either way only the exports this client may
+    /// open are listed.
+    async fn list(&mut self, option: &OptionHeader) -> Result<Step, ConnError> {
+        self.forward = None;
+        let Some(table) = self.config.exports.clone() else {
+            return self.relayed(option).await;
+        };
+        if !self.client.data().is_empty() {
+            return self
+                .refuse(option, REP_ERR_INVALID, "LIST takes no data")
+                .await;
+        }
+        let mut replies = Vec::new();
+        for name in table.names() {
+            if self.policy.decide(&self.identity, &name).is_some() {
+                replies.extend(encode_option_reply(
+                    OPT_LIST,
+                    REP_SERVER,
+                    &encode_server_entry(&name),
+                ));
+            }
+        }
+        replies.extend(encode_option_reply(OPT_LIST, REP_ACK, &[]));
+        self.client.send(&replies).await?;
+        Ok(Step::Next)
+    }
+
+    /// STRUCTURED_REPLY and EXTENDED_HEADERS go to the upstream in use.
+    /// Before any export is chosen (named exports), nbdgw agrees to
+    /// structured replies itself and asks each upstream for them as it
+    /// connects; extended headers it cannot promise for an upstream not
+    /// yet chosen, so it declines them then and clients fall back.
+    async fn framing(&mut self, option: &OptionHeader) -> Result<Step, ConnError> {
+        self.forward = None;
+        if self.upstream.is_some() {
+            return self.relayed(option).await;
+        }
+        if !self.client.data().is_empty() {
+            return self
+                .refuse(option, REP_ERR_INVALID, "this option takes no data")
+                .await;
+        }
+        if option.option == OPT_EXTENDED_HEADERS {
+            let message = "nbdgw: extended headers are not offered before an export is chosen";
+            return self.refuse(option, REP_ERR_UNSUP, message).await;
+        }
+        if self.structured || self.extended {
+            return self
+                .refuse(
+                    option,
+                    REP_ERR_INVALID,
+                    "structured replies already negotiated",
+                )
+                .await;
+        }
+        self.structured = true;
+        self.refuse(option, REP_ACK, "").await
+    }
+
     /// Forwards the option and relays every reply to it. After an
     /// upstream failure the client still gets an answer, not a hang, if
     /// it has had none yet.
     async fn relayed(&mut self, option: &OptionHeader) -> Result<Step, ConnError> {
+        if self.upstream.is_none() {
+            return self
+                .refuse(option, REP_ERR_INVALID, "name an export first")
+                .await;
+        }
         let relayed = match self.relay_replies(option).await {
             Ok(relayed) => relayed,
             Err(e) if e.is_upstream() && !self.answered => {
@@ -225,10 +464,17 @@ impl<'a> Negotiation<'a> {
             OPT_STRUCTURED_REPLY => self.structured = true,
             OPT_EXTENDED_HEADERS => self.extended = true,
             OPT_GO => {
-                let export = export_name_prefix(self.client.data()).unwrap_or_default();
+                let export = split_export_name(self.client.data())
+                    .map(|(name, _)| String::from_utf8_lossy(name).into_owned())
+                    .unwrap_or_default();
                 // The spec makes INFO_EXPORT mandatory before GO's ACK; a
-                // server that omits it gets no read-only enforcement.
+                // server that omits it gets no read-only enforcement
+                // unless the policy grants read-only access.
                 let (size, tflags) = relayed.export.unwrap_or((0, 0));
+                let tflags = match self.access {
+                    Access::ReadOnly => read_only_flags(tflags),
+                    Access::ReadWrite => tflags,
+                };
                 return Ok(Step::Transmission {
                     export,
                     size,
@@ -245,26 +491,48 @@ impl<'a> Negotiation<'a> {
     async fn relay_replies(&mut self, option: &OptionHeader) -> Result<Relayed, ConnError> {
         self.answered = false;
         self.batch.clear();
-        self.upstream
-            .send_option(option, self.client.data())
-            .await?;
+        let Some(upstream) = self.upstream.as_mut() else {
+            return Err(ConnError::closed(
+                Side::Upstream,
+                "before an export was chosen",
+            ));
+        };
+        let data = self.forward.as_deref().unwrap_or(self.client.data());
+        upstream.channel.send_option(option, data).await?;
         let mut export = None;
         loop {
             let start = self.batch.len();
-            let reply = self
-                .upstream
+            let reply = upstream
+                .channel
                 .read_reply(option.option, &mut self.batch)
                 .await?;
-            if reply.reply_type == REP_INFO {
-                let body = &mut self.batch[start + OPTION_REPLY_HEADER_LEN..];
-                export = parse_info_export(body).or(export);
-                // A compliant client then never sends more than nbdgw takes.
-                if clamp_block_size(body, self.config.max_payload) {
-                    debug!(
-                        max_payload = self.config.max_payload,
-                        "lowered the upstream's maximum block size to --max-payload"
-                    );
+            let body = &mut self.batch[start + OPTION_REPLY_HEADER_LEN..];
+            match reply.reply_type {
+                REP_INFO if self.forward.is_some() && is_info_name(body) => {
+                    // The upstream's own name for the export, which the
+                    // client knows by another.
+                    self.batch.truncate(start);
+                    let body = encode_info_name(&self.client_name);
+                    self.batch
+                        .extend(encode_option_reply(option.option, REP_INFO, &body));
                 }
+                REP_INFO => {
+                    if self.access == Access::ReadOnly {
+                        force_read_only(body);
+                    }
+                    export = parse_info_export(body).or(export);
+                    // A compliant client then never sends more than nbdgw takes.
+                    if clamp_block_size(body, self.config.max_payload) {
+                        debug!(
+                            max_payload = self.config.max_payload,
+                            "lowered the upstream's maximum block size to --max-payload"
+                        );
+                    }
+                }
+                REP_SERVER if !listed(&self.policy, &self.identity, body) => {
+                    self.batch.truncate(start);
+                }
+                _ => {}
             }
             if reply.is_final() || self.batch.len() >= CLIENT_REPLY_BATCH {
                 self.client.send(&self.batch).await?;
@@ -286,9 +554,16 @@ impl<'a> Negotiation<'a> {
         size: u64,
         tflags: u16,
     ) -> Result<Outcome, ConnError> {
+        let Some(upstream) = self.upstream.take() else {
+            return Err(ConnError::closed(
+                Side::Upstream,
+                "before an export was chosen",
+            ));
+        };
         // A server sends nothing in transmission before a request, so
         // nothing read ahead can be left behind in the negotiation buffer.
-        if !self.upstream.get_mut().buffer().is_empty() {
+        let mut channel = upstream.channel;
+        if !channel.get_mut().buffer().is_empty() {
             return Err(ConnError::Proto {
                 side: Side::Upstream,
                 error: ProtoError::Malformed(
@@ -305,6 +580,8 @@ impl<'a> Negotiation<'a> {
         let read_only = tflags & TFLAG_READ_ONLY != 0;
         info!(
             export = %Escaped(export),
+            client = %self.identity,
+            access = %self.access,
             ?mode,
             size,
             transmission_flags = format_args!("{tflags:#x}"),
@@ -313,11 +590,22 @@ impl<'a> Negotiation<'a> {
         );
         Ok(Outcome::Transmission(Box::new(Session {
             tls: self.client.into_inner(),
-            upstream: self.upstream.into_inner().into_inner(),
+            upstream: channel.into_inner().into_inner(),
             mode,
             read_only,
         })))
     }
+}
+
+/// Whether a relayed LIST entry names an export this client may open.
+fn listed(policy: &Policy, identity: &CertInfo, body: &[u8]) -> bool {
+    if policy.is_open() {
+        return true;
+    }
+    let Some((name, _)) = split_export_name(body) else {
+        return false;
+    };
+    std::str::from_utf8(name).is_ok_and(|name| policy.decide(identity, name).is_some())
 }
 
 /// Without an upstream (or a session slot), every option gets an error

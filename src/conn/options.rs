@@ -159,14 +159,21 @@ impl<S: AsyncRead + AsyncWrite + Unpin> OptionChannel<S> {
             .await
     }
 
-    /// Sends an option with its data, as the client sent it.
+    /// Sends an option with `data`, its length taken from `data` (which a
+    /// routed option's renamed export changes).
     pub async fn send_option(
         &mut self,
         option: &OptionHeader,
         data: &[u8],
     ) -> Result<(), ConnError> {
+        let header = OptionHeader {
+            option: option.option,
+            length: u32::try_from(data.len()).map_err(|_| {
+                ConnError::proto(self.side)(ProtoError::Malformed("option data over 4 GiB"))
+            })?,
+        };
         let mut bytes = Vec::with_capacity(OPTION_HEADER_LEN + data.len());
-        bytes.extend_from_slice(&option.encode());
+        bytes.extend_from_slice(&header.encode());
         bytes.extend_from_slice(data);
         self.send(&bytes).await
     }

@@ -53,6 +53,7 @@ pub const REP_ERR_EXT_HEADER_REQD: u32 = REP_FLAG_ERROR | 10;
 
 /// `NBD_INFO_*` types carried in `NBD_REP_INFO`.
 pub const INFO_EXPORT: u16 = 0;
+pub const INFO_NAME: u16 = 1;
 pub const INFO_BLOCK_SIZE: u16 = 3;
 
 /// Transmission flags.
@@ -86,6 +87,8 @@ pub const REPLY_TYPE_ERROR_OFFSET: u16 = 0x8002;
 pub const REPLY_TYPE_ERROR_BIT: u16 = 0x8000;
 /// The longest message an error chunk may carry.
 pub const MAX_ERROR_MESSAGE: usize = 4096;
+/// The spec's limit on an export name.
+pub const MAX_EXPORT_NAME: usize = 4096;
 
 /// Error values carried in replies.
 pub const EPERM: u32 = 1;

@@ -204,6 +204,66 @@ pub fn export_name_prefix(data: &[u8]) -> Option<String> {
     Some(String::from_utf8_lossy(name).into_owned())
 }
 
+/// The export name at the start of INFO, GO and META_CONTEXT option data,
+/// as raw bytes, and what follows it.
+pub fn split_export_name(data: &[u8]) -> Option<(&[u8], &[u8])> {
+    let len = usize::try_from(be_u32(data.get(..4)?, 0)).ok()?;
+    let end = 4usize.checked_add(len)?;
+    Some((data.get(4..end)?, &data[end..]))
+}
+
+/// The same option data naming `name` instead: how a routed option is
+/// sent to an upstream that knows the export by another name.
+pub fn with_export_name(data: &[u8], name: &str) -> Option<Vec<u8>> {
+    let (_, rest) = split_export_name(data)?;
+    let len = u32::try_from(name.len()).ok()?;
+    let mut out = Vec::with_capacity(4 + name.len() + rest.len());
+    out.extend_from_slice(&len.to_be_bytes());
+    out.extend_from_slice(name.as_bytes());
+    out.extend_from_slice(rest);
+    Some(out)
+}
+
+/// Whether an `NBD_REP_INFO` body is `NBD_INFO_NAME`, the server's own
+/// name for the export, which a routed client must see as its own name.
+pub fn is_info_name(body: &[u8]) -> bool {
+    body.len() >= 2 && be_u16(body, 0) == INFO_NAME
+}
+
+/// An `NBD_INFO_NAME` body naming `name`.
+pub fn encode_info_name(name: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(2 + name.len());
+    out.extend_from_slice(&INFO_NAME.to_be_bytes());
+    out.extend_from_slice(name.as_bytes());
+    out
+}
+
+/// Marks transmission flags read-only (and valid).
+pub fn read_only_flags(tflags: u16) -> u16 {
+    tflags | TFLAG_HAS_FLAGS | TFLAG_READ_ONLY
+}
+
+/// Sets the read-only flag in an `NBD_INFO_EXPORT` body, in place, so a
+/// client granted read-only access is told so whatever the upstream
+/// offers. Returns whether the body was one.
+pub fn force_read_only(body: &mut [u8]) -> bool {
+    let Some((_, tflags)) = parse_info_export(body) else {
+        return false;
+    };
+    body[10..12].copy_from_slice(&read_only_flags(tflags).to_be_bytes());
+    true
+}
+
+/// The data of one `NBD_REP_SERVER` reply to LIST: the name, no
+/// description.
+pub fn encode_server_entry(name: &str) -> Vec<u8> {
+    let len = u32::try_from(name.len()).unwrap_or(u32::MAX);
+    let mut out = Vec::with_capacity(4 + name.len());
+    out.extend_from_slice(&len.to_be_bytes());
+    out.extend_from_slice(name.as_bytes());
+    out
+}
+
 /// Size and transmission flags of a reply to `NBD_OPT_EXPORT_NAME`.
 pub fn parse_export_name_reply(buf: &[u8; 10]) -> (u64, u16) {
     (be_u64(buf, 0), be_u16(buf, 8))
@@ -225,6 +285,54 @@ pub fn encode_export_name_reply(size: u64, tflags: u16, client: ClientFlags) -> 
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn an_export_name_is_replaced_and_the_rest_kept() {
+        let mut data = 3u32.to_be_bytes().to_vec();
+        data.extend_from_slice(b"vm1");
+        data.extend_from_slice(&[0, 1, 0, 3]);
+        assert_eq!(
+            split_export_name(&data),
+            Some((&b"vm1"[..], &[0, 1, 0, 3][..]))
+        );
+        let renamed = with_export_name(&data, "").unwrap();
+        assert_eq!(renamed, [0, 0, 0, 0, 0, 1, 0, 3]);
+        let renamed = with_export_name(&renamed, "disk0").unwrap();
+        assert_eq!(
+            split_export_name(&renamed),
+            Some((&b"disk0"[..], &[0, 1, 0, 3][..]))
+        );
+        for short in [&[0u8, 0, 0][..], &[0, 0, 0, 9, b'a'][..]] {
+            assert_eq!(split_export_name(short), None);
+            assert_eq!(with_export_name(short, "x"), None);
+        }
+    }
+
+    #[test]
+    fn info_name_is_recognised_and_made() {
+        let body = encode_info_name("vm-1");
+        assert!(is_info_name(&body));
+        assert_eq!(body, [0, 1, b'v', b'm', b'-', b'1']);
+        assert!(!is_info_name(&[0, 0, 0]));
+        assert!(!is_info_name(&[0]));
+    }
+
+    #[test]
+    fn read_only_is_forced_in_info_export_only() {
+        let mut body = [0u8; 12];
+        body[1] = INFO_EXPORT as u8;
+        body[11] = 0b1101; // HAS_FLAGS, FLUSH, FUA
+        assert!(force_read_only(&mut body));
+        assert_eq!(parse_info_export(&body), Some((0, 0b1111)));
+        let mut block_size = [0u8; 14];
+        block_size[1] = INFO_BLOCK_SIZE as u8;
+        assert!(!force_read_only(&mut block_size));
+        assert_eq!(block_size, {
+            let mut b = [0u8; 14];
+            b[1] = INFO_BLOCK_SIZE as u8;
+            b
+        });
+    }
 
     #[test]
     fn greeting_is_fixed_newstyle_with_no_zeroes() {

@@ -1,7 +1,7 @@
 //! Live rotation: the configuration new connections use can be swapped at
 //! any time; connections already established keep the one they started with.
 
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
@@ -9,6 +9,9 @@ use std::time::{Duration, Instant};
 
 use rustls::ServerConfig;
 use tracing::{error, info, warn};
+
+pub use crate::reload::{ReloadOutcome, Trigger};
+use crate::reload::{Swap, Triggers};
 
 use super::{
     build, CertInfo, Guards, Loaded, Material, Sessions, TlsConfigError, TlsPaths, TlsPolicy,
@@ -21,7 +24,7 @@ pub const EXPIRY_WARNING_DAYS: i64 = 7;
 /// The configuration handed to each new connection, the sessions it
 /// established, and how reloads went.
 pub struct TlsStore {
-    current: RwLock<Arc<ServerConfig>>,
+    current: Swap<ServerConfig>,
     sessions: Arc<Sessions>,
     /// Shared with the metrics registry.
     pub reloads_ok: Counter,
@@ -38,7 +41,7 @@ impl TlsStore {
 
     fn new(config: Arc<ServerConfig>) -> Self {
         TlsStore {
-            current: RwLock::new(config),
+            current: Swap::new(config),
             sessions: Arc::default(),
             reloads_ok: Counter::default(),
             reloads_failed: Counter::default(),
@@ -58,36 +61,12 @@ impl TlsStore {
     }
 
     pub fn current(&self) -> Arc<ServerConfig> {
-        // A poisoned lock still holds a complete Arc: replacing it is a
-        // single assignment, which cannot be left half done.
-        match self.current.read() {
-            Ok(guard) => guard.clone(),
-            Err(poisoned) => poisoned.into_inner().clone(),
-        }
+        self.current.current()
     }
 
     fn replace(&self, config: Arc<ServerConfig>) {
-        match self.current.write() {
-            Ok(mut guard) => *guard = config,
-            Err(poisoned) => *poisoned.into_inner() = config,
-        }
+        self.current.replace(config)
     }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Trigger {
-    /// The periodic look at the files: acts only when their bytes changed.
-    Poll,
-    /// SIGHUP: reload even if nothing seems to have changed.
-    Signal,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReloadOutcome {
-    Unchanged,
-    Reloaded,
-    /// The previous configuration stays in use.
-    Failed,
 }
 
 /// Owns the files and the last bytes seen, and swaps the store's
@@ -131,6 +110,12 @@ impl Reloader {
             last_seen: Ok(material),
             served: loaded.served,
         })
+    }
+
+    /// Whether clients must present certificates, fixed for the life of
+    /// the process.
+    pub fn requires_client_certificates(&self) -> bool {
+        self.guards.client_certificates
     }
 
     /// The files fixed at start, which every reload reads again.
@@ -197,26 +182,9 @@ impl Reloader {
     /// finds the files changed. Repeats the expiry warning daily. Runs
     /// until the process ends.
     pub async fn watch(mut self, interval: Option<Duration>) {
-        use tokio::signal::unix::{signal, SignalKind};
-        let mut hangup = match signal(SignalKind::hangup()) {
-            Ok(s) => Some(s),
-            Err(e) => {
-                warn!(error = %e, "cannot watch SIGHUP; certificates reload only when the files change");
-                None
-            }
-        };
-        let mut poll = interval.map(|every| {
-            let mut timer = tokio::time::interval(every);
-            timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            timer
-        });
+        let mut triggers = Triggers::new(interval, "certificates");
         let mut next_expiry_check = Instant::now() + Duration::from_secs(86_400);
-        loop {
-            let trigger = tokio::select! {
-                Some(()) = async { hangup.as_mut()?.recv().await } => Trigger::Signal,
-                Some(_) = async { Some(poll.as_mut()?.tick().await) } => Trigger::Poll,
-                else => return,
-            };
+        while let Some(trigger) = triggers.next().await {
             if trigger == Trigger::Signal {
                 info!("SIGHUP received: reloading TLS files");
             }

@@ -130,7 +130,11 @@ pub struct QemuNbd {
 
 impl QemuNbd {
     pub fn start(env: &Env, image: &Path, extra: &[&str]) -> Self {
-        let socket = env.path("nbd.sock");
+        Self::start_at(env.path("nbd.sock"), image, extra)
+    }
+
+    /// As `start`, on a socket path of the caller's choosing.
+    pub fn start_at(socket: PathBuf, image: &Path, extra: &[&str]) -> Self {
         let args: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
         let child = spawn_qemu_nbd(&socket, image, &args);
         QemuNbd {
@@ -154,9 +158,14 @@ impl QemuNbd {
 
     /// The upstream read directly, bypassing the gateway.
     pub fn read_direct(&self) -> Vec<u8> {
+        self.read_direct_named("")
+    }
+
+    /// As `read_direct`, for a qemu-nbd started with `-x EXPORT`.
+    pub fn read_direct_named(&self, export: &str) -> Vec<u8> {
         let out = self.socket.with_extension("direct.img");
         let _ = std::fs::remove_file(&out);
-        let uri = format!("nbd+unix:///?socket={}", self.socket.display());
+        let uri = format!("nbd+unix:///{export}?socket={}", self.socket.display());
         run_ok(
             Command::new("qemu-img")
                 .args(["convert", "-f", "raw", "-O", "raw"])

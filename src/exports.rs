@@ -1,0 +1,215 @@
+//! Named upstreams: `--export NAME=PATH[:UPSTREAM_NAME]` and
+//! `--export-dir DIR`, where every Unix socket `NAME.sock` is the export
+//! NAME. The directory is looked at when a client names an export or asks
+//! for the list, so sockets are picked up and dropped as they come and go,
+//! with nothing to watch or cache.
+
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use thiserror::Error;
+
+/// The suffix that makes a file in `--export-dir` an export.
+pub const SOCKET_SUFFIX: &str = ".sock";
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum ExportError {
+    #[error("--export {0:?}: expected NAME=PATH or NAME=PATH:UPSTREAM_NAME")]
+    Syntax(String),
+    #[error("--export {0:?} is given twice")]
+    Duplicate(String),
+    #[error("export name {0:?} is longer than the 4096 bytes NBD allows")]
+    TooLong(String),
+}
+
+/// One export: the name clients use, the socket behind it, and the name
+/// to ask that server for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Export {
+    pub name: String,
+    pub socket: PathBuf,
+    pub upstream_name: String,
+}
+
+impl FromStr for Export {
+    type Err = ExportError;
+
+    /// `NAME=PATH[:UPSTREAM_NAME]`; a path holding `:` cannot be given
+    /// this way (use --export-dir).
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let syntax = || ExportError::Syntax(text.to_string());
+        let (name, rest) = text.split_once('=').ok_or_else(syntax)?;
+        let (socket, upstream_name) = rest.split_once(':').unwrap_or((rest, ""));
+        if socket.is_empty() {
+            return Err(syntax());
+        }
+        if name.len() > crate::proto::consts::MAX_EXPORT_NAME {
+            return Err(ExportError::TooLong(name.to_string()));
+        }
+        Ok(Export {
+            name: name.to_string(),
+            socket: PathBuf::from(socket),
+            upstream_name: upstream_name.to_string(),
+        })
+    }
+}
+
+/// Every export the gateway routes to.
+#[derive(Debug, Clone, Default)]
+pub struct ExportTable {
+    fixed: Vec<Export>,
+    dir: Option<PathBuf>,
+}
+
+impl ExportTable {
+    pub fn new(fixed: Vec<Export>, dir: Option<PathBuf>) -> Result<Self, ExportError> {
+        for (i, export) in fixed.iter().enumerate() {
+            if fixed[..i].iter().any(|e| e.name == export.name) {
+                return Err(ExportError::Duplicate(export.name.clone()));
+            }
+        }
+        Ok(ExportTable { fixed, dir })
+    }
+
+    /// The paths the gateway connects beneath (for the sandbox).
+    pub fn socket_paths(&self) -> impl Iterator<Item = &Path> {
+        self.fixed
+            .iter()
+            .map(|e| e.socket.as_path())
+            .chain(self.dir.as_deref())
+    }
+
+    pub fn dir(&self) -> Option<&Path> {
+        self.dir.as_deref()
+    }
+
+    /// The export called `name`: a fixed one, else a socket in the
+    /// directory. A name that could step out of the directory is never
+    /// looked up there.
+    pub fn lookup(&self, name: &str) -> Option<Export> {
+        if let Some(export) = self.fixed.iter().find(|e| e.name == name) {
+            return Some(export.clone());
+        }
+        let dir = self.dir.as_ref()?;
+        if !is_plain_file_name(name) {
+            return None;
+        }
+        let socket = dir.join(format!("{name}{SOCKET_SUFFIX}"));
+        is_socket(&socket).then(|| Export {
+            name: name.to_string(),
+            socket,
+            upstream_name: String::new(),
+        })
+    }
+
+    /// Every export's name, fixed ones first, then the directory's sorted.
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.fixed.iter().map(|e| e.name.clone()).collect();
+        let mut found: Vec<String> = self
+            .dir
+            .as_ref()
+            .and_then(|dir| std::fs::read_dir(dir).ok())
+            .into_iter()
+            .flatten()
+            .filter_map(|entry| {
+                let entry = entry.ok()?;
+                let file_name = entry.file_name().into_string().ok()?;
+                let name = file_name.strip_suffix(SOCKET_SUFFIX)?;
+                let socket = entry.file_type().ok()?.is_socket();
+                (socket && is_plain_file_name(name) && !names.iter().any(|n| n == name))
+                    .then(|| name.to_string())
+            })
+            .collect();
+        found.sort();
+        names.append(&mut found);
+        names
+    }
+}
+
+/// Non-empty, no `/`, no NUL, not hidden (so never `.` or `..`), short
+/// enough for a file name.
+fn is_plain_file_name(name: &str) -> bool {
+    !name.is_empty()
+        && !name.starts_with('.')
+        && !name.contains(['/', '\0'])
+        && name.len() + SOCKET_SUFFIX.len() <= 255
+}
+
+fn is_socket(path: &Path) -> bool {
+    std::fs::metadata(path).is_ok_and(|m| m.file_type().is_socket())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixListener;
+
+    #[test]
+    fn the_flag_names_an_export_its_socket_and_optionally_its_upstream_name() {
+        let export: Export = "vm-1=/run/nbd/a.sock".parse().unwrap();
+        assert_eq!(export.name, "vm-1");
+        assert_eq!(export.socket, PathBuf::from("/run/nbd/a.sock"));
+        assert_eq!(export.upstream_name, "");
+        let export: Export = "db=/run/x.sock:disk0".parse().unwrap();
+        assert_eq!(export.upstream_name, "disk0");
+        let export: Export = "=/run/default.sock".parse().unwrap();
+        assert_eq!(export.name, "");
+        for bad in ["vm-1", "vm-1=", "vm-1=:name"] {
+            assert!(bad.parse::<Export>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_name_given_twice_is_refused() {
+        let a: Export = "a=/x.sock".parse().unwrap();
+        let error = ExportTable::new(vec![a.clone(), a], None).unwrap_err();
+        assert_eq!(error, ExportError::Duplicate("a".into()));
+    }
+
+    #[test]
+    fn the_directory_is_read_when_asked_so_sockets_come_and_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let fixed: Export = format!("fixed={}", dir.path().join("elsewhere").display())
+            .parse()
+            .unwrap();
+        let table = ExportTable::new(vec![fixed], Some(dir.path().to_path_buf())).unwrap();
+        assert_eq!(table.names(), ["fixed"]);
+        assert!(table.lookup("b").is_none());
+
+        let b = UnixListener::bind(dir.path().join("b.sock")).unwrap();
+        let _a = UnixListener::bind(dir.path().join("a.sock")).unwrap();
+        std::fs::write(dir.path().join("not-a-socket.sock"), "").unwrap();
+        std::fs::write(dir.path().join("c.img"), "").unwrap();
+        assert_eq!(table.names(), ["fixed", "a", "b"]);
+        let found = table.lookup("b").unwrap();
+        assert_eq!(found.socket, dir.path().join("b.sock"));
+        assert_eq!(found.upstream_name, "");
+        assert!(table.lookup("not-a-socket").is_none());
+
+        drop(b);
+        std::fs::remove_file(dir.path().join("b.sock")).unwrap();
+        assert_eq!(table.names(), ["fixed", "a"]);
+        assert!(table.lookup("b").is_none());
+    }
+
+    #[test]
+    fn names_that_could_leave_the_directory_are_never_looked_up() {
+        let outer = tempfile::tempdir().unwrap();
+        let dir = outer.path().join("exports");
+        std::fs::create_dir(&dir).unwrap();
+        let _outside = UnixListener::bind(outer.path().join("secret.sock")).unwrap();
+        let table = ExportTable::new(vec![], Some(dir)).unwrap();
+        for name in [
+            "../secret",
+            "..",
+            ".",
+            "",
+            "a/../../secret",
+            ".hidden",
+            "x\0y",
+        ] {
+            assert!(table.lookup(name).is_none(), "{name:?}");
+        }
+    }
+}

@@ -1,0 +1,261 @@
+//! One gateway, many disks: exports routed by name to three real qemu-nbd
+//! upstreams (two as sockets in --export-dir, one appearing mid-test; one
+//! given with --export under another upstream name), and a --policy file
+//! deciding per client identity which exports each sees, opens, and may
+//! write. Clients: libnbd's Python bindings (tests/libnbd_probe.py),
+//! nbdinfo --list and qemu-img.
+
+mod common;
+
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::clients::text;
+use common::pki::{Ca, ClientDir};
+use common::process::NbdgwProcess;
+use common::{run, Env, QemuNbd};
+
+const POLICY: &str = r#"
+[[rule]]
+exports = ["vm-*"]
+allow = { uri = ["spiffe://example.org/ns/*/sa/vm-host"] }
+access = "read-write"
+
+[[rule]]
+exports = ["*"]
+allow = { cn = ["backup"] }
+access = "read-only"
+
+[[rule]]
+exports = ["{ns}-*"]
+allow = { uri = ["spiffe://example.org/ns/{ns}/sa/app"] }
+access = "read-write"
+"#;
+
+struct Host {
+    env: Env,
+    dir: PathBuf,
+    policy: PathBuf,
+    gateway: NbdgwProcess,
+    vm_a: QemuNbd,
+    db_c: QemuNbd,
+    clients: Clients,
+}
+
+struct Clients {
+    vm_host: PathBuf,
+    backup: PathBuf,
+    db_app: PathBuf,
+    intruder: PathBuf,
+}
+
+fn image(env: &Env, name: &str, fill: u8) -> PathBuf {
+    let path = env.path(name);
+    std::fs::write(&path, vec![fill; 1 << 20]).unwrap();
+    path
+}
+
+fn host() -> Host {
+    let env = Env::new();
+    let ca = Ca::new("routing CA");
+    let (cert, key, client_ca) =
+        common::clients::write_server_files(&env.path("server"), &ca.server("gw"), &ca);
+    let client = |name: &str, uris: &[&str], serial| {
+        ca.client(name, &[], uris, serial)
+            .client_dir(&env.path(name), &ca)
+    };
+    let clients = Clients {
+        vm_host: client("vm-host", &["spiffe://example.org/ns/prod/sa/vm-host"], 11),
+        backup: client("backup", &[], 12),
+        db_app: client("db-app", &["spiffe://example.org/ns/db/sa/app"], 13),
+        intruder: client("intruder", &["spiffe://example.org/ns/db/sa/other"], 14),
+    };
+    let dir = env.path("exports");
+    std::fs::create_dir(&dir).unwrap();
+    let vm_a = QemuNbd::start_at(dir.join("vm-a.sock"), &image(&env, "a.img", b'A'), &[]);
+    // Served as "db-c" by the gateway, known upstream as "disk0".
+    let db_c = QemuNbd::start_at(
+        env.path("c.sock"),
+        &image(&env, "c.img", b'C'),
+        &["-x", "disk0"],
+    );
+    let policy = env.path("policy.toml");
+    std::fs::write(&policy, POLICY).unwrap();
+    let export_c = format!("db-c={}:disk0", db_c.socket.display());
+    let args: Vec<&OsStr> = vec![
+        "--tls-cert".as_ref(),
+        cert.as_os_str(),
+        "--tls-key".as_ref(),
+        key.as_os_str(),
+        "--tls-client-ca".as_ref(),
+        client_ca.as_os_str(),
+        "--export-dir".as_ref(),
+        dir.as_os_str(),
+        "--export".as_ref(),
+        export_c.as_ref(),
+        "--policy".as_ref(),
+        policy.as_os_str(),
+        "--tls-reload-interval".as_ref(),
+        "1".as_ref(),
+    ];
+    let gateway = NbdgwProcess::start(args);
+    Host {
+        env,
+        dir,
+        policy,
+        gateway,
+        vm_a,
+        db_c,
+        clients,
+    }
+}
+
+fn probe(port: u16, args: &[&str], cert_dir: &Path) -> String {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/libnbd_probe.py");
+    let out = run(Command::new("/usr/bin/python3")
+        .arg(script)
+        .arg(args[0])
+        .arg(port.to_string())
+        .arg(cert_dir)
+        .args(&args[1..]));
+    assert!(
+        out.status.success(),
+        "libnbd_probe {args:?}: {}",
+        text(&out)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+fn list(host: &Host, cert_dir: &Path) -> String {
+    probe(host.gateway.port, &["list"], cert_dir)
+}
+
+fn open(host: &Host, cert_dir: &Path, export: &str) -> String {
+    probe(host.gateway.port, &["open", export], cert_dir)
+}
+
+#[test]
+fn each_identity_sees_and_opens_exactly_its_exports_with_its_access() {
+    let h = host();
+    let c = &h.clients;
+    assert_eq!(list(&h, &c.vm_host), r#"{"exports": ["vm-a"]}"#);
+    assert_eq!(list(&h, &c.backup), r#"{"exports": ["db-c", "vm-a"]}"#);
+    assert_eq!(list(&h, &c.db_app), r#"{"exports": ["db-c"]}"#);
+    assert_eq!(list(&h, &c.intruder), r#"{"exports": []}"#);
+
+    // Read-write where allowed: the write reaches that export's upstream.
+    assert_eq!(
+        open(&h, &c.vm_host, "vm-a"),
+        r#"{"opened": true, "read_only": false, "size": 1048576, "write": "ok", "read": "WWWWWWWW"}"#
+    );
+    assert_eq!(&h.vm_a.read_direct()[..4], b"WWWW");
+    assert_eq!(
+        open(&h, &c.db_app, "db-c"),
+        r#"{"opened": true, "read_only": false, "size": 1048576, "write": "ok", "read": "WWWWWWWW"}"#
+    );
+    assert_eq!(&h.db_c.read_direct_named("disk0")[..4], b"WWWW");
+
+    // Read-only: flagged so, the write refused with EPERM, and the session
+    // goes on to read.
+    let before = h.vm_a.read_direct();
+    assert_eq!(
+        open(&h, &c.backup, "vm-a"),
+        r#"{"opened": true, "read_only": true, "size": 1048576, "write": "EPERM", "read": "WWWWWWWW"}"#
+    );
+    assert_eq!(h.vm_a.read_direct(), before);
+
+    // Not allowed, or no such export: the same answer, so names do not leak.
+    for (client, export) in [
+        (&c.vm_host, "db-c"),
+        (&c.db_app, "vm-a"),
+        (&c.intruder, "db-c"),
+        (&c.backup, "no-such-disk"),
+        (&c.backup, "../c"),
+    ] {
+        let said = open(&h, client, export);
+        assert!(
+            said.contains(r#""opened": false"#) && said.contains("No such file"),
+            "{export}: {said}"
+        );
+    }
+    let log = h.gateway.log();
+    assert!(log.contains("access=read-only"), "{log}");
+    assert!(
+        log.contains("refused: the policy does not open this export to this client"),
+        "{log}"
+    );
+}
+
+#[test]
+fn a_socket_appearing_in_the_directory_is_served_without_a_restart() {
+    let h = host();
+    let c = &h.clients;
+    assert_eq!(list(&h, &c.vm_host), r#"{"exports": ["vm-a"]}"#);
+    let vm_b = QemuNbd::start_at(h.dir.join("vm-b.sock"), &image(&h.env, "b.img", b'B'), &[]);
+    assert_eq!(list(&h, &c.vm_host), r#"{"exports": ["vm-a", "vm-b"]}"#);
+    assert_eq!(
+        open(&h, &c.vm_host, "vm-b"),
+        r#"{"opened": true, "read_only": false, "size": 1048576, "write": "ok", "read": "WWWWWWWW"}"#
+    );
+    // qemu-img, through qemu's own NBD client, by export name.
+    let tls = common::clients::qemu_tls_args("localhost", h.gateway.port, &c.vm_host);
+    let out = run(Command::new("qemu-img")
+        .arg("info")
+        .args(&tls[..2])
+        .arg("--image-opts")
+        .arg(format!(
+            "driver=nbd,host=localhost,port={},export=vm-b,tls-creds=tls0",
+            h.gateway.port
+        )));
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && said.contains("virtual size: 1 MiB"),
+        "{said}{}",
+        text(&out)
+    );
+    drop(vm_b);
+    assert_eq!(list(&h, &c.vm_host), r#"{"exports": ["vm-a"]}"#);
+    // nbdinfo --list agrees.
+    let out = run(Command::new("nbdinfo").arg("--list").arg(format!(
+        "nbds://localhost:{}/?tls-certificates={}",
+        h.gateway.port,
+        c.backup.display()
+    )));
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        said.contains("export=\"db-c\"") && said.contains("export=\"vm-a\""),
+        "{said}"
+    );
+    assert!(!said.contains("vm-b"), "{said}");
+}
+
+#[test]
+fn a_narrower_policy_applies_to_new_connections_and_a_wider_or_broken_one_is_refused() {
+    let h = host();
+    let c = &h.clients;
+    // Narrower: the backup rule goes.
+    let narrower = POLICY.replace(
+        "[[rule]]\nexports = [\"*\"]\nallow = { cn = [\"backup\"] }\naccess = \"read-only\"\n",
+        "",
+    );
+    assert_ne!(narrower, POLICY);
+    std::fs::write(&h.policy, &narrower).unwrap();
+    h.gateway.wait_for_log("access policy reloaded", 1);
+    assert_eq!(list(&h, &c.backup), r#"{"exports": []}"#);
+    assert!(open(&h, &c.backup, "vm-a").contains(r#""opened": false"#));
+
+    // Wider (the backup rule back), then broken: refused, the narrower
+    // policy stays.
+    std::fs::write(&h.policy, POLICY).unwrap();
+    h.gateway.wait_for_log("access policy reload refused", 1);
+    assert!(h
+        .gateway
+        .log()
+        .contains("may grant what the running one does not"));
+    std::fs::write(&h.policy, "[[rule]]\nexports = [").unwrap();
+    h.gateway.wait_for_log("access policy reload refused", 2);
+    assert_eq!(list(&h, &c.backup), r#"{"exports": []}"#);
+    assert_eq!(list(&h, &c.vm_host), r#"{"exports": ["vm-a"]}"#);
+}
