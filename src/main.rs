@@ -80,21 +80,8 @@ fn init_logging(format: LogFormat) {
 
 fn serve(args: ServeArgs) -> Result<()> {
     init_logging(args.log_format);
-    let exports = export_table(&args)?;
-    let upstream = match (&args.upstream, &exports) {
-        (Some(upstream), _) => upstream.clone(),
-        (None, Some(_)) => PathBuf::new(),
-        (None, None) => bail!("--upstream, --export or --export-dir is required (or NBDGW_UPSTREAM, NBDGW_EXPORT, NBDGW_EXPORT_DIR); see --help"),
-    };
-    check_limits(&args)?;
-    let reloader = tls_reloader(&args)?;
+    let (reloader, policy, config) = configure(&args)?;
     let reload_interval = seconds_or_off(args.tls_reload_interval);
-    let policy = policy_reloader(&args, &reloader)?;
-    let mut config = gateway_config(&args, upstream, reloader.store());
-    config.exports = exports.map(Arc::new);
-    if let Some(policy) = &policy {
-        config.policy = policy.store();
-    }
 
     report_fd_limit(args.max_connections + args.max_handshakes);
     report_sndbuf(args.upstream_sndbuf, &config.metrics);
@@ -108,18 +95,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         n => n,
     };
     if args.landlock {
-        let readable: Vec<&Path> = reloader
-            .paths()
-            .files()
-            .chain(args.tls_dir.as_deref())
-            .chain(policy.as_ref().map(|p| p.path()))
-            .chain(config.exports.as_ref().and_then(|e| e.dir()))
-            .collect();
-        let sockets: Vec<&Path> = match &config.exports {
-            Some(table) => table.socket_paths().collect(),
-            None => vec![config.upstream.as_path()],
-        };
-        sandbox(&readable, &sockets);
+        sandbox(&args, &reloader, policy.as_ref(), &config);
     } else {
         info!("--landlock false: the process is not sandboxed");
     }
@@ -136,14 +112,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         }
         debug_probe::after_start();
         if let Some(admin) = listeners.admin {
-            let listener = async_listener(admin)?;
-            info!(admin = %display_addr(&listener), "admin endpoints: /healthz /readyz /metrics");
-            let (metrics, health) = (config.metrics.clone(), config.health.clone());
-            tokio::spawn(nbdgw::admin::watch_upstream(
-                config.upstream.clone(),
-                health.clone(),
-            ));
-            tokio::spawn(nbdgw::admin::serve(listener, metrics, health));
+            start_admin(async_listener(admin)?, &config);
         }
         let listener = async_listener(listeners.nbd)?;
         info!(
@@ -162,6 +131,40 @@ fn serve(args: ServeArgs) -> Result<()> {
         .await?;
         Ok(())
     })
+}
+
+/// Everything decided before any socket is touched: the files read (TLS,
+/// policy) and the exports.
+fn configure(
+    args: &ServeArgs,
+) -> Result<(Reloader, Option<nbdgw::policy::PolicyReloader>, Config)> {
+    let exports = export_table(args)?;
+    let upstream = match (&args.upstream, &exports) {
+        (Some(upstream), _) => upstream.clone(),
+        (None, Some(_)) => PathBuf::new(),
+        (None, None) => bail!("--upstream, --export or --export-dir is required (or NBDGW_UPSTREAM, NBDGW_EXPORT, NBDGW_EXPORT_DIR); see --help"),
+    };
+    check_limits(args)?;
+    let reloader = tls_reloader(args)?;
+    let policy = policy_reloader(args, &reloader)?;
+    let mut config = gateway_config(args, upstream, reloader.store());
+    config.exports = exports.map(Arc::new);
+    if let Some(policy) = &policy {
+        config.policy = policy.store();
+    }
+    Ok((reloader, policy, config))
+}
+
+fn start_admin(listener: TcpListener, config: &Config) {
+    info!(admin = %display_addr(&listener), "admin endpoints: /healthz /readyz /metrics");
+    let (metrics, health) = (config.metrics.clone(), config.health.clone());
+    // With named exports each has its own server; one being down does
+    // not make the gateway unready.
+    if config.exports.is_none() {
+        let upstream = config.upstream.clone();
+        tokio::spawn(nbdgw::admin::watch_upstream(upstream, health.clone()));
+    }
+    tokio::spawn(nbdgw::admin::serve(listener, metrics, health));
 }
 
 fn async_listener(listener: std::net::TcpListener) -> Result<TcpListener> {
@@ -186,9 +189,25 @@ fn notify(state: &[NotifyState]) {
 }
 
 /// Best effort: a kernel without Landlock logs once and serves anyway.
-/// `readable`: the files (and directories) read after start; `sockets`:
+/// Readable: the files (and directories) read after start; connectable:
 /// the Unix sockets (or their directory) connected to.
-fn sandbox(readable: &[&Path], sockets: &[&Path]) {
+fn sandbox(
+    args: &ServeArgs,
+    tls: &Reloader,
+    policy: Option<&nbdgw::policy::PolicyReloader>,
+    config: &Config,
+) {
+    let readable: Vec<&Path> = tls
+        .paths()
+        .files()
+        .chain(args.tls_dir.as_deref())
+        .chain(policy.map(|p| p.path()))
+        .chain(config.exports.as_ref().and_then(|e| e.dir()))
+        .collect();
+    let sockets: Vec<&Path> = match &config.exports {
+        Some(table) => table.socket_paths().collect(),
+        None => vec![config.upstream.as_path()],
+    };
     let readable = nbdgw::sandbox::dirs_covering(readable.iter().copied());
     // systemd's notification socket, when it is a path (not abstract).
     let notify = std::env::var_os("NOTIFY_SOCKET")

@@ -258,7 +258,8 @@ fn the_command_line_certs_serve_and_sigterm() {
     // Missing required flags: a clear error, not a panic.
     let out = run(Command::new(bin).env_remove("NBDGW_TLS_CERT"));
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--upstream, --export or --export-dir is required"));
+    assert!(String::from_utf8_lossy(&out.stderr)
+        .contains("--upstream, --export or --export-dir is required"));
     let out = run(Command::new(bin).args(["--upstream", "/x"]));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--tls-cert and --tls-key, or --tls-dir"));
     let out = run(Command::new(bin).args([

@@ -38,6 +38,7 @@ struct Host {
     dir: PathBuf,
     policy: PathBuf,
     gateway: NbdgwProcess,
+    admin_port: u16,
     vm_a: QemuNbd,
     db_c: QemuNbd,
     clients: Clients,
@@ -83,6 +84,8 @@ fn host() -> Host {
     let policy = env.path("policy.toml");
     std::fs::write(&policy, POLICY).unwrap();
     let export_c = format!("db-c={}:disk0", db_c.socket.display());
+    let admin_port = common::free_port();
+    let admin = format!("127.0.0.1:{admin_port}");
     let args: Vec<&OsStr> = vec![
         "--tls-cert".as_ref(),
         cert.as_os_str(),
@@ -98,6 +101,8 @@ fn host() -> Host {
         policy.as_os_str(),
         "--tls-reload-interval".as_ref(),
         "1".as_ref(),
+        "--admin-listen".as_ref(),
+        admin.as_ref(),
     ];
     let gateway = NbdgwProcess::start(args);
     Host {
@@ -105,6 +110,7 @@ fn host() -> Host {
         dir,
         policy,
         gateway,
+        admin_port,
         vm_a,
         db_c,
         clients,
@@ -179,6 +185,11 @@ fn each_identity_sees_and_opens_exactly_its_exports_with_its_access() {
             "{export}: {said}"
         );
     }
+    // Ready without probing any one export's server.
+    let ready = run(Command::new("curl")
+        .args(["-s", "-m", "5", "-w", "%{http_code}"])
+        .arg(format!("http://127.0.0.1:{}/readyz", h.admin_port)));
+    assert_eq!(String::from_utf8_lossy(&ready.stdout), "ready\n200");
     let log = h.gateway.log();
     assert!(log.contains("access=read-only"), "{log}");
     assert!(
@@ -258,4 +269,71 @@ fn a_narrower_policy_applies_to_new_connections_and_a_wider_or_broken_one_is_ref
     h.gateway.wait_for_log("access policy reload refused", 2);
     assert_eq!(list(&h, &c.backup), r#"{"exports": []}"#);
     assert_eq!(list(&h, &c.vm_host), r#"{"exports": ["vm-a"]}"#);
+}
+
+/// The option-level rules, byte by byte with the raw client: reply codes
+/// for unknown and denied exports, framing asked for before an export is
+/// chosen, INFO on one export then GO on another (two upstreams in turn),
+/// and EXPORT_NAME, which can only be refused by closing.
+#[test]
+fn option_replies_while_routing_are_exact() {
+    use common::clients::connect_as;
+    use common::raw::go_data;
+    use nbdgw::proto::consts::*;
+    let h = host();
+    let c = &h.clients;
+    let mut raw = connect_as(h.gateway.addr(), &c.backup);
+    let replies = raw.option(OPT_EXTENDED_HEADERS, &[]);
+    assert_eq!(
+        replies[0].reply_type,
+        REP_ERR_UNSUP,
+        "{}",
+        replies[0].message()
+    );
+    assert_eq!(raw.option(OPT_STRUCTURED_REPLY, &[])[0].reply_type, REP_ACK);
+    assert_eq!(
+        raw.option(OPT_STRUCTURED_REPLY, &[])[0].reply_type,
+        REP_ERR_INVALID
+    );
+    assert_eq!(raw.option(OPT_LIST, b"x")[0].reply_type, REP_ERR_INVALID);
+    let unknown = raw.option(OPT_INFO, &go_data("no-such-disk", &[]));
+    assert_eq!(
+        (unknown[0].reply_type, unknown[0].message().as_str()),
+        (REP_ERR_UNKNOWN, "unknown export")
+    );
+
+    // INFO on vm-a (read-only for backup: the flag is set), then GO on
+    // db-c, whose upstream knows it as "disk0" and whose INFO_NAME reply
+    // must name it "db-c".
+    let info = raw.option(OPT_INFO, &go_data("vm-a", &[INFO_NAME]));
+    let export = info
+        .iter()
+        .find(|r| r.data.len() == 12 && r.data[..2] == [0, 0])
+        .unwrap();
+    assert_eq!(
+        u16::from_be_bytes([export.data[10], export.data[11]]) & TFLAG_READ_ONLY,
+        TFLAG_READ_ONLY
+    );
+    let go = raw.option(OPT_GO, &go_data("db-c", &[INFO_NAME]));
+    assert_eq!(go.last().unwrap().reply_type, REP_ACK);
+    let name = go
+        .iter()
+        .find(|r| r.data.starts_with(&[0, 1]))
+        .expect("an INFO_NAME reply");
+    assert_eq!(&name.data[2..], b"db-c");
+    let data = raw.read(1, 0, 4);
+    assert_eq!(data, b"CCCC");
+    raw.disconnect();
+
+    // A denied export by EXPORT_NAME: closed without a reply, as a server
+    // refusing it would.
+    let mut raw = connect_as(h.gateway.addr(), &c.vm_host);
+    raw.send_option(OPT_EXPORT_NAME, b"db-c");
+    raw.expect_closed();
+    // An allowed one works the old way too.
+    let mut raw = connect_as(h.gateway.addr(), &c.vm_host);
+    raw.send_option(OPT_EXPORT_NAME, b"vm-a");
+    let mut reply = [0u8; 10];
+    std::io::Read::read_exact(&mut raw.stream, &mut reply).unwrap();
+    assert_eq!(u64::from_be_bytes(reply[..8].try_into().unwrap()), 1 << 20);
 }

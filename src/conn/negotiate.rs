@@ -64,21 +64,7 @@ pub async fn relay_options(
             }
         },
     };
-    let mut negotiation = Negotiation {
-        client,
-        upstream,
-        client_flags,
-        structured: false,
-        extended: false,
-        batch: Vec::new(),
-        answered: false,
-        forward: None,
-        client_name: String::new(),
-        access: Access::ReadWrite,
-        identity,
-        policy: config.policy.current(),
-        config,
-    };
+    let mut negotiation = Negotiation::new(client, upstream, client_flags, identity, config);
     loop {
         let option = negotiation.client.read_option().await?;
         match negotiation
@@ -176,7 +162,31 @@ struct Relayed {
     export: Option<(u64, u16)>,
 }
 
-impl Negotiation<'_> {
+impl<'a> Negotiation<'a> {
+    fn new(
+        client: Client,
+        upstream: Option<Attached>,
+        client_flags: ClientFlags,
+        identity: CertInfo,
+        config: &'a Config,
+    ) -> Self {
+        Negotiation {
+            client,
+            upstream,
+            client_flags,
+            structured: false,
+            extended: false,
+            batch: Vec::new(),
+            answered: false,
+            forward: None,
+            client_name: String::new(),
+            access: Access::ReadWrite,
+            identity,
+            policy: config.policy.current(),
+            config,
+        }
+    }
+
     async fn starttls_again(&mut self) -> Result<Step, ConnError> {
         self.client
             .send_reply(OPT_STARTTLS, REP_ERR_INVALID, "TLS is already active")
@@ -337,6 +347,12 @@ impl Negotiation<'_> {
             return Ok(Ok(()));
         }
         if let Some(mut old) = self.upstream.take() {
+            // A soft disconnect, so the server does not log a lost client.
+            let abort = OptionHeader {
+                option: OPT_ABORT,
+                length: 0,
+            };
+            let _ = old.channel.send_option(&abort, &[]).await;
             old.channel.goodbye().await;
         }
         let upstream = match upstream::open(&target.socket, self.config).await {

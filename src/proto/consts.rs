@@ -69,6 +69,8 @@ pub const CMD_TRIM: u16 = 4;
 pub const CMD_CACHE: u16 = 5;
 pub const CMD_WRITE_ZEROES: u16 = 6;
 pub const CMD_BLOCK_STATUS: u16 = 7;
+/// The experimental resize extension.
+pub const CMD_RESIZE: u16 = 8;
 
 /// Command flags.
 pub const CMD_FLAG_FUA: u16 = 1 << 0;
@@ -141,6 +143,7 @@ pub fn command_name(command: u16) -> &'static str {
         CMD_CACHE => "CACHE",
         CMD_WRITE_ZEROES => "WRITE_ZEROES",
         CMD_BLOCK_STATUS => "BLOCK_STATUS",
+        CMD_RESIZE => "RESIZE",
         _ => "unknown",
     }
 }

@@ -30,7 +30,7 @@ impl ReplyMode {
 }
 
 /// A parsed request header.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Request {
     pub flags: u16,
     pub command: u16,
@@ -99,9 +99,14 @@ impl Request {
         }
     }
 
-    /// Commands that change the export, which a read-only export refuses.
+    /// Whether a read-only session must refuse it: anything not known to
+    /// leave the export as it is (WRITE, TRIM, WRITE_ZEROES, RESIZE, and
+    /// commands nbdgw does not know), so an extension cannot slip past.
     pub fn is_modifying(&self) -> bool {
-        matches!(self.command, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES)
+        !matches!(
+            self.command,
+            CMD_READ | CMD_DISC | CMD_FLUSH | CMD_CACHE | CMD_BLOCK_STATUS
+        )
     }
 }
 
@@ -375,6 +380,20 @@ pub fn encode_error_reply(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_commands_known_to_leave_the_export_alone_pass_a_read_only_session() {
+        let request = |command| Request {
+            command,
+            ..Request::default()
+        };
+        for command in [CMD_READ, CMD_DISC, CMD_FLUSH, CMD_CACHE, CMD_BLOCK_STATUS] {
+            assert!(!request(command).is_modifying(), "{command}");
+        }
+        for command in [CMD_WRITE, CMD_TRIM, CMD_WRITE_ZEROES, CMD_RESIZE, 9, 0xffff] {
+            assert!(request(command).is_modifying(), "{command}");
+        }
+    }
     use proptest::prelude::*;
 
     fn table(cookie: u64, command: u16, length: u64) -> InFlightTable {
