@@ -8,6 +8,7 @@ same for every front end. Prints one JSON object.
 
     nbdclient.py qd1 URI COUNT SIZE     QD1 reads, latency per request
     nbdclient.py replay URI SEED        the VM-boot-shaped QD1 replay
+    nbdclient.py small-replay URI SEED  the same, dominated by small reads
     nbdclient.py handshakes URI COUNT   connect (TLS), GO, disconnect
     nbdclient.py idle URI COUNT         open COUNT connections, print
                                         "ready", hold until stdin closes
@@ -67,8 +68,30 @@ def boot_trace(seed, count=2000):
     return trace
 
 
-def replay(uri, seed):
-    trace = boot_trace(seed)
+def small_boot_trace(seed, count=3000):
+    """A boot as a VM's firmware and kernel read it: 60 % 4 KiB, 25 %
+    16-64 KiB, 15 % 128-256 KiB, mostly in sequential runs (a new run
+    starts with probability 0.15); fixed by the seed."""
+    rng = random.Random(seed)
+    offset = 0
+    trace = []
+    for _ in range(count):
+        draw = rng.random()
+        if draw < 0.60:
+            size = 4096
+        elif draw < 0.85:
+            size = rng.choice([16384, 32768, 65536])
+        else:
+            size = rng.choice([131072, 262144])
+        if rng.random() < 0.15 or offset + size > EXPORT_SPAN:
+            offset = rng.randrange(0, EXPORT_SPAN - size, 4096)
+        trace.append((offset, size))
+        offset += size
+    return trace
+
+
+def replay(uri, seed, shape=boot_trace):
+    trace = shape(seed)
     h = connect(uri)
     t = time.perf_counter()
     for offset, size in trace:
@@ -107,6 +130,8 @@ def main():
         result = qd1(uri, int(sys.argv[3]), int(sys.argv[4]))
     elif kind == "replay":
         result = replay(uri, int(sys.argv[3]))
+    elif kind == "small-replay":
+        result = replay(uri, int(sys.argv[3]), small_boot_trace)
     elif kind == "handshakes":
         result = handshakes(uri, int(sys.argv[3]))
     elif kind == "idle":

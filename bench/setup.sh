@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything bench/run.py needs on a fresh Debian machine, from Debian's
 # packages: the peers (qemu-nbd, nbdkit), the clients (nbdcopy, libnbd's
-# Python bindings), packet capture, iperf3 and the namespace tools.
+# Python bindings, qemu-img bench, fio's nbd engine), packet capture,
+# iperf3 and the namespace tools.
 # Needs root, as bench/run.py does (apt-get, network namespaces, tshark).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +13,8 @@ fi
 scripts/setup.sh
 need=()
 for pair in qemu-nbd:qemu-utils nbdkit:nbdkit nbdcopy:libnbd-bin tshark:tshark \
-            iperf3:iperf3 openssl:openssl ethtool:ethtool ip:iproute2 taskset:util-linux; do
+            iperf3:iperf3 openssl:openssl ethtool:ethtool ip:iproute2 taskset:util-linux \
+            fio:fio; do
     command -v "${pair%%:*}" >/dev/null || need+=("${pair#*:}")
 done
 /usr/bin/python3 -c 'import nbd' 2>/dev/null || need+=(python3-libnbd)
