@@ -359,23 +359,38 @@ impl ExportPattern {
 }
 
 /// `*` matches any run of characters (none included); a placeholder its
-/// bound text exactly.
+/// bound text exactly. The name comes from the client, so this is linear
+/// in it for each literal: the literals between stars are found left to
+/// right, each at its leftmost place, which is all a star-only glob needs
+/// (no backtracking, however many stars the pattern has).
 fn glob(parts: &[Part], name: &str, bindings: &Bindings) -> bool {
-    match parts.split_first() {
-        None => name.is_empty(),
-        Some((Part::Literal(text), rest)) => name
-            .strip_prefix(text.as_str())
-            .is_some_and(|tail| glob(rest, tail, bindings)),
-        Some((Part::Placeholder(key), rest)) => bindings
-            .get(key)
-            .and_then(|value| name.strip_prefix(value.as_str()))
-            .is_some_and(|tail| glob(rest, tail, bindings)),
-        Some((Part::Any, rest)) => name
-            .char_indices()
-            .map(|(i, _)| i)
-            .chain(std::iter::once(name.len()))
-            .any(|i| glob(rest, &name[i..], bindings)),
+    // The pattern as literal runs between stars, placeholders filled in.
+    let mut runs: Vec<String> = Vec::new();
+    let mut current = String::new();
+    for part in parts {
+        match part {
+            Part::Literal(text) => current.push_str(text),
+            Part::Placeholder(key) => match bindings.get(key) {
+                Some(value) => current.push_str(value),
+                None => return false,
+            },
+            Part::Any => runs.push(std::mem::take(&mut current)),
+        }
     }
+    runs.push(current);
+    let Some(mut tail) = name.strip_prefix(runs[0].as_str()) else {
+        return false;
+    };
+    let Some((last, middle)) = runs[1..].split_last() else {
+        return tail.is_empty();
+    };
+    for run in middle {
+        match tail.find(run.as_str()) {
+            Some(at) => tail = &tail[at + run.len()..],
+            None => return false,
+        }
+    }
+    tail.len() >= last.len() && tail.ends_with(last.as_str())
 }
 
 impl IdentityPattern {

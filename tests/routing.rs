@@ -296,6 +296,8 @@ fn option_replies_while_routing_are_exact() {
         REP_ERR_INVALID
     );
     assert_eq!(raw.option(OPT_LIST, b"x")[0].reply_type, REP_ERR_INVALID);
+    let long = raw.option(OPT_INFO, &go_data(&"v".repeat(4097), &[]));
+    assert_eq!(long[0].reply_type, REP_ERR_INVALID, "{}", long[0].message());
     let unknown = raw.option(OPT_INFO, &go_data("no-such-disk", &[]));
     assert_eq!(
         (unknown[0].reply_type, unknown[0].message().as_str()),

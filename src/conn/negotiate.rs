@@ -221,6 +221,9 @@ impl<'a> Negotiation<'a> {
 
     /// The old way in: no error reply exists, so a refusal closes.
     async fn export_name(&mut self, option: &OptionHeader) -> Result<Step, ConnError> {
+        if self.client.data().len() > MAX_EXPORT_NAME {
+            return Ok(Step::Closed("NBD_OPT_EXPORT_NAME longer than 4096 bytes"));
+        }
         let export = String::from_utf8_lossy(self.client.data()).into_owned();
         let Some(access) = self.policy.decide(&self.identity, &export) else {
             self.log_refused(&export);
@@ -287,6 +290,10 @@ impl<'a> Negotiation<'a> {
                 .refuse(option, REP_ERR_INVALID, "malformed option data")
                 .await;
         };
+        if name.len() > MAX_EXPORT_NAME {
+            let message = "export names are at most 4096 bytes";
+            return self.refuse(option, REP_ERR_INVALID, message).await;
+        }
         let Ok(name) = std::str::from_utf8(name).map(str::to_owned) else {
             return self
                 .refuse(option, REP_ERR_INVALID, "export names are UTF-8")
