@@ -146,11 +146,13 @@ fn configure(
     };
     check_limits(args)?;
     let reloader = tls_reloader(args)?;
-    let policy = policy_reloader(args, &reloader)?;
+    let mut policy = policy_reloader(args, &reloader)?;
     let mut config = gateway_config(args, upstream, reloader.store());
     config.exports = exports.map(Arc::new);
-    if let Some(policy) = &policy {
+    if let Some(policy) = &mut policy {
         config.policy = policy.store();
+        let m = &config.metrics;
+        policy.count_into(m.policy_reloads.clone(), m.policy_reload_failures.clone());
     }
     Ok((reloader, policy, config))
 }

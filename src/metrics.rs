@@ -54,6 +54,9 @@ pub struct Metrics {
     pub request_seconds: Latency,
     pub upstream_connect_failures: Counter,
     pub upstream_sndbuf: Gauge,
+    pub exports_refused: Counter,
+    pub policy_reloads: Counter,
+    pub policy_reload_failures: Counter,
 }
 
 fn latency_histogram() -> Histogram {
@@ -78,10 +81,14 @@ impl Metrics {
             request_seconds: Family::new_with_constructor(latency_histogram),
             upstream_connect_failures: Counter::default(),
             upstream_sndbuf: Gauge::default(),
+            exports_refused: Counter::default(),
+            policy_reloads: Counter::default(),
+            policy_reload_failures: Counter::default(),
             registry: Registry::default(),
         };
         metrics.register_connections(&mut registry);
         metrics.register_requests(&mut registry, tls);
+        metrics.register_exports(&mut registry);
         Metrics {
             registry,
             ..metrics
@@ -121,6 +128,25 @@ impl Metrics {
             "sent_bytes",
             "Reply bytes sent to clients",
             m.bytes_sent.clone(),
+        );
+    }
+
+    fn register_exports(&self, r: &mut Registry) {
+        let m = self;
+        r.register(
+            "exports_refused",
+            "Options naming an export the client may not open, or that does not exist",
+            m.exports_refused.clone(),
+        );
+        r.register(
+            "policy_reloads",
+            "Access policy reloads that replaced the policy",
+            m.policy_reloads.clone(),
+        );
+        r.register(
+            "policy_reload_failures",
+            "Access policy reloads refused (missing, broken, or wider than the running policy)",
+            m.policy_reload_failures.clone(),
         );
     }
 

@@ -133,6 +133,18 @@ fn probe(port: u16, args: &[&str], cert_dir: &Path) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
+/// One sample of the gateway's /metrics, by curl.
+fn metric(host: &Host, name: &str) -> f64 {
+    let out = run(Command::new("curl")
+        .args(["-s", "-m", "5"])
+        .arg(format!("http://127.0.0.1:{}/metrics", host.admin_port)));
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
+}
+
 fn list(host: &Host, cert_dir: &Path) -> String {
     probe(host.gateway.port, &["list"], cert_dir)
 }
@@ -185,6 +197,8 @@ fn each_identity_sees_and_opens_exactly_its_exports_with_its_access() {
             "{export}: {said}"
         );
     }
+    // The five refusals above, each counted.
+    assert_eq!(metric(&h, "nbdgw_exports_refused_total"), 5.0);
     // Ready without probing any one export's server.
     let ready = run(Command::new("curl")
         .args(["-s", "-m", "5", "-w", "%{http_code}"])
@@ -267,6 +281,8 @@ fn a_narrower_policy_applies_to_new_connections_and_a_wider_or_broken_one_is_ref
         .contains("may grant what the running one does not"));
     std::fs::write(&h.policy, "[[rule]]\nexports = [").unwrap();
     h.gateway.wait_for_log("access policy reload refused", 2);
+    assert_eq!(metric(&h, "nbdgw_policy_reloads_total"), 1.0);
+    assert_eq!(metric(&h, "nbdgw_policy_reload_failures_total"), 2.0);
     assert_eq!(list(&h, &c.backup), r#"{"exports": []}"#);
     assert_eq!(list(&h, &c.vm_host), r#"{"exports": ["vm-a"]}"#);
 }

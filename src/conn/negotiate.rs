@@ -227,6 +227,7 @@ impl<'a> Negotiation<'a> {
         let export = String::from_utf8_lossy(self.client.data()).into_owned();
         let Some(access) = self.policy.decide(&self.identity, &export) else {
             self.log_refused(&export);
+            self.config.metrics.exports_refused.inc();
             return Ok(Step::Closed(
                 "NBD_OPT_EXPORT_NAME for an export not open to it",
             ));
@@ -234,6 +235,7 @@ impl<'a> Negotiation<'a> {
         self.access = access;
         if let Some(found) = self.route(&export) {
             let Some(target) = found else {
+                self.config.metrics.exports_refused.inc();
                 return Ok(Step::Closed("NBD_OPT_EXPORT_NAME for an unknown export"));
             };
             if let Err(why) = self.attach(&target).await? {
@@ -322,6 +324,7 @@ impl<'a> Negotiation<'a> {
     /// Denied and nonexistent exports get the same answer, so names do
     /// not leak.
     async fn unknown(&mut self, option: &OptionHeader) -> Result<Step, ConnError> {
+        self.config.metrics.exports_refused.inc();
         self.refuse(option, REP_ERR_UNKNOWN, "unknown export").await
     }
 

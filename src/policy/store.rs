@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use prometheus_client::metrics::counter::Counter;
 use thiserror::Error;
 use tracing::{error, info};
 
@@ -32,6 +33,9 @@ pub struct PolicyReloader {
     in_force: Vec<u8>,
     /// The last refusal, so a file that stays bad is reported once.
     last_refusal: Option<String>,
+    /// Reloads done and refused, for the metrics.
+    reloaded: Counter,
+    refused: Counter,
 }
 
 impl PolicyReloader {
@@ -44,7 +48,15 @@ impl PolicyReloader {
             path,
             in_force: bytes,
             last_refusal: None,
+            reloaded: Counter::default(),
+            refused: Counter::default(),
         })
+    }
+
+    /// Counts reloads into these (the metrics' counters).
+    pub fn count_into(&mut self, reloaded: Counter, refused: Counter) {
+        self.reloaded = reloaded;
+        self.refused = refused;
     }
 
     pub fn store(&self) -> Arc<PolicyStore> {
@@ -80,6 +92,7 @@ impl PolicyReloader {
                 self.store.replace(Arc::new(policy));
                 self.in_force = bytes;
                 self.last_refusal = None;
+                self.reloaded.inc();
                 ReloadOutcome::Reloaded
             }
             Err(e) => {
@@ -88,6 +101,7 @@ impl PolicyReloader {
                     error!(error = %text, "access policy reload refused; the running policy stays in force");
                 }
                 self.last_refusal = Some(text);
+                self.refused.inc();
                 ReloadOutcome::Failed
             }
         }
