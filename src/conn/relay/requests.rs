@@ -20,8 +20,10 @@ use crate::proto::transmission::{encode_error_reply, InFlight, ReplyMode, Reques
 use crate::proto::ProtoError;
 use crate::shutdown::Shutdown;
 
-/// Request payload is forwarded upstream in pieces of this size.
-const REQUEST_CHUNK: usize = 256 * 1024;
+/// Request payload is forwarded upstream in pieces of this size, with
+/// room for the header, so that a 256 KiB write (nbdcopy's and fio's usual
+/// size) leaves in one piece instead of 256 KiB and a 28-byte tail.
+const REQUEST_CHUNK: usize = 256 * 1024 + EXTENDED_REQUEST_LEN;
 
 pub struct Requests<'a> {
     client: ReadHalf<ClientTls>,
