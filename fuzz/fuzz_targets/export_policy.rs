@@ -30,12 +30,7 @@ fuzz_target!(|data: &[u8]| {
         Some(at) => (&data[..at], &data[at + 1..]),
         None => (data, &b""[..]),
     };
-    let identity = String::from_utf8_lossy(identity).into_owned();
-    let cert = CertInfo {
-        common_names: vec![identity.clone()],
-        dns_names: vec![identity.clone()],
-        uris: vec![identity],
-        ..CertInfo::default()
-    };
+    let identity = String::from_utf8_lossy(identity);
+    let cert = CertInfo::with_names(&identity, &[&identity], &[&identity]);
     let _ = policy.decide(&cert, &String::from_utf8_lossy(name));
 });

@@ -24,7 +24,8 @@ use crate::proto::transmission::ReplyMode;
 use crate::proto::ProtoError;
 use crate::shutdown::Shutdown;
 use crate::tls::CertInfo;
-use crate::upstream::{self, Upstream};
+use crate::upstream::{self, UpstreamError};
+use std::path::Path;
 use std::sync::Arc;
 
 pub enum Outcome {
@@ -54,11 +55,9 @@ pub async fn relay_options(
     // named exports, only once an option names one it may open.
     let upstream = match config.exports {
         Some(_) => None,
-        None => match upstream::open(&config.upstream, config).await {
-            Ok(upstream) => Some(Attached::new(upstream, None, config)),
+        None => match Attached::connect(&config.upstream, None, config).await {
+            Ok(attached) => Some(attached),
             Err(e) => {
-                config.metrics.upstream_connect_failures.inc();
-                warn!(error = %e, "upstream unavailable");
                 let message = format!("nbdgw: upstream NBD server unavailable: {e}");
                 return refuse_all(client, &message).await.map(Outcome::Closed);
             }
@@ -123,17 +122,22 @@ struct Negotiation<'a> {
     batch: Vec<u8>,
     /// Whether any reply to the current option has reached the client.
     answered: bool,
-    /// The current option's data as the upstream must see it (the export
-    /// renamed), when it differs from what the client sent, and the
-    /// client's name for that export.
-    forward: Option<Vec<u8>>,
-    client_name: String,
+    /// The current option as the upstream must see it, when it names an
+    /// export the upstream knows by another name.
+    renamed: Option<Renamed>,
     /// What the identity may do with the export the current option named.
     access: Access,
     identity: CertInfo,
     /// The policy as it was when the connection started.
     policy: Arc<Policy>,
     config: &'a Config,
+}
+
+/// An option's data rewritten for the upstream, and the name the client
+/// gave the export, which the upstream's replies must show again.
+struct Renamed {
+    data: Vec<u8>,
+    client_name: String,
 }
 
 /// An upstream connection in negotiation.
@@ -146,13 +150,30 @@ struct Attached {
 }
 
 impl Attached {
-    fn new(upstream: Upstream, export: Option<String>, config: &Config) -> Self {
+    /// Connects and greets the upstream on `socket`; a failure is counted
+    /// and logged here, once, for every caller.
+    async fn connect(
+        socket: &Path,
+        export: Option<String>,
+        config: &Config,
+    ) -> Result<Self, UpstreamError> {
+        let upstream = match upstream::open(socket, config).await {
+            Ok(upstream) => upstream,
+            Err(e) => {
+                config.metrics.upstream_connect_failures.inc();
+                let named = export
+                    .as_deref()
+                    .map(|e| tracing::field::display(Escaped(e)));
+                warn!(export = named, error = %e, "upstream unavailable");
+                return Err(e);
+            }
+        };
         let stream = BufReader::with_capacity(UPSTREAM_NEGOTIATION_BUF, upstream.stream);
-        Attached {
+        Ok(Attached {
             channel: OptionChannel::new(stream, Side::Upstream, config.max_option_len),
             export,
             pads_export_name: upstream.pads_export_name,
-        }
+        })
     }
 }
 
@@ -178,8 +199,7 @@ impl<'a> Negotiation<'a> {
             extended: false,
             batch: Vec::new(),
             answered: false,
-            forward: None,
-            client_name: String::new(),
+            renamed: None,
             access: Access::ReadWrite,
             identity,
             policy: config.policy.current(),
@@ -200,7 +220,7 @@ impl<'a> Negotiation<'a> {
         if let Some(upstream) = self.upstream.as_mut() {
             let _ = upstream
                 .channel
-                .send_option(option, self.client.data())
+                .send_option(option.option, self.client.data())
                 .await;
         }
         self.client.acknowledge_abort().await?;
@@ -244,13 +264,19 @@ impl<'a> Negotiation<'a> {
                     "NBD_OPT_EXPORT_NAME for an unavailable export",
                 ));
             }
-            self.forward = Some(target.upstream_name.into_bytes());
+            self.renamed = Some(Renamed {
+                data: target.upstream_name.into_bytes(),
+                client_name: export.clone(),
+            });
         }
         let Some(upstream) = self.upstream.as_mut() else {
             return Ok(Step::Closed("no upstream"));
         };
-        let data = self.forward.as_deref().unwrap_or(self.client.data());
-        upstream.channel.send_option(option, data).await?;
+        let data = self
+            .renamed
+            .as_ref()
+            .map_or(self.client.data(), |r| &r.data);
+        upstream.channel.send_option(option.option, data).await?;
         let mut reply = [0u8; 10];
         let when = "in an EXPORT_NAME reply";
         if let Err(e) = upstream.channel.read_exact(&mut reply, when).await {
@@ -286,7 +312,7 @@ impl<'a> Negotiation<'a> {
     /// INFO, GO and the META_CONTEXT options: authorized for the export
     /// they name, sent to its upstream under the upstream's name for it.
     async fn naming_an_export(&mut self, option: &OptionHeader) -> Result<Step, ConnError> {
-        self.forward = None;
+        self.renamed = None;
         let Some((name, _)) = split_export_name(self.client.data()) else {
             return self
                 .refuse(option, REP_ERR_INVALID, "malformed option data")
@@ -315,8 +341,11 @@ impl<'a> Negotiation<'a> {
                 let message = format!("nbdgw: export unavailable: {why}");
                 return self.refuse(option, REP_ERR_SHUTDOWN, &message).await;
             }
-            self.forward = with_export_name(self.client.data(), &target.upstream_name);
-            self.client_name = name;
+            self.renamed =
+                with_export_name(self.client.data(), &target.upstream_name).map(|data| Renamed {
+                    data,
+                    client_name: name,
+                });
         }
         self.relayed(option).await
     }
@@ -358,33 +387,21 @@ impl<'a> Negotiation<'a> {
         }
         if let Some(mut old) = self.upstream.take() {
             // A soft disconnect, so the server does not log a lost client.
-            let abort = OptionHeader {
-                option: OPT_ABORT,
-                length: 0,
-            };
-            let _ = old.channel.send_option(&abort, &[]).await;
+            let _ = old.channel.send_option(OPT_ABORT, &[]).await;
             old.channel.goodbye().await;
         }
-        let upstream = match upstream::open(&target.socket, self.config).await {
-            Ok(upstream) => upstream,
-            Err(e) => {
-                self.config.metrics.upstream_connect_failures.inc();
-                warn!(export = %Escaped(&target.name), error = %e, "upstream unavailable");
-                return Ok(Err(e.to_string()));
-            }
+        let export = Some(target.name.clone());
+        let mut attached = match Attached::connect(&target.socket, export, self.config).await {
+            Ok(attached) => attached,
+            Err(e) => return Ok(Err(e.to_string())),
         };
-        let mut attached = Attached::new(upstream, Some(target.name.clone()), self.config);
         let replay = if self.extended {
             Some(OPT_EXTENDED_HEADERS)
         } else {
             self.structured.then_some(OPT_STRUCTURED_REPLY)
         };
         if let Some(code) = replay {
-            let header = OptionHeader {
-                option: code,
-                length: 0,
-            };
-            attached.channel.send_option(&header, &[]).await?;
+            attached.channel.send_option(code, &[]).await?;
             let mut scratch = Vec::new();
             let reply = attached.channel.read_reply(code, &mut scratch).await?;
             if reply.reply_type != REP_ACK {
@@ -401,7 +418,7 @@ impl<'a> Negotiation<'a> {
     /// answer is relayed; either way only the exports this client may
     /// open are listed.
     async fn list(&mut self, option: &OptionHeader) -> Result<Step, ConnError> {
-        self.forward = None;
+        self.renamed = None;
         let Some(table) = self.config.exports.clone() else {
             return self.relayed(option).await;
         };
@@ -431,7 +448,7 @@ impl<'a> Negotiation<'a> {
     /// connects; extended headers it cannot promise for an upstream not
     /// yet chosen, so it declines them then and clients fall back.
     async fn framing(&mut self, option: &OptionHeader) -> Result<Step, ConnError> {
-        self.forward = None;
+        self.renamed = None;
         if self.upstream.is_some() {
             return self.relayed(option).await;
         }
@@ -523,8 +540,11 @@ impl<'a> Negotiation<'a> {
                 "before an export was chosen",
             ));
         };
-        let data = self.forward.as_deref().unwrap_or(self.client.data());
-        upstream.channel.send_option(option, data).await?;
+        let data = self
+            .renamed
+            .as_ref()
+            .map_or(self.client.data(), |r| &r.data);
+        upstream.channel.send_option(option.option, data).await?;
         let mut export = None;
         loop {
             let start = self.batch.len();
@@ -534,11 +554,12 @@ impl<'a> Negotiation<'a> {
                 .await?;
             let body = &mut self.batch[start + OPTION_REPLY_HEADER_LEN..];
             match reply.reply_type {
-                REP_INFO if self.forward.is_some() && is_info_name(body) => {
+                REP_INFO if self.renamed.is_some() && is_info_name(body) => {
                     // The upstream's own name for the export, which the
                     // client knows by another.
                     self.batch.truncate(start);
-                    let body = encode_info_name(&self.client_name);
+                    let name = self.renamed.as_ref().map_or("", |r| &r.client_name);
+                    let body = encode_info_name(name);
                     self.batch
                         .extend(encode_option_reply(option.option, REP_INFO, &body));
                 }

@@ -159,15 +159,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> OptionChannel<S> {
             .await
     }
 
-    /// Sends an option with `data`, its length taken from `data` (which a
-    /// routed option's renamed export changes).
-    pub async fn send_option(
-        &mut self,
-        option: &OptionHeader,
-        data: &[u8],
-    ) -> Result<(), ConnError> {
+    /// Sends option `option` with `data`, its length taken from `data`
+    /// (which a routed option's renamed export changes).
+    pub async fn send_option(&mut self, option: u32, data: &[u8]) -> Result<(), ConnError> {
         let header = OptionHeader {
-            option: option.option,
+            option,
             length: u32::try_from(data.len()).map_err(|_| {
                 ConnError::proto(self.side)(ProtoError::Malformed("option data over 4 GiB"))
             })?,

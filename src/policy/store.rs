@@ -146,10 +146,7 @@ mod tests {
         "[[rule]]\nexports = [\"*\"]\nallow = { cn = [\"a\"] }\naccess = \"read-only\"\n";
 
     fn a() -> crate::tls::CertInfo {
-        crate::tls::CertInfo {
-            common_names: vec!["a".into()],
-            ..Default::default()
-        }
+        crate::tls::CertInfo::with_names("a", &[], &[])
     }
 
     #[test]

@@ -2,12 +2,7 @@ use super::*;
 use proptest::prelude::*;
 
 fn cert(cn: &str, dns: &[&str], uris: &[&str]) -> CertInfo {
-    CertInfo {
-        common_names: vec![cn.to_string()],
-        dns_names: dns.iter().map(|s| s.to_string()).collect(),
-        uris: uris.iter().map(|s| s.to_string()).collect(),
-        ..CertInfo::default()
-    }
+    CertInfo::with_names(cn, dns, uris)
 }
 
 const EXAMPLE: &str = r#"

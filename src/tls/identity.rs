@@ -30,6 +30,17 @@ pub struct CertInfo {
 pub struct CertParseError(String);
 
 impl CertInfo {
+    /// A certificate reduced to the names allow-lists and policies judge.
+    pub fn with_names(cn: &str, dns: &[&str], uris: &[&str]) -> Self {
+        let owned = |names: &[&str]| names.iter().map(|n| n.to_string()).collect();
+        CertInfo {
+            common_names: vec![cn.to_string()],
+            dns_names: owned(dns),
+            uris: owned(uris),
+            ..CertInfo::default()
+        }
+    }
+
     pub fn from_der(der: &[u8]) -> Result<Self, CertParseError> {
         let (_, cert) =
             X509Certificate::from_der(der).map_err(|e| CertParseError(e.to_string()))?;
@@ -233,12 +244,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn cert(cn: &str, dns: &[&str], uris: &[&str]) -> CertInfo {
-        CertInfo {
-            common_names: vec![cn.to_string()],
-            dns_names: dns.iter().map(|s| s.to_string()).collect(),
-            uris: uris.iter().map(|s| s.to_string()).collect(),
-            ..CertInfo::default()
-        }
+        CertInfo::with_names(cn, dns, uris)
     }
 
     fn allow(cn: &[&str], dns: &[&str], uris: &[&str]) -> AllowList {
