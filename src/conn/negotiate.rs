@@ -545,6 +545,13 @@ impl<'a> Negotiation<'a> {
             .as_ref()
             .map_or(self.client.data(), |r| &r.data);
         upstream.channel.send_option(option.option, data).await?;
+        let edits = ReplyEdits {
+            renamed: self.renamed.as_ref(),
+            access: self.access,
+            policy: &self.policy,
+            identity: &self.identity,
+            max_payload: self.config.max_payload,
+        };
         let mut export = None;
         loop {
             let start = self.batch.len();
@@ -552,35 +559,8 @@ impl<'a> Negotiation<'a> {
                 .channel
                 .read_reply(option.option, &mut self.batch)
                 .await?;
-            let body = &mut self.batch[start + OPTION_REPLY_HEADER_LEN..];
-            match reply.reply_type {
-                REP_INFO if self.renamed.is_some() && is_info_name(body) => {
-                    // The upstream's own name for the export, which the
-                    // client knows by another.
-                    self.batch.truncate(start);
-                    let name = self.renamed.as_ref().map_or("", |r| &r.client_name);
-                    let body = encode_info_name(name);
-                    self.batch
-                        .extend(encode_option_reply(option.option, REP_INFO, &body));
-                }
-                REP_INFO => {
-                    if self.access == Access::ReadOnly {
-                        force_read_only(body);
-                    }
-                    export = parse_info_export(body).or(export);
-                    // A compliant client then never sends more than nbdgw takes.
-                    if clamp_block_size(body, self.config.max_payload) {
-                        debug!(
-                            max_payload = self.config.max_payload,
-                            "lowered the upstream's maximum block size to --max-payload"
-                        );
-                    }
-                }
-                REP_SERVER if !listed(&self.policy, &self.identity, body) => {
-                    self.batch.truncate(start);
-                }
-                _ => {}
-            }
+            let edited = edits.apply((option.option, reply.reply_type), &mut self.batch, start);
+            export = edited.or(export);
             if reply.is_final() || self.batch.len() >= CLIENT_REPLY_BATCH {
                 self.client.send(&self.batch).await?;
                 self.batch.clear();
@@ -641,6 +621,55 @@ impl<'a> Negotiation<'a> {
             mode,
             read_only,
         })))
+    }
+}
+
+/// What nbdgw changes in the upstream's option replies before the client
+/// sees them.
+struct ReplyEdits<'a> {
+    renamed: Option<&'a Renamed>,
+    access: Access,
+    policy: &'a Policy,
+    identity: &'a CertInfo,
+    max_payload: u32,
+}
+
+impl ReplyEdits<'_> {
+    /// Edits the reply that starts at `start` in `batch`, in place or by
+    /// replacing it; returns the export's size and flags if it gave them.
+    fn apply(&self, reply: (u32, u32), batch: &mut Vec<u8>, start: usize) -> Option<(u64, u16)> {
+        let (option, reply_type) = reply;
+        let body = &mut batch[start + OPTION_REPLY_HEADER_LEN..];
+        match reply_type {
+            REP_INFO if is_info_name(body) => {
+                // The upstream's own name for the export, which the client
+                // knows by another.
+                if let Some(renamed) = self.renamed {
+                    batch.truncate(start);
+                    let body = encode_info_name(&renamed.client_name);
+                    batch.extend(encode_option_reply(option, REP_INFO, &body));
+                }
+                None
+            }
+            REP_INFO => {
+                if self.access == Access::ReadOnly {
+                    force_read_only(body);
+                }
+                // A compliant client then never sends more than nbdgw takes.
+                if clamp_block_size(body, self.max_payload) {
+                    debug!(
+                        max_payload = self.max_payload,
+                        "lowered the upstream's maximum block size to --max-payload"
+                    );
+                }
+                parse_info_export(body)
+            }
+            REP_SERVER if !listed(self.policy, self.identity, body) => {
+                batch.truncate(start);
+                None
+            }
+            _ => None,
+        }
     }
 }
 
