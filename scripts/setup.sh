@@ -4,8 +4,11 @@
 # python3-libnbd (the soak's clients, for Debian's /usr/bin/python3) and
 # iproute2 (ip netns, for the test of a client that powers off), curl (the
 # admin endpoints' tests) and systemd (systemd-socket-activate and
-# systemd-analyze, for the units' tests).
+# systemd-analyze, for the units' tests), and qemu-system-x86 for
+# scripts/ktls-vm.sh (the kernel TLS tests, under a kernel that has it).
 set -euo pipefail
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
 
 packages=(qemu-utils libnbd-bin python3-libnbd iproute2 curl systemd)
 missing=()
@@ -13,11 +16,30 @@ for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if ((${#missing[@]})); then
-    sudo=""
-    [ "$(id -u)" -eq 0 ] || sudo="sudo"
     echo "setup: installing ${missing[*]}" >&2
     $sudo apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+# At the installed qemu-utils' own version: Debian's qemu-system-x86 of
+# another version would replace qemu-utils (seen: bookworm's 7.2 removing a
+# backported 10.0). A backported qemu-utils needs the backports source.
+if ! command -v qemu-system-x86_64 >/dev/null; then
+    version=$(dpkg-query -W -f='${Version}' qemu-utils)
+    release=()
+    if [[ $version == *bpo* ]]; then
+        codename=$(. /etc/os-release && echo "$VERSION_CODENAME")
+        list=/etc/apt/sources.list.d/nbdgw-backports.list
+        grep -rqs "$codename-backports" /etc/apt/sources.list /etc/apt/sources.list.d/ ||
+            echo "deb http://deb.debian.org/debian $codename-backports main" | $sudo tee "$list" >/dev/null
+        release=(-t "$codename-backports")
+    fi
+    echo "setup: installing qemu-system-x86 $version" >&2
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+        "${release[@]}" qemu-system-x86 >/dev/null
+    [ "$(dpkg-query -W -f='${Version}' qemu-system-x86)" = "$version" ] ||
+        { echo "setup: qemu-system-x86 does not match qemu-utils $version" >&2; exit 1; }
+    command -v qemu-nbd >/dev/null || { echo "setup: qemu-nbd went missing" >&2; exit 1; }
 fi
 command -v cargo >/dev/null || { echo "setup: cargo (Rust toolchain) is required" >&2; exit 1; }
 # cargo-fuzz, for scripts/fuzz.sh (the fuzzers run on the nightly toolchain).

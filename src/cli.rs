@@ -8,6 +8,7 @@ use clap::parser::ValueSource;
 use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 
 use crate::config::{self, Cork};
+use crate::tls::kernel::KernelTlsMode;
 use crate::tls::MinVersion;
 
 const AFTER_HELP: &str = "\
@@ -186,6 +187,11 @@ pub struct ServeArgs {
     /// default gives full segments.
     #[arg(long, env = "NBDGW_CORK", value_enum, default_value_t = Cork::Deferred)]
     pub cork: Cork,
+    /// Kernel TLS: after the handshake, hand TLS 1.3 sessions to the
+    /// kernel's record layer when it has one (auto: probed at start,
+    /// rustls otherwise), or never (off).
+    #[arg(long, env = "NBDGW_KTLS", value_enum, default_value_t = KernelTlsMode::Auto)]
+    pub ktls: KernelTlsMode,
     /// Worker threads; 0 means one per CPU. In a container, match the CPU
     /// limit.
     #[arg(long, env = "NBDGW_THREADS", default_value_t = 0)]

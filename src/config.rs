@@ -45,6 +45,9 @@ pub struct Config {
     pub max_option_len: u32,
     /// How replies are held back into full TCP segments.
     pub cork: Cork,
+    /// The ciphers kernel TLS takes, when sessions go to the kernel after
+    /// the handshake; `None` keeps every session in rustls.
+    pub kernel_tls: Option<crate::tls::kernel::KernelCiphers>,
     /// How long open connections may finish after SIGTERM.
     pub shutdown_grace: Duration,
     /// After SIGTERM, how long to go on accepting (not ready) so that
@@ -97,6 +100,7 @@ impl Config {
             max_payload: crate::proto::consts::DEFAULT_MAX_PAYLOAD,
             max_option_len: DEFAULT_MAX_OPTION_LEN,
             cork: Cork::Deferred,
+            kernel_tls: None,
             shutdown_grace: Duration::from_secs(DEFAULT_SHUTDOWN_GRACE_SECS),
         }
     }

@@ -145,10 +145,13 @@ fn configure(
         (None, None) => bail!("--upstream, --export or --export-dir is required (or NBDGW_UPSTREAM, NBDGW_EXPORT, NBDGW_EXPORT_DIR); see --help"),
     };
     check_limits(args)?;
-    let reloader = tls_reloader(args)?;
+    // Probed before the sandbox, which forbids the loopback connection.
+    let kernel_tls = nbdgw::tls::kernel::decide(args.ktls);
+    let reloader = tls_reloader(args, kernel_tls.is_some())?;
     let mut policy = policy_reloader(args, &reloader)?;
     let mut config = gateway_config(args, upstream, reloader.store());
     config.exports = exports.map(Arc::new);
+    config.kernel_tls = kernel_tls;
     if let Some(policy) = &mut policy {
         config.policy = policy.store();
         let m = &config.metrics;
@@ -308,7 +311,7 @@ fn check_limits(args: &ServeArgs) -> Result<()> {
 }
 
 /// The first load of the TLS files, whose failure stops start-up.
-fn tls_reloader(args: &ServeArgs) -> Result<Reloader> {
+fn tls_reloader(args: &ServeArgs, secret_extraction: bool) -> Result<Reloader> {
     let sources = TlsSources {
         dir: args.tls_dir.clone(),
         cert: args.tls_cert.clone(),
@@ -325,6 +328,7 @@ fn tls_reloader(args: &ServeArgs) -> Result<Reloader> {
         )?,
         crl_allow_expired: args.tls_crl_allow_expired,
         revoke_closes: args.tls_revoke_closes,
+        secret_extraction,
     };
     Reloader::start(sources, policy).context("loading the TLS files")
 }

@@ -47,6 +47,7 @@ pub struct Metrics {
     pub connections: Family<Outcome, Counter>,
     pub handshake_failures: Family<Reason, Counter>,
     pub identities_refused: Counter,
+    pub kernel_tls_sessions: Counter,
     pub bytes_received: Counter,
     pub bytes_sent: Counter,
     pub requests: Family<Command, Counter>,
@@ -74,6 +75,7 @@ impl Metrics {
             connections: Family::default(),
             handshake_failures: Family::default(),
             identities_refused: Counter::default(),
+            kernel_tls_sessions: Counter::default(),
             bytes_received: Counter::default(),
             bytes_sent: Counter::default(),
             requests: Family::default(),
@@ -118,6 +120,11 @@ impl Metrics {
             "identities_refused",
             "Client certificates refused (chain, revocation or allow-lists)",
             m.identities_refused.clone(),
+        );
+        r.register(
+            "kernel_tls_sessions",
+            "TLS sessions handed to the kernel (kTLS) after the handshake",
+            m.kernel_tls_sessions.clone(),
         );
         r.register(
             "received_bytes",

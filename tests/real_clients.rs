@@ -21,30 +21,7 @@ fn qemu_img_reads_and_writes_through_the_gateway() {
     let gateway = Gateway::start(env.config(&upstream.socket));
     let (object, opts) = gateway.qemu_args(&env);
 
-    let copy = env.path("copy.img");
-    run_ok(
-        Command::new("qemu-img")
-            .args([
-                "convert",
-                "--object",
-                &object,
-                "--image-opts",
-                &opts,
-                "-O",
-                "raw",
-            ])
-            .arg(&copy),
-    );
-    assert_eq!(std::fs::read(&copy).unwrap(), upstream.read_direct());
-
-    let source = env.random_image("new.img", SIZE, 4);
-    run_ok(
-        Command::new("qemu-img")
-            .args(["convert", "-n", "--object", &object, "-f", "raw"])
-            .arg(&source)
-            .args(["--target-image-opts", &opts]),
-    );
-    assert_eq!(upstream.read_direct(), std::fs::read(&source).unwrap());
+    let source = common::qemu_img_copy_both_ways(&env, &upstream, (&object, &opts), SIZE, 4);
 
     // And qemu-img's own comparison through the gateway.
     let out = run_ok(

@@ -1,6 +1,6 @@
 # Print an optspec for argparse to handle cmd's options that are independent of any subcommand.
 function __fish_nbdgw_global_optspecs
-    string join \n listen= tls-cert= tls-key= tls-dir= tls-client-ca= tls-crl= allow-cn= allow-dns= allow-uri= tls-crl-allow-expired tls-revoke-closes= tls-min-version= tls-reload-interval= upstream= export= export-dir= policy= upstream-sndbuf= max-connections= max-handshakes= max-handshakes-per-source= handshake-timeout= idle-timeout= stall-timeout= tcp-keepalive= tcp-keepalive-interval= tcp-keepalive-count= max-payload= max-option-len= admin-listen= drain-delay= shutdown-grace= cork= threads= landlock= log-format= h/help V/version
+    string join \n listen= tls-cert= tls-key= tls-dir= tls-client-ca= tls-crl= allow-cn= allow-dns= allow-uri= tls-crl-allow-expired tls-revoke-closes= tls-min-version= tls-reload-interval= upstream= export= export-dir= policy= upstream-sndbuf= max-connections= max-handshakes= max-handshakes-per-source= handshake-timeout= idle-timeout= stall-timeout= tcp-keepalive= tcp-keepalive-interval= tcp-keepalive-count= max-payload= max-option-len= admin-listen= drain-delay= shutdown-grace= cork= ktls= threads= landlock= log-format= h/help V/version
 end
 
 function __fish_nbdgw_needs_command
@@ -60,6 +60,8 @@ complete -c nbdgw -n "__fish_nbdgw_needs_command" -l shutdown-grace -d 'Seconds 
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l cork -d 'TCP_CORK around replies: deferred (held while the next reply is already waiting), per-reply (as QEMU), or off. For measuring; the default gives full segments' -r -f -a "deferred\t'Corked while the next reply is already waiting; released when nothing more is (a burst that fits one write needs no cork at all)'
 per-reply\t'Corked around every reply and released after it, as QEMU does'
 off\t''"
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l ktls -d 'Kernel TLS: after the handshake, hand TLS 1.3 sessions to the kernel\'s record layer when it has one (auto: probed at start, rustls otherwise), or never (off)' -r -f -a "auto\t'When the kernel offers it (probed at start), rustls otherwise'
+off\t'Never: rustls keeps every session'"
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l threads -d 'Worker threads; 0 means one per CPU. In a container, match the CPU limit' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l landlock -d 'Restrict the process with Landlock once started: read access only beneath the TLS files\' directories, no other file, no TCP bind or connect (true or false; a kernel without Landlock logs it and runs unrestricted)' -r -f -a "true\t''
 false\t''"

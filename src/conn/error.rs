@@ -37,6 +37,8 @@ pub enum ConnError {
     UpstreamGone(usize),
     #[error("TLS handshake failed: {0}")]
     Tls(io::Error),
+    #[error("kernel TLS hand-over failed: {0}")]
+    KernelTls(#[from] crate::tls::kernel::KernelTlsError),
     #[error("negotiation not finished within {0:?}")]
     HandshakeTimeout(Duration),
     #[error("idle for {0:?} with no request in flight")]

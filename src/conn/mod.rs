@@ -4,9 +4,11 @@
 //!
 //! The phases, each handing the next what `session` describes:
 //! `plain` (before TLS) → `negotiate` (options after TLS, through
-//! `options`) → `relay` (transmission).
+//! `options`) → `relay` (transmission). `kernel_tls` may hand the session
+//! from rustls to the kernel between the handshake and the options.
 
 mod error;
+mod kernel_tls;
 mod negotiate;
 mod options;
 mod plain;
@@ -162,6 +164,15 @@ async fn negotiate(
     };
     let tls = plain::accept_tls(io, config).await?;
     log_tls(&tls);
+    let chain = tls.get_ref().1.peer_certificates().unwrap_or_default();
+    // Anonymous clients (no client CA) have no names: a policy with rules
+    // opens nothing to them.
+    let identity = chain
+        .first()
+        .and_then(|leaf| crate::tls::CertInfo::from_der(leaf).ok())
+        .unwrap_or_default();
+    let registered = (!chain.is_empty()).then(|| config.tls.sessions().register(link.id, chain));
+    let tls = kernel_tls::hand_over(tls, config).await?;
     // Authenticated: from here on the connection holds a session slot,
     // not a handshake slot.
     let slot = match link.admission.session() {
@@ -177,14 +188,6 @@ async fn negotiate(
         }
     };
     drop(handshake_permit);
-    let chain = tls.get_ref().1.peer_certificates().unwrap_or_default();
-    // Anonymous clients (no client CA) have no names: a policy with rules
-    // opens nothing to them.
-    let identity = chain
-        .first()
-        .and_then(|leaf| crate::tls::CertInfo::from_der(leaf).ok())
-        .unwrap_or_default();
-    let registered = (!chain.is_empty()).then(|| config.tls.sessions().register(link.id, chain));
     let relayed =
         negotiate::relay_options(tls, client_flags, identity, config, &link.shutdown).await?;
     Ok(match relayed {

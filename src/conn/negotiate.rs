@@ -9,7 +9,7 @@ use tracing::{debug, info, warn};
 
 use super::error::{ConnError, Side};
 use super::options::{OptionChannel, ShutdownAnswer};
-use super::session::{ClientTls, Session};
+use super::session::{ClientStream, Session};
 use crate::config::Config;
 use crate::exports::Export;
 use crate::logsafe::Escaped;
@@ -40,11 +40,11 @@ const UPSTREAM_NEGOTIATION_BUF: usize = 4096;
 /// option, up to this much (a long LIST goes out in pieces).
 const CLIENT_REPLY_BATCH: usize = 16 * 1024;
 
-type Client = OptionChannel<ClientTls>;
+type Client = OptionChannel<ClientStream>;
 type UpstreamChannel = OptionChannel<BufReader<UnixStream>>;
 
 pub async fn relay_options(
-    tls: ClientTls,
+    tls: ClientStream,
     client_flags: ClientFlags,
     identity: CertInfo,
     config: &Config,

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tracing::debug;
 
 use super::error::{ConnError, Side};
@@ -84,6 +84,7 @@ async fn greet(client: &mut OptionChannel<ClientIo>) -> Result<ClientFlags, Conn
 }
 
 pub async fn accept_tls(io: ClientIo, config: &Config) -> Result<ClientTls, ConnError> {
+    let io = super::kernel_tls::tls_io(io, config);
     let accepted = tokio_rustls::TlsAcceptor::from(config.tls.current())
         .accept_with(io, |conn| conn.set_buffer_limit(Some(TLS_BUFFER_LIMIT)))
         .into_fallible()
@@ -133,8 +134,8 @@ const ALERT_LINGER: Duration = Duration::from_secs(1);
 /// sends a reset, which can destroy the alert before the client reads it
 /// (qemu then reports "Broken pipe" instead of the refusal). So: send FIN
 /// behind the alert, and drain what the client still sends, briefly.
-async fn close_after_alert(io: &mut ClientIo) {
-    let _ = io.get_mut().shutdown().await;
+async fn close_after_alert(io: &mut (impl AsyncRead + AsyncWrite + Unpin)) {
+    let _ = io.shutdown().await;
     let mut scratch = [0u8; 4096];
     let _ = tokio::time::timeout(ALERT_LINGER, async {
         while let Ok(1..) = io.read(&mut scratch).await {}

@@ -19,7 +19,9 @@ use crate::proto::transmission::ReplyMode;
 use crate::shutdown::Shutdown;
 
 pub type ClientIo = BufReader<TcpStream>;
-pub type ClientTls = tokio_rustls::server::TlsStream<ClientIo>;
+pub type ClientTls = tokio_rustls::server::TlsStream<super::kernel_tls::TlsIo>;
+/// After the handshake: rustls, or the kernel's record layer.
+pub type ClientStream = tokio_util::either::Either<ClientTls, super::kernel_tls::KernelTls>;
 
 /// Plaintext reads before STARTTLS are tiny, but the same buffer sits under
 /// TLS afterwards, where large reads cut syscalls (a 32 MiB write payload:
@@ -37,7 +39,7 @@ pub const GOODBYE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A connection that has entered transmission.
 pub struct Session {
-    pub tls: ClientTls,
+    pub tls: ClientStream,
     pub upstream: UnixStream,
     pub mode: ReplyMode,
     pub read_only: bool,

@@ -3,6 +3,7 @@
 //! which a reload may replace at any time.
 
 pub mod identity;
+pub mod kernel;
 mod material;
 mod reload;
 mod sessions;
@@ -103,6 +104,8 @@ pub struct TlsPolicy {
     pub crl_allow_expired: bool,
     /// End established sessions whose certificate a reload revokes.
     pub revoke_closes: bool,
+    /// Let established sessions' keys leave rustls, for kernel TLS.
+    pub secret_extraction: bool,
 }
 
 /// A built configuration and what the log should say about it.
@@ -188,6 +191,7 @@ pub fn build(material: &Material, policy: &TlsPolicy) -> Result<Loaded, TlsConfi
     // connection, and a resumed session would skip the client certificate
     // checks (and a CRL loaded since).
     config.send_tls13_tickets = 0;
+    config.enable_secret_extraction = policy.secret_extraction;
     config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
     Ok(Loaded {
         config: Arc::new(config),

@@ -270,6 +270,43 @@ impl Drop for Gateway {
     }
 }
 
+/// qemu-img copies the export out through a gateway (qemu's `--object`
+/// and `--image-opts`) and a new image of the same size in; both must
+/// match the upstream, read directly, byte for byte. Returns the image
+/// copied in.
+pub fn qemu_img_copy_both_ways(
+    env: &Env,
+    upstream: &QemuNbd,
+    (object, opts): (&str, &str),
+    size: usize,
+    seed: u64,
+) -> PathBuf {
+    let copy = env.path("copy.img");
+    run_ok(
+        Command::new("qemu-img")
+            .args([
+                "convert",
+                "--object",
+                object,
+                "--image-opts",
+                opts,
+                "-O",
+                "raw",
+            ])
+            .arg(&copy),
+    );
+    assert_eq!(std::fs::read(&copy).unwrap(), upstream.read_direct());
+    let source = env.random_image("new.img", size, seed);
+    run_ok(
+        Command::new("qemu-img")
+            .args(["convert", "-n", "--object", object, "-f", "raw"])
+            .arg(&source)
+            .args(["--target-image-opts", opts]),
+    );
+    assert_eq!(upstream.read_direct(), std::fs::read(&source).unwrap());
+    source
+}
+
 pub fn run(cmd: &mut Command) -> Output {
     let out = cmd
         .stdin(Stdio::null())

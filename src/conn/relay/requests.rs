@@ -14,7 +14,7 @@ use super::flight::Flight;
 use super::local::{Local, CLIENT_DISCONNECTED};
 use crate::config::Config;
 use crate::conn::error::{ConnError, Side};
-use crate::conn::session::{within_stall, ClientTls, Link};
+use crate::conn::session::{within_stall, ClientStream, Link};
 use crate::proto::consts::*;
 use crate::proto::transmission::{encode_error_reply, InFlight, ReplyMode, Request};
 use crate::proto::ProtoError;
@@ -26,7 +26,7 @@ use crate::shutdown::Shutdown;
 const REQUEST_CHUNK: usize = 256 * 1024 + EXTENDED_REQUEST_LEN;
 
 pub struct Requests<'a> {
-    client: ReadHalf<ClientTls>,
+    client: ReadHalf<ClientStream>,
     upstream: OwnedWriteHalf,
     flight: &'a Flight,
     local: mpsc::Sender<Local>,
@@ -40,7 +40,7 @@ pub struct Requests<'a> {
 
 impl<'a> Requests<'a> {
     pub fn new(
-        client: ReadHalf<ClientTls>,
+        client: ReadHalf<ClientStream>,
         upstream: OwnedWriteHalf,
         flight: &'a Flight,
         local: mpsc::Sender<Local>,

@@ -10,13 +10,13 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, WriteHalf};
 
 use crate::config::{Config, Cork};
 use crate::conn::error::{ConnError, Side};
-use crate::conn::session::{within_stall, ClientTls, Stats, GOODBYE_TIMEOUT, REPLY_CHUNK};
+use crate::conn::session::{within_stall, ClientStream, Stats, GOODBYE_TIMEOUT, REPLY_CHUNK};
 
 /// Bursts up to this size go out in one write without TCP_CORK.
 const UNCORKED_BURST_MAX: usize = 64 * 1024;
 
 pub struct ReplyWriter<'a> {
-    client: WriteHalf<ClientTls>,
+    client: WriteHalf<ClientStream>,
     out: Vec<u8>,
     /// A second handle on the client socket, for TCP_CORK; none with
     /// `Cork::Off`.
@@ -29,7 +29,7 @@ pub struct ReplyWriter<'a> {
 
 impl<'a> ReplyWriter<'a> {
     pub fn new(
-        client: WriteHalf<ClientTls>,
+        client: WriteHalf<ClientStream>,
         cork: Option<socket2::Socket>,
         config: &'a Config,
         stats: &'a Stats,

@@ -1,0 +1,497 @@
+//! Handing an established session from rustls to kernel TLS, and the
+//! stream that reads and writes through the kernel afterwards. What needs
+//! no socket (the probe's verdict, the key layout, record boundaries) is
+//! in `crate::tls::kernel`.
+//!
+//! The hand-over must leave the socket at a record boundary: rustls
+//! decrypts every byte it has read, and the kernel starts at the next
+//! record header. So while a hand-over is possible, rustls reads through
+//! `RecordAligned`, which never reads past the record it is in.
+
+use std::io;
+use std::os::fd::AsRawFd;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+
+use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags, TlsGetRecordType};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, Interest, ReadBuf};
+use tokio::net::TcpStream;
+use tokio_util::either::Either;
+use tracing::{debug, info};
+
+use super::error::ConnError;
+use super::session::{ClientIo, ClientStream, ClientTls};
+use crate::config::Config;
+use crate::tls::kernel::{self, KernelCiphers, KernelTlsError, RecordCursor};
+
+/// What rustls reads the handshake through: all it can get when the
+/// session stays in rustls, exactly up to record boundaries when the
+/// kernel may take it over.
+pub type TlsIo = Either<ClientIo, RecordAligned>;
+
+/// The client socket under rustls while a hand-over to the kernel is still
+/// possible. Reads stop at the end of each record; with `stop` set, a read
+/// at a boundary returns end-of-file, which is how the drain knows rustls
+/// holds no partial record.
+pub struct RecordAligned {
+    /// What the plaintext phase had read ahead (the start of the
+    /// ClientHello, if any).
+    carried: Vec<u8>,
+    carried_at: usize,
+    tcp: TcpStream,
+    cursor: RecordCursor,
+    /// Cleared once the session is known to stay in rustls.
+    aligned: bool,
+    stop: bool,
+}
+
+impl RecordAligned {
+    pub fn new(io: ClientIo) -> Self {
+        let carried = io.buffer().to_vec();
+        RecordAligned {
+            carried,
+            carried_at: 0,
+            tcp: io.into_inner(),
+            cursor: RecordCursor::default(),
+            aligned: true,
+            stop: false,
+        }
+    }
+}
+
+impl AsyncRead for RecordAligned {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.stop && this.cursor.at_boundary() {
+            return Poll::Ready(Ok(()));
+        }
+        let mut limit = buf.remaining();
+        if this.aligned {
+            limit = limit.min(this.cursor.read_limit());
+        }
+        let carried = &this.carried[this.carried_at..];
+        if !carried.is_empty() {
+            let n = limit.min(carried.len());
+            buf.put_slice(&carried[..n]);
+            this.cursor.advance(&carried[..n]);
+            this.carried_at += n;
+            return Poll::Ready(Ok(()));
+        }
+        // At most one record (16 KiB and a little) at a time, and only
+        // before the hand-over: zeroing it costs little beside the syscall.
+        let room = buf.initialize_unfilled_to(limit);
+        let mut limited = ReadBuf::new(room);
+        ready!(Pin::new(&mut this.tcp).poll_read(cx, &mut limited))?;
+        let n = limited.filled().len();
+        if this.aligned {
+            this.cursor.advance(&room[..n]);
+        }
+        buf.advance(n);
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// Writes go straight to the socket: before the hand-over rustls writes
+/// ciphertext through `RecordAligned`, after it the kernel encrypts what
+/// `KernelTls` writes.
+macro_rules! write_to_tcp {
+    () => {
+        fn poll_write(
+            self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            b: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            Pin::new(&mut self.get_mut().tcp).poll_write(cx, b)
+        }
+
+        fn poll_write_vectored(
+            self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            bufs: &[io::IoSlice<'_>],
+        ) -> Poll<io::Result<usize>> {
+            Pin::new(&mut self.get_mut().tcp).poll_write_vectored(cx, bufs)
+        }
+
+        fn is_write_vectored(&self) -> bool {
+            true
+        }
+
+        fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.get_mut().tcp).poll_flush(cx)
+        }
+    };
+}
+
+impl AsyncWrite for RecordAligned {
+    write_to_tcp!();
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().tcp).poll_shutdown(cx)
+    }
+}
+
+/// The socket rustls should read the handshake through.
+pub fn tls_io(io: ClientIo, config: &Config) -> TlsIo {
+    match config.kernel_tls {
+        Some(_) => Either::Right(RecordAligned::new(io)),
+        None => Either::Left(io),
+    }
+}
+
+/// Moves a TLS 1.3 session to the kernel if it can go; otherwise it stays
+/// in rustls. An error means the keys had already left rustls and the
+/// connection cannot go on.
+pub async fn hand_over(mut tls: ClientTls, config: &Config) -> Result<ClientStream, ConnError> {
+    let Some(ciphers) = config.kernel_tls else {
+        return Ok(Either::Left(tls));
+    };
+    let attached = match tls.get_mut() {
+        (Either::Right(aligned), conn) => {
+            let attached = eligible(conn, &ciphers) && attach_ulp(aligned);
+            // Stays in rustls: no more boundary-sized reads.
+            aligned.aligned = attached;
+            attached
+        }
+        (Either::Left(_), _) => false,
+    };
+    if !attached {
+        return Ok(Either::Left(tls));
+    }
+    let (early, tcp) = drain_and_extract(tls).await?;
+    config.metrics.kernel_tls_sessions.inc();
+    info!(early_bytes = early.len(), "TLS handed to the kernel (kTLS)");
+    Ok(Either::Right(KernelTls::new(tcp, early)))
+}
+
+/// The ULP goes on first: until keys are set it changes nothing, so a
+/// kernel that refuses it leaves the session whole in rustls.
+fn attach_ulp(aligned: &RecordAligned) -> bool {
+    match kernel::attach_ulp(&aligned.tcp) {
+        Ok(()) => true,
+        Err(e) => {
+            debug!(error = %e, "TLS stays in rustls: the kernel refused the tls ULP");
+            false
+        }
+    }
+}
+
+/// Past this point the keys leave rustls: any failure ends the connection.
+async fn drain_and_extract(mut tls: ClientTls) -> Result<(Vec<u8>, TcpStream), KernelTlsError> {
+    let early = drain(&mut tls).await.map_err(KernelTlsError::Drain)?;
+    let (io, conn) = tls.into_inner();
+    let Either::Right(aligned) = io else {
+        return Err(KernelTlsError::NotAligned);
+    };
+    let secrets = conn
+        .dangerous_extract_secrets()
+        .map_err(KernelTlsError::Secrets)?;
+    kernel::install_keys(&aligned.tcp, secrets)?;
+    Ok((early, aligned.tcp))
+}
+
+fn eligible(conn: &rustls::ServerConnection, ciphers: &KernelCiphers) -> bool {
+    use rustls::CipherSuite::*;
+    let tls13 = conn.protocol_version() == Some(rustls::ProtocolVersion::TLSv1_3);
+    let taken = conn
+        .negotiated_cipher_suite()
+        .is_some_and(|suite| match suite.suite() {
+            TLS13_AES_128_GCM_SHA256 => ciphers.aes_128_gcm,
+            TLS13_AES_256_GCM_SHA384 => ciphers.aes_256_gcm,
+            TLS13_CHACHA20_POLY1305_SHA256 => ciphers.chacha20_poly1305,
+            _ => false,
+        });
+    tls13 && taken
+}
+
+/// Sends what rustls still holds, then reads until the socket is at a
+/// record boundary, keeping the plaintext that came with the handshake
+/// (a client may send its first option right behind its Finished).
+async fn drain(tls: &mut ClientTls) -> io::Result<Vec<u8>> {
+    tls.flush().await?;
+    if let (Either::Right(aligned), _) = tls.get_mut() {
+        aligned.stop = true;
+    }
+    let mut early = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        match tls.read(&mut chunk).await {
+            Ok(0) => return Ok(early),
+            Ok(n) => early.extend_from_slice(&chunk[..n]),
+            // rustls reports the boundary as a close without close_notify.
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(early),
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Linux reports a record that is not application data (an alert, a
+/// handshake message) as EIO to a plain read; recvmsg tells its type.
+const EIO: i32 = 5;
+const ALERT_CLOSE_NOTIFY: u8 = 0;
+const ALERT_LEVEL_FATAL: u8 = 2;
+
+/// The client socket once the kernel does the record layer. Application
+/// data reads and writes are plain socket calls; other records end the
+/// session: close_notify as end-of-file, anything else as an error (a
+/// TLS 1.3 key update is one: this nbdgw does not re-key the kernel).
+pub struct KernelTls {
+    tcp: TcpStream,
+    /// Plaintext rustls had decrypted before the hand-over.
+    early: Vec<u8>,
+    early_at: usize,
+    read_closed: bool,
+    said_goodbye: bool,
+}
+
+impl KernelTls {
+    fn new(tcp: TcpStream, early: Vec<u8>) -> Self {
+        KernelTls {
+            tcp,
+            early,
+            early_at: 0,
+            read_closed: false,
+            said_goodbye: false,
+        }
+    }
+
+    /// Reads the record that made the plain read fail.
+    fn control_record(&mut self) -> io::Result<()> {
+        let fd = self.tcp.as_raw_fd();
+        let (kind, data, len) = self.tcp.try_io(Interest::READABLE, || {
+            let mut data = [0u8; 64];
+            let mut space = nix::cmsg_space!(u8);
+            let mut iov = [io::IoSliceMut::new(&mut data)];
+            let msg = recvmsg::<()>(fd, &mut iov, Some(&mut space), MsgFlags::empty())?;
+            let kind = msg.cmsgs()?.find_map(|c| match c {
+                ControlMessageOwned::TlsGetRecordType(t) => Some(t),
+                _ => None,
+            });
+            let len = msg.bytes;
+            Ok((kind, [data[0], data[1]], len))
+        })?;
+        match kind {
+            Some(TlsGetRecordType::Alert) if len == 2 && data[1] == ALERT_CLOSE_NOTIFY => {
+                self.read_closed = true;
+                Ok(())
+            }
+            Some(TlsGetRecordType::Alert) if data[0] == ALERT_LEVEL_FATAL => Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                format!("client sent TLS alert {}", data[1]),
+            )),
+            // A warning other than close_notify: nothing to act on.
+            Some(TlsGetRecordType::Alert) => Ok(()),
+            other => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("client sent a TLS record kernel TLS does not handle: {other:?}"),
+            )),
+        }
+    }
+}
+
+impl AsyncRead for KernelTls {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.early_at < this.early.len() {
+            let n = buf.remaining().min(this.early.len() - this.early_at);
+            buf.put_slice(&this.early[this.early_at..this.early_at + n]);
+            this.early_at += n;
+            if this.early_at == this.early.len() {
+                this.early = Vec::new();
+                this.early_at = 0;
+            }
+            return Poll::Ready(Ok(()));
+        }
+        loop {
+            if this.read_closed || buf.remaining() == 0 {
+                return Poll::Ready(Ok(()));
+            }
+            match ready!(Pin::new(&mut this.tcp).poll_read(cx, buf)) {
+                Err(e) if e.raw_os_error() == Some(EIO) => match this.control_record() {
+                    Ok(()) => continue,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                    Err(e) => return Poll::Ready(Err(e)),
+                },
+                other => return Poll::Ready(other),
+            }
+        }
+    }
+}
+
+impl AsyncWrite for KernelTls {
+    write_to_tcp!();
+
+    /// close_notify, then FIN, as rustls would.
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        while !this.said_goodbye {
+            ready!(this.tcp.poll_write_ready(cx))?;
+            let tcp = &this.tcp;
+            match tcp.try_io(Interest::WRITABLE, || {
+                kernel::send_close_notify(std::os::fd::AsFd::as_fd(tcp))
+            }) {
+                Ok(()) => this.said_goodbye = true,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+        Pin::new(&mut this.tcp).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::sync::Arc;
+
+    use aws_lc_rs::aead::{Aad, LessSafeKey, Nonce, UnboundKey};
+    use nix::sys::socket::sockopt::TlsCryptoInfo;
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::CertificateDer;
+    use tokio::io::{AsyncReadExt, BufReader};
+
+    use super::*;
+    use crate::tls::kernel::crypto_info;
+
+    /// What the kernel would do with the keys nbdgw gives it: open TLS 1.3
+    /// application records with the key, salt, IV and sequence number
+    /// exactly as laid out for TLS_RX.
+    fn open_as_the_kernel_would(wire: &[u8], info: TlsCryptoInfo) -> Vec<u8> {
+        let (alg, key, base, rec_seq): (_, Vec<u8>, Vec<u8>, [u8; 8]) = match info {
+            TlsCryptoInfo::Aes128Gcm(i) => (
+                &aws_lc_rs::aead::AES_128_GCM,
+                i.key.to_vec(),
+                [&i.salt[..], &i.iv[..]].concat(),
+                i.rec_seq,
+            ),
+            TlsCryptoInfo::Aes256Gcm(i) => (
+                &aws_lc_rs::aead::AES_256_GCM,
+                i.key.to_vec(),
+                [&i.salt[..], &i.iv[..]].concat(),
+                i.rec_seq,
+            ),
+            TlsCryptoInfo::Chacha20Poly1305(i) => (
+                &aws_lc_rs::aead::CHACHA20_POLY1305,
+                i.key.to_vec(),
+                i.iv.to_vec(),
+                i.rec_seq,
+            ),
+        };
+        let key = LessSafeKey::new(UnboundKey::new(alg, &key).unwrap());
+        let (mut seq, mut at, mut out) = (u64::from_be_bytes(rec_seq), 0, Vec::new());
+        while at < wire.len() {
+            let header: [u8; 5] = wire[at..at + 5].try_into().unwrap();
+            assert_eq!(header[0], 23, "an application data record at offset {at}");
+            let len = usize::from(u16::from_be_bytes([header[3], header[4]]));
+            let mut body = wire[at + 5..at + 5 + len].to_vec();
+            let mut nonce: [u8; 12] = base[..].try_into().unwrap();
+            for (n, s) in nonce[4..].iter_mut().zip(seq.to_be_bytes()) {
+                *n ^= s;
+            }
+            let plain = key
+                .open_in_place(
+                    Nonce::assume_unique_for_key(nonce),
+                    Aad::from(header),
+                    &mut body,
+                )
+                .expect("the record opens with the handed-over keys");
+            let end = plain.iter().rposition(|&b| b != 0).unwrap();
+            assert_eq!(plain[end], 23, "inner content type");
+            out.extend_from_slice(&plain[..end]);
+            (at, seq) = (at + 5 + len, seq + 1);
+        }
+        out
+    }
+
+    /// A client sends application data straight behind its Finished, in
+    /// pieces that split records. After the handshake through
+    /// `RecordAligned` and the drain, the socket must sit at a record
+    /// boundary, and the extracted receive keys, in the kernel's layout,
+    /// must open everything that follows.
+    #[tokio::test]
+    async fn the_hand_over_leaves_the_socket_at_a_record_the_keys_open() {
+        let dir = tempfile::tempdir().unwrap();
+        crate::certs::for_test(dir.path(), "localhost", 1);
+        let mut server = crate::tls::load_server_config(
+            &dir.path().join("server-cert.pem"),
+            &dir.path().join("server-key.pem"),
+        )
+        .unwrap();
+        server.enable_secret_extraction = true;
+        let mut roots = rustls::RootCertStore::empty();
+        roots
+            .add(CertificateDer::from_pem_file(dir.path().join("ca-cert.pem")).unwrap())
+            .unwrap();
+        let client = rustls::ClientConfig::builder_with_provider(crate::tls::provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let message: Vec<u8> = (0..60_000u32).map(|i| (i * 7 % 251) as u8).collect();
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let sent = message.clone();
+        let client = std::thread::spawn(move || {
+            let mut tcp = std::net::TcpStream::connect(addr).unwrap();
+            let name = "localhost".try_into().unwrap();
+            let mut conn = rustls::ClientConnection::new(Arc::new(client), name).unwrap();
+            // The client's Finished stays queued, to leave in the same
+            // write as the first application records.
+            while conn.is_handshaking() {
+                if conn.wants_write() {
+                    conn.write_tls(&mut tcp).unwrap();
+                } else {
+                    conn.read_tls(&mut tcp).unwrap();
+                    conn.process_new_packets().unwrap();
+                }
+            }
+            conn.writer().write_all(&sent).unwrap();
+            let mut wire = Vec::new();
+            while conn.wants_write() {
+                conn.write_tls(&mut wire).unwrap();
+            }
+            // Finished, a record and a half, a pause, then the rest.
+            let cut = wire.len() - sent.len() + 16_406 + 8_000 - 4 * 22;
+            tcp.write_all(&wire[..cut]).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            tcp.write_all(&wire[cut..]).unwrap();
+        });
+
+        let (tcp, _) = listener.accept().await.unwrap();
+        let io = Either::Right(RecordAligned::new(BufReader::new(tcp)));
+        let mut tls = tokio_rustls::TlsAcceptor::from(Arc::new(server))
+            .accept(io)
+            .await
+            .unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        assert!(eligible(
+            tls.get_ref().1,
+            &KernelCiphers {
+                aes_128_gcm: true,
+                aes_256_gcm: true,
+                chacha20_poly1305: true
+            }
+        ));
+        let early = drain(&mut tls).await.unwrap();
+        let (io, conn) = tls.into_inner();
+        let Either::Right(aligned) = io else {
+            panic!("the handshake went through RecordAligned");
+        };
+        let secrets = conn.dangerous_extract_secrets().unwrap();
+        let mut rest = Vec::new();
+        let mut tcp = aligned.tcp;
+        client.join().unwrap();
+        tcp.read_to_end(&mut rest).await.unwrap();
+        let (seq, rx) = secrets.rx;
+        let opened = open_as_the_kernel_would(&rest, crypto_info(seq, &rx).unwrap());
+        assert_eq!([early, opened].concat(), message);
+    }
+}
