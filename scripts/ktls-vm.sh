@@ -57,6 +57,12 @@ done
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=512000,cache=loose host /mnt
 mount -t tmpfs tmp /mnt/tmp; mkdir -p /mnt/tmp/io
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 io /mnt/tmp/io
+# A checkout under /tmp (or /run, /root) is hidden by the tmpfs above.
+repo=$(cat /mnt/tmp/io/repo)
+if [ ! -e "/mnt$repo/Cargo.toml" ]; then
+    mkdir -p "/mnt$repo"
+    mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=512000,cache=loose repo "/mnt$repo"
+fi
 mount -t tmpfs run /mnt/run; mount -t tmpfs root /mnt/root
 mount --bind /proc /mnt/proc; mount --bind /sys /mnt/sys; mount --bind /dev /mnt/dev
 echo "ktls-vm: kernel $(uname -r), ULPs: $(cat /proc/sys/net/ipv4/tcp_available_ulp)"
@@ -67,6 +73,7 @@ poweroff -f
 EOF
 chmod +x "$initrd/init"
 (cd "$initrd" && find . | ./bin/busybox cpio -o -H newc 2>/dev/null | gzip -1 > "$io/initrd.gz")
+echo "$root" > "$io/repo"
 
 if [ "${1:-}" = "--run" ]; then
     cp "$2" "$io/run.sh"
@@ -101,7 +108,9 @@ timeout "${KTLS_VM_TIMEOUT:-900}" qemu-system-x86_64 -accel tcg -cpu max -m 4096
     -kernel "$kroot/boot/vmlinuz-$version" -initrd "$io/initrd.gz" \
     -append "console=ttyS0 quiet panic=-1" -nographic -no-reboot \
     -virtfs "local,path=/,mount_tag=host,security_model=none,readonly=on" \
-    -virtfs "local,path=$io,mount_tag=io,security_model=none" > "$io/console.log" 2>&1 || true
+    -virtfs "local,path=$io,mount_tag=io,security_model=none" \
+    -virtfs "local,path=$root,mount_tag=repo,security_model=none,readonly=on" \
+    > "$io/console.log" 2>&1 || true
 cat "$io/out.log" 2>/dev/null || true
 if [ "$(cat "$io/status" 2>/dev/null)" != 0 ]; then
     echo "ktls-vm: FAILED (console:)" >&2
