@@ -71,6 +71,9 @@ fn the_service_serves_qemu_img_through_a_socket_passed_by_systemd_and_notifies_i
     cmd.args(exec_start(&env.certs(), &upstream.socket))
         .args(["--listen", "192.0.2.1:10809"]);
     let gateway = NbdgwProcess::spawn(cmd, port);
+    // systemd-socket-activate starts nbdgw on the first connection, which
+    // must wait until it has bound the socket (qemu-img once raced it).
+    gateway.wait_for_log("Listening on", 1);
 
     let info = qemu_img_info(port, &env.certs());
     let stdout = String::from_utf8_lossy(&info.stdout);
