@@ -20,14 +20,47 @@ use tokio_util::either::Either;
 use tracing::{debug, info};
 
 use super::error::ConnError;
-use super::session::{ClientIo, ClientStream, ClientTls};
 use crate::config::Config;
 use crate::tls::kernel::{self, KernelCiphers, KernelTlsError, RecordCursor};
 
+/// The client socket before TLS; its buffer carries what the client sent
+/// behind STARTTLS into the handshake.
+pub type ClientIo = tokio::io::BufReader<TcpStream>;
 /// What rustls reads the handshake through: all it can get when the
 /// session stays in rustls, exactly up to record boundaries when the
 /// kernel may take it over.
 pub type TlsIo = Either<ClientIo, RecordAligned>;
+pub type ClientTls = tokio_rustls::server::TlsStream<TlsIo>;
+/// After the handshake: rustls, or the kernel's record layer.
+pub type ClientStream = Either<ClientTls, KernelTls>;
+
+/// Bytes read before a stream changed hands (plaintext phase to TLS,
+/// rustls to the kernel), served before anything more is read.
+#[derive(Default)]
+struct Carried {
+    bytes: Vec<u8>,
+    at: usize,
+}
+
+impl Carried {
+    fn new(bytes: Vec<u8>) -> Self {
+        Carried { bytes, at: 0 }
+    }
+
+    /// The next at most `limit` carried bytes, consumed; empty once all
+    /// are (the buffer is freed then).
+    fn take(&mut self, limit: usize) -> &[u8] {
+        if self.at == self.bytes.len() {
+            if !self.bytes.is_empty() {
+                *self = Carried::default();
+            }
+            return &[];
+        }
+        let start = self.at;
+        self.at += limit.min(self.bytes.len() - start);
+        &self.bytes[start..self.at]
+    }
+}
 
 /// The client socket under rustls while a hand-over to the kernel is still
 /// possible. Reads stop at the end of each record; with `stop` set, a read
@@ -36,8 +69,7 @@ pub type TlsIo = Either<ClientIo, RecordAligned>;
 pub struct RecordAligned {
     /// What the plaintext phase had read ahead (the start of the
     /// ClientHello, if any).
-    carried: Vec<u8>,
-    carried_at: usize,
+    carried: Carried,
     tcp: TcpStream,
     cursor: RecordCursor,
     /// Cleared once the session is known to stay in rustls.
@@ -47,10 +79,8 @@ pub struct RecordAligned {
 
 impl RecordAligned {
     pub fn new(io: ClientIo) -> Self {
-        let carried = io.buffer().to_vec();
         RecordAligned {
-            carried,
-            carried_at: 0,
+            carried: Carried::new(io.buffer().to_vec()),
             tcp: io.into_inner(),
             cursor: RecordCursor::default(),
             aligned: true,
@@ -73,12 +103,10 @@ impl AsyncRead for RecordAligned {
         if this.aligned {
             limit = limit.min(this.cursor.read_limit());
         }
-        let carried = &this.carried[this.carried_at..];
+        let carried = this.carried.take(limit);
         if !carried.is_empty() {
-            let n = limit.min(carried.len());
-            buf.put_slice(&carried[..n]);
-            this.cursor.advance(&carried[..n]);
-            this.carried_at += n;
+            buf.put_slice(carried);
+            this.cursor.advance(carried);
             return Poll::Ready(Ok(()));
         }
         // At most one record (16 KiB and a little) at a time, and only
@@ -241,8 +269,7 @@ const ALERT_LEVEL_FATAL: u8 = 2;
 pub struct KernelTls {
     tcp: TcpStream,
     /// Plaintext rustls had decrypted before the hand-over.
-    early: Vec<u8>,
-    early_at: usize,
+    early: Carried,
     read_closed: bool,
     said_goodbye: bool,
 }
@@ -251,8 +278,7 @@ impl KernelTls {
     fn new(tcp: TcpStream, early: Vec<u8>) -> Self {
         KernelTls {
             tcp,
-            early,
-            early_at: 0,
+            early: Carried::new(early),
             read_closed: false,
             said_goodbye: false,
         }
@@ -299,14 +325,9 @@ impl AsyncRead for KernelTls {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if this.early_at < this.early.len() {
-            let n = buf.remaining().min(this.early.len() - this.early_at);
-            buf.put_slice(&this.early[this.early_at..this.early_at + n]);
-            this.early_at += n;
-            if this.early_at == this.early.len() {
-                this.early = Vec::new();
-                this.early_at = 0;
-            }
+        let early = this.early.take(buf.remaining());
+        if !early.is_empty() {
+            buf.put_slice(early);
             return Poll::Ready(Ok(()));
         }
         loop {
@@ -410,39 +431,50 @@ mod tests {
         out
     }
 
-    /// A client sends application data straight behind its Finished, in
-    /// pieces that split records. After the handshake through
-    /// `RecordAligned` and the drain, the socket must sit at a record
-    /// boundary, and the extracted receive keys, in the kernel's layout,
-    /// must open everything that follows.
-    #[tokio::test]
-    async fn the_hand_over_leaves_the_socket_at_a_record_the_keys_open() {
-        let dir = tempfile::tempdir().unwrap();
-        crate::certs::for_test(dir.path(), "localhost", 1);
+    #[test]
+    fn carried_bytes_come_out_in_order_within_each_limit_then_none() {
+        let mut carried = Carried::new(b"abcdefg".to_vec());
+        assert_eq!(carried.take(3), b"abc");
+        assert_eq!(carried.take(10), b"defg");
+        assert_eq!(carried.take(10), b"");
+        assert_eq!(carried.take(10), b"");
+        assert!(carried.bytes.is_empty());
+    }
+
+    /// A TLS 1.3 server config whose keys may be extracted, and a client
+    /// config trusting it.
+    fn configs(dir: &std::path::Path) -> (rustls::ServerConfig, rustls::ClientConfig) {
+        crate::certs::for_test(dir, "localhost", 1);
         let mut server = crate::tls::load_server_config(
-            &dir.path().join("server-cert.pem"),
-            &dir.path().join("server-key.pem"),
+            &dir.join("server-cert.pem"),
+            &dir.join("server-key.pem"),
         )
         .unwrap();
         server.enable_secret_extraction = true;
         let mut roots = rustls::RootCertStore::empty();
         roots
-            .add(CertificateDer::from_pem_file(dir.path().join("ca-cert.pem")).unwrap())
+            .add(CertificateDer::from_pem_file(dir.join("ca-cert.pem")).unwrap())
             .unwrap();
         let client = rustls::ClientConfig::builder_with_provider(crate::tls::provider())
             .with_protocol_versions(&[&rustls::version::TLS13])
             .unwrap()
             .with_root_certificates(roots)
             .with_no_client_auth();
-        let message: Vec<u8> = (0..60_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        (server, client)
+    }
 
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let sent = message.clone();
-        let client = std::thread::spawn(move || {
+    /// A client that handshakes, then sends its Finished and `message` in
+    /// one flight cut mid-record: Finished and a record and a half, a
+    /// pause, then the rest.
+    fn client_sending_behind_finished(
+        addr: std::net::SocketAddr,
+        config: rustls::ClientConfig,
+        message: Vec<u8>,
+    ) -> std::thread::JoinHandle<()> {
+        std::thread::spawn(move || {
             let mut tcp = std::net::TcpStream::connect(addr).unwrap();
             let name = "localhost".try_into().unwrap();
-            let mut conn = rustls::ClientConnection::new(Arc::new(client), name).unwrap();
+            let mut conn = rustls::ClientConnection::new(Arc::new(config), name).unwrap();
             // The client's Finished stays queued, to leave in the same
             // write as the first application records.
             while conn.is_handshaking() {
@@ -453,17 +485,31 @@ mod tests {
                     conn.process_new_packets().unwrap();
                 }
             }
-            conn.writer().write_all(&sent).unwrap();
+            conn.writer().write_all(&message).unwrap();
             let mut wire = Vec::new();
             while conn.wants_write() {
                 conn.write_tls(&mut wire).unwrap();
             }
-            // Finished, a record and a half, a pause, then the rest.
-            let cut = wire.len() - sent.len() + 16_406 + 8_000 - 4 * 22;
+            let cut = wire.len() - message.len() + 16_406 + 8_000 - 4 * 22;
             tcp.write_all(&wire[..cut]).unwrap();
             std::thread::sleep(std::time::Duration::from_millis(100));
             tcp.write_all(&wire[cut..]).unwrap();
-        });
+        })
+    }
+
+    /// A client sends application data straight behind its Finished, in
+    /// pieces that split records. After the handshake through
+    /// `RecordAligned` and the drain, the socket must sit at a record
+    /// boundary, and the extracted receive keys, in the kernel's layout,
+    /// must open everything that follows.
+    #[tokio::test]
+    async fn the_hand_over_leaves_the_socket_at_a_record_the_keys_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let (server, client) = configs(dir.path());
+        let message: Vec<u8> = (0..60_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client =
+            client_sending_behind_finished(listener.local_addr().unwrap(), client, message.clone());
 
         let (tcp, _) = listener.accept().await.unwrap();
         let io = Either::Right(RecordAligned::new(BufReader::new(tcp)));

@@ -8,8 +8,7 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
-use tokio::io::BufReader;
-use tokio::net::{TcpStream, UnixStream};
+use tokio::net::UnixStream;
 
 use super::error::ConnError;
 use crate::admission::Admission;
@@ -18,10 +17,7 @@ use crate::metrics::Metrics;
 use crate::proto::transmission::ReplyMode;
 use crate::shutdown::Shutdown;
 
-pub type ClientIo = BufReader<TcpStream>;
-pub type ClientTls = tokio_rustls::server::TlsStream<super::kernel_tls::TlsIo>;
-/// After the handshake: rustls, or the kernel's record layer.
-pub type ClientStream = tokio_util::either::Either<ClientTls, super::kernel_tls::KernelTls>;
+pub use super::kernel_tls::{ClientIo, ClientStream, ClientTls};
 
 /// Plaintext reads before STARTTLS are tiny, but the same buffer sits under
 /// TLS afterwards, where large reads cut syscalls (a 32 MiB write payload:

@@ -202,7 +202,9 @@ pub fn send_close_notify(socket: std::os::fd::BorrowedFd<'_>) -> std::io::Result
     let mut control = [0u64; 4];
     // SAFETY: CMSG_SPACE only computes a size.
     let space = unsafe { libc::CMSG_SPACE(1) } as usize;
-    assert!(space <= std::mem::size_of_val(&control));
+    if space > std::mem::size_of_val(&control) {
+        return Err(std::io::Error::other("control message buffer too small"));
+    }
     let mut iov = libc::iovec {
         iov_base: alert.as_ptr() as *mut libc::c_void,
         iov_len: alert.len(),
