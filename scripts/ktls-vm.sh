@@ -10,9 +10,21 @@
 #   scripts/ktls-vm.sh real_clients    # or the named test binaries
 #   scripts/ktls-vm.sh --run FILE      # or a script of your own, as root in the VM
 #
+# The kernel is Debian's linux-image-amd64 of this machine's apt sources
+# (bookworm: 6.1). Another one, e.g. for TLS 1.3 key updates (Linux 6.14 on):
+#
+#   KTLS_VM_KERNEL=new scripts/ktls-vm.sh      # linux-image-amd64 of trixie-backports
+#   KTLS_VM_KERNEL_SUITE=sid scripts/ktls-vm.sh             # ... of another suite
+#   KTLS_VM_KERNEL_PKG=linux-image-7.3.4+deb13-amd64 KTLS_VM_KERNEL=new scripts/ktls-vm.sh
+#
+# A suite is read through an apt configuration of this script's own, under
+# the cache (its lists refreshed daily), beside this machine's sources,
+# which it does not change; its mirror is the one this machine's sources use.
+#
 # Needs root-free qemu-system-x86_64 and apt-get download (scripts/setup.sh
-# installs qemu-system-x86); the kernel and busybox packages are cached
-# under ~/.cache/nbdgw/ktls-vm. Exits non-zero if any test failed.
+# installs qemu-system-x86); the kernel (per package name) and busybox
+# packages are cached under ~/.cache/nbdgw/ktls-vm. Exits non-zero if any
+# test failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -22,17 +34,74 @@ mkdir -p "$cache"
 command -v qemu-system-x86_64 >/dev/null ||
     { echo "ktls-vm: qemu-system-x86_64 missing; run scripts/setup.sh" >&2; exit 1; }
 
-# The kernel of Debian's linux-image-amd64 (CONFIG_TLS=m), and busybox.
-kernel_pkg=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/ {print $2; exit}')
-[ -n "$kernel_pkg" ] || { echo "ktls-vm: apt knows no linux-image-amd64" >&2; exit 1; }
+# The kernel: a Debian linux-image package (CONFIG_TLS=m), and busybox.
+suite=${KTLS_VM_KERNEL_SUITE:-}
+case ${KTLS_VM_KERNEL:-default} in
+    default) ;;
+    new) suite=${suite:-trixie-backports} ;;
+    *) echo "ktls-vm: KTLS_VM_KERNEL is default or new, not $KTLS_VM_KERNEL" >&2; exit 1 ;;
+esac
+apt_opts=()
+if [ -n "$suite" ]; then
+    # Only this suite, through lists of our own; the mirror of this
+    # machine's main suite.
+    aptdir=$cache/apt-$suite
+    mkdir -p "$aptdir/lists/partial" "$aptdir/cache/archives/partial"
+    codename=$(. /etc/os-release && echo "$VERSION_CODENAME")
+    mirror=$(apt-get indextargets --format '$(REPO_URI) $(RELEASE)' 'Created-By: Packages' |
+        awk -v c="$codename" '$2 == c {print $1; exit}')
+    [ -n "$mirror" ] || { echo "ktls-vm: no apt source for $codename (apt-get update first)" >&2; exit 1; }
+    echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $mirror $suite main" \
+        > "$aptdir/sources.list.new"
+    if cmp -s "$aptdir/sources.list.new" "$aptdir/sources.list"; then
+        rm "$aptdir/sources.list.new"
+    else
+        mv "$aptdir/sources.list.new" "$aptdir/sources.list"
+        rm -f "$aptdir/updated"
+    fi
+    apt_opts=(-o "Dir::Etc::SourceList=$aptdir/sources.list" -o Dir::Etc::SourceParts=/dev/null
+        -o "Dir::State::Lists=$aptdir/lists" -o "Dir::Cache=$aptdir/cache" -o Dir::State::status=/dev/null)
+    [ "$(id -u)" = 0 ] && apt_opts+=(-o APT::Sandbox::User=root)
+    if [ -z "$(find "$aptdir/updated" -mmin -1440 2>/dev/null)" ]; then
+        apt-get "${apt_opts[@]}" -q update > "$aptdir/update.log" 2>&1 ||
+            { cat "$aptdir/update.log" >&2; echo "ktls-vm: apt-get update of $suite failed" >&2; exit 1; }
+        touch "$aptdir/updated"
+    fi
+fi
+kernel_pkg=${KTLS_VM_KERNEL_PKG:-linux-image-amd64}
+# A metapackage (linux-image-amd64) stands for the kernel it depends on.
+meta_dep=$(apt-cache "${apt_opts[@]}" depends "$kernel_pkg" 2>/dev/null |
+    awk '/Depends: linux-image-[0-9]/ {print $2; exit}')
+kernel_pkg=${meta_dep:-$kernel_pkg}
+apt-cache "${apt_opts[@]}" show "$kernel_pkg" >/dev/null 2>&1 ||
+    { echo "ktls-vm: apt knows no $kernel_pkg${suite:+ in $suite}" >&2; exit 1; }
+if [ ! -x "$cache/busybox/bin/busybox" ]; then
+    rm -rf "$cache/busybox" "$cache/dl-busybox" && mkdir "$cache/dl-busybox"
+    (cd "$cache/dl-busybox" && apt-get -q download busybox-static > log 2>&1) ||
+        { cat "$cache/dl-busybox/log" >&2; exit 1; }
+    dpkg -x "$cache"/dl-busybox/busybox-static_*.deb "$cache/busybox"
+    rm -rf "$cache/dl-busybox"
+fi
 if [ ! -d "$cache/$kernel_pkg" ]; then
-    (cd "$cache" && rm -f ./*.deb && apt-get download "$kernel_pkg" busybox-static 2>/dev/null)
-    dpkg -x "$cache/$kernel_pkg"_*.deb "$cache/$kernel_pkg"
-    dpkg -x "$cache"/busybox-static_*.deb "$cache/busybox"
-    rm -f "$cache"/*.deb
+    # Newer Debian kernels split the image into linux-binary-* (vmlinuz),
+    # linux-modules-* and linux-base-* (config, modules.builtin).
+    parts=("$kernel_pkg" $(apt-cache "${apt_opts[@]}" depends "$kernel_pkg" |
+        awk '/Depends: linux-(binary|modules|base)-[0-9]/ {print $2}' | sort -u))
+    dl=$cache/dl-$kernel_pkg
+    rm -rf "$dl" "$cache/$kernel_pkg.new" && mkdir "$dl"
+    (cd "$dl" && apt-get "${apt_opts[@]}" -q download "${parts[@]}" > log 2>&1) ||
+        { cat "$dl/log" >&2; echo "ktls-vm: could not download ${parts[*]}" >&2; exit 1; }
+    for deb in "$dl"/*.deb; do dpkg -x "$deb" "$cache/$kernel_pkg.new"; done
+    mv "$cache/$kernel_pkg.new" "$cache/$kernel_pkg"
+    rm -rf "$dl"
 fi
 kroot=$cache/$kernel_pkg
-version=$(ls "$kroot/lib/modules")
+moddir=$kroot/lib/modules
+[ -d "$moddir" ] || moddir=$kroot/usr/lib/modules
+version=$(ls "$moddir")
+vmlinuz=$kroot/boot/vmlinuz-$version
+[ -e "$vmlinuz" ] || vmlinuz=$moddir/$version/vmlinuz
+[ -e "$vmlinuz" ] || { echo "ktls-vm: no vmlinuz in $kernel_pkg" >&2; exit 1; }
 
 # initramfs: busybox, the modules for 9p, TLS and its ciphers, and an init
 # that mounts this machine's root, runs the script, and powers off.
@@ -42,17 +111,31 @@ trap 'rm -rf "$initrd" "$io"' EXIT
 mkdir -p "$initrd/bin" "$initrd/lib/modules/$version/kernel"
 cp "$cache/busybox/bin/busybox" "$initrd/bin/"
 for dir in crypto arch/x86/crypto lib/crypto net/tls net/9p fs/9p fs/netfs fs/fscache drivers/virtio; do
+    [ -d "$moddir/$version/kernel/$dir" ] || continue
     mkdir -p "$initrd/lib/modules/$version/kernel/$dir"
-    cp -r "$kroot/lib/modules/$version/kernel/$dir/." "$initrd/lib/modules/$version/kernel/$dir/"
+    cp -r "$moddir/$version/kernel/$dir/." "$initrd/lib/modules/$version/kernel/$dir/"
 done
+[ -e "$moddir/$version/modules.builtin" ] && cp "$moddir/$version/modules.builtin" "$initrd/lib/modules/$version/"
+# Newer kernels' modules are compressed (.ko.xz); busybox modprobe wants
+# them plain.
+find "$initrd/lib/modules" -name '*.ko.xz' -exec "$initrd/bin/busybox" unxz {} +
+find "$initrd/lib/modules" -name '*.ko.gz' -exec "$initrd/bin/busybox" gunzip {} +
+if [ -n "$(find "$initrd/lib/modules" -name '*.ko.zst' -print -quit)" ]; then
+    command -v zstd >/dev/null || { echo "ktls-vm: zstd missing, for $kernel_pkg's modules" >&2; exit 1; }
+    find "$initrd/lib/modules" -name '*.ko.zst' -exec zstd -q -d --rm {} +
+fi
 (cd "$initrd" && ./bin/busybox depmod -b . "$version")
 cat > "$initrd/init" <<'EOF'
 #!/bin/busybox sh
 /bin/busybox mkdir -p /sbin /usr/bin /usr/sbin /proc /sys /dev /mnt
 /bin/busybox --install -s
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
-for m in virtio_pci 9pnet_virtio 9p tls aesni_intel gcm ghash_clmulni_intel chacha20poly1305 chacha_x86_64 poly1305_x86_64; do
-    modprobe $m || echo "ktls-vm: modprobe $m failed"
+for m in virtio_pci 9pnet_virtio 9p tls; do
+    grep -qs "/$m.ko\$" /lib/modules/*/modules.builtin || modprobe $m || echo "ktls-vm: modprobe $m failed"
+done
+# The ciphers' modules, those that this kernel has (names vary by version).
+for m in aesni_intel gcm ghash_clmulni_intel chacha20poly1305 chacha_x86_64 poly1305_x86_64 chacha libpoly1305; do
+    modprobe -q $m
 done
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=512000,cache=loose host /mnt
 mount -t tmpfs tmp /mnt/tmp; mkdir -p /mnt/tmp/io
@@ -105,7 +188,7 @@ EOF
 fi
 
 timeout "${KTLS_VM_TIMEOUT:-900}" qemu-system-x86_64 -accel tcg -cpu max -m 4096 -smp 2 \
-    -kernel "$kroot/boot/vmlinuz-$version" -initrd "$io/initrd.gz" \
+    -kernel "$vmlinuz" -initrd "$io/initrd.gz" \
     -append "console=ttyS0 quiet panic=-1" -nographic -no-reboot \
     -virtfs "local,path=/,mount_tag=host,security_model=none,readonly=on" \
     -virtfs "local,path=$io,mount_tag=io,security_model=none" \

@@ -192,6 +192,11 @@ pub struct ServeArgs {
     /// rustls otherwise), or never (off).
     #[arg(long, env = "NBDGW_KTLS", value_enum, default_value_t = KernelTlsMode::Auto)]
     pub ktls: KernelTlsMode,
+    /// For tests: records nbdgw sends under one key on a kernel TLS
+    /// session before it updates its own keys (default: the cipher's
+    /// confidentiality limit, halved).
+    #[arg(long, env = "NBDGW_KTLS_KEY_LIMIT", hide = true, value_parser = clap::value_parser!(u64).range(1..))]
+    pub ktls_key_limit: Option<u64>,
     /// Worker threads; 0 means one per CPU. In a container, match the CPU
     /// limit.
     #[arg(long, env = "NBDGW_THREADS", default_value_t = 0)]

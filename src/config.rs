@@ -48,6 +48,13 @@ pub struct Config {
     /// The ciphers kernel TLS takes, when sessions go to the kernel after
     /// the handshake; `None` keeps every session in rustls.
     pub kernel_tls: Option<crate::tls::kernel::KernelCiphers>,
+    /// The kernel has TLS but cannot re-key it: sessions stay in rustls,
+    /// and are counted.
+    pub kernel_tls_no_rekey: bool,
+    /// Records nbdgw sends under one key on a kernel TLS session before
+    /// it updates its keys; `None`: the cipher suite's confidentiality
+    /// limit, halved for margin.
+    pub ktls_key_limit: Option<u64>,
     /// How long open connections may finish after SIGTERM.
     pub shutdown_grace: Duration,
     /// After SIGTERM, how long to go on accepting (not ready) so that
@@ -101,6 +108,8 @@ impl Config {
             max_option_len: DEFAULT_MAX_OPTION_LEN,
             cork: Cork::Deferred,
             kernel_tls: None,
+            kernel_tls_no_rekey: false,
+            ktls_key_limit: None,
             shutdown_grace: Duration::from_secs(DEFAULT_SHUTDOWN_GRACE_SECS),
         }
     }

@@ -146,12 +146,14 @@ fn configure(
     };
     check_limits(args)?;
     // Probed before the sandbox, which forbids the loopback connection.
-    let kernel_tls = nbdgw::tls::kernel::decide(args.ktls);
+    let (kernel_tls, kernel_tls_no_rekey) = nbdgw::tls::kernel::decide(args.ktls);
     let reloader = tls_reloader(args, kernel_tls.is_some())?;
     let mut policy = policy_reloader(args, &reloader)?;
     let mut config = gateway_config(args, upstream, reloader.store());
     config.exports = exports.map(Arc::new);
     config.kernel_tls = kernel_tls;
+    config.kernel_tls_no_rekey = kernel_tls_no_rekey;
+    config.ktls_key_limit = args.ktls_key_limit;
     if let Some(policy) = &mut policy {
         config.policy = policy.store();
         let m = &config.metrics;

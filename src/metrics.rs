@@ -34,6 +34,11 @@ pub struct NbdError {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Direction {
+    pub direction: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Build {
     version: &'static str,
 }
@@ -48,6 +53,8 @@ pub struct Metrics {
     pub handshake_failures: Family<Reason, Counter>,
     pub identities_refused: Counter,
     pub kernel_tls_sessions: Counter,
+    pub kernel_tls_no_rekey: Counter,
+    pub tls_key_updates: Family<Direction, Counter>,
     pub bytes_received: Counter,
     pub bytes_sent: Counter,
     pub requests: Family<Command, Counter>,
@@ -76,6 +83,8 @@ impl Metrics {
             handshake_failures: Family::default(),
             identities_refused: Counter::default(),
             kernel_tls_sessions: Counter::default(),
+            kernel_tls_no_rekey: Counter::default(),
+            tls_key_updates: Family::default(),
             bytes_received: Counter::default(),
             bytes_sent: Counter::default(),
             requests: Family::default(),
@@ -125,6 +134,16 @@ impl Metrics {
             "kernel_tls_sessions",
             "TLS sessions handed to the kernel (kTLS) after the handshake",
             m.kernel_tls_sessions.clone(),
+        );
+        r.register(
+            "kernel_tls_no_rekey_sessions",
+            "TLS 1.3 sessions kept in rustls because this kernel's TLS cannot re-key",
+            m.kernel_tls_no_rekey.clone(),
+        );
+        r.register(
+            "tls_key_updates",
+            "TLS 1.3 key updates followed on kernel TLS sessions: rx the client's, tx nbdgw's own",
+            m.tls_key_updates.clone(),
         );
         r.register(
             "received_bytes",
@@ -215,6 +234,13 @@ impl Metrics {
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
+    }
+
+    /// A key update on a kernel TLS session, "rx" or "tx".
+    pub fn key_update(&self, direction: &'static str) {
+        self.tls_key_updates
+            .get_or_create(&Direction { direction })
+            .inc();
     }
 
     /// A client connection ended: "closed", "error", or "refused" (at

@@ -9,11 +9,12 @@
 //! `RecordAligned`, which never reads past the record it is in.
 
 use std::io;
-use std::os::fd::AsRawFd;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
-use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags, TlsGetRecordType};
+use std::sync::Arc;
+
+use nix::sys::socket::TlsGetRecordType;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, Interest, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_util::either::Either;
@@ -21,7 +22,11 @@ use tracing::{debug, info};
 
 use super::error::ConnError;
 use crate::config::Config;
-use crate::tls::kernel::{self, KernelCiphers, KernelTlsError, RecordCursor};
+use crate::tls::kernel::{self, Direction, KernelCiphers, KernelTlsError, RecordCursor};
+use crate::tls::key_update::{
+    self, KeyUpdateRequest, Keys, SecretLog, TrafficSecrets, HANDSHAKE_RECORD,
+    KEY_UPDATE_NOT_REQUESTED,
+};
 
 /// The client socket before TLS; its buffer carries what the client sent
 /// behind STARTTLS into the handshake.
@@ -75,16 +80,19 @@ pub struct RecordAligned {
     /// Cleared once the session is known to stay in rustls.
     aligned: bool,
     stop: bool,
+    /// This connection's traffic secrets, which a key update needs.
+    secrets: Arc<SecretLog>,
 }
 
 impl RecordAligned {
-    pub fn new(io: ClientIo) -> Self {
+    pub fn new(io: ClientIo, secrets: Arc<SecretLog>) -> Self {
         RecordAligned {
             carried: Carried::new(io.buffer().to_vec()),
             tcp: io.into_inner(),
             cursor: RecordCursor::default(),
             aligned: true,
             stop: false,
+            secrets,
         }
     }
 }
@@ -123,50 +131,54 @@ impl AsyncRead for RecordAligned {
     }
 }
 
-/// Writes go straight to the socket: before the hand-over rustls writes
-/// ciphertext through `RecordAligned`, after it the kernel encrypts what
-/// `KernelTls` writes.
-macro_rules! write_to_tcp {
-    () => {
-        fn poll_write(
-            self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-            b: &[u8],
-        ) -> Poll<io::Result<usize>> {
-            Pin::new(&mut self.get_mut().tcp).poll_write(cx, b)
-        }
-
-        fn poll_write_vectored(
-            self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-            bufs: &[io::IoSlice<'_>],
-        ) -> Poll<io::Result<usize>> {
-            Pin::new(&mut self.get_mut().tcp).poll_write_vectored(cx, bufs)
-        }
-
-        fn is_write_vectored(&self) -> bool {
-            true
-        }
-
-        fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-            Pin::new(&mut self.get_mut().tcp).poll_flush(cx)
-        }
-    };
-}
-
+/// Writes go straight to the socket: rustls writes ciphertext through
+/// `RecordAligned` until the hand-over.
 impl AsyncWrite for RecordAligned {
-    write_to_tcp!();
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        b: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().tcp).poll_write(cx, b)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().tcp).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().tcp).poll_flush(cx)
+    }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().tcp).poll_shutdown(cx)
     }
 }
 
-/// The socket rustls should read the handshake through.
-pub fn tls_io(io: ClientIo, config: &Config) -> TlsIo {
+/// The socket rustls should read the handshake through, and the TLS
+/// configuration to read it with. Where the kernel may take the session,
+/// the configuration is the current one with a key log of this
+/// connection's own, so that the traffic secrets reach the hand-over and
+/// no other connection (a clone per handshake: a few Arcs and Vecs,
+/// beside the handshake's signatures).
+pub fn tls_io(io: ClientIo, config: &Config) -> (TlsIo, Arc<rustls::ServerConfig>) {
+    let current = config.tls.current();
     match config.kernel_tls {
-        Some(_) => Either::Right(RecordAligned::new(io)),
-        None => Either::Left(io),
+        Some(_) => {
+            let secrets = SecretLog::new();
+            let mut own = (*current).clone();
+            own.key_log = secrets.clone();
+            (Either::Right(RecordAligned::new(io, secrets)), Arc::new(own))
+        }
+        None => (Either::Left(io), current),
     }
 }
 
@@ -175,6 +187,9 @@ pub fn tls_io(io: ClientIo, config: &Config) -> TlsIo {
 /// connection cannot go on.
 pub async fn hand_over(mut tls: ClientTls, config: &Config) -> Result<ClientStream, ConnError> {
     let Some(ciphers) = config.kernel_tls else {
+        if config.kernel_tls_no_rekey && is_tls13(tls.get_ref().1) {
+            config.metrics.kernel_tls_no_rekey.inc();
+        }
         return Ok(Either::Left(tls));
     };
     let attached = match tls.get_mut() {
@@ -189,10 +204,32 @@ pub async fn hand_over(mut tls: ClientTls, config: &Config) -> Result<ClientStre
     if !attached {
         return Ok(Either::Left(tls));
     }
-    let (early, tcp) = drain_and_extract(tls).await?;
+    let key_limit = key_limit(tls.get_ref().1, config.ktls_key_limit);
+    let (drained, tcp, secrets) = drain_and_extract(tls).await?;
     config.metrics.kernel_tls_sessions.inc();
-    info!(early_bytes = early.len(), "TLS handed to the kernel (kTLS)");
-    Ok(Either::Right(KernelTls::new(tcp, early)))
+    info!(
+        early_bytes = drained.early.len(),
+        client_closed = drained.closed,
+        "TLS handed to the kernel (kTLS)"
+    );
+    Ok(Either::Right(KernelTls::new(
+        tcp,
+        drained,
+        secrets,
+        key_limit,
+        config.metrics.clone(),
+    )))
+}
+
+/// Records nbdgw sends under one key before it updates its own: the
+/// suite's confidentiality limit (RFC 8446 §5.5, as rustls states it per
+/// suite) halved, as the count is an upper bound; or the test's limit.
+fn key_limit(conn: &rustls::ServerConnection, configured: Option<u64>) -> u64 {
+    let suite_limit = conn
+        .negotiated_cipher_suite()
+        .and_then(|s| s.tls13())
+        .map_or(1 << 23, |s| s.common.confidentiality_limit);
+    configured.unwrap_or(suite_limit / 2).max(1)
 }
 
 /// The ULP goes on first: until keys are set it changes nothing, so a
@@ -208,22 +245,36 @@ fn attach_ulp(aligned: &RecordAligned) -> bool {
 }
 
 /// Past this point the keys leave rustls: any failure ends the connection.
-async fn drain_and_extract(mut tls: ClientTls) -> Result<(Vec<u8>, TcpStream), KernelTlsError> {
-    let early = drain(&mut tls).await.map_err(KernelTlsError::Drain)?;
+/// The logged traffic secrets are used only if they give the very keys
+/// rustls extracted.
+async fn drain_and_extract(
+    mut tls: ClientTls,
+) -> Result<(Drained, TcpStream, TrafficSecrets), KernelTlsError> {
+    let drained = drain(&mut tls).await.map_err(KernelTlsError::Drain)?;
     let (io, conn) = tls.into_inner();
     let Either::Right(aligned) = io else {
         return Err(KernelTlsError::NotAligned);
     };
-    let secrets = conn
+    #[allow(deprecated)] // the kernel-connection API is for unbuffered connections only
+    let extracted = conn
         .dangerous_extract_secrets()
         .map_err(KernelTlsError::Secrets)?;
-    kernel::install_keys(&aligned.tcp, secrets)?;
-    Ok((early, aligned.tcp))
+    let ((tx_seq, tx), (rx_seq, rx)) = (extracted.tx, extracted.rx);
+    let tx = Keys::from_extracted(&tx).ok_or(KernelTlsError::Cipher)?;
+    let rx = Keys::from_extracted(&rx).ok_or(KernelTlsError::Cipher)?;
+    let secrets = TrafficSecrets::new(&aligned.secrets, &rx, &tx)?;
+    kernel::set_keys(&aligned.tcp, Direction::Tx, tx_seq, &tx)?;
+    kernel::set_keys(&aligned.tcp, Direction::Rx, rx_seq, &rx)?;
+    Ok((drained, aligned.tcp, secrets))
+}
+
+fn is_tls13(conn: &rustls::ServerConnection) -> bool {
+    conn.protocol_version() == Some(rustls::ProtocolVersion::TLSv1_3)
 }
 
 fn eligible(conn: &rustls::ServerConnection, ciphers: &KernelCiphers) -> bool {
     use rustls::CipherSuite::*;
-    let tls13 = conn.protocol_version() == Some(rustls::ProtocolVersion::TLSv1_3);
+    let tls13 = is_tls13(conn);
     let taken = conn
         .negotiated_cipher_suite()
         .is_some_and(|suite| match suite.suite() {
@@ -235,22 +286,36 @@ fn eligible(conn: &rustls::ServerConnection, ciphers: &KernelCiphers) -> bool {
     tls13 && taken
 }
 
+/// What the drain found in rustls before the hand-over.
+#[derive(Debug, Default)]
+struct Drained {
+    /// Plaintext that came with the handshake.
+    early: Vec<u8>,
+    /// The client's close_notify came too: nothing more is to be read.
+    closed: bool,
+}
+
 /// Sends what rustls still holds, then reads until the socket is at a
 /// record boundary, keeping the plaintext that came with the handshake
-/// (a client may send its first option right behind its Finished).
-async fn drain(tls: &mut ClientTls) -> io::Result<Vec<u8>> {
+/// (a client may send its first option right behind its Finished) and
+/// whether the client's close_notify did.
+async fn drain(tls: &mut ClientTls) -> io::Result<Drained> {
     tls.flush().await?;
     if let (Either::Right(aligned), _) = tls.get_mut() {
         aligned.stop = true;
     }
-    let mut early = Vec::new();
+    let mut drained = Drained::default();
     let mut chunk = [0u8; 4096];
     loop {
         match tls.read(&mut chunk).await {
-            Ok(0) => return Ok(early),
-            Ok(n) => early.extend_from_slice(&chunk[..n]),
+            // rustls reads its end only from a close_notify.
+            Ok(0) => {
+                drained.closed = true;
+                return Ok(drained);
+            }
+            Ok(n) => drained.early.extend_from_slice(&chunk[..n]),
             // rustls reports the boundary as a close without close_notify.
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(early),
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(drained),
             Err(e) => return Err(e),
         }
     }
@@ -259,61 +324,150 @@ async fn drain(tls: &mut ClientTls) -> io::Result<Vec<u8>> {
 /// Linux reports a record that is not application data (an alert, a
 /// handshake message) as EIO to a plain read; recvmsg tells its type.
 const EIO: i32 = 5;
+/// What a read returns while the kernel waits for a new receive key.
+const EKEYEXPIRED: i32 = 127;
 const ALERT_CLOSE_NOTIFY: u8 = 0;
-const ALERT_LEVEL_FATAL: u8 = 2;
+const ALERT_USER_CANCELED: u8 = 90;
+/// The largest plaintext of one record: writes are counted in records of
+/// this size at most, plus one.
+const MAX_RECORD_PLAINTEXT: usize = 16_384;
 
 /// The client socket once the kernel does the record layer. Application
-/// data reads and writes are plain socket calls; other records end the
-/// session: close_notify as end-of-file, anything else as an error (a
-/// TLS 1.3 key update is one: this nbdgw does not re-key the kernel).
+/// data reads and writes are plain socket calls. Of the other records,
+/// close_notify reads as end-of-file, a KeyUpdate is followed (the kernel
+/// gets the next receive key, and nbdgw updates its own sending keys
+/// before its next record when asked to), and anything else ends the
+/// session with the reason. nbdgw also updates its own keys after
+/// `key_limit` records.
 pub struct KernelTls {
     tcp: TcpStream,
     /// Plaintext rustls had decrypted before the hand-over.
     early: Carried,
     read_closed: bool,
     said_goodbye: bool,
+    secrets: TrafficSecrets,
+    /// An upper bound of the records sent under the current key.
+    tx_records: u64,
+    key_limit: u64,
+    /// nbdgw's KeyUpdate goes before its next record.
+    update_tx: bool,
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl KernelTls {
-    fn new(tcp: TcpStream, early: Vec<u8>) -> Self {
+    fn new(
+        tcp: TcpStream,
+        drained: Drained,
+        secrets: TrafficSecrets,
+        key_limit: u64,
+        metrics: Arc<crate::metrics::Metrics>,
+    ) -> Self {
         KernelTls {
             tcp,
-            early: Carried::new(early),
-            read_closed: false,
+            early: Carried::new(drained.early),
+            read_closed: drained.closed,
             said_goodbye: false,
+            secrets,
+            tx_records: 0,
+            key_limit,
+            update_tx: false,
+            metrics,
         }
     }
 
     /// Reads the record that made the plain read fail.
     fn control_record(&mut self) -> io::Result<()> {
-        let fd = self.tcp.as_raw_fd();
-        let (kind, data, len) = self.tcp.try_io(Interest::READABLE, || {
-            let mut data = [0u8; 64];
-            let mut space = nix::cmsg_space!(u8);
-            let mut iov = [io::IoSliceMut::new(&mut data)];
-            let msg = recvmsg::<()>(fd, &mut iov, Some(&mut space), MsgFlags::empty())?;
-            let kind = msg.cmsgs()?.find_map(|c| match c {
-                ControlMessageOwned::TlsGetRecordType(t) => Some(t),
-                _ => None,
-            });
-            let len = msg.bytes;
-            Ok((kind, [data[0], data[1]], len))
+        let tcp = &self.tcp;
+        // Every record nbdgw takes is shorter; a longer one is refused
+        // whole, whatever of it was read.
+        let mut data = [0u8; 64];
+        let (kind, len) = tcp.try_io(Interest::READABLE, || {
+            kernel::recv_record(std::os::fd::AsFd::as_fd(tcp), &mut data).map_err(io::Error::from)
         })?;
+        let record = &data[..len.min(data.len())];
         match kind {
-            Some(TlsGetRecordType::Alert) if len == 2 && data[1] == ALERT_CLOSE_NOTIFY => {
-                self.read_closed = true;
-                Ok(())
-            }
-            Some(TlsGetRecordType::Alert) if data[0] == ALERT_LEVEL_FATAL => Err(io::Error::new(
-                io::ErrorKind::ConnectionAborted,
-                format!("client sent TLS alert {}", data[1]),
-            )),
-            // A warning other than close_notify: nothing to act on.
-            Some(TlsGetRecordType::Alert) => Ok(()),
+            Some(TlsGetRecordType::Alert) => self.alert(record),
+            Some(TlsGetRecordType::Handshake) => self.key_update(record),
             other => Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 format!("client sent a TLS record kernel TLS does not handle: {other:?}"),
             )),
+        }
+    }
+
+    /// TLS 1.3 (RFC 8446 §6): close_notify ends the client's side,
+    /// user_canceled announces one, and every other alert is an error
+    /// whatever its level.
+    fn alert(&mut self, record: &[u8]) -> io::Result<()> {
+        match *record {
+            [_, ALERT_CLOSE_NOTIFY] => {
+                self.read_closed = true;
+                Ok(())
+            }
+            [_, ALERT_USER_CANCELED] => Ok(()),
+            [level, description] => Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                format!("client sent TLS alert {description} (level {level})"),
+            )),
+            _ => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("client sent a malformed alert record ({} bytes)", record.len()),
+            )),
+        }
+    }
+
+    /// The client's KeyUpdate: the kernel (which holds back what follows
+    /// until then) gets the next receive key; asked to, nbdgw updates its
+    /// own keys before its next record (RFC 8446 §4.6.3).
+    fn key_update(&mut self, record: &[u8]) -> io::Result<()> {
+        let request = key_update::parse_key_update(record)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        let keys = self.secrets.next_rx();
+        kernel::set_keys(&self.tcp, Direction::Rx, 0, &keys).map_err(io::Error::other)?;
+        self.metrics.key_update(Direction::Rx.label());
+        if request == KeyUpdateRequest::Requested {
+            self.update_tx = true;
+        }
+        debug!(?request, "followed the client's TLS key update");
+        Ok(())
+    }
+
+    /// Sends nbdgw's KeyUpdate and moves the kernel to the next sending
+    /// key, if one is due: asked for by the client or at the key limit.
+    fn poll_update_tx(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while self.update_tx {
+            ready!(self.tcp.poll_write_ready(cx))?;
+            let tcp = &self.tcp;
+            match tcp.try_io(Interest::WRITABLE, || {
+                kernel::send_record(
+                    std::os::fd::AsFd::as_fd(tcp),
+                    HANDSHAKE_RECORD,
+                    &KEY_UPDATE_NOT_REQUESTED,
+                )
+            }) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+            // The KeyUpdate went under the old key; all after it must go
+            // under the new one, or the client cannot read on.
+            let keys = self.secrets.next_tx();
+            kernel::set_keys(&self.tcp, Direction::Tx, 0, &keys).map_err(io::Error::other)?;
+            self.metrics.key_update(Direction::Tx.label());
+            self.tx_records = 0;
+            self.update_tx = false;
+            debug!("updated nbdgw's own TLS keys");
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    /// Accounts for `n` bytes the kernel took: each write ends at most
+    /// one record short of full, so records ≤ writes + bytes / 16 KiB.
+    fn sent(&mut self, n: usize) {
+        let records = 1 + (n / MAX_RECORD_PLAINTEXT) as u64;
+        self.tx_records = self.tx_records.saturating_add(records);
+        if self.tx_records >= self.key_limit {
+            self.update_tx = true;
         }
     }
 }
@@ -340,6 +494,11 @@ impl AsyncRead for KernelTls {
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                     Err(e) => return Poll::Ready(Err(e)),
                 },
+                Err(e) if e.raw_os_error() == Some(EKEYEXPIRED) => {
+                    return Poll::Ready(Err(io::Error::other(
+                        "kernel TLS waits for a receive key after a key update nbdgw did not see",
+                    )))
+                }
                 other => return Poll::Ready(other),
             }
         }
@@ -347,7 +506,33 @@ impl AsyncRead for KernelTls {
 }
 
 impl AsyncWrite for KernelTls {
-    write_to_tcp!();
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, b: &[u8]) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        ready!(this.poll_update_tx(cx))?;
+        let n = ready!(Pin::new(&mut this.tcp).poll_write(cx, b))?;
+        this.sent(n);
+        Poll::Ready(Ok(n))
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        ready!(this.poll_update_tx(cx))?;
+        let n = ready!(Pin::new(&mut this.tcp).poll_write_vectored(cx, bufs))?;
+        this.sent(n);
+        Poll::Ready(Ok(n))
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().tcp).poll_flush(cx)
+    }
 
     /// close_notify, then FIN, as rustls would.
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -356,7 +541,11 @@ impl AsyncWrite for KernelTls {
             ready!(this.tcp.poll_write_ready(cx))?;
             let tcp = &this.tcp;
             match tcp.try_io(Interest::WRITABLE, || {
-                kernel::send_close_notify(std::os::fd::AsFd::as_fd(tcp))
+                kernel::send_record(
+                    std::os::fd::AsFd::as_fd(tcp),
+                    kernel::ALERT_RECORD,
+                    &kernel::CLOSE_NOTIFY,
+                )
             }) {
                 Ok(()) => this.said_goodbye = true,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
@@ -512,7 +701,7 @@ mod tests {
             client_sending_behind_finished(listener.local_addr().unwrap(), client, message.clone());
 
         let (tcp, _) = listener.accept().await.unwrap();
-        let io = Either::Right(RecordAligned::new(BufReader::new(tcp)));
+        let io = Either::Right(RecordAligned::new(BufReader::new(tcp), SecretLog::new()));
         let mut tls = tokio_rustls::TlsAcceptor::from(Arc::new(server))
             .accept(io)
             .await
@@ -537,7 +726,9 @@ mod tests {
         client.join().unwrap();
         tcp.read_to_end(&mut rest).await.unwrap();
         let (seq, rx) = secrets.rx;
+        let rx = Keys::from_extracted(&rx).unwrap();
         let opened = open_as_the_kernel_would(&rest, crypto_info(seq, &rx).unwrap());
-        assert_eq!([early, opened].concat(), message);
+        assert!(!early.closed);
+        assert_eq!([early.early, opened].concat(), message);
     }
 }

@@ -84,8 +84,8 @@ async fn greet(client: &mut OptionChannel<ClientIo>) -> Result<ClientFlags, Conn
 }
 
 pub async fn accept_tls(io: ClientIo, config: &Config) -> Result<ClientTls, ConnError> {
-    let io = super::kernel_tls::tls_io(io, config);
-    let accepted = tokio_rustls::TlsAcceptor::from(config.tls.current())
+    let (io, tls_config) = super::kernel_tls::tls_io(io, config);
+    let accepted = tokio_rustls::TlsAcceptor::from(tls_config)
         .accept_with(io, |conn| conn.set_buffer_limit(Some(TLS_BUFFER_LIMIT)))
         .into_fallible()
         .await;

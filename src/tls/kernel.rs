@@ -15,8 +15,13 @@ use std::net::{Ipv4Addr, TcpListener, TcpStream};
 use nix::libc;
 use nix::sys::socket::setsockopt;
 use nix::sys::socket::sockopt::{TcpTlsRx, TcpTlsTx, TcpUlp, TlsCryptoInfo};
-use rustls::ConnectionTrafficSecrets;
+
+use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags, TlsGetRecordType};
 use tracing::info;
+
+use super::key_update::{
+    KeyUpdateError, Keys, Suite, HANDSHAKE_RECORD, KEY_UPDATE_LEN, KEY_UPDATE_NOT_REQUESTED,
+};
 
 /// Whether nbdgw hands established sessions to kernel TLS.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -44,38 +49,133 @@ pub enum KernelTlsError {
     Probe(std::io::Error),
     #[error("kernel TLS takes none of the AEADs TLS 1.3 uses")]
     NoCiphers,
+    #[error(
+        "this kernel cannot re-key a TLS 1.3 session ({0}; Linux 6.14 and later can), \
+         so a client's key update would end a session handed to it"
+    )]
+    NoRekey(String),
     #[error("rustls did not hand over the session keys: {0}")]
     Secrets(rustls::Error),
-    #[error("the kernel refused the session keys: {0}")]
-    Setup(nix::Error),
+    #[error("the kernel refused the session's {direction} keys: {error}", direction = .0.label(), error = .1)]
+    Setup(Direction, nix::Error),
     #[error("the session's cipher is not one the kernel took at start")]
     Cipher,
     #[error("draining rustls before the hand-over: {0}")]
     Drain(std::io::Error),
     #[error("the handshake was not read record by record, so it cannot be handed over")]
     NotAligned,
+    #[error("key update: {0}")]
+    KeyUpdate(#[from] KeyUpdateError),
+}
+
+/// What one cipher's probe found.
+enum Verdict {
+    /// Both directions, and a key update in each.
+    Full,
+    Refused,
+    /// Keys once, but not a key update: why.
+    NoRekey(String),
 }
 
 /// Asks the kernel, on loopback connections of its own, whether it has the
-/// `tls` ULP and which ciphers it takes: the same calls a session's
-/// hand-over makes, with throw-away keys.
+/// `tls` ULP and which ciphers it takes for the whole life of a session:
+/// the calls a session's hand-over and its key updates make, with
+/// throw-away keys. A cipher counts only if application data passes in
+/// both directions' kernel code and a key update, sent as a session's is
+/// and installed on both sides, is followed: a kernel that takes keys
+/// but cannot re-key (before Linux 6.14) would lose every session at the
+/// client's first KeyUpdate, so its ciphers are not taken at all.
 pub fn probe() -> Result<KernelCiphers, KernelTlsError> {
-    let try_cipher = |info: TlsCryptoInfo| -> Result<bool, KernelTlsError> {
-        let (client, _server) = loopback_pair().map_err(KernelTlsError::Probe)?;
-        attach_ulp(&client)?;
-        Ok(setsockopt(&client, TcpTlsTx, &info).is_ok())
-    };
-    let zero =
-        |make: Layout, key_len| make(&vec![0; key_len], &[0; 12]).ok_or(KernelTlsError::NoCiphers);
+    let verdicts = [
+        probe_cipher(Suite::Aes128GcmSha256)?,
+        probe_cipher(Suite::Aes256GcmSha384)?,
+        probe_cipher(Suite::Chacha20Poly1305Sha256)?,
+    ];
+    let full = |v: &Verdict| matches!(v, Verdict::Full);
     let ciphers = KernelCiphers {
-        aes_128_gcm: try_cipher(zero(aes_128_gcm, 16)?)?,
-        aes_256_gcm: try_cipher(zero(aes_256_gcm, 32)?)?,
-        chacha20_poly1305: try_cipher(zero(chacha20_poly1305, 32)?)?,
+        aes_128_gcm: full(&verdicts[0]),
+        aes_256_gcm: full(&verdicts[1]),
+        chacha20_poly1305: full(&verdicts[2]),
     };
-    if ciphers == KernelCiphers::default() {
-        return Err(KernelTlsError::NoCiphers);
+    if ciphers != KernelCiphers::default() {
+        return Ok(ciphers);
     }
-    Ok(ciphers)
+    match verdicts.into_iter().find_map(|v| match v {
+        Verdict::NoRekey(why) => Some(why),
+        _ => None,
+    }) {
+        Some(why) => Err(KernelTlsError::NoRekey(why)),
+        None => Err(KernelTlsError::NoCiphers),
+    }
+}
+
+/// How long the probe waits for its own loopback bytes.
+const PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+fn probe_cipher(suite: Suite) -> Result<Verdict, KernelTlsError> {
+    use std::io::{Read, Write};
+    use std::os::fd::AsFd;
+    let (client, server) = loopback_pair().map_err(KernelTlsError::Probe)?;
+    for s in [&client, &server] {
+        s.set_read_timeout(Some(PROBE_TIMEOUT))
+            .map_err(KernelTlsError::Probe)?;
+    }
+    attach_ulp(&client)?;
+    attach_ulp(&server)?;
+    let (first, second) = (Keys::filled(suite, 0x11), Keys::filled(suite, 0x22));
+    if set_keys(&client, Direction::Tx, 0, &first).is_err()
+        || set_keys(&server, Direction::Rx, 0, &first).is_err()
+    {
+        return Ok(Verdict::Refused);
+    }
+    let roundtrip = |mut from: &TcpStream, mut to: &TcpStream, what: &[u8; 5]| {
+        let mut got = [0u8; 5];
+        from.write_all(what)?;
+        to.read_exact(&mut got)?;
+        Ok::<bool, std::io::Error>(&got == what)
+    };
+    if !roundtrip(&client, &server, b"probe").unwrap_or(false) {
+        return Ok(Verdict::Refused);
+    }
+    // As a client's key update: the KeyUpdate under the old keys, then
+    // the new ones.
+    send_record(client.as_fd(), HANDSHAKE_RECORD, &KEY_UPDATE_NOT_REQUESTED)
+        .map_err(KernelTlsError::Probe)?;
+    if let Err(e) = set_keys(&client, Direction::Tx, 0, &second) {
+        return Ok(Verdict::NoRekey(e.to_string()));
+    }
+    let mut record = [0u8; 64];
+    match recv_record(server.as_fd(), &mut record) {
+        Ok((Some(TlsGetRecordType::Handshake), KEY_UPDATE_LEN))
+            if record[..KEY_UPDATE_LEN] == KEY_UPDATE_NOT_REQUESTED => {}
+        other => return Ok(Verdict::NoRekey(format!("the KeyUpdate read back as {other:?}"))),
+    }
+    if let Err(e) = set_keys(&server, Direction::Rx, 0, &second) {
+        return Ok(Verdict::NoRekey(e.to_string()));
+    }
+    match roundtrip(&client, &server, b"again") {
+        Ok(true) => Ok(Verdict::Full),
+        other => Ok(Verdict::NoRekey(format!(
+            "data after the key update read back as {other:?}"
+        ))),
+    }
+}
+
+/// Reads one record that is not application data (a plain read of it
+/// fails with EIO) and its type; `buf` takes its plaintext.
+pub fn recv_record(
+    fd: std::os::fd::BorrowedFd<'_>,
+    buf: &mut [u8],
+) -> nix::Result<(Option<TlsGetRecordType>, usize)> {
+    use std::os::fd::AsRawFd;
+    let mut space = nix::cmsg_space!(u8);
+    let mut iov = [std::io::IoSliceMut::new(buf)];
+    let msg = recvmsg::<()>(fd.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::empty())?;
+    let kind = msg.cmsgs()?.find_map(|c| match c {
+        ControlMessageOwned::TlsGetRecordType(t) => Some(t),
+        _ => None,
+    });
+    Ok((kind, msg.bytes))
 }
 
 fn loopback_pair() -> std::io::Result<(TcpStream, TcpStream)> {
@@ -99,15 +199,14 @@ impl KernelCiphers {
 }
 
 /// The kernel's layout of one direction's TLS 1.3 keys: `seq` is the
-/// number of the next record, as rustls counted it.
-pub fn crypto_info(seq: u64, secrets: &ConnectionTrafficSecrets) -> Option<TlsCryptoInfo> {
-    let (make, key, iv): (Layout, _, _) = match secrets {
-        ConnectionTrafficSecrets::Aes128Gcm { key, iv } => (aes_128_gcm, key, iv),
-        ConnectionTrafficSecrets::Aes256Gcm { key, iv } => (aes_256_gcm, key, iv),
-        ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => (chacha20_poly1305, key, iv),
-        _ => return None,
+/// number of the next record, as rustls counted it (0 after an update).
+pub fn crypto_info(seq: u64, keys: &Keys) -> Option<TlsCryptoInfo> {
+    let make: Layout = match keys.suite {
+        Suite::Aes128GcmSha256 => aes_128_gcm,
+        Suite::Aes256GcmSha384 => aes_256_gcm,
+        Suite::Chacha20Poly1305Sha256 => chacha20_poly1305,
     };
-    let mut info = make(key.as_ref(), iv.as_ref())?;
+    let mut info = make(keys.key(), keys.iv())?;
     let rec_seq = seq.to_be_bytes();
     match &mut info {
         TlsCryptoInfo::Aes128Gcm(i) => i.rec_seq = rec_seq,
@@ -171,34 +270,59 @@ pub fn attach_ulp(socket: &impl std::os::fd::AsFd) -> Result<(), KernelTlsError>
     setsockopt(socket, TcpUlp::default(), &&b"tls"[..]).map_err(KernelTlsError::NoUlp)
 }
 
-/// Hands both directions of an established TLS 1.3 session to the kernel
-/// (the ULP already on). After an error the socket is unusable for TLS:
-/// the keys have left rustls.
-pub fn install_keys(
+/// One direction's keys to the kernel: the first time after the
+/// handshake, or again after a key update (kernels that re-key).
+pub fn set_keys(
     socket: &impl std::os::fd::AsFd,
-    secrets: rustls::ExtractedSecrets,
+    direction: Direction,
+    seq: u64,
+    keys: &Keys,
 ) -> Result<(), KernelTlsError> {
-    let (tx_seq, tx) = secrets.tx;
-    let (rx_seq, rx) = secrets.rx;
-    let tx = crypto_info(tx_seq, &tx).ok_or(KernelTlsError::Cipher)?;
-    let rx = crypto_info(rx_seq, &rx).ok_or(KernelTlsError::Cipher)?;
-    setsockopt(socket, TcpTlsTx, &tx).map_err(KernelTlsError::Setup)?;
-    setsockopt(socket, TcpTlsRx, &rx).map_err(KernelTlsError::Setup)
+    let info = crypto_info(seq, keys).ok_or(KernelTlsError::Cipher)?;
+    match direction {
+        Direction::Tx => setsockopt(socket, TcpTlsTx, &info),
+        Direction::Rx => setsockopt(socket, TcpTlsRx, &info),
+    }
+    .map_err(|e| KernelTlsError::Setup(direction, e))
 }
 
-/// Sends close_notify on a kernel TLS socket: an alert record, which the
-/// kernel sends only when told the record type in a control message.
-/// Clients expect it at the end (rustls reports its absence as an error,
-/// GnuTLS as a premature termination), and no safe crate builds that
-/// control message (nix and rustix have no TLS_SET_RECORD_TYPE), hence
-/// the one unsafe function in nbdgw. Non-blocking: WouldBlock when the
-/// socket's send buffer is full.
+/// Which way records go, as nbdgw sees them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    Rx,
+    Tx,
+}
+
+impl Direction {
+    pub fn label(self) -> &'static str {
+        match self {
+            Direction::Rx => "rx",
+            Direction::Tx => "tx",
+        }
+    }
+}
+
+/// The record type of a TLS alert.
+pub const ALERT_RECORD: u8 = 21;
+/// A warning-level close_notify alert.
+pub const CLOSE_NOTIFY: [u8; 2] = [1, 0];
+
+/// Sends one record of a type other than application data on a kernel
+/// TLS socket (close_notify at the end, a KeyUpdate): the kernel sends
+/// one only when told the record type in a control message. Clients
+/// expect close_notify (rustls reports its absence as an error, GnuTLS as
+/// a premature termination), a key update needs its KeyUpdate, and no
+/// safe crate builds that control message (nix and rustix have no
+/// TLS_SET_RECORD_TYPE), hence the one unsafe function in nbdgw.
+/// Non-blocking: WouldBlock when the socket's send buffer is full.
 #[allow(unsafe_code)]
-pub fn send_close_notify(socket: std::os::fd::BorrowedFd<'_>) -> std::io::Result<()> {
+pub fn send_record(
+    socket: std::os::fd::BorrowedFd<'_>,
+    record_type: u8,
+    body: &[u8],
+) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
-    const ALERT_RECORD: u8 = 21;
-    let alert = [1u8, 0]; // warning, close_notify
-                          // u64s, so the control buffer is aligned for cmsghdr.
+    // u64s, so the control buffer is aligned for cmsghdr.
     let mut control = [0u64; 4];
     // SAFETY: CMSG_SPACE only computes a size.
     let space = unsafe { libc::CMSG_SPACE(1) } as usize;
@@ -206,8 +330,8 @@ pub fn send_close_notify(socket: std::os::fd::BorrowedFd<'_>) -> std::io::Result
         return Err(std::io::Error::other("control message buffer too small"));
     }
     let mut iov = libc::iovec {
-        iov_base: alert.as_ptr() as *mut libc::c_void,
-        iov_len: alert.len(),
+        iov_base: body.as_ptr() as *mut libc::c_void,
+        iov_len: body.len(),
     };
     // SAFETY: msghdr is plain data; all-zero is a valid empty message.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -217,36 +341,41 @@ pub fn send_close_notify(socket: std::os::fd::BorrowedFd<'_>) -> std::io::Result
     msg.msg_controllen = space as _;
     // SAFETY: msg points at `control`, which has room for one cmsghdr with
     // one byte of data (checked above), so CMSG_FIRSTHDR is non-null and
-    // CMSG_DATA within it; `iov` and `alert` outlive the sendmsg call,
+    // CMSG_DATA within it; `iov` and `body` outlive the sendmsg call,
     // which only reads them.
     let sent = unsafe {
         let cmsg = libc::CMSG_FIRSTHDR(&msg);
         (*cmsg).cmsg_level = libc::SOL_TLS;
         (*cmsg).cmsg_type = libc::TLS_SET_RECORD_TYPE;
         (*cmsg).cmsg_len = libc::CMSG_LEN(1) as _;
-        *libc::CMSG_DATA(cmsg) = ALERT_RECORD;
+        *libc::CMSG_DATA(cmsg) = record_type;
         libc::sendmsg(socket.as_raw_fd(), &msg, libc::MSG_DONTWAIT)
     };
     if sent < 0 {
         return Err(std::io::Error::last_os_error());
     }
+    // A record this small goes whole or not at all.
+    if sent as usize != body.len() {
+        return Err(std::io::Error::other("the kernel took part of a control record"));
+    }
     Ok(())
 }
 
-/// At start: whether sessions may go to the kernel, said once in the log.
-pub fn decide(mode: KernelTlsMode) -> Option<KernelCiphers> {
+/// At start: whether sessions may go to the kernel, said once in the log,
+/// and whether the kernel has TLS but cannot re-key it.
+pub fn decide(mode: KernelTlsMode) -> (Option<KernelCiphers>, bool) {
     if mode == KernelTlsMode::Off {
         info!("kernel TLS off (--ktls off): TLS stays in rustls");
-        return None;
+        return (None, false);
     }
     match probe() {
         Ok(ciphers) => {
-            info!(ciphers = ?ciphers.names(), "kernel TLS available: TLS 1.3 sessions go to the kernel after the handshake");
-            Some(ciphers)
+            info!(ciphers = ?ciphers.names(), "kernel TLS available: TLS 1.3 sessions go to the kernel after the handshake, and key updates are followed there");
+            (Some(ciphers), false)
         }
         Err(e) => {
             info!(reason = %e, "kernel TLS unavailable: TLS stays in rustls");
-            None
+            (None, matches!(e, KernelTlsError::NoRekey(_)))
         }
     }
 }
@@ -304,6 +433,7 @@ impl RecordCursor {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use rustls::ConnectionTrafficSecrets;
 
     fn record(len: usize) -> Vec<u8> {
         let mut r = vec![23, 3, 3];
@@ -349,10 +479,11 @@ mod tests {
     fn tls13_keys_are_laid_out_as_the_kernel_reads_them() {
         let iv: Vec<u8> = (1..=12).collect();
         let key = [7u8; 32];
-        let secrets = ConnectionTrafficSecrets::Aes256Gcm {
+        let secrets = Keys::from_extracted(&ConnectionTrafficSecrets::Aes256Gcm {
             key: key.into(),
             iv: rustls::crypto::cipher::Iv::copy(&iv),
-        };
+        })
+        .unwrap();
         let Some(TlsCryptoInfo::Aes256Gcm(info)) = crypto_info(0x0102_0304_0506_0708, &secrets)
         else {
             panic!("AES-256-GCM expected");
@@ -364,10 +495,11 @@ mod tests {
         assert_eq!(info.key, key);
         assert_eq!(info.rec_seq, [1, 2, 3, 4, 5, 6, 7, 8]);
 
-        let chacha = ConnectionTrafficSecrets::Chacha20Poly1305 {
+        let chacha = Keys::from_extracted(&ConnectionTrafficSecrets::Chacha20Poly1305 {
             key: key.into(),
             iv: rustls::crypto::cipher::Iv::copy(&iv),
-        };
+        })
+        .unwrap();
         let Some(TlsCryptoInfo::Chacha20Poly1305(info)) = crypto_info(9, &chacha) else {
             panic!("CHACHA20-POLY1305 expected");
         };
@@ -381,7 +513,7 @@ mod tests {
             key: [0u8; 32].into(),
             iv: rustls::crypto::cipher::Iv::copy(&[0; 12]),
         };
-        assert!(crypto_info(0, &secrets).is_none());
+        assert!(Keys::from_extracted(&secrets).is_none());
     }
 
     /// This machine's kernel lacks CONFIG_TLS: the probe must say so, not

@@ -4,6 +4,7 @@
 
 pub mod identity;
 pub mod kernel;
+pub mod key_update;
 mod material;
 mod reload;
 mod sessions;
