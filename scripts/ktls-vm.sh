@@ -6,7 +6,7 @@
 # the test binaries, qemu-nbd, qemu-img and libnbd inside are the ones
 # built and installed here.
 #
-#   scripts/ktls-vm.sh                 # kernel_tls raw_protocol real_clients reliability routing
+#   scripts/ktls-vm.sh                 # kernel_tls key_update raw_protocol real_clients reliability routing
 #   scripts/ktls-vm.sh real_clients    # or the named test binaries
 #   scripts/ktls-vm.sh --run FILE      # or a script of your own, as root in the VM
 #
@@ -161,7 +161,7 @@ echo "$root" > "$io/repo"
 if [ "${1:-}" = "--run" ]; then
     cp "$2" "$io/run.sh"
 else
-    [ $# -gt 0 ] || set -- kernel_tls raw_protocol real_clients reliability routing
+    [ $# -gt 0 ] || set -- kernel_tls key_update raw_protocol real_clients reliability routing
     args=()
     for t in "$@"; do args+=(--test "$t"); done
     cargo test --locked --no-run --lib "${args[@]}" 2>&1 |

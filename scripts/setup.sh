@@ -4,13 +4,15 @@
 # python3-libnbd (the soak's clients, for Debian's /usr/bin/python3) and
 # iproute2 (ip netns, for the test of a client that powers off), curl (the
 # admin endpoints' tests) and systemd (systemd-socket-activate and
-# systemd-analyze, for the units' tests), and qemu-system-x86 for
+# systemd-analyze, for the units' tests), gcc, pkg-config and
+# libgnutls28-dev (the key update tests compile a GnuTLS client,
+# tests/clients/gnutls_keyupdate.c), and qemu-system-x86 for
 # scripts/ktls-vm.sh (the kernel TLS tests, under a kernel that has it).
 set -euo pipefail
 sudo=""
 [ "$(id -u)" -eq 0 ] || sudo="sudo"
 
-packages=(qemu-utils libnbd-bin python3-libnbd iproute2 curl systemd)
+packages=(qemu-utils libnbd-bin python3-libnbd iproute2 curl systemd gcc pkg-config libgnutls28-dev)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
