@@ -323,9 +323,9 @@ async fn drain(tls: &mut ClientTls) -> io::Result<Drained> {
 
 /// Linux reports a record that is not application data (an alert, a
 /// handshake message) as EIO to a plain read; recvmsg tells its type.
-const EIO: i32 = 5;
+const EIO: i32 = nix::libc::EIO;
 /// What a read returns while the kernel waits for a new receive key.
-const EKEYEXPIRED: i32 = 127;
+const EKEYEXPIRED: i32 = nix::libc::EKEYEXPIRED;
 const ALERT_CLOSE_NOTIFY: u8 = 0;
 const ALERT_USER_CANCELED: u8 = 90;
 /// The largest plaintext of one record: writes are counted in records of
@@ -351,7 +351,25 @@ pub struct KernelTls {
     key_limit: u64,
     /// nbdgw's KeyUpdate goes before its next record.
     update_tx: bool,
+    /// Key updates followed: the client's, nbdgw's own.
+    updates: [u64; 2],
     metrics: Arc<crate::metrics::Metrics>,
+}
+
+impl Drop for KernelTls {
+    /// One line per session that had key updates, when it ends: each is
+    /// rare (millions of records apart), so the count is what is worth
+    /// keeping.
+    fn drop(&mut self) {
+        let [rx, tx] = self.updates;
+        if rx + tx > 0 {
+            info!(
+                rx_key_updates = rx,
+                tx_key_updates = tx,
+                "kernel TLS session ends after key updates"
+            );
+        }
+    }
 }
 
 impl KernelTls {
@@ -371,6 +389,7 @@ impl KernelTls {
             tx_records: 0,
             key_limit,
             update_tx: false,
+            updates: [0; 2],
             metrics,
         }
     }
@@ -425,6 +444,7 @@ impl KernelTls {
         let keys = self.secrets.next_rx();
         kernel::set_keys(&self.tcp, Direction::Rx, 0, &keys).map_err(io::Error::other)?;
         self.metrics.key_update(Direction::Rx.label());
+        self.updates[0] += 1;
         if request == KeyUpdateRequest::Requested {
             self.update_tx = true;
         }
@@ -454,6 +474,7 @@ impl KernelTls {
             let keys = self.secrets.next_tx();
             kernel::set_keys(&self.tcp, Direction::Tx, 0, &keys).map_err(io::Error::other)?;
             self.metrics.key_update(Direction::Tx.label());
+            self.updates[1] += 1;
             self.tx_records = 0;
             self.update_tx = false;
             debug!("updated nbdgw's own TLS keys");
@@ -730,5 +751,47 @@ mod tests {
         let opened = open_as_the_kernel_would(&rest, crypto_info(seq, &rx).unwrap());
         assert!(!early.closed);
         assert_eq!([early.early, opened].concat(), message);
+    }
+
+    /// Where rustls already holds the client's close_notify at the
+    /// hand-over (it read past its Finished), the drain says so, and the
+    /// kernel session reads end-of-file at once instead of waiting for a
+    /// record that never comes.
+    #[tokio::test]
+    async fn a_close_notify_rustls_read_before_the_hand_over_is_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let (server, client) = configs(dir.path());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let client = std::thread::spawn(move || {
+            let mut tcp = std::net::TcpStream::connect(addr).unwrap();
+            let name = "localhost".try_into().unwrap();
+            let mut conn = rustls::ClientConnection::new(Arc::new(client), name).unwrap();
+            while conn.is_handshaking() {
+                if conn.wants_write() {
+                    conn.write_tls(&mut tcp).unwrap();
+                } else {
+                    conn.read_tls(&mut tcp).unwrap();
+                    conn.process_new_packets().unwrap();
+                }
+            }
+            conn.writer().write_all(b"last words").unwrap();
+            conn.send_close_notify();
+            while conn.wants_write() {
+                conn.write_tls(&mut tcp).unwrap();
+            }
+            tcp
+        });
+        let (tcp, _) = listener.accept().await.unwrap();
+        let mut aligned = RecordAligned::new(BufReader::new(tcp), SecretLog::new());
+        // Unaligned reads, so that rustls reads all the client sent.
+        aligned.aligned = false;
+        let accepting = tokio_rustls::TlsAcceptor::from(Arc::new(server));
+        let client_tcp = client.join().unwrap();
+        let mut tls = accepting.accept(Either::Right(aligned)).await.unwrap();
+        let drained = drain(&mut tls).await.unwrap();
+        assert_eq!(drained.early, b"last words");
+        assert!(drained.closed);
+        drop(client_tcp);
     }
 }

@@ -514,7 +514,7 @@ int main(int argc, char **argv)
 {
 	if (argc < 8 || argc > 9) {
 		fprintf(stderr,
-			"usage: %s HOST PORT CAFILE CERTFILE KEYFILE EXPORT none|ku0|kupeer|long [REQUESTS]\n",
+			"usage: %s HOST PORT CAFILE CERTFILE KEYFILE EXPORT none|ku0|kupeer|alert|long [REQUESTS]\n",
 			argv[0]);
 		return 2;
 	}
@@ -523,8 +523,9 @@ int main(int argc, char **argv)
 	const char *mode = argv[7];
 	long requests = argc == 9 ? strtol(argv[8], NULL, 10) : 1000;
 	int is_long = strcmp(mode, "long") == 0;
-	if (!is_long && strcmp(mode, "none") && strcmp(mode, "ku0") &&
-	    strcmp(mode, "kupeer")) {
+	int is_alert = strcmp(mode, "alert") == 0;
+	if (!is_long && !is_alert && strcmp(mode, "none") &&
+	    strcmp(mode, "ku0") && strcmp(mode, "kupeer")) {
 		fprintf(stderr, "unknown mode %s\n", mode);
 		return 2;
 	}
@@ -614,6 +615,34 @@ int main(int argc, char **argv)
 		die("export of %llu bytes is smaller than the %llu the client uses",
 		    (unsigned long long)c.export_size,
 		    (unsigned long long)end);
+
+	if (is_alert) {
+		/* A warning alert that TLS 1.3 treats as an error whatever
+		 * its level (RFC 8446 §6): the server must end the session. */
+		phase = "before the alert";
+		round_trip(&c, 1);
+		phase = "alert";
+		check(gnutls_alert_send(c.session, GNUTLS_AL_WARNING,
+					GNUTLS_A_UNRECOGNIZED_NAME),
+		      "gnutls_alert_send");
+		uint8_t byte;
+		ssize_t r;
+		deadline = now_secs() + IO_TIMEOUT_SECS;
+		while ((r = gnutls_record_recv(c.session, &byte, 1)) ==
+			       GNUTLS_E_AGAIN ||
+		       r == GNUTLS_E_INTERRUPTED)
+			if (now_secs() > deadline)
+				die("the server kept the session open after a warning alert");
+		if (r > 0)
+			die("data from the server after the alert");
+		printf("session ended by the server after the alert: %s\n",
+		       r == 0 ? "close_notify" : gnutls_strerror((int)r));
+		gnutls_deinit(c.session);
+		gnutls_certificate_free_credentials(cred);
+		close(fd);
+		gnutls_global_deinit();
+		return 0;
+	}
 
 	if (is_long) {
 		phase = "long session";

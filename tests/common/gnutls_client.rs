@@ -91,6 +91,9 @@ pub enum Mode {
     KeyUpdatePeer,
     /// This many 512-byte reads at queue depth 1.
     Long(u32),
+    /// One round trip, then a warning-level unrecognized_name alert: the
+    /// server must end the session.
+    Alert,
 }
 
 impl Mode {
@@ -103,6 +106,7 @@ impl Mode {
             Mode::NoKeyUpdate | Mode::KeyUpdate | Mode::KeyUpdatePeer => 6,
             // One write, with seed 7, before the reads.
             Mode::Long(_) => 7,
+            Mode::Alert => 1,
         };
         super::pattern(REGION_LEN, seed)
     }
@@ -162,6 +166,7 @@ pub fn run(addr: SocketAddr, certs: &Path, export: &str, mode: Mode) -> Run {
         Mode::KeyUpdate => cmd.arg("ku0"),
         Mode::KeyUpdatePeer => cmd.arg("kupeer"),
         Mode::Long(n) => cmd.arg("long").arg(n.to_string()),
+        Mode::Alert => cmd.arg("alert"),
     };
     // The client bounds every wait itself (20 s per read or write).
     let output = cmd
