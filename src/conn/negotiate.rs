@@ -12,7 +12,7 @@ use super::options::{OptionChannel, ShutdownAnswer};
 use super::session::{ClientStream, Session};
 use crate::config::Config;
 use crate::exports::Export;
-use crate::logsafe::Escaped;
+use crate::logsafe::{escape_bytes, Escaped};
 use crate::policy::{Access, Policy};
 use crate::proto::consts::*;
 use crate::proto::handshake::{
@@ -20,6 +20,7 @@ use crate::proto::handshake::{
     encode_server_entry, force_read_only, is_info_name, parse_export_name_reply, parse_info_export,
     read_only_flags, split_export_name, with_export_name, ClientFlags, OptionHeader,
 };
+use crate::proto::name::{export_name, NameError};
 use crate::proto::transmission::ReplyMode;
 use crate::proto::ProtoError;
 use crate::shutdown::Shutdown;
@@ -39,6 +40,9 @@ const UPSTREAM_NEGOTIATION_BUF: usize = 4096;
 /// Option replies to the client are gathered into one TLS write per
 /// option, up to this much (a long LIST goes out in pieces).
 const CLIENT_REPLY_BATCH: usize = 16 * 1024;
+
+/// How much of a malformed export name the log shows.
+const LOGGED_NAME_BYTES: usize = 256;
 
 type Client = OptionChannel<ClientStream>;
 type UpstreamChannel = OptionChannel<BufReader<UnixStream>>;
@@ -241,10 +245,15 @@ impl<'a> Negotiation<'a> {
 
     /// The old way in: no error reply exists, so a refusal closes.
     async fn export_name(&mut self, option: &OptionHeader) -> Result<Step, ConnError> {
-        if self.client.data().len() > MAX_EXPORT_NAME {
-            return Ok(Step::Closed("NBD_OPT_EXPORT_NAME longer than 4096 bytes"));
-        }
-        let export = String::from_utf8_lossy(self.client.data()).into_owned();
+        // Judged before the policy, so that the name it judges is the
+        // name the upstream is asked for, byte for byte.
+        let export = match export_name(self.client.data()) {
+            Ok(export) => export.to_owned(),
+            Err(e) => {
+                self.log_malformed(self.client.data(), e);
+                return Ok(Step::Closed("NBD_OPT_EXPORT_NAME with a malformed name"));
+            }
+        };
         let Some(access) = self.policy.decide(&self.identity, &export) else {
             self.log_refused(&export);
             self.config.metrics.exports_refused.inc();
@@ -318,14 +327,13 @@ impl<'a> Negotiation<'a> {
                 .refuse(option, REP_ERR_INVALID, "malformed option data")
                 .await;
         };
-        if name.len() > MAX_EXPORT_NAME {
-            let message = "export names are at most 4096 bytes";
-            return self.refuse(option, REP_ERR_INVALID, message).await;
-        }
-        let Ok(name) = std::str::from_utf8(name).map(str::to_owned) else {
-            return self
-                .refuse(option, REP_ERR_INVALID, "export names are UTF-8")
-                .await;
+        // Judged before the policy, as for EXPORT_NAME.
+        let name = match export_name(name) {
+            Ok(name) => name.to_owned(),
+            Err(e) => {
+                self.log_malformed(name, e);
+                return self.refuse(option, REP_ERR_INVALID, &e.to_string()).await;
+            }
         };
         let Some(access) = self.policy.decide(&self.identity, &name) else {
             self.log_refused(&name);
@@ -367,6 +375,16 @@ impl<'a> Negotiation<'a> {
             .send_reply(option.option, reply_type, message)
             .await?;
         Ok(Step::Next)
+    }
+
+    fn log_malformed(&self, raw: &[u8], error: NameError) {
+        info!(
+            client = %self.identity,
+            // A too-long name is logged only in part.
+            export = %escape_bytes(&raw[..raw.len().min(LOGGED_NAME_BYTES)]),
+            %error,
+            "refused: not an export name"
+        );
     }
 
     fn log_refused(&self, export: &str) {
@@ -675,13 +693,11 @@ impl ReplyEdits<'_> {
 
 /// Whether a relayed LIST entry names an export this client may open.
 fn listed(policy: &Policy, identity: &CertInfo, body: &[u8]) -> bool {
-    if policy.is_open() {
-        return true;
-    }
     let Some((name, _)) = split_export_name(body) else {
         return false;
     };
-    std::str::from_utf8(name).is_ok_and(|name| policy.decide(identity, name).is_some())
+    // A name no client could open through nbdgw is not listed either.
+    export_name(name).is_ok_and(|name| policy.is_open() || policy.decide(identity, name).is_some())
 }
 
 /// Without an upstream (or a session slot), every option gets an error

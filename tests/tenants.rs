@@ -1,0 +1,179 @@
+//! Tenants stay apart (issue 18): export names a policy cannot judge are
+//! refused before it judges them, in every routing mode; an upstream
+//! cannot mint metric series with the error values it sends; and clients
+//! are never told the gateway's socket paths. The nbdgw binary, real
+//! qemu-nbd upstreams and the raw client throughout; a fake upstream only
+//! where qemu-nbd cannot be made to answer reads with a thousand different
+//! error values.
+
+mod common;
+
+use std::ffi::{OsStr, OsString};
+use std::path::{Path, PathBuf};
+
+use common::clients::{connect_as, write_server_files};
+use common::pki::{Ca, ClientDir};
+use common::process::NbdgwProcess;
+use common::raw::OptReply;
+use common::{Env, QemuNbd};
+use nbdgw::proto::consts::*;
+
+/// Alice may open exports whose names end in `-public`, and nothing else.
+const POLICY: &str = r#"
+[[rule]]
+exports = ["*-public"]
+allow = { cn = ["alice"] }
+access = "read-write"
+"#;
+
+/// A CA, the gateway's files, the policy, and alice's certificate.
+struct Site {
+    env: Env,
+    server: [PathBuf; 3],
+    policy: PathBuf,
+    alice: PathBuf,
+}
+
+impl Site {
+    fn new() -> Self {
+        let env = Env::new();
+        let ca = Ca::new("tenants CA");
+        let (cert, key, client_ca) = write_server_files(&env.path("server"), &ca.server("gw"), &ca);
+        let policy = env.path("policy.toml");
+        std::fs::write(&policy, POLICY).unwrap();
+        let alice = ca
+            .client("alice", &[], &[], 2)
+            .client_dir(&env.path("alice"), &ca);
+        Site {
+            env,
+            server: [cert, key, client_ca],
+            policy,
+            alice,
+        }
+    }
+
+    /// The gateway with the policy and `routing` (`--upstream …`,
+    /// `--export …` or `--export-dir …`).
+    fn gateway(&self, routing: &[&OsStr]) -> NbdgwProcess {
+        let [cert, key, client_ca] = &self.server;
+        let mut args: Vec<OsString> = [
+            ("--tls-cert", cert),
+            ("--tls-key", key),
+            ("--tls-client-ca", client_ca),
+            ("--policy", &self.policy),
+        ]
+        .into_iter()
+        .flat_map(|(flag, path)| [OsString::from(flag), path.into()])
+        .collect();
+        args.extend(routing.iter().map(|a| a.to_os_string()));
+        NbdgwProcess::start(args)
+    }
+}
+
+/// Names the policy's `*-public` would admit if judged on a lossy
+/// conversion, or on the text before a NUL, each with the refusal text.
+const BAD_NAMES: &[(&[u8], &str)] = &[
+    (b"\0-public", "export names may not hold a NUL byte"),
+    (b"\0\xff-public", "export names may not hold a NUL byte"),
+    (b"x-public\0", "export names may not hold a NUL byte"),
+    (b"\xff-public", "export names must be UTF-8"),
+    (
+        b"a\x1b[2J-public",
+        "export names may not hold control characters",
+    ),
+    (
+        b"a\n-public",
+        "export names may not hold control characters",
+    ),
+    (
+        "a\u{85}-public".as_bytes(),
+        "export names may not hold control characters",
+    ),
+];
+
+/// INFO/GO option data naming `name` as raw bytes, with no info requests.
+fn raw_go_data(name: &[u8]) -> Vec<u8> {
+    let mut data = (name.len() as u32).to_be_bytes().to_vec();
+    data.extend_from_slice(name);
+    data.extend_from_slice(&0u16.to_be_bytes());
+    data
+}
+
+/// Every bad name, by every option naming an export, refused as the
+/// option can be: EXPORT_NAME by closing, INFO and GO with ERR_INVALID
+/// and the reason; `good` still opens afterwards on the same connection.
+fn assert_bad_names_refused(gateway: &NbdgwProcess, alice: &Path, good: &str) {
+    for (name, _) in BAD_NAMES {
+        let mut c = connect_as(gateway.addr(), alice);
+        c.send_option(OPT_EXPORT_NAME, name);
+        c.expect_closed();
+    }
+    let mut c = connect_as(gateway.addr(), alice);
+    for (name, why) in BAD_NAMES {
+        for option in [OPT_INFO, OPT_GO] {
+            let replies = c.option(option, &raw_go_data(name));
+            assert_eq!(
+                replies,
+                [OptReply {
+                    option,
+                    reply_type: REP_ERR_INVALID,
+                    data: why.as_bytes().to_vec(),
+                }],
+                "{name:?}: {}",
+                replies[0].message()
+            );
+        }
+    }
+    let replies = c.option(OPT_GO, &raw_go_data(good.as_bytes()));
+    let last = replies.last().unwrap();
+    assert_eq!(last.reply_type, REP_ACK, "{good}: {}", last.message());
+    assert_eq!(c.read(1, 0, 4), b"PPPP");
+    c.disconnect();
+}
+
+#[test]
+fn names_with_nul_control_characters_or_invalid_utf8_are_refused_in_every_routing_mode() {
+    let site = Site::new();
+    let dir = site.env.path("exports");
+    std::fs::create_dir(&dir).unwrap();
+    let image = site.env.path("public.img");
+    std::fs::write(&image, vec![b'P'; 1 << 20]).unwrap();
+    // qemu-nbd serving "" (which alice may not open by name), also found
+    // in the directory as "dir-public".
+    let upstream = QemuNbd::start_at(dir.join("dir-public.sock"), &image, &[]);
+
+    // One upstream for every name: "" is refused her by name, and a name
+    // that the policy admits must not reach qemu-nbd as "" (or as
+    // whatever precedes a NUL).
+    let single = site.gateway(&[OsStr::new("--upstream"), upstream.socket.as_os_str()]);
+    let mut c = connect_as(single.addr(), &site.alice);
+    let refused = c.option(OPT_GO, &raw_go_data(b""));
+    assert_eq!(refused[0].reply_type, REP_ERR_UNKNOWN);
+    // qemu-nbd serves only "", so no good name opens here: the policy's
+    // admission of a well-formed name reaches it and it says unknown.
+    let relayed = c.option(OPT_INFO, &raw_go_data(b"x-public"));
+    assert_eq!(relayed.last().unwrap().reply_type, REP_ERR_UNKNOWN);
+    for (name, _) in BAD_NAMES {
+        let mut c = connect_as(single.addr(), &site.alice);
+        c.send_option(OPT_EXPORT_NAME, name);
+        c.expect_closed();
+    }
+    let mut c = connect_as(single.addr(), &site.alice);
+    for (name, why) in BAD_NAMES {
+        let replies = c.option(OPT_GO, &raw_go_data(name));
+        assert_eq!(
+            (replies[0].reply_type, replies[0].message().as_str()),
+            (REP_ERR_INVALID, *why),
+            "{name:?}"
+        );
+    }
+    drop(single);
+
+    let fixed = format!("fixed-public={}", upstream.socket.display());
+    let named = site.gateway(&[OsStr::new("--export"), OsStr::new(&fixed)]);
+    assert_bad_names_refused(&named, &site.alice, "fixed-public");
+    drop(named);
+
+    let from_dir = site.gateway(&[OsStr::new("--export-dir"), dir.as_os_str()]);
+    assert_bad_names_refused(&from_dir, &site.alice, "dir-public");
+}
