@@ -30,7 +30,9 @@ pub struct Command {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct NbdError {
-    pub error: u32,
+    /// A name from `proto::transmission::error_name`, never the raw value:
+    /// the upstream would choose the number of series.
+    pub error: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -245,8 +247,9 @@ impl Metrics {
             .observe(took.as_secs_f64());
     }
 
-    /// A reply carried NBD error `error`.
+    /// A reply carried NBD error `error`, counted by name (or `other`).
     pub fn error(&self, error: u32) {
+        let error = crate::proto::transmission::error_name(error);
         self.request_errors.get_or_create(&NbdError { error }).inc();
     }
 }

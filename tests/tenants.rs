@@ -10,13 +10,15 @@ mod common;
 
 use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use common::clients::{connect_as, write_server_files};
 use common::pki::{Ca, ClientDir};
 use common::process::NbdgwProcess;
 use common::raw::OptReply;
-use common::{Env, QemuNbd};
+use common::{fake_upstream, free_port, run, Env, QemuNbd};
 use nbdgw::proto::consts::*;
+use nbdgw::proto::transmission::ReplyMode;
 
 /// Alice may open exports whose names end in `-public`, and nothing else.
 const POLICY: &str = r#"
@@ -176,4 +178,88 @@ fn names_with_nul_control_characters_or_invalid_utf8_are_refused_in_every_routin
 
     let from_dir = site.gateway(&[OsStr::new("--export-dir"), dir.as_os_str()]);
     assert_bad_names_refused(&from_dir, &site.alice, "dir-public");
+}
+
+/// The gateway's TLS files from `env`, with `--admin-listen` on `admin`.
+fn plain_gateway(env: &Env, admin: u16, routing: &[&OsStr]) -> NbdgwProcess {
+    let certs = env.certs();
+    let admin = format!("127.0.0.1:{admin}");
+    let mut args = vec![
+        OsStr::new("--tls-dir"),
+        certs.as_os_str(),
+        OsStr::new("--admin-listen"),
+        OsStr::new(&admin),
+    ];
+    args.extend_from_slice(routing);
+    NbdgwProcess::start(args)
+}
+
+/// `GET http://127.0.0.1:PORT/PATH` by curl: status code and body.
+fn get(port: u16, path: &str) -> (u16, String) {
+    let out = run(Command::new("curl")
+        .args(["-s", "-m", "5", "-w", "\n%{http_code}"])
+        .arg(format!("http://127.0.0.1:{port}{path}")));
+    let body = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = body.rsplit_once('\n').unwrap_or(("", "0"));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+/// The fake upstream's answer to every read: an error chunk whose error
+/// value is the read's cookie, whatever that is.
+fn error_as_cookie(_: usize, read: fake_upstream::Asked) -> fake_upstream::Answer {
+    let mut reply = fake_upstream::chunk(REPLY_FLAG_DONE, REPLY_TYPE_ERROR, read.cookie, 6);
+    reply.extend_from_slice(&(read.cookie as u32).to_be_bytes());
+    reply.extend_from_slice(&0u16.to_be_bytes());
+    reply.into()
+}
+
+#[test]
+fn upstream_error_values_are_counted_by_name_or_as_other() {
+    let env = Env::new();
+    // A fake: qemu-nbd only ever answers with the few errors it knows.
+    let fake = fake_upstream::scripted(&env.path("fake.sock"), 1 << 20, error_as_cookie);
+    let admin = free_port();
+    let gw = plain_gateway(
+        &env,
+        admin,
+        &[OsStr::new("--upstream"), fake.socket.as_os_str()],
+    );
+    let mut c = connect_as(gw.addr(), &env.certs());
+    c.go(ReplyMode::Structured);
+    // A thousand values no NBD error has, then EIO, ENOSPC and EPERM.
+    let cookies: Vec<u64> = (1000..2000)
+        .chain([EIO, ENOSPC, EPERM].map(u64::from))
+        .collect();
+    for &cookie in &cookies {
+        c.send_request(0, CMD_READ, cookie, 0, 512, &[]);
+    }
+    for _ in &cookies {
+        let reply = c.read_reply(512);
+        // The client still gets the upstream's value unchanged.
+        assert_eq!(u64::from(reply[0].error_code()), reply[0].cookie);
+    }
+    c.disconnect();
+
+    let (code, metrics) = get(admin, "/metrics");
+    assert_eq!(code, 200);
+    let series: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("nbdgw_request_errors_total{"))
+        .collect();
+    let mut expected = vec![
+        "nbdgw_request_errors_total{error=\"EIO\"} 1",
+        "nbdgw_request_errors_total{error=\"ENOSPC\"} 1",
+        "nbdgw_request_errors_total{error=\"EPERM\"} 1",
+        "nbdgw_request_errors_total{error=\"other\"} 1000",
+    ];
+    assert!(
+        series.len() == expected.len(),
+        "{} series, {} bytes of /metrics",
+        series.len(),
+        metrics.len()
+    );
+    let mut series = series.clone();
+    series.sort();
+    expected.sort();
+    assert_eq!(series, expected);
 }
