@@ -15,7 +15,7 @@ use std::process::Command;
 use common::clients::{connect_as, write_server_files};
 use common::pki::{Ca, ClientDir};
 use common::process::NbdgwProcess;
-use common::raw::OptReply;
+use common::raw::{OptReply, RawClient};
 use common::{fake_upstream, free_port, run, Env, QemuNbd};
 use nbdgw::proto::consts::*;
 use nbdgw::proto::transmission::ReplyMode;
@@ -262,4 +262,63 @@ fn upstream_error_values_are_counted_by_name_or_as_other() {
     series.sort();
     expected.sort();
     assert_eq!(series, expected);
+}
+
+/// The message of the one reply to GO for `export`.
+fn go_refusal(c: &mut RawClient, export: &str) -> (u32, String) {
+    let replies = c.option(OPT_GO, &raw_go_data(export.as_bytes()));
+    assert_eq!(replies.len(), 1, "{replies:?}");
+    (replies[0].reply_type, replies[0].message())
+}
+
+#[test]
+fn clients_are_not_told_socket_paths_and_the_log_is() {
+    let env = Env::new();
+    std::fs::create_dir(env.path("secret-dir")).unwrap();
+    let missing = env.path("secret-dir/upstream.sock");
+    let admin = free_port();
+    let single = plain_gateway(
+        &env,
+        admin,
+        &[OsStr::new("--upstream"), missing.as_os_str()],
+    );
+    let mut c = connect_as(single.addr(), &env.certs());
+    assert_eq!(
+        go_refusal(&mut c, ""),
+        (
+            REP_ERR_SHUTDOWN,
+            "nbdgw: upstream NBD server unavailable".to_string()
+        )
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let not_ready = loop {
+        let (code, body) = get(admin, "/readyz");
+        if code == 503 && body.contains("upstream") {
+            break body;
+        }
+        assert!(std::time::Instant::now() < deadline, "{code}: {body}");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    assert_eq!(not_ready, "upstream unavailable\n");
+    single.wait_for_log("upstream socket unavailable", 1);
+    let log = single.log();
+    assert!(log.contains(&missing.display().to_string()), "{log}");
+    drop(single);
+
+    // A named export whose server is gone: the same for its clients.
+    let gone = env.path("secret-dir/vm.sock");
+    let export = format!("vm={}", gone.display());
+    let named = plain_gateway(
+        &env,
+        free_port(),
+        &[OsStr::new("--export"), OsStr::new(&export)],
+    );
+    let mut c = connect_as(named.addr(), &env.certs());
+    assert_eq!(
+        go_refusal(&mut c, "vm"),
+        (REP_ERR_SHUTDOWN, "nbdgw: export unavailable".to_string())
+    );
+    named.wait_for_log("upstream unavailable", 1);
+    let log = named.log();
+    assert!(log.contains(&gone.display().to_string()), "{log}");
 }

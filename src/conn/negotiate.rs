@@ -61,9 +61,11 @@ pub async fn relay_options(
         Some(_) => None,
         None => match Attached::connect(&config.upstream, None, config).await {
             Ok(attached) => Some(attached),
-            Err(e) => {
-                let message = format!("nbdgw: upstream NBD server unavailable: {e}");
-                return refuse_all(client, &message).await.map(Outcome::Closed);
+            // Why (with the socket's path) is logged by `connect`; the
+            // client learns only that the server is not there.
+            Err(_) => {
+                let message = "nbdgw: upstream NBD server unavailable";
+                return refuse_all(client, message).await.map(Outcome::Closed);
             }
         },
     };
@@ -168,7 +170,8 @@ impl Attached {
                 let named = export
                     .as_deref()
                     .map(|e| tracing::field::display(Escaped(e)));
-                warn!(export = named, error = %e, "upstream unavailable");
+                // The error names the socket's path: for the log only.
+                warn!(export = named, error = %Escaped(&e.to_string()), "upstream unavailable");
                 return Err(e);
             }
         };
@@ -268,7 +271,7 @@ impl<'a> Negotiation<'a> {
                 return Ok(Step::Closed("NBD_OPT_EXPORT_NAME for an unknown export"));
             };
             if let Err(why) = self.attach(&target).await? {
-                warn!(export = %Escaped(&export), %why, "closing: NBD_OPT_EXPORT_NAME cannot be refused");
+                warn!(export = %Escaped(&export), why = %Escaped(&why), "closing: NBD_OPT_EXPORT_NAME cannot be refused");
                 return Ok(Step::Closed(
                     "NBD_OPT_EXPORT_NAME for an unavailable export",
                 ));
@@ -346,8 +349,10 @@ impl<'a> Negotiation<'a> {
                 return self.unknown(option).await;
             };
             if let Err(why) = self.attach(&target).await? {
-                let message = format!("nbdgw: export unavailable: {why}");
-                return self.refuse(option, REP_ERR_SHUTDOWN, &message).await;
+                // `why` may name the socket's path: the log's, not the client's.
+                warn!(export = %Escaped(&name), why = %Escaped(&why), "refused: export unavailable");
+                let message = "nbdgw: export unavailable";
+                return self.refuse(option, REP_ERR_SHUTDOWN, message).await;
             }
             self.renamed =
                 with_export_name(self.client.data(), &target.upstream_name).map(|data| Renamed {
@@ -504,10 +509,11 @@ impl<'a> Negotiation<'a> {
         let relayed = match self.relay_replies(option).await {
             Ok(relayed) => relayed,
             Err(e) if e.is_upstream() && !self.answered => {
-                let message = format!("nbdgw: upstream NBD server failed: {e}");
+                // The error itself ends the connection and is logged then.
+                let message = "nbdgw: upstream NBD server failed";
                 let _ = self
                     .client
-                    .send_reply(option.option, REP_ERR_SHUTDOWN, &message)
+                    .send_reply(option.option, REP_ERR_SHUTDOWN, message)
                     .await;
                 return Err(e);
             }
