@@ -17,6 +17,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::{TcpListener, UnixStream};
 use tracing::{debug, info, warn};
 
+use crate::logsafe::Escaped;
 use crate::metrics::{Health, Metrics};
 
 /// How often the upstream socket is tried for `/readyz`: probes are
@@ -103,11 +104,12 @@ pub async fn watch_upstream(path: PathBuf, health: Arc<Health>) {
                 None => {
                     info!(upstream = %path.display(), "upstream socket accepts connections: ready")
                 }
-                Some(p) => warn!(problem = %p, "upstream socket unavailable: not ready"),
+                // The path is told to the log only, never to /readyz.
+                Some(p) => warn!(problem = %Escaped(p), "upstream socket unavailable: not ready"),
             }
             last = Some(problem.clone());
         }
-        health.set_upstream(problem);
+        health.set_upstream_down(problem.is_some());
         tokio::time::sleep(UPSTREAM_CHECK_EVERY).await;
     }
 }

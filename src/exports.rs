@@ -10,6 +10,8 @@ use std::str::FromStr;
 
 use thiserror::Error;
 
+use crate::proto::name::{export_name, NameError};
+
 /// The suffix that makes a file in `--export-dir` an export.
 pub const SOCKET_SUFFIX: &str = ".sock";
 
@@ -19,8 +21,8 @@ pub enum ExportError {
     Syntax(String),
     #[error("--export {0:?} is given twice")]
     Duplicate(String),
-    #[error("export name {0:?} is longer than the 4096 bytes NBD allows")]
-    TooLong(String),
+    #[error("--export {0:?}: {1}")]
+    Name(String, NameError),
 }
 
 /// One export: the name clients use, the socket behind it, and the name
@@ -44,9 +46,8 @@ impl FromStr for Export {
         if socket.is_empty() {
             return Err(syntax());
         }
-        if name.len() > crate::proto::consts::MAX_EXPORT_NAME {
-            return Err(ExportError::TooLong(name.to_string()));
-        }
+        // A name no client could ask for (see proto::name) is a mistake.
+        export_name(name.as_bytes()).map_err(|e| ExportError::Name(text.to_string(), e))?;
         Ok(Export {
             name: name.to_string(),
             socket: PathBuf::from(socket),
@@ -127,12 +128,14 @@ impl ExportTable {
     }
 }
 
-/// Non-empty, no `/`, no NUL, not hidden (so never `.` or `..`), short
-/// enough for a file name.
+/// An export name (no NUL, no control character), non-empty, no `/`, not
+/// hidden (so never `.` or `..`), short enough for a file name: a socket
+/// called otherwise is neither listed nor opened.
 fn is_plain_file_name(name: &str) -> bool {
-    !name.is_empty()
+    export_name(name.as_bytes()).is_ok()
+        && !name.is_empty()
         && !name.starts_with('.')
-        && !name.contains(['/', '\0'])
+        && !name.contains('/')
         && name.len() + SOCKET_SUFFIX.len() <= 255
 }
 
@@ -158,6 +161,16 @@ mod tests {
         for bad in ["vm-1", "vm-1=", "vm-1=:name"] {
             assert!(bad.parse::<Export>().is_err(), "{bad}");
         }
+        // Names no client could send are refused at start.
+        for (bad, why) in [
+            ("a\0b=/x.sock", NameError::Nul),
+            ("a\nb=/x.sock", NameError::Control),
+        ] {
+            assert_eq!(
+                bad.parse::<Export>(),
+                Err(ExportError::Name(bad.to_string(), why))
+            );
+        }
     }
 
     #[test]
@@ -181,7 +194,10 @@ mod tests {
         let _a = UnixListener::bind(dir.path().join("a.sock")).unwrap();
         std::fs::write(dir.path().join("not-a-socket.sock"), "").unwrap();
         std::fs::write(dir.path().join("c.img"), "").unwrap();
+        // A socket whose name is not an export name is not one.
+        let _escape = UnixListener::bind(dir.path().join("e\x1b[2Jx.sock")).unwrap();
         assert_eq!(table.names(), ["fixed", "a", "b"]);
+        assert!(table.lookup("e\x1b[2Jx").is_none());
         let found = table.lookup("b").unwrap();
         assert_eq!(found.socket, dir.path().join("b.sock"));
         assert_eq!(found.upstream_name, "");
@@ -208,6 +224,7 @@ mod tests {
             "a/../../secret",
             ".hidden",
             "x\0y",
+            "x\ny",
         ] {
             assert!(table.lookup(name).is_none(), "{name:?}");
         }

@@ -3,7 +3,6 @@
 //! where things happen; the text exposition is prometheus-client's.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -30,7 +29,9 @@ pub struct Command {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct NbdError {
-    pub error: u32,
+    /// A name from `proto::transmission::error_name`, never the raw value:
+    /// the upstream would choose the number of series.
+    pub error: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -271,8 +272,9 @@ impl Metrics {
             .observe(took.as_secs_f64());
     }
 
-    /// A reply carried NBD error `error`.
+    /// A reply carried NBD error `error`, counted by name (or `other`).
     pub fn error(&self, error: u32) {
+        let error = crate::proto::transmission::error_name(error);
         self.request_errors.get_or_create(&NbdError { error }).inc();
     }
 }
@@ -282,8 +284,8 @@ impl Metrics {
 pub struct Health {
     accepting: AtomicBool,
     draining: AtomicBool,
-    /// Why the upstream cannot be used, if it cannot.
-    upstream_problem: Mutex<Option<String>>,
+    /// Whether the upstream socket refused the last try.
+    upstream_down: AtomicBool,
 }
 
 impl Health {
@@ -299,29 +301,25 @@ impl Health {
         self.draining.store(true, Ordering::Relaxed);
     }
 
-    pub fn set_upstream(&self, problem: Option<String>) {
-        *self
-            .upstream_problem
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = problem;
+    /// Records whether the upstream accepts connections; why not is the
+    /// caller's to log.
+    pub fn set_upstream_down(&self, down: bool) {
+        self.upstream_down.store(down, Ordering::Relaxed);
     }
 
-    /// `Ok` when ready for clients, or the one-line reason it is not.
-    pub fn readiness(&self) -> Result<(), String> {
+    /// `Ok` when ready for clients, or the one-line reason it is not: a
+    /// fixed text, since whoever can reach the admin listener is told it
+    /// (the upstream's path and error are in the log only).
+    pub fn readiness(&self) -> Result<(), &'static str> {
         if self.draining.load(Ordering::Relaxed) {
-            return Err("shutting down".into());
+            return Err("shutting down");
         }
         if !self.is_accepting() {
-            return Err("not accepting connections yet".into());
+            return Err("not accepting connections yet");
         }
-        let problem = self
-            .upstream_problem
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone();
-        match problem {
-            Some(problem) => Err(format!("upstream unavailable: {problem}")),
-            None => Ok(()),
+        if self.upstream_down.load(Ordering::Relaxed) {
+            return Err("upstream unavailable");
         }
+        Ok(())
     }
 }

@@ -24,6 +24,12 @@ fuzz_target!(|data: &[u8]| {
     }
     let _ = parse_info_export(data);
     let _ = export_name_prefix(data);
+    // An accepted export name is the bytes unchanged, with no NUL or
+    // other control character.
+    if let Ok(name) = nbdgw::proto::name::export_name(data) {
+        assert_eq!(name.as_bytes(), data);
+        assert!(!name.chars().any(char::is_control));
+    }
     // A block-size body nbdgw lowers keeps the spec's rules.
     if let Some((limit, body)) = data.split_first_chunk::<4>() {
         let mut body = body.to_vec();

@@ -12,7 +12,7 @@ use super::options::{OptionChannel, ShutdownAnswer};
 use super::session::{ClientStream, Session};
 use crate::config::Config;
 use crate::exports::Export;
-use crate::logsafe::Escaped;
+use crate::logsafe::{escape_bytes, Escaped};
 use crate::policy::{Access, Policy};
 use crate::proto::consts::*;
 use crate::proto::handshake::{
@@ -20,6 +20,7 @@ use crate::proto::handshake::{
     encode_server_entry, force_read_only, is_info_name, parse_export_name_reply, parse_info_export,
     read_only_flags, split_export_name, with_export_name, ClientFlags, OptionHeader,
 };
+use crate::proto::name::{export_name, NameError};
 use crate::proto::transmission::ReplyMode;
 use crate::proto::ProtoError;
 use crate::shutdown::Shutdown;
@@ -40,6 +41,9 @@ const UPSTREAM_NEGOTIATION_BUF: usize = 4096;
 /// option, up to this much (a long LIST goes out in pieces).
 const CLIENT_REPLY_BATCH: usize = 16 * 1024;
 
+/// How much of a malformed export name the log shows.
+const LOGGED_NAME_BYTES: usize = 256;
+
 type Client = OptionChannel<ClientStream>;
 type UpstreamChannel = OptionChannel<BufReader<UnixStream>>;
 
@@ -57,9 +61,11 @@ pub async fn relay_options(
         Some(_) => None,
         None => match Attached::connect(&config.upstream, None, config).await {
             Ok(attached) => Some(attached),
-            Err(e) => {
-                let message = format!("nbdgw: upstream NBD server unavailable: {e}");
-                return refuse_all(client, &message).await.map(Outcome::Closed);
+            // Why (with the socket's path) is logged by `connect`; the
+            // client learns only that the server is not there.
+            Err(_) => {
+                let message = "nbdgw: upstream NBD server unavailable";
+                return refuse_all(client, message).await.map(Outcome::Closed);
             }
         },
     };
@@ -164,7 +170,8 @@ impl Attached {
                 let named = export
                     .as_deref()
                     .map(|e| tracing::field::display(Escaped(e)));
-                warn!(export = named, error = %e, "upstream unavailable");
+                // The error names the socket's path: for the log only.
+                warn!(export = named, error = %Escaped(&e.to_string()), "upstream unavailable");
                 return Err(e);
             }
         };
@@ -241,10 +248,15 @@ impl<'a> Negotiation<'a> {
 
     /// The old way in: no error reply exists, so a refusal closes.
     async fn export_name(&mut self, option: &OptionHeader) -> Result<Step, ConnError> {
-        if self.client.data().len() > MAX_EXPORT_NAME {
-            return Ok(Step::Closed("NBD_OPT_EXPORT_NAME longer than 4096 bytes"));
-        }
-        let export = String::from_utf8_lossy(self.client.data()).into_owned();
+        // Judged before the policy, so that the name it judges is the
+        // name the upstream is asked for, byte for byte.
+        let export = match export_name(self.client.data()) {
+            Ok(export) => export.to_owned(),
+            Err(e) => {
+                self.log_malformed(self.client.data(), e);
+                return Ok(Step::Closed("NBD_OPT_EXPORT_NAME with a malformed name"));
+            }
+        };
         let Some(access) = self.policy.decide(&self.identity, &export) else {
             self.log_refused(&export);
             self.config.metrics.exports_refused.inc();
@@ -259,7 +271,7 @@ impl<'a> Negotiation<'a> {
                 return Ok(Step::Closed("NBD_OPT_EXPORT_NAME for an unknown export"));
             };
             if let Err(why) = self.attach(&target).await? {
-                warn!(export = %Escaped(&export), %why, "closing: NBD_OPT_EXPORT_NAME cannot be refused");
+                warn!(export = %Escaped(&export), why = %Escaped(&why), "closing: NBD_OPT_EXPORT_NAME cannot be refused");
                 return Ok(Step::Closed(
                     "NBD_OPT_EXPORT_NAME for an unavailable export",
                 ));
@@ -318,14 +330,13 @@ impl<'a> Negotiation<'a> {
                 .refuse(option, REP_ERR_INVALID, "malformed option data")
                 .await;
         };
-        if name.len() > MAX_EXPORT_NAME {
-            let message = "export names are at most 4096 bytes";
-            return self.refuse(option, REP_ERR_INVALID, message).await;
-        }
-        let Ok(name) = std::str::from_utf8(name).map(str::to_owned) else {
-            return self
-                .refuse(option, REP_ERR_INVALID, "export names are UTF-8")
-                .await;
+        // Judged before the policy, as for EXPORT_NAME.
+        let name = match export_name(name) {
+            Ok(name) => name.to_owned(),
+            Err(e) => {
+                self.log_malformed(name, e);
+                return self.refuse(option, REP_ERR_INVALID, &e.to_string()).await;
+            }
         };
         let Some(access) = self.policy.decide(&self.identity, &name) else {
             self.log_refused(&name);
@@ -338,8 +349,10 @@ impl<'a> Negotiation<'a> {
                 return self.unknown(option).await;
             };
             if let Err(why) = self.attach(&target).await? {
-                let message = format!("nbdgw: export unavailable: {why}");
-                return self.refuse(option, REP_ERR_SHUTDOWN, &message).await;
+                // `why` may name the socket's path: the log's, not the client's.
+                warn!(export = %Escaped(&name), why = %Escaped(&why), "refused: export unavailable");
+                let message = "nbdgw: export unavailable";
+                return self.refuse(option, REP_ERR_SHUTDOWN, message).await;
             }
             self.renamed =
                 with_export_name(self.client.data(), &target.upstream_name).map(|data| Renamed {
@@ -367,6 +380,16 @@ impl<'a> Negotiation<'a> {
             .send_reply(option.option, reply_type, message)
             .await?;
         Ok(Step::Next)
+    }
+
+    fn log_malformed(&self, raw: &[u8], error: NameError) {
+        info!(
+            client = %self.identity,
+            // A too-long name is logged only in part.
+            export = %escape_bytes(&raw[..raw.len().min(LOGGED_NAME_BYTES)]),
+            %error,
+            "refused: not an export name"
+        );
     }
 
     fn log_refused(&self, export: &str) {
@@ -486,10 +509,11 @@ impl<'a> Negotiation<'a> {
         let relayed = match self.relay_replies(option).await {
             Ok(relayed) => relayed,
             Err(e) if e.is_upstream() && !self.answered => {
-                let message = format!("nbdgw: upstream NBD server failed: {e}");
+                // The error itself ends the connection and is logged then.
+                let message = "nbdgw: upstream NBD server failed";
                 let _ = self
                     .client
-                    .send_reply(option.option, REP_ERR_SHUTDOWN, &message)
+                    .send_reply(option.option, REP_ERR_SHUTDOWN, message)
                     .await;
                 return Err(e);
             }
@@ -675,13 +699,11 @@ impl ReplyEdits<'_> {
 
 /// Whether a relayed LIST entry names an export this client may open.
 fn listed(policy: &Policy, identity: &CertInfo, body: &[u8]) -> bool {
-    if policy.is_open() {
-        return true;
-    }
     let Some((name, _)) = split_export_name(body) else {
         return false;
     };
-    std::str::from_utf8(name).is_ok_and(|name| policy.decide(identity, name).is_some())
+    // A name no client could open through nbdgw is not listed either.
+    export_name(name).is_ok_and(|name| policy.is_open() || policy.decide(identity, name).is_some())
 }
 
 /// Without an upstream (or a session slot), every option gets an error

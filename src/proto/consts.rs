@@ -92,10 +92,14 @@ pub const MAX_ERROR_MESSAGE: usize = 4096;
 /// The spec's limit on an export name.
 pub const MAX_EXPORT_NAME: usize = 4096;
 
-/// Error values carried in replies.
+/// Error values carried in replies: every one the spec defines.
 pub const EPERM: u32 = 1;
 pub const EIO: u32 = 5;
+pub const ENOMEM: u32 = 12;
 pub const EINVAL: u32 = 22;
+pub const ENOSPC: u32 = 28;
+pub const EOVERFLOW: u32 = 75;
+pub const ENOTSUP: u32 = 95;
 pub const ESHUTDOWN: u32 = 108;
 
 /// The payload size every NBD implementation is expected to handle (2^25).

@@ -4,6 +4,7 @@
 
 pub mod consts;
 pub mod handshake;
+pub mod name;
 pub mod transmission;
 
 use thiserror::Error;

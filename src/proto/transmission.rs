@@ -377,9 +377,50 @@ pub fn encode_error_reply(
     out.extend_from_slice(message);
 }
 
+/// The name of an NBD error value, for labels: the spec's errors by
+/// name, every other value (which an upstream may send at will) as
+/// `other`, so the upstream cannot choose how many there are.
+pub fn error_name(error: u32) -> &'static str {
+    match error {
+        EPERM => "EPERM",
+        EIO => "EIO",
+        ENOMEM => "ENOMEM",
+        EINVAL => "EINVAL",
+        ENOSPC => "ENOSPC",
+        EOVERFLOW => "EOVERFLOW",
+        ENOTSUP => "ENOTSUP",
+        ESHUTDOWN => "ESHUTDOWN",
+        _ => "other",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn error_names_are_the_specs_or_other() {
+        let named = [
+            EPERM, EIO, ENOMEM, EINVAL, ENOSPC, EOVERFLOW, ENOTSUP, ESHUTDOWN,
+        ];
+        let names: Vec<_> = named.iter().map(|&e| error_name(e)).collect();
+        assert_eq!(
+            names,
+            [
+                "EPERM",
+                "EIO",
+                "ENOMEM",
+                "EINVAL",
+                "ENOSPC",
+                "EOVERFLOW",
+                "ENOTSUP",
+                "ESHUTDOWN"
+            ]
+        );
+        for unknown in [0, 2, 1000, u32::MAX] {
+            assert_eq!(error_name(unknown), "other");
+        }
+    }
 
     #[test]
     fn only_commands_known_to_leave_the_export_alone_pass_a_read_only_session() {

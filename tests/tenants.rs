@@ -1,0 +1,324 @@
+//! Tenants stay apart (issue 18): export names a policy cannot judge are
+//! refused before it judges them, in every routing mode; an upstream
+//! cannot mint metric series with the error values it sends; and clients
+//! are never told the gateway's socket paths. The nbdgw binary, real
+//! qemu-nbd upstreams and the raw client throughout; a fake upstream only
+//! where qemu-nbd cannot be made to answer reads with a thousand different
+//! error values.
+
+mod common;
+
+use std::ffi::{OsStr, OsString};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::clients::{connect_as, write_server_files};
+use common::pki::{Ca, ClientDir};
+use common::process::NbdgwProcess;
+use common::raw::{OptReply, RawClient};
+use common::{fake_upstream, free_port, run, Env, QemuNbd};
+use nbdgw::proto::consts::*;
+use nbdgw::proto::transmission::ReplyMode;
+
+/// Alice may open exports whose names end in `-public`, and nothing else.
+const POLICY: &str = r#"
+[[rule]]
+exports = ["*-public"]
+allow = { cn = ["alice"] }
+access = "read-write"
+"#;
+
+/// A CA, the gateway's files, the policy, and alice's certificate.
+struct Site {
+    env: Env,
+    server: [PathBuf; 3],
+    policy: PathBuf,
+    alice: PathBuf,
+}
+
+impl Site {
+    fn new() -> Self {
+        let env = Env::new();
+        let ca = Ca::new("tenants CA");
+        let (cert, key, client_ca) = write_server_files(&env.path("server"), &ca.server("gw"), &ca);
+        let policy = env.path("policy.toml");
+        std::fs::write(&policy, POLICY).unwrap();
+        let alice = ca
+            .client("alice", &[], &[], 2)
+            .client_dir(&env.path("alice"), &ca);
+        Site {
+            env,
+            server: [cert, key, client_ca],
+            policy,
+            alice,
+        }
+    }
+
+    /// The gateway with the policy and `routing` (`--upstream …`,
+    /// `--export …` or `--export-dir …`).
+    fn gateway(&self, routing: &[&OsStr]) -> NbdgwProcess {
+        let [cert, key, client_ca] = &self.server;
+        let mut args: Vec<OsString> = [
+            ("--tls-cert", cert),
+            ("--tls-key", key),
+            ("--tls-client-ca", client_ca),
+            ("--policy", &self.policy),
+        ]
+        .into_iter()
+        .flat_map(|(flag, path)| [OsString::from(flag), path.into()])
+        .collect();
+        args.extend(routing.iter().map(|a| a.to_os_string()));
+        NbdgwProcess::start(args)
+    }
+}
+
+/// Names the policy's `*-public` would admit if judged on a lossy
+/// conversion, or on the text before a NUL, each with the refusal text.
+const BAD_NAMES: &[(&[u8], &str)] = &[
+    (b"\0-public", "export names may not hold a NUL byte"),
+    (b"\0\xff-public", "export names may not hold a NUL byte"),
+    (b"x-public\0", "export names may not hold a NUL byte"),
+    (b"\xff-public", "export names must be UTF-8"),
+    (
+        b"a\x1b[2J-public",
+        "export names may not hold control characters",
+    ),
+    (
+        b"a\n-public",
+        "export names may not hold control characters",
+    ),
+    (
+        "a\u{85}-public".as_bytes(),
+        "export names may not hold control characters",
+    ),
+];
+
+/// INFO/GO option data naming `name` as raw bytes, with no info requests.
+fn raw_go_data(name: &[u8]) -> Vec<u8> {
+    let mut data = (name.len() as u32).to_be_bytes().to_vec();
+    data.extend_from_slice(name);
+    data.extend_from_slice(&0u16.to_be_bytes());
+    data
+}
+
+/// Every bad name, by every option naming an export, refused as the
+/// option can be: EXPORT_NAME by closing, INFO and GO with ERR_INVALID
+/// and the reason; `good` still opens afterwards on the same connection.
+fn assert_bad_names_refused(gateway: &NbdgwProcess, alice: &Path, good: &str) {
+    for (name, _) in BAD_NAMES {
+        let mut c = connect_as(gateway.addr(), alice);
+        c.send_option(OPT_EXPORT_NAME, name);
+        c.expect_closed();
+    }
+    let mut c = connect_as(gateway.addr(), alice);
+    for (name, why) in BAD_NAMES {
+        for option in [OPT_INFO, OPT_GO] {
+            let replies = c.option(option, &raw_go_data(name));
+            assert_eq!(
+                replies,
+                [OptReply {
+                    option,
+                    reply_type: REP_ERR_INVALID,
+                    data: why.as_bytes().to_vec(),
+                }],
+                "{name:?}: {}",
+                replies[0].message()
+            );
+        }
+    }
+    let replies = c.option(OPT_GO, &raw_go_data(good.as_bytes()));
+    let last = replies.last().unwrap();
+    assert_eq!(last.reply_type, REP_ACK, "{good}: {}", last.message());
+    assert_eq!(c.read(1, 0, 4), b"PPPP");
+    c.disconnect();
+}
+
+#[test]
+fn names_with_nul_control_characters_or_invalid_utf8_are_refused_in_every_routing_mode() {
+    let site = Site::new();
+    let dir = site.env.path("exports");
+    std::fs::create_dir(&dir).unwrap();
+    let image = site.env.path("public.img");
+    std::fs::write(&image, vec![b'P'; 1 << 20]).unwrap();
+    // qemu-nbd serving "" (which alice may not open by name), also found
+    // in the directory as "dir-public".
+    let upstream = QemuNbd::start_at(dir.join("dir-public.sock"), &image, &[]);
+
+    // One upstream for every name: "" is refused her by name, and a name
+    // that the policy admits must not reach qemu-nbd as "" (or as
+    // whatever precedes a NUL).
+    let single = site.gateway(&[OsStr::new("--upstream"), upstream.socket.as_os_str()]);
+    let mut c = connect_as(single.addr(), &site.alice);
+    let refused = c.option(OPT_GO, &raw_go_data(b""));
+    assert_eq!(refused[0].reply_type, REP_ERR_UNKNOWN);
+    // qemu-nbd serves only "", so no good name opens here: the policy's
+    // admission of a well-formed name reaches it and it says unknown.
+    let relayed = c.option(OPT_INFO, &raw_go_data(b"x-public"));
+    assert_eq!(relayed.last().unwrap().reply_type, REP_ERR_UNKNOWN);
+    for (name, _) in BAD_NAMES {
+        let mut c = connect_as(single.addr(), &site.alice);
+        c.send_option(OPT_EXPORT_NAME, name);
+        c.expect_closed();
+    }
+    let mut c = connect_as(single.addr(), &site.alice);
+    for (name, why) in BAD_NAMES {
+        let replies = c.option(OPT_GO, &raw_go_data(name));
+        assert_eq!(
+            (replies[0].reply_type, replies[0].message().as_str()),
+            (REP_ERR_INVALID, *why),
+            "{name:?}"
+        );
+    }
+    drop(single);
+
+    let fixed = format!("fixed-public={}", upstream.socket.display());
+    let named = site.gateway(&[OsStr::new("--export"), OsStr::new(&fixed)]);
+    assert_bad_names_refused(&named, &site.alice, "fixed-public");
+    drop(named);
+
+    let from_dir = site.gateway(&[OsStr::new("--export-dir"), dir.as_os_str()]);
+    assert_bad_names_refused(&from_dir, &site.alice, "dir-public");
+}
+
+/// The gateway's TLS files from `env`, with `--admin-listen` on `admin`.
+fn plain_gateway(env: &Env, admin: u16, routing: &[&OsStr]) -> NbdgwProcess {
+    let certs = env.certs();
+    let admin = format!("127.0.0.1:{admin}");
+    let mut args = vec![
+        OsStr::new("--tls-dir"),
+        certs.as_os_str(),
+        OsStr::new("--admin-listen"),
+        OsStr::new(&admin),
+    ];
+    args.extend_from_slice(routing);
+    NbdgwProcess::start(args)
+}
+
+/// `GET http://127.0.0.1:PORT/PATH` by curl: status code and body.
+fn get(port: u16, path: &str) -> (u16, String) {
+    let out = run(Command::new("curl")
+        .args(["-s", "-m", "5", "-w", "\n%{http_code}"])
+        .arg(format!("http://127.0.0.1:{port}{path}")));
+    let body = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = body.rsplit_once('\n').unwrap_or(("", "0"));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+/// The fake upstream's answer to every read: an error chunk whose error
+/// value is the read's cookie, whatever that is.
+fn error_as_cookie(_: usize, read: fake_upstream::Asked) -> fake_upstream::Answer {
+    let mut reply = fake_upstream::chunk(REPLY_FLAG_DONE, REPLY_TYPE_ERROR, read.cookie, 6);
+    reply.extend_from_slice(&(read.cookie as u32).to_be_bytes());
+    reply.extend_from_slice(&0u16.to_be_bytes());
+    reply.into()
+}
+
+#[test]
+fn upstream_error_values_are_counted_by_name_or_as_other() {
+    let env = Env::new();
+    // A fake: qemu-nbd only ever answers with the few errors it knows.
+    let fake = fake_upstream::scripted(&env.path("fake.sock"), 1 << 20, error_as_cookie);
+    let admin = free_port();
+    let gw = plain_gateway(
+        &env,
+        admin,
+        &[OsStr::new("--upstream"), fake.socket.as_os_str()],
+    );
+    let mut c = connect_as(gw.addr(), &env.certs());
+    c.go(ReplyMode::Structured);
+    // A thousand values no NBD error has, then EIO, ENOSPC and EPERM.
+    let cookies: Vec<u64> = (1000..2000)
+        .chain([EIO, ENOSPC, EPERM].map(u64::from))
+        .collect();
+    for &cookie in &cookies {
+        c.send_request(0, CMD_READ, cookie, 0, 512, &[]);
+    }
+    for _ in &cookies {
+        let reply = c.read_reply(512);
+        // The client still gets the upstream's value unchanged.
+        assert_eq!(u64::from(reply[0].error_code()), reply[0].cookie);
+    }
+    c.disconnect();
+
+    let (code, metrics) = get(admin, "/metrics");
+    assert_eq!(code, 200);
+    let series: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("nbdgw_request_errors_total{"))
+        .collect();
+    let mut expected = vec![
+        "nbdgw_request_errors_total{error=\"EIO\"} 1",
+        "nbdgw_request_errors_total{error=\"ENOSPC\"} 1",
+        "nbdgw_request_errors_total{error=\"EPERM\"} 1",
+        "nbdgw_request_errors_total{error=\"other\"} 1000",
+    ];
+    assert!(
+        series.len() == expected.len(),
+        "{} series, {} bytes of /metrics",
+        series.len(),
+        metrics.len()
+    );
+    let mut series = series.clone();
+    series.sort();
+    expected.sort();
+    assert_eq!(series, expected);
+}
+
+/// The message of the one reply to GO for `export`.
+fn go_refusal(c: &mut RawClient, export: &str) -> (u32, String) {
+    let replies = c.option(OPT_GO, &raw_go_data(export.as_bytes()));
+    assert_eq!(replies.len(), 1, "{replies:?}");
+    (replies[0].reply_type, replies[0].message())
+}
+
+#[test]
+fn clients_are_not_told_socket_paths_and_the_log_is() {
+    let env = Env::new();
+    std::fs::create_dir(env.path("secret-dir")).unwrap();
+    let missing = env.path("secret-dir/upstream.sock");
+    let admin = free_port();
+    let single = plain_gateway(
+        &env,
+        admin,
+        &[OsStr::new("--upstream"), missing.as_os_str()],
+    );
+    let mut c = connect_as(single.addr(), &env.certs());
+    assert_eq!(
+        go_refusal(&mut c, ""),
+        (
+            REP_ERR_SHUTDOWN,
+            "nbdgw: upstream NBD server unavailable".to_string()
+        )
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let not_ready = loop {
+        let (code, body) = get(admin, "/readyz");
+        if code == 503 && body.contains("upstream") {
+            break body;
+        }
+        assert!(std::time::Instant::now() < deadline, "{code}: {body}");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    assert_eq!(not_ready, "upstream unavailable\n");
+    single.wait_for_log("upstream socket unavailable", 1);
+    let log = single.log();
+    assert!(log.contains(&missing.display().to_string()), "{log}");
+    drop(single);
+
+    // A named export whose server is gone: the same for its clients.
+    let gone = env.path("secret-dir/vm.sock");
+    let export = format!("vm={}", gone.display());
+    let named = plain_gateway(
+        &env,
+        free_port(),
+        &[OsStr::new("--export"), OsStr::new(&export)],
+    );
+    let mut c = connect_as(named.addr(), &env.certs());
+    assert_eq!(
+        go_refusal(&mut c, "vm"),
+        (REP_ERR_SHUTDOWN, "nbdgw: export unavailable".to_string())
+    );
+    named.wait_for_log("upstream unavailable", 1);
+    let log = named.log();
+    assert!(log.contains(&gone.display().to_string()), "{log}");
+}
