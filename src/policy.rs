@@ -464,22 +464,47 @@ impl IdentityPattern {
         Some(bindings)
     }
 
+    /// Whether every value `new` matches, this matches too. A `*` or a
+    /// placeholder seen once matches any non-empty part; a placeholder
+    /// seen twice (`{a}.{a}`) only equal parts, so `new` must pin those
+    /// places to one literal or to one placeholder of its own.
     fn covers(&self, new: &IdentityPattern) -> bool {
-        self.field == new.field
-            && self.parts.len() == new.parts.len()
-            && self
-                .parts
-                .iter()
-                .zip(&new.parts)
-                .all(|(old, new)| match (old, new) {
-                    // Outside templates a placeholder matches like `*`.
-                    (Part::Any | Part::Placeholder(_), _) => true,
-                    (Part::Literal(a), Part::Literal(b)) => match self.field {
-                        Field::Dns => a.eq_ignore_ascii_case(b),
-                        _ => a == b,
-                    },
-                    _ => false,
-                })
+        if self.field != new.field || self.parts.len() != new.parts.len() {
+            return false;
+        }
+        let same_literal = |a: &str, b: &str| match self.field {
+            Field::Dns => a.eq_ignore_ascii_case(b),
+            _ => a == b,
+        };
+        let each_part = self
+            .parts
+            .iter()
+            .zip(&new.parts)
+            .all(|(old, new)| match (old, new) {
+                // Never an empty literal: `*` and placeholders bind only
+                // non-empty parts.
+                (Part::Any | Part::Placeholder(_), Part::Literal(b)) => !b.is_empty(),
+                (Part::Any | Part::Placeholder(_), _) => true,
+                (Part::Literal(a), Part::Literal(b)) => same_literal(a, b),
+                _ => false,
+            });
+        each_part
+            && self.parts.iter().enumerate().all(|(i, old)| {
+                if !matches!(old, Part::Placeholder(_)) {
+                    return true;
+                }
+                // Every later place this placeholder recurs must be bound
+                // to the same text in `new` as its first place is.
+                self.parts[i + 1..]
+                    .iter()
+                    .zip(&new.parts[i + 1..])
+                    .filter(|(later, _)| *later == old)
+                    .all(|(_, there)| match (&new.parts[i], there) {
+                        (Part::Literal(a), Part::Literal(b)) => same_literal(a, b),
+                        (Part::Placeholder(a), Part::Placeholder(b)) => a == b,
+                        _ => false,
+                    })
+            })
     }
 }
 

@@ -163,6 +163,47 @@ fn narrowing_reloads_are_accepted_and_widening_ones_refused() {
     assert_eq!(running.check_no_wider_than(&Policy::open()), Ok(()));
 }
 
+#[test]
+fn stars_cover_neither_a_repeated_placeholder_nor_an_empty_segment() {
+    let rule = |allow: &str| {
+        Policy::parse(&format!(
+            "[[rule]]\nexports = [\"*\"]\nallow = {{ {allow} }}\naccess = \"read-only\"\n"
+        ))
+        .unwrap()
+    };
+    for (running, wider) in [
+        // `{a}.{a}` admits x.x.example only; `*.*` also x.y.example.
+        ("dns = [\"{a}.{a}.example\"]", "dns = [\"*.*.example\"]"),
+        ("dns = [\"{a}.{a}.example\"]", "dns = [\"{a}.{b}.example\"]"),
+        ("dns = [\"{a}.{a}.example\"]", "dns = [\"x.{a}.example\"]"),
+        // A `*` segment is never empty; a literal empty one is.
+        (
+            "uri = [\"spiffe://td/ns/*/sa/vm\"]",
+            "uri = [\"spiffe://td/ns//sa/vm\"]",
+        ),
+        (
+            "uri = [\"spiffe://td/ns/{a}/sa/vm\"]",
+            "uri = [\"spiffe://td/ns//sa/vm\"]",
+        ),
+    ] {
+        let result = rule(wider).check_no_wider_than(&rule(running));
+        assert!(result.is_err(), "{wider} accepted under {running}");
+    }
+    for (running, narrower) in [
+        ("dns = [\"{a}.{a}.example\"]", "dns = [\"x.x.example\"]"),
+        ("dns = [\"{a}.{a}.example\"]", "dns = [\"{b}.{b}.example\"]"),
+        ("dns = [\"*.*.example\"]", "dns = [\"{a}.{a}.example\"]"),
+        ("dns = [\"{a}.*.example\"]", "dns = [\"{b}.{b}.example\"]"),
+        (
+            "uri = [\"spiffe://td/ns//sa/vm\"]",
+            "uri = [\"spiffe://td/ns//sa/vm\"]",
+        ),
+    ] {
+        let result = rule(narrower).check_no_wider_than(&rule(running));
+        assert_eq!(result, Ok(()), "{narrower} refused under {running}");
+    }
+}
+
 fn arb_rule() -> impl Strategy<Value = String> {
     let exports = prop::sample::select(vec![
         "*", "vm-*", "vm-1", "db-*", "db-1", "{ns}-*", "{ns}-1", "*-1",
@@ -176,6 +217,14 @@ fn arb_rule() -> impl Strategy<Value = String> {
         "uri = [\"spiffe://td/ns/vm/sa/*\"]",
         "dns = [\"{ns}.example\"]",
         "dns = [\"*.example\"]",
+        // A repeated placeholder matches only equal labels: it is not `*.*`.
+        "dns = [\"{a}.{a}.example\"]",
+        "dns = [\"{a}.{b}.example\"]",
+        "dns = [\"*.*.example\"]",
+        "dns = [\"x.{a}.example\"]",
+        // An empty segment, which a `*` does not match.
+        "uri = [\"spiffe://td/ns//sa/vm\"]",
+        "uri = [\"spiffe://td/ns/{a}/sa/{a}\"]",
     ]);
     let access = prop::sample::select(vec!["read-only", "read-write"]);
     (prop::collection::vec(exports, 1..3), identity, access).prop_map(|(e, id, a)| {
@@ -204,12 +253,21 @@ fn sample_certs() -> Vec<CertInfo> {
                     &format!("spiffe://td/ns/vm/sa/{ns}"),
                 ],
             ));
+            // Two labels, equal or not, for the repeated placeholder.
+            certs.push(cert(cn, &[&format!("{ns}.x.example")], &[]));
         }
     }
+    // An empty segment, and a URI whose two placeholder segments differ.
+    certs.push(cert("x", &[], &["spiffe://td/ns//sa/vm"]));
+    certs.push(cert("x", &[], &["spiffe://td/ns/vm/sa/db"]));
     certs
 }
 
 proptest! {
+    // The pairs that break a careless check are a few in thousands of
+    // policies; these run in about a second.
+    #![proptest_config(ProptestConfig::with_cases(2048))]
+
     /// What check_no_wider_than accepts never grants more than the
     /// running policy, for any identity and export name tried.
     #[test]
