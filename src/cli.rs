@@ -118,6 +118,7 @@ pub struct ServeArgs {
     )]
     pub exports: Vec<crate::exports::Export>,
     /// Every Unix socket NAME.sock in this directory is the export NAME,
+    /// and TENANT/NAME.sock in a subdirectory the export TENANT/NAME;
     /// picked up and dropped as sockets appear and disappear.
     #[arg(long, env = "NBDGW_EXPORT_DIR", value_name = "DIR")]
     pub export_dir: Option<PathBuf>,

@@ -1,8 +1,10 @@
 //! Named upstreams: `--export NAME=PATH[:UPSTREAM_NAME]` and
 //! `--export-dir DIR`, where every Unix socket `NAME.sock` is the export
-//! NAME. The directory is looked at when a client names an export or asks
-//! for the list, so sockets are picked up and dropped as they come and go,
-//! with nothing to watch or cache.
+//! NAME, and every `TENANT/NAME.sock` one directory down the export
+//! `TENANT/NAME` (the form a templated policy rule `{ns}/*` grants). The
+//! directory is looked at when a client names an export or asks for the
+//! list, so sockets are picked up and dropped as they come and go, with
+//! nothing to watch or cache.
 
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
@@ -86,17 +88,23 @@ impl ExportTable {
     }
 
     /// The export called `name`: a fixed one, else a socket in the
-    /// directory. A name that could step out of the directory is never
-    /// looked up there.
+    /// directory (`NAME`) or in one of its subdirectories (`TENANT/NAME`).
+    /// A name that could step out of the directory is never looked up
+    /// there: each component must be a plain file name.
     pub fn lookup(&self, name: &str) -> Option<Export> {
         if let Some(export) = self.fixed.iter().find(|e| e.name == name) {
             return Some(export.clone());
         }
         let dir = self.dir.as_ref()?;
-        if !is_plain_file_name(name) {
+        let (subdir, file) = match name.split_once('/') {
+            Some((tenant, file)) if is_plain_file_name(tenant) => (dir.join(tenant), file),
+            Some(_) => return None,
+            None => (dir.clone(), name),
+        };
+        if !is_plain_file_name(file) {
             return None;
         }
-        let socket = dir.join(format!("{name}{SOCKET_SUFFIX}"));
+        let socket = subdir.join(format!("{file}{SOCKET_SUFFIX}"));
         is_socket(&socket).then(|| Export {
             name: name.to_string(),
             socket,
@@ -104,28 +112,58 @@ impl ExportTable {
         })
     }
 
-    /// Every export's name, fixed ones first, then the directory's sorted.
+    /// Every export's name, fixed ones first, then the directory's
+    /// (its subdirectories' as `TENANT/NAME`) sorted.
     pub fn names(&self) -> Vec<String> {
         let mut names: Vec<String> = self.fixed.iter().map(|e| e.name.clone()).collect();
-        let mut found: Vec<String> = self
-            .dir
-            .as_ref()
-            .and_then(|dir| std::fs::read_dir(dir).ok())
-            .into_iter()
-            .flatten()
-            .filter_map(|entry| {
-                let entry = entry.ok()?;
-                let file_name = entry.file_name().into_string().ok()?;
-                let name = file_name.strip_suffix(SOCKET_SUFFIX)?;
-                let socket = entry.file_type().ok()?.is_socket();
-                (socket && is_plain_file_name(name) && !names.iter().any(|n| n == name))
-                    .then(|| name.to_string())
-            })
-            .collect();
+        let mut found = Vec::new();
+        if let Some(dir) = &self.dir {
+            for (tenant, path) in entries(dir) {
+                // A directory as lookup sees it: through a symbolic link.
+                if path.is_dir() {
+                    found.extend(
+                        sockets(&path)
+                            .into_iter()
+                            .map(|name| format!("{tenant}/{name}")),
+                    );
+                }
+            }
+            found.extend(sockets(dir));
+        }
+        found.retain(|name| !names.contains(name));
         found.sort();
         names.append(&mut found);
         names
     }
+}
+
+/// A directory's entries with plain names (nothing hidden), and their
+/// paths.
+fn entries(dir: &Path) -> Vec<(String, PathBuf)> {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .filter_map(|entry| {
+            let entry = entry.ok()?;
+            let name = entry.file_name().into_string().ok()?;
+            is_plain_file_name(&name).then(|| (name, entry.path()))
+        })
+        .collect()
+}
+
+/// The export names of the sockets directly in `dir`.
+fn sockets(dir: &Path) -> Vec<String> {
+    entries(dir)
+        .into_iter()
+        .filter_map(|(file_name, path)| {
+            let name = file_name.strip_suffix(SOCKET_SUFFIX)?;
+            let socket = std::fs::symlink_metadata(&path)
+                .ok()?
+                .file_type()
+                .is_socket();
+            (socket && is_plain_file_name(name)).then(|| name.to_string())
+        })
+        .collect()
 }
 
 /// An export name (no NUL, no control character), non-empty, no `/`, not
@@ -225,6 +263,39 @@ mod tests {
             ".hidden",
             "x\0y",
             "x\ny",
+        ] {
+            assert!(table.lookup(name).is_none(), "{name:?}");
+        }
+    }
+
+    #[test]
+    fn a_tenant_subdirectory_holds_that_tenants_exports() {
+        let outer = tempfile::tempdir().unwrap();
+        let dir = outer.path().join("exports");
+        std::fs::create_dir_all(dir.join("team")).unwrap();
+        std::fs::create_dir_all(dir.join("team-prod/deeper")).unwrap();
+        std::fs::create_dir_all(dir.join(".hidden")).unwrap();
+        let _db = UnixListener::bind(dir.join("team/db.sock")).unwrap();
+        let _prod = UnixListener::bind(dir.join("team-prod/db.sock")).unwrap();
+        let _deep = UnixListener::bind(dir.join("team-prod/deeper/x.sock")).unwrap();
+        let _hidden = UnixListener::bind(dir.join(".hidden/h.sock")).unwrap();
+        let _top = UnixListener::bind(dir.join("vm.sock")).unwrap();
+        let _outside = UnixListener::bind(outer.path().join("secret.sock")).unwrap();
+        let table = ExportTable::new(vec![], Some(dir.clone())).unwrap();
+        assert_eq!(table.names(), ["team-prod/db", "team/db", "vm"]);
+        let found = table.lookup("team/db").unwrap();
+        assert_eq!(found.socket, dir.join("team/db.sock"));
+        assert_eq!(found.name, "team/db");
+        // One level only, and never a hidden or empty component.
+        for name in [
+            "team-prod/deeper/x",
+            ".hidden/h",
+            "team/",
+            "/team/db",
+            "team//db",
+            "team/../vm",
+            "../exports/vm",
+            "team/.db",
         ] {
             assert!(table.lookup(name).is_none(), "{name:?}");
         }

@@ -3,7 +3,7 @@
 //!
 //! ```toml
 //! [[rule]]
-//! exports = ["{ns}-*"]                                      # globs over export names
+//! exports = ["{ns}/*"]                                      # globs over export names
 //! allow = { uri = ["spiffe://example.org/ns/{ns}/sa/*"] }   # cn / dns / uri
 //! access = "read-write"                                     # or "read-only"
 //! ```
@@ -14,12 +14,20 @@
 //! placeholder in an identity pattern binds one whole label (DNS), path
 //! segment (URI) or the whole CN, and stands for that text in the rule's
 //! export patterns, so one rule gives every tenant its own exports.
+//!
+//! Tenants stay apart by construction, not by care in the file: in an
+//! export pattern a placeholder must be one whole `/`-separated segment
+//! (`{ns}/*`, never `{ns}-*`), a `*` never matches a `/`, and a bound
+//! value holding a `/` (or NUL, or being `.` or `..`) matches nothing. So
+//! the name's segment at the placeholder is the tenant, exactly: `team`
+//! cannot reach `team-prod/db`, though `team-prod-db` starts with `team`.
 
 use std::collections::BTreeMap;
 use std::fmt;
 
 use serde::Deserialize;
 use thiserror::Error;
+use toml::Spanned;
 
 use crate::tls::CertInfo;
 
@@ -43,11 +51,44 @@ impl fmt::Display for Access {
 pub enum PolicyError {
     #[error("not a valid policy file: {0}")]
     Syntax(String),
-    #[error("rule {rule}: {problem}")]
-    Rule { rule: usize, problem: String },
+    #[error("{}rule {rule}: {problem}", at.map(|at| at.to_string()).unwrap_or_default())]
+    Rule {
+        rule: usize,
+        /// Where in the file, when the problem is one pattern's.
+        at: Option<Location>,
+        problem: String,
+    },
     #[error("rule {rule} of the new policy may grant what the running one does not ({why}); access can only be narrowed while nbdgw runs: restart it to widen access")]
     Wider { rule: usize, why: String },
 }
+
+/// A place in the policy file, counted from 1 (columns in characters).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Location {
+    pub line: usize,
+    pub column: usize,
+}
+
+impl Location {
+    fn of(text: &str, offset: usize) -> Self {
+        let before = text.get(..offset).unwrap_or(text);
+        let line_start = before.rfind('\n').map_or(0, |at| at + 1);
+        Location {
+            line: before.matches('\n').count() + 1,
+            column: before[line_start..].chars().count() + 1,
+        }
+    }
+}
+
+impl fmt::Display for Location {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "line {}, column {}: ", self.line, self.column)
+    }
+}
+
+/// A rule's problem, and the byte range in the file of the pattern it
+/// is in, when it is one pattern's.
+type RuleProblem = (Option<std::ops::Range<usize>>, String);
 
 /// The file as written; `deny_unknown_fields` so a misspelt key is an
 /// error instead of a rule that silently matches nothing (or everything).
@@ -61,7 +102,8 @@ struct FileShape {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RuleShape {
-    exports: Vec<String>,
+    /// Spanned so an error in one pattern can say where it is.
+    exports: Vec<Spanned<String>>,
     allow: AllowShape,
     access: Access,
 }
@@ -168,8 +210,9 @@ impl Policy {
             .into_iter()
             .enumerate()
             .map(|(i, rule)| {
-                Rule::parse(rule).map_err(|problem| PolicyError::Rule {
+                Rule::parse(rule).map_err(|(span, problem)| PolicyError::Rule {
                     rule: i + 1,
+                    at: span.map(|span| Location::of(text, span.start)),
                     problem,
                 })
             })
@@ -217,9 +260,12 @@ impl Policy {
 }
 
 impl Rule {
-    fn parse(shape: RuleShape) -> Result<Self, String> {
+    fn parse(shape: RuleShape) -> Result<Self, RuleProblem> {
         if shape.exports.is_empty() {
-            return Err("`exports` is empty: name at least one pattern (\"*\" for all)".into());
+            return Err((
+                None,
+                "`exports` is empty: name at least one pattern (\"*\" for all)".into(),
+            ));
         }
         let mut identities = Vec::new();
         for (field, texts) in [
@@ -228,26 +274,29 @@ impl Rule {
             (Field::Uri, shape.allow.uri),
         ] {
             for text in texts {
-                identities.push(IdentityPattern::parse(field, text)?);
+                identities.push(IdentityPattern::parse(field, text).map_err(|e| (None, e))?);
             }
         }
         if identities.is_empty() {
-            return Err("`allow` names no identity (cn, dns or uri)".into());
+            return Err((None, "`allow` names no identity (cn, dns or uri)".into()));
         }
-        let exports = shape
-            .exports
-            .into_iter()
-            .map(ExportPattern::parse)
-            .collect::<Result<Vec<_>, _>>()?;
-        for export in &exports {
+        let mut exports = Vec::new();
+        for spanned in shape.exports {
+            let span = spanned.span();
+            let export = ExportPattern::parse(spanned.into_inner())
+                .map_err(|problem| (Some(span.clone()), problem))?;
             for name in export.placeholders() {
                 if let Some(unbound) = identities.iter().find(|id| !id.binds(name)) {
-                    return Err(format!(
-                        "placeholder {{{name}}} in {:?} is not bound by the identity pattern {:?}",
-                        export.text, unbound.text
+                    return Err((
+                        Some(span),
+                        format!(
+                            "placeholder {{{name}}} in {:?} is not bound by the identity pattern {:?}",
+                            export.text, unbound.text
+                        ),
                     ));
                 }
             }
+            exports.push(export);
         }
         Ok(Rule {
             exports,
@@ -333,6 +382,16 @@ impl ExportPattern {
         if !literal.is_empty() {
             parts.push(Part::Literal(literal));
         }
+        // A placeholder with anything beside it in its segment would let
+        // one tenant's value run on into another's: `{ns}-*` gives `team`
+        // the name `team-prod-db` of `team-prod`.
+        if segments(&parts).iter().any(|segment| {
+            segment.len() > 1 && segment.iter().any(|p| matches!(p, Part::Placeholder(_)))
+        }) {
+            return Err(format!(
+                "{text:?}: a placeholder must be a whole `/`-separated segment of the export name, as in \"{{ns}}/*\", so that no tenant's value can run on into another tenant's names"
+            ));
+        }
         Ok(ExportPattern { text, parts })
     }
 
@@ -350,20 +409,81 @@ impl ExportPattern {
         glob(&self.parts, name, bindings)
     }
 
+    /// Whether every name `new` matches, this matches too. Both match
+    /// only names with as many segments as they have, so segment by
+    /// segment: a lone `*` covers any segment (it too matches the empty
+    /// one), and anything covers itself or a literal segment it matches.
     fn covers(&self, new: &ExportPattern) -> bool {
-        let literal = !new.parts.iter().any(|p| matches!(p, Part::Any));
-        self.parts == [Part::Any]
-            || self.parts == new.parts
-            || (literal && self.matches(&new.text, &Bindings::new()))
+        let (old, new) = (segments(&self.parts), segments(&new.parts));
+        old.len() == new.len()
+            && old.iter().zip(&new).all(|(old, new)| {
+                let literal = new.iter().all(|p| matches!(p, Part::Literal(_)));
+                old.as_slice() == [Part::Any]
+                    || old == new
+                    || (literal && glob_segment(old, &literal_text(new), &Bindings::new()))
+            })
     }
 }
 
-/// `*` matches any run of characters (none included); a placeholder its
-/// bound text exactly. The name comes from the client, so this is linear
+/// The parts of a pattern segment by segment, literals split at `/`
+/// (no empty literal is kept: an empty segment is an empty list).
+fn segments(parts: &[Part]) -> Vec<Vec<Part>> {
+    let mut done = Vec::new();
+    let mut current = Vec::new();
+    for part in parts {
+        let Part::Literal(text) = part else {
+            current.push(part.clone());
+            continue;
+        };
+        for (i, piece) in text.split('/').enumerate() {
+            if i > 0 {
+                done.push(std::mem::take(&mut current));
+            }
+            if !piece.is_empty() {
+                current.push(Part::Literal(piece.to_string()));
+            }
+        }
+    }
+    done.push(current);
+    done
+}
+
+fn literal_text(parts: &[Part]) -> String {
+    parts
+        .iter()
+        .filter_map(|p| match p {
+            Part::Literal(text) => Some(text.as_str()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Whether a placeholder's value may fill an export name's segment. A
+/// URI segment or DNS label cannot hold a `/`, but a CN can: such a value,
+/// or one that names a directory's self or parent, or holds a NUL (which
+/// ends a path), matches nothing, whatever the pattern around it.
+fn fits_one_segment(value: &str) -> bool {
+    !value.is_empty() && value != "." && value != ".." && !value.contains(['/', '\0'])
+}
+
+/// `*` matches any run of characters but `/` (none included); a
+/// placeholder its bound text exactly, and only text that fits one
+/// segment. The pattern and the name are matched segment by segment.
+fn glob(parts: &[Part], name: &str, bindings: &Bindings) -> bool {
+    let pattern = segments(parts);
+    let mut names = name.split('/');
+    pattern.iter().all(|segment| {
+        names
+            .next()
+            .is_some_and(|name| glob_segment(segment, name, bindings))
+    }) && names.next().is_none()
+}
+
+/// One segment's glob. The name comes from the client, so this is linear
 /// in it for each literal: the literals between stars are found left to
 /// right, each at its leftmost place, which is all a star-only glob needs
 /// (no backtracking, however many stars the pattern has).
-fn glob(parts: &[Part], name: &str, bindings: &Bindings) -> bool {
+fn glob_segment(parts: &[Part], name: &str, bindings: &Bindings) -> bool {
     // The pattern as literal runs between stars, placeholders filled in.
     let mut runs: Vec<String> = Vec::new();
     let mut current = String::new();
@@ -371,8 +491,8 @@ fn glob(parts: &[Part], name: &str, bindings: &Bindings) -> bool {
         match part {
             Part::Literal(text) => current.push_str(text),
             Part::Placeholder(key) => match bindings.get(key) {
-                Some(value) => current.push_str(value),
-                None => return false,
+                Some(value) if fits_one_segment(value) => current.push_str(value),
+                _ => return false,
             },
             Part::Any => runs.push(std::mem::take(&mut current)),
         }
@@ -464,22 +584,47 @@ impl IdentityPattern {
         Some(bindings)
     }
 
+    /// Whether every value `new` matches, this matches too. A `*` or a
+    /// placeholder seen once matches any non-empty part; a placeholder
+    /// seen twice (`{a}.{a}`) only equal parts, so `new` must pin those
+    /// places to one literal or to one placeholder of its own.
     fn covers(&self, new: &IdentityPattern) -> bool {
-        self.field == new.field
-            && self.parts.len() == new.parts.len()
-            && self
-                .parts
-                .iter()
-                .zip(&new.parts)
-                .all(|(old, new)| match (old, new) {
-                    // Outside templates a placeholder matches like `*`.
-                    (Part::Any | Part::Placeholder(_), _) => true,
-                    (Part::Literal(a), Part::Literal(b)) => match self.field {
-                        Field::Dns => a.eq_ignore_ascii_case(b),
-                        _ => a == b,
-                    },
-                    _ => false,
-                })
+        if self.field != new.field || self.parts.len() != new.parts.len() {
+            return false;
+        }
+        let same_literal = |a: &str, b: &str| match self.field {
+            Field::Dns => a.eq_ignore_ascii_case(b),
+            _ => a == b,
+        };
+        let each_part = self
+            .parts
+            .iter()
+            .zip(&new.parts)
+            .all(|(old, new)| match (old, new) {
+                // Never an empty literal: `*` and placeholders bind only
+                // non-empty parts.
+                (Part::Any | Part::Placeholder(_), Part::Literal(b)) => !b.is_empty(),
+                (Part::Any | Part::Placeholder(_), _) => true,
+                (Part::Literal(a), Part::Literal(b)) => same_literal(a, b),
+                _ => false,
+            });
+        each_part
+            && self.parts.iter().enumerate().all(|(i, old)| {
+                if !matches!(old, Part::Placeholder(_)) {
+                    return true;
+                }
+                // Every later place this placeholder recurs must be bound
+                // to the same text in `new` as its first place is.
+                self.parts[i + 1..]
+                    .iter()
+                    .zip(&new.parts[i + 1..])
+                    .filter(|(later, _)| *later == old)
+                    .all(|(_, there)| match (&new.parts[i], there) {
+                        (Part::Literal(a), Part::Literal(b)) => same_literal(a, b),
+                        (Part::Placeholder(a), Part::Placeholder(b)) => a == b,
+                        _ => false,
+                    })
+            })
     }
 }
 

@@ -1,6 +1,7 @@
-//! One gateway, many disks: exports routed by name to three real qemu-nbd
-//! upstreams (two as sockets in --export-dir, one appearing mid-test; one
-//! given with --export under another upstream name), and a --policy file
+//! One gateway, many disks: exports routed by name to four real qemu-nbd
+//! upstreams (three as sockets in --export-dir, one of them in a tenant's
+//! subdirectory, one appearing mid-test; one given with --export under
+//! another upstream name), and a --policy file
 //! deciding per client identity which exports each sees, opens, and may
 //! write. Clients: libnbd's Python bindings (tests/libnbd_probe.py),
 //! nbdinfo --list and qemu-img.
@@ -23,12 +24,12 @@ allow = { uri = ["spiffe://example.org/ns/*/sa/vm-host"] }
 access = "read-write"
 
 [[rule]]
-exports = ["*"]
+exports = ["*", "*/*"]
 allow = { cn = ["backup"] }
 access = "read-only"
 
 [[rule]]
-exports = ["{ns}-*"]
+exports = ["{ns}/*"]
 allow = { uri = ["spiffe://example.org/ns/{ns}/sa/app"] }
 access = "read-write"
 "#;
@@ -41,6 +42,8 @@ struct Host {
     admin_port: u16,
     vm_a: QemuNbd,
     db_c: QemuNbd,
+    /// `db-prod/d`: namespace db-prod's, whose name starts with `db`.
+    _db_prod_d: QemuNbd,
     clients: Clients,
 }
 
@@ -75,7 +78,9 @@ fn host() -> Host {
     let dir = env.path("exports");
     std::fs::create_dir(&dir).unwrap();
     let vm_a = QemuNbd::start_at(dir.join("vm-a.sock"), &image(&env, "a.img", b'A'), &[]);
-    // Served as "db-c" by the gateway, known upstream as "disk0".
+    std::fs::create_dir(dir.join("db-prod")).unwrap();
+    let db_prod_d = QemuNbd::start_at(dir.join("db-prod/d.sock"), &image(&env, "d.img", b'D'), &[]);
+    // Served as "db/c" by the gateway, known upstream as "disk0".
     let db_c = QemuNbd::start_at(
         env.path("c.sock"),
         &image(&env, "c.img", b'C'),
@@ -83,7 +88,7 @@ fn host() -> Host {
     );
     let policy = env.path("policy.toml");
     std::fs::write(&policy, POLICY).unwrap();
-    let export_c = format!("db-c={}:disk0", db_c.socket.display());
+    let export_c = format!("db/c={}:disk0", db_c.socket.display());
     let admin_port = common::free_port();
     let admin = format!("127.0.0.1:{admin_port}");
     let args: Vec<&OsStr> = vec![
@@ -113,6 +118,7 @@ fn host() -> Host {
         admin_port,
         vm_a,
         db_c,
+        _db_prod_d: db_prod_d,
         clients,
     }
 }
@@ -158,8 +164,12 @@ fn each_identity_sees_and_opens_exactly_its_exports_with_its_access() {
     let h = host();
     let c = &h.clients;
     assert_eq!(list(&h, &c.vm_host), r#"{"exports": ["vm-a"]}"#);
-    assert_eq!(list(&h, &c.backup), r#"{"exports": ["db-c", "vm-a"]}"#);
-    assert_eq!(list(&h, &c.db_app), r#"{"exports": ["db-c"]}"#);
+    assert_eq!(
+        list(&h, &c.backup),
+        r#"{"exports": ["db/c", "db-prod/d", "vm-a"]}"#
+    );
+    // Namespace db's own disk, and not db-prod's.
+    assert_eq!(list(&h, &c.db_app), r#"{"exports": ["db/c"]}"#);
     assert_eq!(list(&h, &c.intruder), r#"{"exports": []}"#);
 
     // Read-write where allowed: the write reaches that export's upstream.
@@ -169,7 +179,7 @@ fn each_identity_sees_and_opens_exactly_its_exports_with_its_access() {
     );
     assert_eq!(&h.vm_a.read_direct()[..4], b"WWWW");
     assert_eq!(
-        open(&h, &c.db_app, "db-c"),
+        open(&h, &c.db_app, "db/c"),
         r#"{"opened": true, "read_only": false, "size": 1048576, "write": "ok", "read": "WWWWWWWW"}"#
     );
     assert_eq!(&h.db_c.read_direct_named("disk0")[..4], b"WWWW");
@@ -185,9 +195,10 @@ fn each_identity_sees_and_opens_exactly_its_exports_with_its_access() {
 
     // Not allowed, or no such export: the same answer, so names do not leak.
     for (client, export) in [
-        (&c.vm_host, "db-c"),
+        (&c.vm_host, "db/c"),
+        (&c.db_app, "db-prod/d"),
         (&c.db_app, "vm-a"),
-        (&c.intruder, "db-c"),
+        (&c.intruder, "db/c"),
         (&c.backup, "no-such-disk"),
         (&c.backup, "../c"),
     ] {
@@ -197,8 +208,8 @@ fn each_identity_sees_and_opens_exactly_its_exports_with_its_access() {
             "{export}: {said}"
         );
     }
-    // The five refusals above, each counted.
-    assert_eq!(metric(&h, "nbdgw_exports_refused_total"), 5.0);
+    // The six refusals above, each counted.
+    assert_eq!(metric(&h, "nbdgw_exports_refused_total"), 6.0);
     // Ready without probing any one export's server.
     let ready = run(Command::new("curl")
         .args(["-s", "-m", "5", "-w", "%{http_code}"])
@@ -250,7 +261,7 @@ fn a_socket_appearing_in_the_directory_is_served_without_a_restart() {
     let said = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", text(&out));
     assert!(
-        said.contains("export=\"db-c\"") && said.contains("export=\"vm-a\""),
+        said.contains("export=\"db/c\"") && said.contains("export=\"vm-a\""),
         "{said}"
     );
     assert!(!said.contains("vm-b"), "{said}");
@@ -262,7 +273,7 @@ fn a_narrower_policy_applies_to_new_connections_and_a_wider_or_broken_one_is_ref
     let c = &h.clients;
     // Narrower: the backup rule goes.
     let narrower = POLICY.replace(
-        "[[rule]]\nexports = [\"*\"]\nallow = { cn = [\"backup\"] }\naccess = \"read-only\"\n",
+        "[[rule]]\nexports = [\"*\", \"*/*\"]\nallow = { cn = [\"backup\"] }\naccess = \"read-only\"\n",
         "",
     );
     assert_ne!(narrower, POLICY);
@@ -321,8 +332,8 @@ fn option_replies_while_routing_are_exact() {
     );
 
     // INFO on vm-a (read-only for backup: the flag is set), then GO on
-    // db-c, whose upstream knows it as "disk0" and whose INFO_NAME reply
-    // must name it "db-c".
+    // db/c, whose upstream knows it as "disk0" and whose INFO_NAME reply
+    // must name it "db/c".
     let info = raw.option(OPT_INFO, &go_data("vm-a", &[INFO_NAME]));
     let export = info
         .iter()
@@ -332,13 +343,13 @@ fn option_replies_while_routing_are_exact() {
         u16::from_be_bytes([export.data[10], export.data[11]]) & TFLAG_READ_ONLY,
         TFLAG_READ_ONLY
     );
-    let go = raw.option(OPT_GO, &go_data("db-c", &[INFO_NAME]));
+    let go = raw.option(OPT_GO, &go_data("db/c", &[INFO_NAME]));
     assert_eq!(go.last().unwrap().reply_type, REP_ACK);
     let name = go
         .iter()
         .find(|r| r.data.starts_with(&[0, 1]))
         .expect("an INFO_NAME reply");
-    assert_eq!(&name.data[2..], b"db-c");
+    assert_eq!(&name.data[2..], b"db/c");
     let data = raw.read(1, 0, 4);
     assert_eq!(data, b"CCCC");
     raw.disconnect();
@@ -346,7 +357,7 @@ fn option_replies_while_routing_are_exact() {
     // A denied export by EXPORT_NAME: closed without a reply, as a server
     // refusing it would.
     let mut raw = connect_as(h.gateway.addr(), &c.vm_host);
-    raw.send_option(OPT_EXPORT_NAME, b"db-c");
+    raw.send_option(OPT_EXPORT_NAME, b"db/c");
     raw.expect_closed();
     // An allowed one works the old way too.
     let mut raw = connect_as(h.gateway.addr(), &c.vm_host);

@@ -40,7 +40,7 @@ complete -c nbdgw -n "__fish_nbdgw_needs_command" -l tls-min-version -d 'Oldest 
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l tls-reload-interval -d 'Seconds between looks at the TLS files for changes; 0 reloads only on SIGHUP' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l upstream -d 'Unix socket of the NBD server to relay to; every export name the client asks for goes to it unchanged' -r -F
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l export -d 'A named export instead of --upstream: clients asking for NAME are relayed to the server on the Unix socket PATH, which is asked for UPSTREAM_NAME (default ""). Repeatable, or comma-separated' -r
-complete -c nbdgw -n "__fish_nbdgw_needs_command" -l export-dir -d 'Every Unix socket NAME.sock in this directory is the export NAME, picked up and dropped as sockets appear and disappear' -r -F
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l export-dir -d 'Every Unix socket NAME.sock in this directory is the export NAME, and TENANT/NAME.sock in a subdirectory the export TENANT/NAME; picked up and dropped as sockets appear and disappear' -r -F
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l policy -d 'TOML file saying which client identities may open which exports, read-write or read-only; reloaded like the TLS files, and a reload may only narrow it. Without it every admitted client may open every export read-write. Needs client certificates (a client CA)' -r -F
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l upstream-sndbuf -d 'SO_SNDBUF for upstream sockets in bytes; 0 keeps the kernel default' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l max-connections -d 'Most client connections served at once; more are closed at accept' -r

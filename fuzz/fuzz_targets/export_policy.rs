@@ -1,13 +1,14 @@
 //! Export names and certificate names come from clients: judging them
 //! against a policy (globs with many stars, placeholders) must never
 //! panic, nor take long, however they are made. The policy file's parser
-//! gets the same bytes as a file, and must fail cleanly on garbage.
+//! gets the same bytes as a file, and must fail cleanly on garbage. A
+//! templated rule must never open a name outside the identity's tenant.
 #![no_main]
 
 use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
-use nbdgw::policy::Policy;
+use nbdgw::policy::{Access, Policy};
 use nbdgw::tls::CertInfo;
 
 const POLICY: &str = r#"
@@ -17,8 +18,8 @@ allow = { uri = ["spiffe://td/ns/*/sa/vm-host"], cn = ["backup"] }
 access = "read-write"
 
 [[rule]]
-exports = ["{ns}-*", "*{ns}*"]
-allow = { uri = ["spiffe://td/ns/{ns}/sa/*"], dns = ["{ns}.tenants.example"] }
+exports = ["{ns}/*", "x/{ns}/*-*-y", "{ns}"]
+allow = { uri = ["spiffe://td/ns/{ns}/sa/*"], dns = ["{ns}.tenants.example"], cn = ["{ns}"] }
 access = "read-only"
 "#;
 
@@ -32,5 +33,25 @@ fuzz_target!(|data: &[u8]| {
     };
     let identity = String::from_utf8_lossy(identity);
     let cert = CertInfo::with_names(&identity, &[&identity], &[&identity]);
-    let _ = policy.decide(&cert, &String::from_utf8_lossy(name));
+    let name = String::from_utf8_lossy(name);
+    // Tenants stay apart: whatever the names, the templated rule (the
+    // only read-only one) opens a name only when its first segment, or
+    // the second under `x/`, is the identity's whole CN (or a part bound
+    // from its DNS name or URI, which cannot hold a `/` either).
+    if policy.decide(&cert, &name) == Some(Access::ReadOnly) {
+        let segments: Vec<&str> = name.split('/').collect();
+        let lowered = identity.to_ascii_lowercase();
+        let is_mine = |tenant: &&str| {
+            !tenant.is_empty()
+                && *tenant != ".."
+                && (identity == **tenant
+                    || identity.contains(&format!("/{tenant}/"))
+                    || lowered.starts_with(&format!("{tenant}.")))
+        };
+        let tenants = match segments[..] {
+            ["x", second, ..] => vec![segments[0], second],
+            _ => vec![segments[0]],
+        };
+        assert!(tenants.iter().any(is_mine), "{identity:?} opens {name:?}");
+    }
 });

@@ -12,7 +12,7 @@ allow = { uri = ["spiffe://example.org/ns/*/sa/vm-host"] }
 access = "read-write"
 
 [[rule]]
-exports = ["*"]
+exports = ["*", "*/*"]
 allow = { cn = ["backup"] }
 access = "read-only"
 "#;
@@ -32,6 +32,8 @@ fn the_documented_example_grants_what_it_says() {
     assert_eq!(policy.decide(&vm_host, "db-1"), None);
     assert_eq!(policy.decide(&backup, "db-1"), Some(Access::ReadOnly));
     assert_eq!(policy.decide(&backup, ""), Some(Access::ReadOnly));
+    assert_eq!(policy.decide(&backup, "team/db"), Some(Access::ReadOnly));
+    assert_eq!(policy.decide(&backup, "team/db/x"), None);
     // The most permissive rule wins.
     assert_eq!(policy.decide(&both, "vm-1"), Some(Access::ReadWrite));
     assert_eq!(policy.decide(&both, "db-1"), Some(Access::ReadOnly));
@@ -43,23 +45,25 @@ fn a_placeholder_ties_each_tenant_to_its_own_exports() {
     let policy = Policy::parse(
         r#"
         [[rule]]
-        exports = ["{ns}-*"]
+        exports = ["{ns}/*"]
         allow = { uri = ["spiffe://example.org/ns/{ns}/sa/*"], dns = ["{ns}.tenants.example"] }
         access = "read-write"
         "#,
     )
     .unwrap();
     let a = cert("x", &[], &["spiffe://example.org/ns/a/sa/vm"]);
-    assert_eq!(policy.decide(&a, "a-disk1"), Some(Access::ReadWrite));
-    assert_eq!(policy.decide(&a, "a-"), Some(Access::ReadWrite));
-    assert_eq!(policy.decide(&a, "ab-disk1"), None);
-    assert_eq!(policy.decide(&a, "b-disk1"), None);
+    assert_eq!(policy.decide(&a, "a/disk1"), Some(Access::ReadWrite));
+    assert_eq!(policy.decide(&a, "a/"), Some(Access::ReadWrite));
+    assert_eq!(policy.decide(&a, "a/x/disk1"), None);
+    assert_eq!(policy.decide(&a, "ab/disk1"), None);
+    assert_eq!(policy.decide(&a, "a-b/disk1"), None);
+    assert_eq!(policy.decide(&a, "b/disk1"), None);
     let b = cert("x", &["B.Tenants.example"], &[]);
-    assert_eq!(policy.decide(&b, "b-disk1"), Some(Access::ReadWrite));
-    assert_eq!(policy.decide(&b, "a-disk1"), None);
+    assert_eq!(policy.decide(&b, "b/disk1"), Some(Access::ReadWrite));
+    assert_eq!(policy.decide(&b, "a/disk1"), None);
     // A placeholder binds one whole segment, never a slash.
     let deep = cert("x", &[], &["spiffe://example.org/ns/a/b/sa/vm"]);
-    assert_eq!(policy.decide(&deep, "a/b-disk1"), None);
+    assert_eq!(policy.decide(&deep, "a/b/disk1"), None);
 }
 
 #[test]
@@ -90,7 +94,7 @@ access = "write""#,
         ),
         (
             r#"[[rule]]
-exports = ["{ns}-*"]
+exports = ["{ns}/*"]
 allow = { cn = ["a"] }
 access = "read-only""#,
             "rule 1: placeholder {ns}",
@@ -150,6 +154,8 @@ fn narrowing_reloads_are_accepted_and_widening_ones_refused() {
         "[[rule]]\nexports = [\"db-*\"]\nallow = { uri = [\"spiffe://example.org/ns/*/sa/vm-host\"] }\naccess = \"read-only\"",
         "[[rule]]\nexports = [\"*\"]\nallow = { cn = [\"intruder\"] }\naccess = \"read-only\"",
         "[[rule]]\nexports = [\"*\"]\nallow = { uri = [\"spiffe://example.org/ns/*/sa/*\"] }\naccess = \"read-only\"",
+        // `*` never matches a `/`: `vm-*` does not reach into `vm-1/`.
+        "[[rule]]\nexports = [\"vm-1/x\"]\nallow = { uri = [\"spiffe://example.org/ns/*/sa/vm-host\"] }\naccess = \"read-only\"",
     ];
     for text in wider {
         let new = Policy::parse(text).unwrap();
@@ -163,9 +169,51 @@ fn narrowing_reloads_are_accepted_and_widening_ones_refused() {
     assert_eq!(running.check_no_wider_than(&Policy::open()), Ok(()));
 }
 
+#[test]
+fn stars_cover_neither_a_repeated_placeholder_nor_an_empty_segment() {
+    let rule = |allow: &str| {
+        Policy::parse(&format!(
+            "[[rule]]\nexports = [\"*\"]\nallow = {{ {allow} }}\naccess = \"read-only\"\n"
+        ))
+        .unwrap()
+    };
+    for (running, wider) in [
+        // `{a}.{a}` admits x.x.example only; `*.*` also x.y.example.
+        ("dns = [\"{a}.{a}.example\"]", "dns = [\"*.*.example\"]"),
+        ("dns = [\"{a}.{a}.example\"]", "dns = [\"{a}.{b}.example\"]"),
+        ("dns = [\"{a}.{a}.example\"]", "dns = [\"x.{a}.example\"]"),
+        // A `*` segment is never empty; a literal empty one is.
+        (
+            "uri = [\"spiffe://td/ns/*/sa/vm\"]",
+            "uri = [\"spiffe://td/ns//sa/vm\"]",
+        ),
+        (
+            "uri = [\"spiffe://td/ns/{a}/sa/vm\"]",
+            "uri = [\"spiffe://td/ns//sa/vm\"]",
+        ),
+    ] {
+        let result = rule(wider).check_no_wider_than(&rule(running));
+        assert!(result.is_err(), "{wider} accepted under {running}");
+    }
+    for (running, narrower) in [
+        ("dns = [\"{a}.{a}.example\"]", "dns = [\"x.x.example\"]"),
+        ("dns = [\"{a}.{a}.example\"]", "dns = [\"{b}.{b}.example\"]"),
+        ("dns = [\"*.*.example\"]", "dns = [\"{a}.{a}.example\"]"),
+        ("dns = [\"{a}.*.example\"]", "dns = [\"{b}.{b}.example\"]"),
+        (
+            "uri = [\"spiffe://td/ns//sa/vm\"]",
+            "uri = [\"spiffe://td/ns//sa/vm\"]",
+        ),
+    ] {
+        let result = rule(narrower).check_no_wider_than(&rule(running));
+        assert_eq!(result, Ok(()), "{narrower} refused under {running}");
+    }
+}
+
 fn arb_rule() -> impl Strategy<Value = String> {
     let exports = prop::sample::select(vec![
-        "*", "vm-*", "vm-1", "db-*", "db-1", "{ns}-*", "{ns}-1", "*-1",
+        "*", "vm-*", "vm-1", "db-*", "db-1", "{ns}/*", "{ns}/1", "*-1", "*/*", "vm/*", "*/1",
+        "{ns}",
     ]);
     let identity = prop::sample::select(vec![
         "cn = [\"backup\"]",
@@ -176,6 +224,14 @@ fn arb_rule() -> impl Strategy<Value = String> {
         "uri = [\"spiffe://td/ns/vm/sa/*\"]",
         "dns = [\"{ns}.example\"]",
         "dns = [\"*.example\"]",
+        // A repeated placeholder matches only equal labels: it is not `*.*`.
+        "dns = [\"{a}.{a}.example\"]",
+        "dns = [\"{a}.{b}.example\"]",
+        "dns = [\"*.*.example\"]",
+        "dns = [\"x.{a}.example\"]",
+        // An empty segment, which a `*` does not match.
+        "uri = [\"spiffe://td/ns//sa/vm\"]",
+        "uri = [\"spiffe://td/ns/{a}/sa/{a}\"]",
     ]);
     let access = prop::sample::select(vec!["read-only", "read-write"]);
     (prop::collection::vec(exports, 1..3), identity, access).prop_map(|(e, id, a)| {
@@ -204,18 +260,30 @@ fn sample_certs() -> Vec<CertInfo> {
                     &format!("spiffe://td/ns/vm/sa/{ns}"),
                 ],
             ));
+            // Two labels, equal or not, for the repeated placeholder.
+            certs.push(cert(cn, &[&format!("{ns}.x.example")], &[]));
         }
     }
+    // An empty segment, and a URI whose two placeholder segments differ.
+    certs.push(cert("x", &[], &["spiffe://td/ns//sa/vm"]));
+    certs.push(cert("x", &[], &["spiffe://td/ns/vm/sa/db"]));
     certs
 }
 
 proptest! {
+    // The pairs that break a careless check are a few in thousands of
+    // policies; these run in about a second.
+    #![proptest_config(ProptestConfig::with_cases(2048))]
+
     /// What check_no_wider_than accepts never grants more than the
     /// running policy, for any identity and export name tried.
     #[test]
     fn an_accepted_reload_never_grants_more(running in arb_policy(), new in arb_policy()) {
         if new.check_no_wider_than(&running).is_ok() {
-            let exports = ["vm-1", "vm-2", "db-1", "backup-1", "x-1", "1", "", "vm-", "db-x"];
+            let exports = [
+                "vm-1", "vm-2", "db-1", "backup-1", "x-1", "1", "", "vm-", "db-x", "vm/1", "db/1",
+                "x/1", "vm/x/1", "vm", "db", "/1", "vm/",
+            ];
             for cert in sample_certs() {
                 for export in exports {
                     prop_assert!(
@@ -234,15 +302,15 @@ proptest! {
     }
 }
 
-/// The glob by the book (dynamic programming over pattern and name), to
-/// check the linear one against.
+/// The glob by the book (dynamic programming over pattern and name, a
+/// `*` matching any character but `/`), to check the linear one against.
 fn reference_glob(pattern: &[char], name: &[char]) -> bool {
     let mut reach = vec![vec![false; name.len() + 1]; pattern.len() + 1];
     reach[0][0] = true;
     for p in 1..=pattern.len() {
         for n in 0..=name.len() {
             reach[p][n] = if pattern[p - 1] == '*' {
-                reach[p - 1][n] || (n > 0 && reach[p][n - 1])
+                reach[p - 1][n] || (n > 0 && name[n - 1] != '/' && reach[p][n - 1])
             } else {
                 n > 0 && reach[p - 1][n - 1] && pattern[p - 1] == name[n - 1]
             };
@@ -254,8 +322,8 @@ fn reference_glob(pattern: &[char], name: &[char]) -> bool {
 proptest! {
     #[test]
     fn export_globs_match_as_the_reference_does(
-        pattern in "[ab*-]{0,8}",
-        name in "[ab-]{0,12}",
+        pattern in "[ab*/-]{0,8}",
+        name in "[ab/-]{0,12}",
     ) {
         let parsed = ExportPattern::parse(if pattern.is_empty() { "a".into() } else { pattern.clone() }).unwrap();
         let pattern: Vec<char> = parsed.text.chars().collect();
@@ -278,4 +346,210 @@ fn a_long_name_against_many_stars_is_decided_at_once() {
     let started = std::time::Instant::now();
     assert_eq!(policy.decide(&cert("a", &[], &[]), &name), None);
     assert!(started.elapsed() < std::time::Duration::from_secs(1));
+}
+
+/// The tenant rules the README recommends, as written there.
+fn readme_tenant_rules() -> Vec<Policy> {
+    let readme = include_str!("../../README.md");
+    let mut blocks = Vec::new();
+    let mut block = String::new();
+    for line in readme.lines().chain([""]) {
+        match line.strip_prefix("    ") {
+            Some(code) => {
+                block.push_str(code);
+                block.push('\n');
+            }
+            None if line.trim().is_empty() && !block.is_empty() => block.push('\n'),
+            None => {
+                if block.contains("[[rule]]") && block.contains("{ns}") {
+                    blocks.push(Policy::parse(&block).unwrap());
+                }
+                block.clear();
+            }
+        }
+    }
+    blocks
+}
+
+#[test]
+fn the_readme_tenant_recipe_keeps_tenants_apart() {
+    let rules = readme_tenant_rules();
+    assert!(!rules.is_empty(), "no templated rule found in the README");
+    let sa = |ns: &str| {
+        cert(
+            "x",
+            &[],
+            &[&format!("spiffe://cluster.local/ns/{ns}/sa/app")],
+        )
+    };
+    let (team, team_prod) = (sa("team"), sa("team-prod"));
+    let names = [
+        "team-db",
+        "team-prod-db",
+        "team/db",
+        "team-prod/db",
+        "team/prod-db",
+    ];
+    for policy in rules {
+        let mine = |who: &CertInfo| -> Vec<&str> {
+            names
+                .into_iter()
+                .filter(|name| policy.decide(who, name).is_some())
+                .collect()
+        };
+        let (of_team, of_team_prod) = (mine(&team), mine(&team_prod));
+        assert!(!of_team.is_empty() && !of_team_prod.is_empty());
+        for name in &of_team_prod {
+            assert!(
+                !of_team.contains(name),
+                "namespace team opens {name}, an export of namespace team-prod"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_placeholder_not_a_whole_segment_is_an_error_that_says_where() {
+    for pattern in ["{ns}-*", "*-{ns}/x", "a/{ns}x", "{ns}{ns}"] {
+        let text = format!(
+            "[[rule]]\naccess = \"read-only\"\nexports = [\"*\", \"{pattern}\"]\nallow = {{ cn = [\"{{ns}}\"] }}\n"
+        );
+        let error = match Policy::parse(&text) {
+            Ok(_) => panic!("{pattern} accepted"),
+            Err(error) => error.to_string(),
+        };
+        assert!(
+            error.contains("line 3, column 17: rule 1:") && error.contains("whole"),
+            "{pattern}: {error}"
+        );
+    }
+    for pattern in ["{ns}", "{ns}/*", "tenants/{ns}/*", "{ns}/{ns}", "*/{ns}"] {
+        let text =
+            format!("[[rule]]\naccess = \"read-only\"\nexports = [\"{pattern}\"]\nallow = {{ cn = [\"{{ns}}\"] }}\n");
+        assert!(Policy::parse(&text).is_ok(), "{pattern} refused");
+    }
+}
+
+#[test]
+fn a_star_in_an_export_pattern_stays_within_one_segment() {
+    let policy = Policy::parse(
+        "[[rule]]\nexports = [\"vm-*\", \"*/db\"]\nallow = { cn = [\"a\"] }\naccess = \"read-only\"\n",
+    )
+    .unwrap();
+    let a = cert("a", &[], &[]);
+    for (name, opens) in [
+        ("vm-1", true),
+        ("vm-", true),
+        ("vm-1/x", false),
+        ("team/db", true),
+        ("/db", true),
+        ("team/x/db", false),
+        ("team/dbx", false),
+    ] {
+        assert_eq!(policy.decide(&a, name).is_some(), opens, "{name}");
+    }
+}
+
+#[test]
+fn a_bound_value_that_could_name_another_place_never_matches() {
+    let policy = Policy::parse(
+        "[[rule]]\nexports = [\"{t}/*\", \"{t}\"]\nallow = { cn = [\"{t}\"] }\naccess = \"read-only\"\n",
+    )
+    .unwrap();
+    for (cn, name) in [
+        ("a/b", "a/b/x"),
+        ("a/b", "a/b"),
+        ("..", "../x"),
+        (".", "./x"),
+        ("a\0", "a\0/x"),
+    ] {
+        assert_eq!(policy.decide(&cert(cn, &[], &[]), name), None, "{cn:?}");
+    }
+    assert!(policy.decide(&cert("a", &[], &[]), "a/x").is_some());
+}
+
+/// Tenant values as Kubernetes names them (DNS labels: `-` and digits,
+/// some prefixes of others), a few in upper case, and names no tenant
+/// can have (a `/`, `..`, empty).
+fn arb_tenants() -> impl Strategy<Value = Vec<String>> {
+    prop::collection::vec("[a-z0-9]{1,3}(-[a-z0-9]{1,3}){0,2}", 1..4).prop_map(|mut values| {
+        let first = values[0].clone();
+        values.push(format!("{first}-prod"));
+        values.push(format!("{first}-1"));
+        values.push(first.to_ascii_uppercase());
+        values.push(format!("{first}/prod"));
+        values.push("..".into());
+        values
+    })
+}
+
+fn arb_templated_exports() -> impl Strategy<Value = String> {
+    let segment = prop::sample::select(vec![
+        "{ns}", "*", "db*", "x", "{ns}-*", "*-{ns}", "*{ns}*", "{ns}1",
+    ]);
+    prop::collection::vec(segment, 1..4)
+        .prop_map(|segments| segments.join("/"))
+        .prop_filter("a templated pattern", |p| p.contains("{ns}"))
+}
+
+proptest! {
+    /// Whatever a templated rule says, an identity is admitted only to
+    /// names whose segment at each placeholder is exactly its own bound
+    /// value, and to every name its pattern spells out for it.
+    #[test]
+    fn a_templated_rule_admits_a_tenant_only_to_its_own_exports(
+        tenants in arb_tenants(),
+        exports in arb_templated_exports(),
+        field in 0..3usize,
+    ) {
+        let allow = ["uri = [\"spiffe://cluster.local/ns/{ns}/sa/*\"]", "dns = [\"{ns}.tenants.example\"]", "cn = [\"{ns}\"]"][field];
+        let text = format!("[[rule]]\nexports = [\"{exports}\"]\nallow = {{ {allow} }}\naccess = \"read-write\"\n");
+        let segments: Vec<&str> = exports.split('/').collect();
+        let whole = segments.iter().all(|s| *s == "{ns}" || !s.contains("{ns}"));
+        let policy = match Policy::parse(&text) {
+            Ok(policy) => policy,
+            Err(error) => {
+                prop_assert!(!whole, "{exports} refused: {error}");
+                return Ok(());
+            }
+        };
+        prop_assert!(whole, "{} accepted", exports);
+        let disks = ["db", "db1", "x", "prod-db", ""];
+        let mut names = Vec::new();
+        for t in &tenants {
+            for d in disks {
+                names.extend([format!("{t}/{d}"), format!("{t}-{d}"), t.clone(), format!("{d}/{t}"), format!("{t}/{t}"), format!("x/{t}/{d}"), format!("{t}/{d}/x")]);
+            }
+        }
+        for t in &tenants {
+            let who = match field {
+                0 => cert("x", &[], &[&format!("spiffe://cluster.local/ns/{t}/sa/app")]),
+                1 => cert("x", &[&format!("{t}.tenants.example")], &[]),
+                _ => cert(t, &[], &[]),
+            };
+            // DNS names are case-insensitive: the label binds lower-cased.
+            let bound = if field == 1 { t.to_ascii_lowercase() } else { t.clone() };
+            for name in &names {
+                if policy.decide(&who, name).is_none() {
+                    continue;
+                }
+                let parts: Vec<&str> = name.split('/').collect();
+                prop_assert_eq!(parts.len(), segments.len(), "{} opens {}", t, name);
+                for (pattern, part) in segments.iter().zip(&parts) {
+                    if *pattern == "{ns}" {
+                        prop_assert_eq!(*part, bound.as_str(), "{} opens {}", t, name);
+                    }
+                }
+            }
+            // Its own: the pattern with its value and a disk filled in.
+            let own: Vec<String> = segments.iter().map(|s| match *s {
+                "{ns}" => bound.clone(),
+                "db*" => "db1".into(),
+                "*" => "db".into(),
+                other => other.into(),
+            }).collect();
+            let plain = !t.contains('/') && t != "..";
+            prop_assert_eq!(policy.decide(&who, &own.join("/")).is_some(), plain, "{} {:?}", t, own);
+        }
+    }
 }
