@@ -8,19 +8,9 @@ use std::ffi::OsStr;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::clients::{nbds_uri, qemu_img_info, text};
+use common::clients::{http_get, nbds_uri, qemu_img_info, text};
 use common::process::NbdgwProcess;
-use common::{free_port, run, run_ok, Env, QemuNbd};
-
-/// Status code and body of `GET http://127.0.0.1:PORT/PATH`, by curl.
-fn get(port: u16, path: &str) -> (u16, String) {
-    let out = run(Command::new("curl")
-        .args(["-s", "-m", "5", "-w", "\n%{http_code}"])
-        .arg(format!("http://127.0.0.1:{port}{path}")));
-    let body = String::from_utf8_lossy(&out.stdout).into_owned();
-    let (body, code) = body.rsplit_once('\n').unwrap_or(("", "0"));
-    (code.trim().parse().unwrap_or(0), body.to_string())
-}
+use common::{free_port, run_ok, Env, QemuNbd};
 
 /// The value of one sample, `name{labels}` exactly as exposed.
 fn sample(metrics: &str, name: &str) -> f64 {
@@ -75,7 +65,7 @@ fn metrics_move_with_traffic_and_refused_handshakes() {
     assert!(!qemu_img_info(gw.port, &anonymous).status.success());
     gw.wait_for_log("TLS handshake failed", 1);
 
-    let (code, metrics) = get(admin, "/metrics");
+    let (code, metrics) = http_get(admin, "/metrics");
     assert_eq!(code, 200);
     assert!(sample(&metrics, "nbdgw_requests_total{command=\"READ\"}") >= 1.0);
     assert!(sample(&metrics, "nbdgw_sent_bytes_total") >= (2 << 20) as f64);
@@ -104,7 +94,7 @@ fn metrics_move_with_traffic_and_refused_handshakes() {
 fn wait_for(port: u16, path: &str, code: u16) -> String {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let (got, body) = get(port, path);
+        let (got, body) = http_get(port, path);
         if got == code {
             return body;
         }
@@ -121,7 +111,7 @@ fn readiness_follows_the_upstream_socket_and_sigterm_with_a_drain_delay() {
     let admin = free_port();
     // A sidecar may start before its NBD server: running, not ready.
     let mut gw = gateway(&env, &socket, admin, &["--drain-delay", "2"]);
-    assert_eq!(get(admin, "/healthz").0, 200);
+    assert_eq!(http_get(admin, "/healthz").0, 200);
     let not_ready = wait_for(admin, "/readyz", 503);
     assert!(not_ready.contains("upstream unavailable"), "{not_ready}");
 

@@ -37,15 +37,7 @@ fn ciphers_to_claim() -> Option<KernelCiphers> {
 
 /// nbdgw with the test's certificates in front of `upstream`, and flags.
 fn gateway(env: &Env, upstream: &QemuNbd, extra: &[&str]) -> NbdgwProcess {
-    let certs = env.certs();
-    let mut args = vec![
-        "--tls-dir".as_ref(),
-        certs.as_os_str(),
-        "--upstream".as_ref(),
-        upstream.socket.as_os_str(),
-    ];
-    args.extend(extra.iter().map(std::ffi::OsStr::new));
-    NbdgwProcess::start(args)
+    NbdgwProcess::in_front_of(env, &upstream.socket, extra)
 }
 
 #[test]

@@ -42,15 +42,7 @@ impl Setup {
         let env = Env::new();
         let image = env.random_image("disk.img", SIZE, seed);
         let upstream = QemuNbd::start(&env, &image, &[]);
-        let certs = env.certs();
-        let mut args = vec![
-            "--tls-dir".as_ref(),
-            certs.as_os_str(),
-            "--upstream".as_ref(),
-            upstream.socket.as_os_str(),
-        ];
-        args.extend(extra.iter().map(std::ffi::OsStr::new));
-        let gw = NbdgwProcess::start(args);
+        let gw = NbdgwProcess::in_front_of(&env, &upstream.socket, extra);
         Setup { gw, upstream, env }
     }
 
@@ -256,4 +248,36 @@ fn a_warning_alert_ends_the_session() {
         "received fatal alert: UnrecognisedName"
     };
     assert!(closed.contains(reason), "{log}");
+}
+
+/// A client that sends KeyUpdate after KeyUpdate with no application
+/// data costs the server a key derivation each for a few bytes: past 32
+/// (rustls's and BoringSSL's limit) the session ends, with
+/// unexpected_message from the kernel session, and the reason logged.
+#[test]
+fn a_key_update_flood_ends_the_session() {
+    let setup = Setup::start(36, &[]);
+    let run = setup.gnutls(Mode::KeyUpdateFlood);
+    assert!(run.success(), "GnuTLS client: {}", run.describe());
+    assert!(
+        run.stdout()
+            .contains("session ended by the server after the flood"),
+        "{}",
+        run.describe()
+    );
+    setup.gw.wait_for_log("closed error=", 2);
+    let log = setup.gw.log();
+    if kernel_has_tls() {
+        assert!(
+            run.stdout().contains("server alert: 10"),
+            "{}",
+            run.describe()
+        );
+        assert!(
+            log.contains("client sent more than 32 KeyUpdates without application data"),
+            "{log}"
+        );
+    } else {
+        assert!(log.contains("TooManyKeyUpdateRequests"), "{log}");
+    }
 }

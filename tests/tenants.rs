@@ -10,13 +10,12 @@ mod common;
 
 use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
-use common::clients::{connect_as, write_server_files};
+use common::clients::{connect_as, http_get, write_server_files};
 use common::pki::{Ca, ClientDir};
 use common::process::NbdgwProcess;
 use common::raw::{OptReply, RawClient};
-use common::{fake_upstream, free_port, run, Env, QemuNbd};
+use common::{fake_upstream, free_port, Env, QemuNbd};
 use nbdgw::proto::consts::*;
 use nbdgw::proto::transmission::ReplyMode;
 
@@ -194,16 +193,6 @@ fn plain_gateway(env: &Env, admin: u16, routing: &[&OsStr]) -> NbdgwProcess {
     NbdgwProcess::start(args)
 }
 
-/// `GET http://127.0.0.1:PORT/PATH` by curl: status code and body.
-fn get(port: u16, path: &str) -> (u16, String) {
-    let out = run(Command::new("curl")
-        .args(["-s", "-m", "5", "-w", "\n%{http_code}"])
-        .arg(format!("http://127.0.0.1:{port}{path}")));
-    let body = String::from_utf8_lossy(&out.stdout).into_owned();
-    let (body, code) = body.rsplit_once('\n').unwrap_or(("", "0"));
-    (code.trim().parse().unwrap_or(0), body.to_string())
-}
-
 /// The fake upstream's answer to every read: an error chunk whose error
 /// value is the read's cookie, whatever that is.
 fn error_as_cookie(_: usize, read: fake_upstream::Asked) -> fake_upstream::Answer {
@@ -240,7 +229,7 @@ fn upstream_error_values_are_counted_by_name_or_as_other() {
     }
     c.disconnect();
 
-    let (code, metrics) = get(admin, "/metrics");
+    let (code, metrics) = http_get(admin, "/metrics");
     assert_eq!(code, 200);
     let series: Vec<&str> = metrics
         .lines()
@@ -292,7 +281,7 @@ fn clients_are_not_told_socket_paths_and_the_log_is() {
     );
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     let not_ready = loop {
-        let (code, body) = get(admin, "/readyz");
+        let (code, body) = http_get(admin, "/readyz");
         if code == 503 && body.contains("upstream") {
             break body;
         }

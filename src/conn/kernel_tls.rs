@@ -24,8 +24,8 @@ use super::error::ConnError;
 use crate::config::Config;
 use crate::tls::kernel::{self, Direction, KernelCiphers, KernelTlsError, RecordCursor};
 use crate::tls::key_update::{
-    self, KeyUpdateRequest, Keys, SecretLog, TrafficSecrets, HANDSHAKE_RECORD,
-    KEY_UPDATE_NOT_REQUESTED,
+    self, KeyUpdateError, KeyUpdateRequest, Keys, SecretLog, TrafficSecrets, HANDSHAKE_RECORD,
+    KEY_UPDATE_NOT_REQUESTED, MAX_KEY_UPDATES_WITHOUT_DATA, MAX_WARNING_ALERTS,
 };
 
 /// The client socket before TLS; its buffer carries what the client sent
@@ -194,8 +194,12 @@ pub async fn hand_over(mut tls: ClientTls, config: &Config) -> Result<ClientStre
     let attached = match tls.get_mut() {
         (Either::Right(aligned), conn) => {
             let attached = eligible(conn, &ciphers) && attach_ulp(aligned);
-            // Stays in rustls: no more boundary-sized reads.
-            aligned.aligned = attached;
+            if !attached {
+                // Stays in rustls: no more boundary-sized reads, and no
+                // copy of its secrets kept for the session's life.
+                aligned.aligned = false;
+                aligned.secrets.discard();
+            }
             attached
         }
         (Either::Left(_), _) => false,
@@ -250,6 +254,13 @@ async fn drain_and_extract(
     mut tls: ClientTls,
 ) -> Result<(Drained, TcpStream, TrafficSecrets), KernelTlsError> {
     let drained = drain(&mut tls).await.map_err(KernelTlsError::Drain)?;
+    // A KeyUpdate asking for one that rustls read in the drain left
+    // rustls's own queued, to go before its next record: a write of
+    // nothing sends it now, under the key the client expects it under.
+    if let Err(e) = std::io::Write::write(&mut tls.get_mut().1.writer(), &[]) {
+        return Err(KernelTlsError::Drain(e));
+    }
+    tls.flush().await.map_err(KernelTlsError::Drain)?;
     let (io, conn) = tls.into_inner();
     let Either::Right(aligned) = io else {
         return Err(KernelTlsError::NotAligned);
@@ -326,9 +337,23 @@ const EIO: i32 = nix::libc::EIO;
 /// What a read returns while the kernel waits for a new receive key.
 const EKEYEXPIRED: i32 = nix::libc::EKEYEXPIRED;
 const ALERT_CLOSE_NOTIFY: u8 = 0;
+const ALERT_UNEXPECTED_MESSAGE: u8 = 10;
+const ALERT_ILLEGAL_PARAMETER: u8 = 47;
+const ALERT_DECODE_ERROR: u8 = 50;
 const ALERT_USER_CANCELED: u8 = 90;
+const ALERT_LEVEL_FATAL: u8 = 2;
+
+/// What nbdgw sends as the session ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Goodbye {
+    CloseNotify,
+    /// A fatal alert for the client's protocol error (RFC 8446 §6.2).
+    Alert(u8),
+    /// Nothing: the client ended the session with an error alert.
+    Nothing,
+}
 /// The largest plaintext of one record: writes are counted in records of
-/// this size at most, plus one.
+/// this size at most, plus two.
 const MAX_RECORD_PLAINTEXT: usize = 16_384;
 
 /// The client socket once the kernel does the record layer. Application
@@ -352,6 +377,12 @@ pub struct KernelTls {
     update_tx: bool,
     /// Key updates followed: the client's, nbdgw's own.
     updates: [u64; 2],
+    /// The client's KeyUpdates since it last sent application data, and
+    /// its warning alerts: both capped, as rustls caps them.
+    updates_without_data: u32,
+    warning_alerts: u32,
+    /// How the session ends on nbdgw's side.
+    goodbye: Goodbye,
     metrics: Arc<crate::metrics::Metrics>,
 }
 
@@ -389,6 +420,9 @@ impl KernelTls {
             key_limit,
             update_tx: false,
             updates: [0; 2],
+            updates_without_data: 0,
+            warning_alerts: 0,
+            goodbye: Goodbye::CloseNotify,
             metrics,
         }
     }
@@ -406,8 +440,8 @@ impl KernelTls {
         match kind {
             Some(TlsGetRecordType::Alert) => self.alert(record),
             Some(TlsGetRecordType::Handshake) => self.key_update(record),
-            other => Err(io::Error::new(
-                io::ErrorKind::InvalidData,
+            other => Err(self.fatal(
+                ALERT_UNEXPECTED_MESSAGE,
                 format!("client sent a TLS record kernel TLS does not handle: {other:?}"),
             )),
         }
@@ -415,20 +449,30 @@ impl KernelTls {
 
     /// TLS 1.3 (RFC 8446 §6): close_notify ends the client's side,
     /// user_canceled announces one, and every other alert is an error
-    /// whatever its level.
+    /// whatever its level (after which nbdgw sends nothing more).
     fn alert(&mut self, record: &[u8]) -> io::Result<()> {
         match *record {
             [_, ALERT_CLOSE_NOTIFY] => {
                 self.read_closed = true;
                 Ok(())
             }
-            [_, ALERT_USER_CANCELED] => Ok(()),
-            [level, description] => Err(io::Error::new(
-                io::ErrorKind::ConnectionAborted,
-                format!("client sent TLS alert {description} (level {level})"),
+            [_, ALERT_USER_CANCELED] if self.warning_alerts < MAX_WARNING_ALERTS => {
+                self.warning_alerts += 1;
+                Ok(())
+            }
+            [_, ALERT_USER_CANCELED] => Err(self.fatal(
+                ALERT_UNEXPECTED_MESSAGE,
+                format!("client sent more than {MAX_WARNING_ALERTS} warning alerts"),
             )),
-            _ => Err(io::Error::new(
-                io::ErrorKind::InvalidData,
+            [level, description] => {
+                self.goodbye = Goodbye::Nothing;
+                Err(io::Error::new(
+                    io::ErrorKind::ConnectionAborted,
+                    format!("client sent TLS alert {description} (level {level})"),
+                ))
+            }
+            _ => Err(self.fatal(
+                ALERT_DECODE_ERROR,
                 format!(
                     "client sent a malformed alert record ({} bytes)",
                     record.len()
@@ -437,12 +481,33 @@ impl KernelTls {
         }
     }
 
+    /// A protocol error of the client's: the session ends with the alert
+    /// RFC 8446 names for it instead of close_notify.
+    fn fatal(&mut self, alert: u8, why: String) -> io::Error {
+        self.goodbye = Goodbye::Alert(alert);
+        io::Error::new(io::ErrorKind::InvalidData, why)
+    }
+
     /// The client's KeyUpdate: the kernel (which holds back what follows
     /// until then) gets the next receive key; asked to, nbdgw updates its
     /// own keys before its next record (RFC 8446 §4.6.3).
     fn key_update(&mut self, record: &[u8]) -> io::Result<()> {
-        let request = key_update::parse_key_update(record)
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        let request = match key_update::parse_key_update(record) {
+            Ok(request) => request,
+            Err(e @ KeyUpdateError::IllegalRequest(_)) => {
+                return Err(self.fatal(ALERT_ILLEGAL_PARAMETER, e.to_string()))
+            }
+            Err(e) => return Err(self.fatal(ALERT_UNEXPECTED_MESSAGE, e.to_string())),
+        };
+        if self.updates_without_data >= MAX_KEY_UPDATES_WITHOUT_DATA {
+            return Err(self.fatal(
+                ALERT_UNEXPECTED_MESSAGE,
+                format!(
+                    "client sent more than {MAX_KEY_UPDATES_WITHOUT_DATA} KeyUpdates without application data"
+                ),
+            ));
+        }
+        self.updates_without_data += 1;
         let keys = self.secrets.next_rx();
         kernel::set_keys(&self.tcp, Direction::Rx, 0, &keys).map_err(io::Error::other)?;
         self.metrics.key_update(Direction::Rx.label());
@@ -484,10 +549,14 @@ impl KernelTls {
         Poll::Ready(Ok(()))
     }
 
-    /// Accounts for `n` bytes the kernel took: each write ends at most
-    /// one record short of full, so records ≤ writes + bytes / 16 KiB.
+    /// Accounts for `n` bytes the kernel took. The kernel closes a record
+    /// when it is full and at the end of each write (nbdgw never sends
+    /// MSG_MORE; TCP_CORK holds segments, not records), and a write the
+    /// kernel took only in part leaves its last record open for the next
+    /// one to close: so a write closes at most two records that are not
+    /// full, and records ≤ 2 × writes + bytes / 16 KiB.
     fn sent(&mut self, n: usize) {
-        let records = 1 + (n / MAX_RECORD_PLAINTEXT) as u64;
+        let records = 2 + (n / MAX_RECORD_PLAINTEXT) as u64;
         self.tx_records = self.tx_records.saturating_add(records);
         if self.tx_records >= self.key_limit {
             self.update_tx = true;
@@ -507,6 +576,7 @@ impl AsyncRead for KernelTls {
             buf.put_slice(early);
             return Poll::Ready(Ok(()));
         }
+        let before = buf.filled().len();
         loop {
             if this.read_closed || buf.remaining() == 0 {
                 return Poll::Ready(Ok(()));
@@ -521,6 +591,12 @@ impl AsyncRead for KernelTls {
                     return Poll::Ready(Err(io::Error::other(
                         "kernel TLS waits for a receive key after a key update nbdgw did not see",
                     )))
+                }
+                Ok(()) => {
+                    if buf.filled().len() > before {
+                        this.updates_without_data = 0;
+                    }
+                    return Poll::Ready(Ok(()));
                 }
                 other => return Poll::Ready(other),
             }
@@ -557,18 +633,21 @@ impl AsyncWrite for KernelTls {
         Pin::new(&mut self.get_mut().tcp).poll_flush(cx)
     }
 
-    /// close_notify, then FIN, as rustls would.
+    /// close_notify (or the alert for the client's protocol error, or
+    /// nothing after the client's own error alert), then FIN, as rustls
+    /// would.
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        while !this.said_goodbye {
+        let alert = match this.goodbye {
+            Goodbye::CloseNotify => Some(kernel::CLOSE_NOTIFY),
+            Goodbye::Alert(description) => Some([ALERT_LEVEL_FATAL, description]),
+            Goodbye::Nothing => None,
+        };
+        while let (false, Some(alert)) = (this.said_goodbye, alert) {
             ready!(this.tcp.poll_write_ready(cx))?;
             let tcp = &this.tcp;
             match tcp.try_io(Interest::WRITABLE, || {
-                kernel::send_record(
-                    std::os::fd::AsFd::as_fd(tcp),
-                    kernel::ALERT_RECORD,
-                    &kernel::CLOSE_NOTIFY,
-                )
+                kernel::send_record(std::os::fd::AsFd::as_fd(tcp), kernel::ALERT_RECORD, &alert)
             }) {
                 Ok(()) => this.said_goodbye = true,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
@@ -675,6 +754,27 @@ mod tests {
         (server, client)
     }
 
+    /// A client connected to `addr` and through its handshake but for its
+    /// Finished, which stays queued, to leave in the same write as what
+    /// the test sends next.
+    fn handshaken_client(
+        addr: std::net::SocketAddr,
+        config: rustls::ClientConfig,
+    ) -> (std::net::TcpStream, rustls::ClientConnection) {
+        let mut tcp = std::net::TcpStream::connect(addr).unwrap();
+        let name = "localhost".try_into().unwrap();
+        let mut conn = rustls::ClientConnection::new(Arc::new(config), name).unwrap();
+        while conn.is_handshaking() {
+            if conn.wants_write() {
+                conn.write_tls(&mut tcp).unwrap();
+            } else {
+                conn.read_tls(&mut tcp).unwrap();
+                conn.process_new_packets().unwrap();
+            }
+        }
+        (tcp, conn)
+    }
+
     /// A client that handshakes, then sends its Finished and `message` in
     /// one flight cut mid-record: Finished and a record and a half, a
     /// pause, then the rest.
@@ -684,19 +784,7 @@ mod tests {
         message: Vec<u8>,
     ) -> std::thread::JoinHandle<()> {
         std::thread::spawn(move || {
-            let mut tcp = std::net::TcpStream::connect(addr).unwrap();
-            let name = "localhost".try_into().unwrap();
-            let mut conn = rustls::ClientConnection::new(Arc::new(config), name).unwrap();
-            // The client's Finished stays queued, to leave in the same
-            // write as the first application records.
-            while conn.is_handshaking() {
-                if conn.wants_write() {
-                    conn.write_tls(&mut tcp).unwrap();
-                } else {
-                    conn.read_tls(&mut tcp).unwrap();
-                    conn.process_new_packets().unwrap();
-                }
-            }
+            let (mut tcp, mut conn) = handshaken_client(addr, config);
             conn.writer().write_all(&message).unwrap();
             let mut wire = Vec::new();
             while conn.wants_write() {
@@ -766,22 +854,16 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let client = std::thread::spawn(move || {
-            let mut tcp = std::net::TcpStream::connect(addr).unwrap();
-            let name = "localhost".try_into().unwrap();
-            let mut conn = rustls::ClientConnection::new(Arc::new(client), name).unwrap();
-            while conn.is_handshaking() {
-                if conn.wants_write() {
-                    conn.write_tls(&mut tcp).unwrap();
-                } else {
-                    conn.read_tls(&mut tcp).unwrap();
-                    conn.process_new_packets().unwrap();
-                }
-            }
+            let (mut tcp, mut conn) = handshaken_client(addr, client);
             conn.writer().write_all(b"last words").unwrap();
             conn.send_close_notify();
+            // Finished, the data and close_notify in one write, so that
+            // they arrive together.
+            let mut wire = Vec::new();
             while conn.wants_write() {
-                conn.write_tls(&mut tcp).unwrap();
+                conn.write_tls(&mut wire).unwrap();
             }
+            tcp.write_all(&wire).unwrap();
             tcp
         });
         let (tcp, _) = listener.accept().await.unwrap();
@@ -789,8 +871,8 @@ mod tests {
         // Unaligned reads, so that rustls reads all the client sent.
         aligned.aligned = false;
         let accepting = tokio_rustls::TlsAcceptor::from(Arc::new(server));
-        let client_tcp = client.join().unwrap();
         let mut tls = accepting.accept(Either::Right(aligned)).await.unwrap();
+        let client_tcp = client.join().unwrap();
         let drained = drain(&mut tls).await.unwrap();
         assert_eq!(drained.early, b"last words");
         assert!(drained.closed);

@@ -239,6 +239,20 @@ impl std::fmt::Debug for Secret {
     }
 }
 
+/// Key updates rustls may have followed before the hand-over: as many as
+/// it takes without application data between them (rustls's own limit
+/// is 32); a session that had more is refused, not guessed at.
+const MAX_UPDATES_BEFORE_HAND_OVER: usize = 32;
+
+/// Key updates a client may send without application data between them
+/// (rustls's and BoringSSL's limit): each costs nbdgw a key derivation
+/// and a system call for a record of a few bytes.
+pub const MAX_KEY_UPDATES_WITHOUT_DATA: u32 = 32;
+
+/// Warning alerts (user_canceled) a client may send in a session, as
+/// rustls allows.
+pub const MAX_WARNING_ALERTS: u32 = 4;
+
 /// Both directions' current traffic secrets of a server-side session.
 #[derive(Debug)]
 pub struct TrafficSecrets {
@@ -252,17 +266,35 @@ pub struct TrafficSecrets {
 impl TrafficSecrets {
     /// The logged secrets, accepted only if they give exactly the keys
     /// rustls extracted for this session.
+    ///
+    /// rustls may have followed key updates itself before the hand-over:
+    /// it reads on past the client's Finished while records are there, so
+    /// a client's KeyUpdate sent right behind it moves rustls's receive
+    /// secret on (and, asked to, its sending one). So the logged secrets
+    /// are taken at the generation that gives the extracted keys, a few
+    /// generations on at most.
     pub fn new(logged: &SecretLog, rx: &Keys, tx: &Keys) -> Result<Self, KeyUpdateError> {
         let suite = rx.suite;
         let (client, server) = logged.take().ok_or(KeyUpdateError::NotLogged)?;
-        if suite.keys(&client) != *rx || suite.keys(&server) != *tx {
-            return Err(KeyUpdateError::SecretMismatch);
+        let matching = |mut secret: Secret, keys: &Keys, generations: usize| {
+            for _ in 0..=generations {
+                if suite.keys(&secret) == *keys {
+                    return Some(secret);
+                }
+                secret = suite.next(&secret);
+            }
+            None
+        };
+        let client = matching(client, rx, MAX_UPDATES_BEFORE_HAND_OVER);
+        let server = matching(server, tx, MAX_UPDATES_BEFORE_HAND_OVER);
+        match (client, server) {
+            (Some(client), Some(server)) => Ok(TrafficSecrets {
+                suite,
+                client,
+                server,
+            }),
+            _ => Err(KeyUpdateError::SecretMismatch),
         }
-        Ok(TrafficSecrets {
-            suite,
-            client,
-            server,
-        })
     }
 
     /// The client updated its keys: the keys to receive with from now on.
@@ -290,9 +322,18 @@ impl SecretLog {
         Arc::default()
     }
 
-    fn take(&self) -> Option<(Secret, Secret)> {
+    /// The session stays in rustls: its secrets are not kept.
+    pub fn discard(&self) {
+        drop(self.take_any());
+    }
+
+    fn take_any(&self) -> (Option<Secret>, Option<Secret>) {
         let mut logged = self.logged.lock().unwrap_or_else(|e| e.into_inner());
-        match std::mem::take(&mut *logged) {
+        std::mem::take(&mut *logged)
+    }
+
+    fn take(&self) -> Option<(Secret, Secret)> {
+        match self.take_any() {
             (Some(client), Some(server)) => Some((client, server)),
             _ => None,
         }
@@ -487,6 +528,51 @@ mod tests {
             client.reader().read_exact(&mut got).unwrap();
             assert_eq!(got, b"after the update", "{suite:?}");
         }
+    }
+
+    /// The client updates its keys (asking the server to update too)
+    /// before the hand-over, so rustls follows: the secrets are found at
+    /// the generations that give the extracted keys.
+    #[test]
+    fn updates_rustls_followed_before_the_hand_over_are_found() {
+        let suite = rustls::crypto::aws_lc_rs::cipher_suite::TLS13_AES_128_GCM_SHA256;
+        let (mut client, mut server, log) = handshaken(suite);
+        for _ in 0..3 {
+            client.refresh_traffic_keys().unwrap();
+            client.writer().write_all(b"x").unwrap();
+        }
+        let mut wire = Vec::new();
+        while client.wants_write() {
+            client.write_tls(&mut wire).unwrap();
+        }
+        server.read_tls(&mut &wire[..]).unwrap();
+        server.process_new_packets().unwrap();
+        let mut got = [0u8; 3];
+        server.reader().read_exact(&mut got).unwrap();
+        // As the hand-over does: a write of nothing queues rustls's own
+        // KeyUpdate, and it goes out before the keys are extracted.
+        assert_eq!(server.writer().write(&[]).unwrap(), 0);
+        let mut reply = Vec::new();
+        while server.wants_write() {
+            server.write_tls(&mut reply).unwrap();
+        }
+        #[allow(deprecated)]
+        let extracted = server.dangerous_extract_secrets().unwrap();
+        let rx = Keys::from_extracted(&extracted.rx.1).unwrap();
+        let tx = Keys::from_extracted(&extracted.tx.1).unwrap();
+        let mut secrets = TrafficSecrets::new(&log, &rx, &tx).unwrap();
+        // The client reads rustls's KeyUpdate, then one of nbdgw's under
+        // the key found, then what is sealed with the next one.
+        let (seq, _) = extracted.tx;
+        assert_eq!(seq, 0, "rustls's own KeyUpdate restarted its count");
+        let mut wire = reply;
+        wire.extend(seal(&tx, seq, HANDSHAKE_RECORD, &KEY_UPDATE_NOT_REQUESTED));
+        wire.extend(seal(&secrets.next_tx(), 0, APPLICATION_DATA, b"on"));
+        client.read_tls(&mut &wire[..]).unwrap();
+        client.process_new_packets().unwrap();
+        let mut got = [0u8; 2];
+        client.reader().read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"on");
     }
 
     #[test]

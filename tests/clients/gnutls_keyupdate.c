@@ -514,7 +514,7 @@ int main(int argc, char **argv)
 {
 	if (argc < 8 || argc > 9) {
 		fprintf(stderr,
-			"usage: %s HOST PORT CAFILE CERTFILE KEYFILE EXPORT none|ku0|kupeer|alert|long [REQUESTS]\n",
+			"usage: %s HOST PORT CAFILE CERTFILE KEYFILE EXPORT none|ku0|kupeer|alert|kuflood|long [REQUESTS]\n",
 			argv[0]);
 		return 2;
 	}
@@ -524,7 +524,8 @@ int main(int argc, char **argv)
 	long requests = argc == 9 ? strtol(argv[8], NULL, 10) : 1000;
 	int is_long = strcmp(mode, "long") == 0;
 	int is_alert = strcmp(mode, "alert") == 0;
-	if (!is_long && !is_alert && strcmp(mode, "none") &&
+	int is_flood = strcmp(mode, "kuflood") == 0;
+	if (!is_long && !is_alert && !is_flood && strcmp(mode, "none") &&
 	    strcmp(mode, "ku0") && strcmp(mode, "kupeer")) {
 		fprintf(stderr, "unknown mode %s\n", mode);
 		return 2;
@@ -615,6 +616,36 @@ int main(int argc, char **argv)
 		die("export of %llu bytes is smaller than the %llu the client uses",
 		    (unsigned long long)c.export_size,
 		    (unsigned long long)end);
+
+	if (is_flood) {
+		/* More KeyUpdates without application data between them than
+		 * a server should follow (rustls and BoringSSL stop at 32):
+		 * the server must end the session. */
+		phase = "before the flood";
+		round_trip(&c, 1);
+		phase = "key update flood";
+		for (int i = 0; i < 40; i++)
+			key_update(&c, 0);
+		uint8_t byte;
+		ssize_t r;
+		deadline = now_secs() + IO_TIMEOUT_SECS;
+		while ((r = gnutls_record_recv(c.session, &byte, 1)) ==
+			       GNUTLS_E_AGAIN ||
+		       r == GNUTLS_E_INTERRUPTED)
+			if (now_secs() > deadline)
+				die("the server kept the session open through 40 KeyUpdates");
+		if (r > 0)
+			die("data from the server after the flood");
+		if (r == GNUTLS_E_FATAL_ALERT_RECEIVED)
+			printf("server alert: %d\n", (int)gnutls_alert_get(c.session));
+		printf("session ended by the server after the flood: %s\n",
+		       r == 0 ? "close_notify" : gnutls_strerror((int)r));
+		gnutls_deinit(c.session);
+		gnutls_certificate_free_credentials(cred);
+		close(fd);
+		gnutls_global_deinit();
+		return 0;
+	}
 
 	if (is_alert) {
 		/* A warning alert that TLS 1.3 treats as an error whatever

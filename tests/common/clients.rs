@@ -96,3 +96,16 @@ pub fn admitted(addr: SocketAddr, client_dir: &Path) -> Result<(), String> {
         .map(|_| ())
         .map_err(|e| e.to_string())
 }
+
+/// Status code and body of `GET http://127.0.0.1:PORT/PATH`, by curl.
+#[allow(dead_code)]
+pub fn http_get(port: u16, path: &str) -> (u16, String) {
+    let out = super::run(
+        Command::new("curl")
+            .args(["-s", "-m", "5", "-w", "\n%{http_code}"])
+            .arg(format!("http://127.0.0.1:{port}{path}")),
+    );
+    let body = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = body.rsplit_once('\n').unwrap_or(("", "0"));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}

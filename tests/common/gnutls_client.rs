@@ -94,6 +94,9 @@ pub enum Mode {
     /// One round trip, then a warning-level unrecognized_name alert: the
     /// server must end the session.
     Alert,
+    /// One round trip, then 40 KeyUpdates with no data between: the
+    /// server must end the session.
+    KeyUpdateFlood,
 }
 
 impl Mode {
@@ -106,7 +109,7 @@ impl Mode {
             Mode::NoKeyUpdate | Mode::KeyUpdate | Mode::KeyUpdatePeer => 6,
             // One write, with seed 7, before the reads.
             Mode::Long(_) => 7,
-            Mode::Alert => 1,
+            Mode::Alert | Mode::KeyUpdateFlood => 1,
         };
         super::pattern(REGION_LEN, seed)
     }
@@ -167,6 +170,7 @@ pub fn run(addr: SocketAddr, certs: &Path, export: &str, mode: Mode) -> Run {
         Mode::KeyUpdatePeer => cmd.arg("kupeer"),
         Mode::Long(n) => cmd.arg("long").arg(n.to_string()),
         Mode::Alert => cmd.arg("alert"),
+        Mode::KeyUpdateFlood => cmd.arg("kuflood"),
     };
     // The client bounds every wait itself (20 s per read or write).
     let output = cmd

@@ -26,6 +26,21 @@ impl NbdgwProcess {
         Self::start_with(args, &[])
     }
 
+    /// nbdgw with the test's certificates (`Env::certs`) in front of
+    /// one upstream socket, and flags.
+    #[allow(dead_code)]
+    pub fn in_front_of(env: &super::Env, upstream: &Path, extra: &[&str]) -> Self {
+        let certs = env.certs();
+        let mut args = vec![
+            OsStr::new("--tls-dir"),
+            certs.as_os_str(),
+            OsStr::new("--upstream"),
+            upstream.as_os_str(),
+        ];
+        args.extend(extra.iter().map(OsStr::new));
+        Self::start(args)
+    }
+
     pub fn start_with<I, S>(args: I, env: &[(&str, &OsStr)]) -> Self
     where
         I: IntoIterator<Item = S>,
