@@ -239,9 +239,11 @@ fn sandbox(
     }
 }
 
-/// A hook for the sandbox's test, compiled into debug builds only: after
-/// start, a runtime thread tries to open NBDGW_DEBUG_OPEN and logs what
-/// happened.
+/// Hooks for the sandbox's tests, compiled into debug builds only: after
+/// start, a runtime thread tries to open NBDGW_DEBUG_OPEN, to connect to
+/// the Unix socket NBDGW_DEBUG_CONNECT (a path, or `@NAME` for an
+/// abstract one) and to signal (signal 0: the permission check alone) the
+/// process NBDGW_DEBUG_SIGNAL, and logs what happened.
 mod debug_probe {
     #[cfg(debug_assertions)]
     pub fn after_start() {
@@ -255,6 +257,42 @@ mod debug_probe {
                     }
                 }
             });
+        }
+        if let Some(address) = std::env::var_os("NBDGW_DEBUG_CONNECT") {
+            tokio::spawn(async move {
+                let address = address.to_string_lossy().into_owned();
+                match connect(&address) {
+                    Ok(_) => tracing::info!(address, "debug probe: connected"),
+                    Err(e) => {
+                        tracing::info!(address, error = %e, "debug probe: cannot connect")
+                    }
+                }
+            });
+        }
+        if let Some(pid) = std::env::var_os("NBDGW_DEBUG_SIGNAL") {
+            tokio::spawn(async move {
+                let pid = pid.to_string_lossy().into_owned();
+                let result = pid
+                    .parse::<i32>()
+                    .ok()
+                    .and_then(rustix::process::Pid::from_raw)
+                    .ok_or(rustix::io::Errno::INVAL)
+                    .and_then(rustix::process::test_kill_process);
+                match result {
+                    Ok(()) => tracing::info!(pid, "debug probe: signalled"),
+                    Err(e) => tracing::info!(pid, error = %e, "debug probe: cannot signal"),
+                }
+            });
+        }
+    }
+
+    #[cfg(debug_assertions)]
+    fn connect(address: &str) -> std::io::Result<std::os::unix::net::UnixStream> {
+        use std::os::linux::net::SocketAddrExt;
+        use std::os::unix::net::{SocketAddr, UnixStream};
+        match address.strip_prefix('@') {
+            Some(name) => UnixStream::connect_addr(&SocketAddr::from_abstract_name(name)?),
+            None => UnixStream::connect(address),
         }
     }
 
