@@ -13,7 +13,7 @@ use tracing::{info, warn};
 use nbdgw::cli::{CertsArgs, Command, LogFormat, ServeArgs};
 use nbdgw::config::{Config, Keepalive};
 use nbdgw::listeners::Listeners;
-use nbdgw::sandbox::Enforcement;
+use nbdgw::sandbox::{Enforcement, LandlockMode, SocketRule};
 use sd_notify::NotifyState;
 
 /// glibc's malloc keeps what a burst of connections freed (a 64-client
@@ -94,10 +94,9 @@ fn serve(args: ServeArgs) -> Result<()> {
         0 => std::thread::available_parallelism().map_or(1, usize::from),
         n => n,
     };
-    if args.landlock {
-        sandbox(&args, &reloader, policy.as_ref(), &config);
-    } else {
-        info!("--landlock false: the process is not sandboxed");
+    match args.landlock {
+        LandlockMode::Off => info!("--landlock false: the process is not sandboxed"),
+        mode => sandbox(mode, &reloader, policy.as_ref(), &config, &args)?,
     }
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -195,15 +194,18 @@ fn notify(state: &[NotifyState]) {
     }
 }
 
-/// Best effort: a kernel without Landlock logs once and serves anyway.
+/// `--landlock true`: a kernel with less than all of it logs what stays
+/// open and serves anyway; `--landlock required` refuses to start then.
 /// Readable: the files (and directories) read after start; connectable:
-/// the Unix sockets (or their directory) connected to.
+/// each upstream socket (see sandbox::socket_rule), all of --export-dir,
+/// and systemd's notification socket.
 fn sandbox(
-    args: &ServeArgs,
+    mode: LandlockMode,
     tls: &Reloader,
     policy: Option<&nbdgw::policy::PolicyReloader>,
     config: &Config,
-) {
+    args: &ServeArgs,
+) -> Result<()> {
     let readable: Vec<&Path> = tls
         .paths()
         .files()
@@ -211,32 +213,73 @@ fn sandbox(
         .chain(policy.map(|p| p.path()))
         .chain(config.exports.as_ref().and_then(|e| e.dir()))
         .collect();
+    let readable = nbdgw::sandbox::dirs_covering(readable.iter().copied());
     let sockets: Vec<&Path> = match &config.exports {
-        Some(table) => table.socket_paths().collect(),
+        Some(table) => table.fixed_sockets().collect(),
         None => vec![config.upstream.as_path()],
     };
-    let readable = nbdgw::sandbox::dirs_covering(readable.iter().copied());
-    // systemd's notification socket, when it is a path (not abstract).
+    // The export directory is read at every lookup, sockets come and go
+    // in it and its tenant subdirectories: the whole of it, nothing else.
+    let mut connectable =
+        nbdgw::sandbox::dirs_covering(config.exports.as_ref().and_then(|e| e.dir()));
+    for socket in sockets {
+        let rule = nbdgw::sandbox::socket_rule(socket);
+        if let SocketRule::SharedDirectory(dir) = &rule {
+            warn!(socket = %socket.display(), dir = %dir.display(), "landlock: the upstream socket does not exist yet, so connects are allowed to any socket in its directory; give it a directory of its own");
+        }
+        if !connectable.iter().any(|p| p == rule.path()) {
+            connectable.push(rule.path().to_path_buf());
+        }
+    }
+    // systemd's notification socket, when it is a path: it stays for the
+    // service's life, so the socket itself. (sd-notify sends to a path
+    // only, so an abstract @NAME one is never reached, scoped or not.)
     let notify = std::env::var_os("NOTIFY_SOCKET")
         .map(PathBuf::from)
         .filter(|path| path.is_absolute());
-    let connectable =
-        nbdgw::sandbox::dirs_covering(sockets.iter().copied().chain(notify.as_deref()));
+    if let Some(path) = notify {
+        let path = std::fs::canonicalize(&path).unwrap_or(path);
+        if !connectable.contains(&path) {
+            connectable.push(path);
+        }
+    }
+    let rules = nbdgw::sandbox::Rules {
+        readable,
+        connectable,
+    };
     let shown = |dirs: &[PathBuf]| -> Vec<String> {
         dirs.iter().map(|d| d.display().to_string()).collect()
     };
-    match nbdgw::sandbox::restrict(&readable, &connectable) {
-        Ok(Enforcement::None) => {
-            warn!("landlock is not available in this kernel: the process is not sandboxed")
+    let outcome = match nbdgw::sandbox::restrict(&rules) {
+        Ok(outcome) => outcome,
+        Err(e) if mode == LandlockMode::Required => {
+            return Err(nbdgw::sandbox::SandboxError::Restrict(e).into())
         }
-        Ok(enforcement) => info!(
-            enforcement = enforcement.as_str(),
-            readable = ?shown(&readable),
-            unix_connect = ?shown(&connectable),
-            "landlock: the process may read only beneath these directories, connect only to Unix sockets beneath those, and neither bind nor connect TCP"
-        ),
-        Err(e) => warn!(error = %e, "landlock: cannot restrict the process; it is not sandboxed"),
+        Err(e) => {
+            warn!(error = %e, "landlock: cannot restrict the process; it is not sandboxed");
+            return Ok(());
+        }
+    };
+    nbdgw::sandbox::decide(mode, &outcome)?;
+    match outcome.enforcement {
+        Enforcement::None => {
+            warn!("landlock is not available in this kernel: the process is not sandboxed (--landlock required refuses to start then)")
+        }
+        ref enforcement => {
+            info!(
+                enforcement = enforcement.as_str(),
+                abi = outcome.abi,
+                readable = ?shown(&rules.readable),
+                unix_connect = ?shown(&rules.connectable),
+                "landlock: the process may read only beneath these directories, connect only to these Unix sockets (or beneath these directories), neither bind nor connect TCP, nor reach abstract Unix sockets or signal processes outside it"
+            );
+            let missing = nbdgw::sandbox::missing_at(outcome.abi);
+            if !missing.is_empty() {
+                warn!(abi = outcome.abi, missing = ?missing, "landlock: this kernel leaves these open (--landlock required refuses to start then)");
+            }
+        }
     }
+    Ok(())
 }
 
 /// Hooks for the sandbox's tests, compiled into debug builds only: after
