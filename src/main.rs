@@ -234,9 +234,11 @@ fn sandbox(
     // systemd's notification socket, when it is a path: it stays for the
     // service's life, so the socket itself. (sd-notify sends to a path
     // only, so an abstract @NAME one is never reached, scoped or not.)
+    // One that is not there could not be named and would fail the whole
+    // ruleset; notify() logs its own errors.
     let notify = std::env::var_os("NOTIFY_SOCKET")
         .map(PathBuf::from)
-        .filter(|path| path.is_absolute());
+        .filter(|path| path.is_absolute() && path.symlink_metadata().is_ok());
     if let Some(path) = notify {
         let path = std::fs::canonicalize(&path).unwrap_or(path);
         if !connectable.contains(&path) {
