@@ -275,9 +275,12 @@ fn sandbox(
                 unix_connect = ?shown(&rules.connectable),
                 "landlock: the process may read only beneath these directories, connect only to these Unix sockets (or beneath these directories), neither bind nor connect TCP, nor reach abstract Unix sockets or signal processes outside it"
             );
+            // Info, not a warning: every kernel before Linux 7.1 lacks
+            // something, and --landlock required is there for those who
+            // must not run so.
             let missing = nbdgw::sandbox::missing_at(outcome.abi);
             if !missing.is_empty() {
-                warn!(abi = outcome.abi, missing = ?missing, "landlock: this kernel leaves these open (--landlock required refuses to start then)");
+                info!(abi = outcome.abi, missing = ?missing, "landlock: this kernel leaves these open (--landlock required refuses to start then)");
             }
         }
     }
