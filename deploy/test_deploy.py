@@ -9,6 +9,10 @@
   sidecar), nbdgw (its args and env names as the manifest has them), the
   probes, then the backup Job's nbdcopy through nbdgw, whose copy must equal
   the disk; then SIGTERM drains nbdgw as the kubelet would.
+- Least privilege: the backup identity can only read, through the
+  manifest's policy (checked as written, then by nbdgw itself in front of
+  a writable qemu-nbd); the systemd unit's group that reads the TLS key is
+  not the group the NBD server's socket is shared with.
 - The Containerfile builds with the same script and binary path as the
   demo (scripts/build-release.sh).
 
@@ -24,8 +28,10 @@ import socket
 import subprocess
 import tempfile
 import time
+import tomllib
 import unittest
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -33,6 +39,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "kubernetes"
+SYSTEMD = REPO / "deploy" / "systemd"
 CONTAINER = REPO / "deploy" / "container"
 NBDGW = REPO / "target" / "debug" / "nbdgw"
 
@@ -268,18 +275,89 @@ def write_secret(directory, files, items=None):
         (directory / item["path"]).write_bytes(files[item["key"]].read_bytes())
 
 
+def write_config_map(directory, config_map):
+    """A ConfigMap volume: every data key as a file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for key, text in config_map["data"].items():
+        (directory / key).write_text(text)
+
+
+def nbd_uri_export(uri):
+    """The export name in an nbds:// URI (its path without the leading /)."""
+    return urllib.parse.urlsplit(uri).path.removeprefix("/")
+
+
+class LeastPrivilege(unittest.TestCase):
+    def test_the_policy_lets_the_backup_identity_read_one_export_and_nothing_more(self):
+        policy = tomllib.loads(load("policy-configmap.yaml")["data"]["policy.toml"])
+        backup_uri = load("backup-client-certificate.yaml")["spec"]["uris"][0]
+        nbdcopy, = load("backup-job.yaml")["spec"]["template"]["spec"]["containers"]
+        wanted = nbd_uri_export(nbdcopy["command"][1])
+        pod = load("deployment.yaml")["spec"]["template"]["spec"]
+        qemu_nbd, = pod["initContainers"]
+        self.assertIn(f"--export-name={wanted}", qemu_nbd["command"])
+        self.assertEqual(policy["rule"], [{
+            "exports": [wanted],
+            "allow": {"uri": [backup_uri]},
+            "access": "read-only",
+        }])
+        # The layers below the policy are read-only too.
+        self.assertIn("--read-only", qemu_nbd["command"])
+        data_mount = next(m for m in qemu_nbd["volumeMounts"] if m["name"] == "data")
+        self.assertTrue(data_mount["readOnly"])
+        data = next(v for v in pod["volumes"] if v["name"] == "data")
+        self.assertTrue(data["persistentVolumeClaim"]["readOnly"])
+        # nbdgw is given the ConfigMap's file.
+        nbdgw, = pod["containers"]
+        flags = dict(a.removeprefix("--").split("=", 1) for a in nbdgw["args"] if "=" in a)
+        mount = next(m for m in nbdgw["volumeMounts"] if m["name"] == "policy")
+        self.assertEqual(flags["policy"], mount["mountPath"] + "/policy.toml")
+        volume = next(v for v in pod["volumes"] if v["name"] == "policy")
+        self.assertEqual(volume["configMap"]["name"], load("policy-configmap.yaml")["metadata"]["name"])
+
+    def test_the_systemd_unit_shares_the_socket_through_a_group_that_cannot_read_the_key(self):
+        unit = (SYSTEMD / "nbdgw.service").read_text()
+        values = {}
+        comments = []
+        for line in unit.splitlines():
+            if line.startswith("#"):
+                comments.append(line.lstrip("# "))
+            elif "=" in line:
+                key, value = line.split("=", 1)
+                values.setdefault(key, []).append(value)
+        groups = " ".join(values["SupplementaryGroups"]).split()
+        self.assertEqual(groups, ["nbdgw", "nbdgw-upstream"])
+        text = " ".join(comments)
+        # The key's group, and the group the NBD server is told to run as.
+        self.assertIn("/etc/nbdgw/tls", text)
+        self.assertIn("chgrp -R nbdgw /etc/nbdgw/tls", text)
+        server_groups = [w.removeprefix("Group=").rstrip(",.;)") for w in text.split() if w.startswith("Group=")]
+        self.assertEqual(server_groups, ["nbdgw-upstream"], text)
+        self.assertNotIn("nbdgw", server_groups)
+        self.assertIn("UMask=0007", text)
+        # The socket in a directory of its own (RuntimeDirectory=nbd), which
+        # is what lets Landlock's connect rule name only it.
+        self.assertIn("RuntimeDirectory=nbd", text)
+        self.assertIn("--upstream /run/nbd/disk.sock", values["ExecStart"][0])
+        self.assertEqual(values["UMask"], ["0077"])
+        self.assertEqual(values["DynamicUser"], ["yes"])
+        # No capability, and nothing to gain one.
+        self.assertEqual(values["CapabilityBoundingSet"], [""])
+        self.assertEqual(values["NoNewPrivileges"], ["yes"])
+
+
 class RunLocally(unittest.TestCase):
-    def test_the_pod_and_the_backup_job_run_as_local_processes(self):
+    def setUp(self):
         self.assertTrue(NBDGW.exists(), "build nbdgw first (cargo test builds target/debug/nbdgw)")
-        scratch = Path(tempfile.mkdtemp(prefix="nbdgw-deploy-"))
-        pod = Pod(scratch)
+        self.scratch = scratch = Path(tempfile.mkdtemp(prefix="nbdgw-deploy-"))
+        self.pod = pod = Pod(scratch)
         self.addCleanup(shutil.rmtree, scratch, ignore_errors=True)
         self.addCleanup(pod.stop_all)
-        deployment = load("deployment.yaml")["spec"]["template"]["spec"]
-        job = load("backup-job.yaml")["spec"]["template"]["spec"]
+        self.deployment = load("deployment.yaml")["spec"]["template"]["spec"]
+        self.job = load("backup-job.yaml")["spec"]["template"]["spec"]
         client_cert = load("backup-client-certificate.yaml")["spec"]
 
-        pki = scratch / "pki"
+        self.pki = pki = scratch / "pki"
         subprocess.run(
             [str(NBDGW), "certs", "--out", str(pki), "--server-name", "localhost",
              "--client-name", client_cert["commonName"], "--client-uri", client_cert["uris"][0],
@@ -289,24 +367,62 @@ class RunLocally(unittest.TestCase):
         write_secret(pod.volume_dir("tls"), {
             "tls.crt": pki / "server-cert.pem", "tls.key": pki / "server-key.pem",
             "ca.crt": pki / "ca-cert.pem"})
-        client_volume = next(v for v in job["volumes"] if v["name"] == "client-tls")
+        client_volume = next(v for v in self.job["volumes"] if v["name"] == "client-tls")
         write_secret(pod.volume_dir("client-tls"), {
             "tls.crt": pki / "client-cert.pem", "tls.key": pki / "client-key.pem",
             "ca.crt": pki / "ca-cert.pem"}, client_volume["secret"]["items"])
-        disk = os.urandom(4 << 20)
-        (pod.volume_dir("data") / "disk.img").write_bytes(disk)
+        policy_volume = next(v for v in self.deployment["volumes"] if v["name"] == "policy")
+        self.assertEqual(policy_volume["configMap"]["name"], load("policy-configmap.yaml")["metadata"]["name"])
+        write_config_map(pod.volume_dir("policy"), load("policy-configmap.yaml"))
+        self.disk = os.urandom(4 << 20)
+        (pod.volume_dir("data") / "disk.img").write_bytes(self.disk)
+        self.admin = f"http://127.0.0.1:{pod.admin_port}"
 
-        sidecar, = deployment["initContainers"]
-        pod.start(sidecar, deployment["volumes"])
+    def start_pod(self, sidecar, container):
+        pod = self.pod
+        pod.start(sidecar, self.deployment["volumes"])
         probe, _ = pod.translate({"command": sidecar["startupProbe"]["exec"]["command"],
                                   "volumeMounts": sidecar["volumeMounts"], "name": "probe"}, [])
         self.wait_for(lambda: subprocess.run(probe).returncode == 0, "qemu-nbd's startupProbe")
-
-        container, = deployment["containers"]
-        gateway = pod.start(container, deployment["volumes"])
-        admin = f"http://127.0.0.1:{pod.admin_port}"
+        gateway = pod.start(container, self.deployment["volumes"])
         ready = container["readinessProbe"]["httpGet"]["path"]
-        self.wait_for(lambda: http_status(admin + ready)[0] == 200, "nbdgw's readinessProbe")
+        self.wait_for(lambda: http_status(self.admin + ready)[0] == 200, "nbdgw's readinessProbe")
+        return gateway
+
+    def backup_uri(self):
+        """The Job's NBD URI, local."""
+        backup, = self.job["containers"]
+        argv, _ = self.pod.translate(backup, self.job["volumes"])
+        return argv[1]
+
+    def intruder_dir(self):
+        intruder = self.scratch / "intruder"
+        pki = self.pki
+        write_secret(intruder, {
+            "ca-cert.pem": pki / "ca-cert.pem", "client-cert.pem": pki / "client-intruder-cert.pem",
+            "client-key.pem": pki / "client-intruder-key.pem"})
+        return intruder
+
+    def assert_backup_identity_reads_only(self):
+        """The Job's identity sees a read-only export, and a copy onto it fails
+        and leaves the disk as it was."""
+        uri = self.backup_uri()
+        info = subprocess.run(["nbdinfo", "--json", uri], capture_output=True, text=True, timeout=60)
+        self.assertEqual(info.returncode, 0, info.stderr + self.log(self.scratch, "nbdgw"))
+        self.assertTrue(json.loads(info.stdout)["exports"][0]["is_read_only"], info.stdout)
+        junk = self.scratch / "junk.img"
+        junk.write_bytes(os.urandom(len(self.disk)))
+        wrote = subprocess.run(["nbdcopy", "--", str(junk), uri], capture_output=True, text=True, timeout=60)
+        self.assertNotEqual(wrote.returncode, 0, wrote.stdout + wrote.stderr)
+        self.assertEqual((self.pod.volume_dir("data") / "disk.img").read_bytes(), self.disk)
+
+    def test_the_pod_and_the_backup_job_run_as_local_processes(self):
+        pod, scratch, disk, admin = self.pod, self.scratch, self.disk, self.admin
+        deployment, job = self.deployment, self.job
+        sidecar, = deployment["initContainers"]
+        container, = deployment["containers"]
+        gateway = self.start_pod(sidecar, container)
+        ready = container["readinessProbe"]["httpGet"]["path"]
         self.assertEqual(http_status(admin + container["livenessProbe"]["httpGet"]["path"])[0], 200)
 
         backup, = job["containers"]
@@ -314,14 +430,12 @@ class RunLocally(unittest.TestCase):
         copied = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
         self.assertEqual(copied.returncode, 0, copied.stderr + self.log(scratch, "nbdgw"))
         self.assertEqual((pod.volume_dir("backups") / "disk.img").read_bytes(), disk)
+        self.assert_backup_identity_reads_only()
         # The allow-list in the manifest's env is in force: another client of
         # the same CA is refused.
-        intruder = scratch / "intruder"
-        write_secret(intruder, {
-            "ca-cert.pem": pki / "ca-cert.pem", "client-cert.pem": pki / "client-intruder-cert.pem",
-            "client-key.pem": pki / "client-intruder-key.pem"})
+        intruder = self.intruder_dir()
         refused = subprocess.run(
-            ["nbdinfo", "--size", f"nbds://localhost:{pod.nbd_port}/?tls-certificates={intruder}"],
+            ["nbdinfo", "--size", f"nbds://localhost:{pod.nbd_port}/disk?tls-certificates={intruder}"],
             capture_output=True, text=True, timeout=60)
         self.assertNotEqual(refused.returncode, 0, refused.stdout)
         metrics = http_status(admin + "/metrics")[1]
@@ -338,6 +452,26 @@ class RunLocally(unittest.TestCase):
         status = gateway.wait(timeout=deployment["terminationGracePeriodSeconds"])
         self.assertEqual(status, 0, self.log(scratch, "nbdgw"))
         self.assertGreaterEqual(time.monotonic() - signalled, int(flags["drain-delay"]) - 0.5)
+
+    def test_the_policy_alone_keeps_the_backup_identity_read_only(self):
+        """nbdgw with the manifest's args and policy, but in front of a qemu-nbd
+        that would take writes and without the env allow-list: what stops the
+        writes is the policy."""
+        sidecar, = self.deployment["initContainers"]
+        sidecar = dict(sidecar, command=[a for a in sidecar["command"] if a != "--read-only"])
+        container, = self.deployment["containers"]
+        container = dict(container, env=[])
+        self.start_pod(sidecar, container)
+        log = self.log(self.scratch, "nbdgw")
+        self.assertIn("landlock:", log)
+        self.assert_backup_identity_reads_only()
+        # Another export name, and another identity, open nothing.
+        other = self.backup_uri().replace("/disk?", "/?")
+        self.assertNotEqual(other, self.backup_uri())
+        for uri in (other, self.backup_uri().replace(str(self.pod.volume_dir("client-tls")), str(self.intruder_dir()))):
+            refused = subprocess.run(["nbdinfo", "--size", uri], capture_output=True, text=True, timeout=60)
+            self.assertNotEqual(refused.returncode, 0, f"{uri}: {refused.stdout}")
+        self.assertEqual((self.pod.volume_dir("data") / "disk.img").read_bytes(), self.disk)
 
     def wait_for(self, condition, what, seconds=20):
         deadline = time.monotonic() + seconds

@@ -8,6 +8,7 @@ use clap::parser::ValueSource;
 use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 
 use crate::config::{self, Cork};
+use crate::sandbox::LandlockMode;
 use crate::tls::kernel::KernelTlsMode;
 use crate::tls::MinVersion;
 
@@ -203,11 +204,14 @@ pub struct ServeArgs {
     #[arg(long, env = "NBDGW_THREADS", default_value_t = 0)]
     pub threads: usize,
     /// Restrict the process with Landlock once started: read access only
-    /// beneath the TLS files' directories, no other file, no TCP bind or
-    /// connect (true or false; a kernel without Landlock logs it and runs
-    /// unrestricted).
-    #[arg(long, env = "NBDGW_LANDLOCK", default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
-    pub landlock: bool,
+    /// beneath the TLS (and policy) files' directories, no other file, Unix
+    /// connects only to the upstream sockets, no TCP bind or connect, no
+    /// abstract Unix socket or signal outside the process. true: what the
+    /// kernel has (a kernel with less logs what stays open and serves);
+    /// required: refuse to start unless all of it is enforced (Landlock
+    /// ABI 9, Linux 7.1); false: no sandbox.
+    #[arg(long, env = "NBDGW_LANDLOCK", value_enum, default_value_t = LandlockMode::On, value_name = "MODE")]
+    pub landlock: LandlockMode,
     /// Log format; the filter comes from RUST_LOG (default info).
     #[arg(long, env = "NBDGW_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,

@@ -75,12 +75,10 @@ impl ExportTable {
         Ok(ExportTable { fixed, dir })
     }
 
-    /// The paths the gateway connects beneath (for the sandbox).
-    pub fn socket_paths(&self) -> impl Iterator<Item = &Path> {
-        self.fixed
-            .iter()
-            .map(|e| e.socket.as_path())
-            .chain(self.dir.as_deref())
+    /// The sockets of `--export` (for the sandbox, which gives each its
+    /// own rule; `dir` gets one for all beneath it).
+    pub fn fixed_sockets(&self) -> impl Iterator<Item = &Path> {
+        self.fixed.iter().map(|e| e.socket.as_path())
     }
 
     pub fn dir(&self) -> Option<&Path> {

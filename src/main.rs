@@ -13,7 +13,7 @@ use tracing::{info, warn};
 use nbdgw::cli::{CertsArgs, Command, LogFormat, ServeArgs};
 use nbdgw::config::{Config, Keepalive};
 use nbdgw::listeners::Listeners;
-use nbdgw::sandbox::Enforcement;
+use nbdgw::sandbox::{Enforcement, LandlockMode, SocketRule};
 use sd_notify::NotifyState;
 
 /// glibc's malloc keeps what a burst of connections freed (a 64-client
@@ -94,10 +94,9 @@ fn serve(args: ServeArgs) -> Result<()> {
         0 => std::thread::available_parallelism().map_or(1, usize::from),
         n => n,
     };
-    if args.landlock {
-        sandbox(&args, &reloader, policy.as_ref(), &config);
-    } else {
-        info!("--landlock false: the process is not sandboxed");
+    match args.landlock {
+        LandlockMode::Off => info!("--landlock false: the process is not sandboxed"),
+        mode => sandbox(mode, &reloader, policy.as_ref(), &config, &args)?,
     }
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -195,15 +194,18 @@ fn notify(state: &[NotifyState]) {
     }
 }
 
-/// Best effort: a kernel without Landlock logs once and serves anyway.
+/// `--landlock true`: a kernel with less than all of it logs what stays
+/// open and serves anyway; `--landlock required` refuses to start then.
 /// Readable: the files (and directories) read after start; connectable:
-/// the Unix sockets (or their directory) connected to.
+/// each upstream socket (see sandbox::socket_rule), all of --export-dir,
+/// and systemd's notification socket.
 fn sandbox(
-    args: &ServeArgs,
+    mode: LandlockMode,
     tls: &Reloader,
     policy: Option<&nbdgw::policy::PolicyReloader>,
     config: &Config,
-) {
+    args: &ServeArgs,
+) -> Result<()> {
     let readable: Vec<&Path> = tls
         .paths()
         .files()
@@ -211,37 +213,87 @@ fn sandbox(
         .chain(policy.map(|p| p.path()))
         .chain(config.exports.as_ref().and_then(|e| e.dir()))
         .collect();
+    let readable = nbdgw::sandbox::dirs_covering(readable.iter().copied());
     let sockets: Vec<&Path> = match &config.exports {
-        Some(table) => table.socket_paths().collect(),
+        Some(table) => table.fixed_sockets().collect(),
         None => vec![config.upstream.as_path()],
     };
-    let readable = nbdgw::sandbox::dirs_covering(readable.iter().copied());
-    // systemd's notification socket, when it is a path (not abstract).
+    // The export directory is read at every lookup, sockets come and go
+    // in it and its tenant subdirectories: the whole of it, nothing else.
+    let mut connectable =
+        nbdgw::sandbox::dirs_covering(config.exports.as_ref().and_then(|e| e.dir()));
+    for socket in sockets {
+        let rule = nbdgw::sandbox::socket_rule(socket);
+        // A rule on the socket file would not survive the upstream's
+        // restart (see socket_rule): said, not narrowed.
+        if let SocketRule::SharedDirectory(dir) = &rule {
+            info!(socket = %socket.display(), dir = %dir.display(), "landlock: connects are allowed to every socket in the upstream socket's directory, which holds more than it; give the socket a directory of its own to narrow that");
+        }
+        if !connectable.iter().any(|p| p == rule.path()) {
+            connectable.push(rule.path().to_path_buf());
+        }
+    }
+    // systemd's notification socket, when it is a path: it stays for the
+    // service's life, so the socket itself. (sd-notify sends to a path
+    // only, so an abstract @NAME one is never reached, scoped or not.)
+    // One that is not there could not be named and would fail the whole
+    // ruleset; notify() logs its own errors.
     let notify = std::env::var_os("NOTIFY_SOCKET")
         .map(PathBuf::from)
-        .filter(|path| path.is_absolute());
-    let connectable =
-        nbdgw::sandbox::dirs_covering(sockets.iter().copied().chain(notify.as_deref()));
+        .filter(|path| path.is_absolute() && path.symlink_metadata().is_ok());
+    if let Some(path) = notify {
+        let path = std::fs::canonicalize(&path).unwrap_or(path);
+        if !connectable.contains(&path) {
+            connectable.push(path);
+        }
+    }
+    let rules = nbdgw::sandbox::Rules {
+        readable,
+        connectable,
+    };
     let shown = |dirs: &[PathBuf]| -> Vec<String> {
         dirs.iter().map(|d| d.display().to_string()).collect()
     };
-    match nbdgw::sandbox::restrict(&readable, &connectable) {
-        Ok(Enforcement::None) => {
-            warn!("landlock is not available in this kernel: the process is not sandboxed")
+    let outcome = match nbdgw::sandbox::restrict(&rules) {
+        Ok(outcome) => outcome,
+        Err(e) if mode == LandlockMode::Required => {
+            return Err(nbdgw::sandbox::SandboxError::Restrict(e).into())
         }
-        Ok(enforcement) => info!(
-            enforcement = enforcement.as_str(),
-            readable = ?shown(&readable),
-            unix_connect = ?shown(&connectable),
-            "landlock: the process may read only beneath these directories, connect only to Unix sockets beneath those, and neither bind nor connect TCP"
-        ),
-        Err(e) => warn!(error = %e, "landlock: cannot restrict the process; it is not sandboxed"),
+        Err(e) => {
+            warn!(error = %e, "landlock: cannot restrict the process; it is not sandboxed");
+            return Ok(());
+        }
+    };
+    nbdgw::sandbox::decide(mode, &outcome)?;
+    match outcome.enforcement {
+        Enforcement::None => {
+            warn!("landlock is not available in this kernel: the process is not sandboxed (--landlock required refuses to start then)")
+        }
+        ref enforcement => {
+            info!(
+                enforcement = enforcement.as_str(),
+                abi = outcome.abi,
+                readable = ?shown(&rules.readable),
+                unix_connect = ?shown(&rules.connectable),
+                "landlock: the process may read only beneath these directories, connect only to these Unix sockets (or beneath these directories), neither bind nor connect TCP, nor reach abstract Unix sockets or signal processes outside it"
+            );
+            // Info, not a warning: every kernel before Linux 7.1 lacks
+            // something, and --landlock required is there for those who
+            // must not run so.
+            let missing = nbdgw::sandbox::missing_at(outcome.abi);
+            if !missing.is_empty() {
+                info!(abi = outcome.abi, missing = ?missing, "landlock: this kernel leaves these open (--landlock required refuses to start then)");
+            }
+        }
     }
+    Ok(())
 }
 
-/// A hook for the sandbox's test, compiled into debug builds only: after
-/// start, a runtime thread tries to open NBDGW_DEBUG_OPEN and logs what
-/// happened.
+/// Hooks for the sandbox's tests, compiled into debug builds only: after
+/// start, a runtime thread tries to open NBDGW_DEBUG_OPEN, to connect to
+/// the Unix socket NBDGW_DEBUG_CONNECT (a path, or `@NAME` for an
+/// abstract one) and to signal (signal 0: the permission check alone) the
+/// process NBDGW_DEBUG_SIGNAL, and logs what happened.
 mod debug_probe {
     #[cfg(debug_assertions)]
     pub fn after_start() {
@@ -255,6 +307,42 @@ mod debug_probe {
                     }
                 }
             });
+        }
+        if let Some(address) = std::env::var_os("NBDGW_DEBUG_CONNECT") {
+            tokio::spawn(async move {
+                let address = address.to_string_lossy().into_owned();
+                match connect(&address) {
+                    Ok(_) => tracing::info!(address, "debug probe: connected"),
+                    Err(e) => {
+                        tracing::info!(address, error = %e, "debug probe: cannot connect")
+                    }
+                }
+            });
+        }
+        if let Some(pid) = std::env::var_os("NBDGW_DEBUG_SIGNAL") {
+            tokio::spawn(async move {
+                let pid = pid.to_string_lossy().into_owned();
+                let result = pid
+                    .parse::<i32>()
+                    .ok()
+                    .and_then(rustix::process::Pid::from_raw)
+                    .ok_or(rustix::io::Errno::INVAL)
+                    .and_then(rustix::process::test_kill_process);
+                match result {
+                    Ok(()) => tracing::info!(pid, "debug probe: signalled"),
+                    Err(e) => tracing::info!(pid, error = %e, "debug probe: cannot signal"),
+                }
+            });
+        }
+    }
+
+    #[cfg(debug_assertions)]
+    fn connect(address: &str) -> std::io::Result<std::os::unix::net::UnixStream> {
+        use std::os::linux::net::SocketAddrExt;
+        use std::os::unix::net::{SocketAddr, UnixStream};
+        match address.strip_prefix('@') {
+            Some(name) => UnixStream::connect_addr(&SocketAddr::from_abstract_name(name)?),
+            None => UnixStream::connect(address),
         }
     }
 

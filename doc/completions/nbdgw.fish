@@ -1,6 +1,6 @@
 # Print an optspec for argparse to handle cmd's options that are independent of any subcommand.
 function __fish_nbdgw_global_optspecs
-    string join \n listen= tls-cert= tls-key= tls-dir= tls-client-ca= tls-crl= allow-cn= allow-dns= allow-uri= tls-crl-allow-expired tls-revoke-closes= tls-min-version= tls-reload-interval= upstream= export= export-dir= policy= upstream-sndbuf= max-connections= max-handshakes= max-handshakes-per-source= handshake-timeout= idle-timeout= stall-timeout= tcp-keepalive= tcp-keepalive-interval= tcp-keepalive-count= max-payload= max-option-len= admin-listen= drain-delay= shutdown-grace= cork= ktls= threads= landlock= log-format= h/help V/version
+    string join \n listen= tls-cert= tls-key= tls-dir= tls-client-ca= tls-crl= allow-cn= allow-dns= allow-uri= tls-crl-allow-expired tls-revoke-closes= tls-min-version= tls-reload-interval= upstream= export= export-dir= policy= upstream-sndbuf= max-connections= max-handshakes= max-handshakes-per-source= handshake-timeout= idle-timeout= stall-timeout= tcp-keepalive= tcp-keepalive-interval= tcp-keepalive-count= max-payload= max-option-len= admin-listen= drain-delay= shutdown-grace= cork= ktls= ktls-key-limit= threads= landlock= log-format= h/help V/version
 end
 
 function __fish_nbdgw_needs_command
@@ -62,9 +62,11 @@ per-reply\t'Corked around every reply and released after it, as QEMU does'
 off\t''"
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l ktls -d 'Kernel TLS: after the handshake, hand TLS 1.3 sessions to the kernel\'s record layer when it has one (auto: probed at start, rustls otherwise), or never (off)' -r -f -a "auto\t'When the kernel offers it (probed at start), rustls otherwise'
 off\t'Never: rustls keeps every session'"
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l ktls-key-limit -d 'For tests: records nbdgw sends under one key on a kernel TLS session before it updates its own keys (default: the cipher\'s confidentiality limit, halved)' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l threads -d 'Worker threads; 0 means one per CPU. In a container, match the CPU limit' -r
-complete -c nbdgw -n "__fish_nbdgw_needs_command" -l landlock -d 'Restrict the process with Landlock once started: read access only beneath the TLS files\' directories, no other file, no TCP bind or connect (true or false; a kernel without Landlock logs it and runs unrestricted)' -r -f -a "true\t''
-false\t''"
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l landlock -d 'Restrict the process with Landlock once started: read access only beneath the TLS (and policy) files\' directories, no other file, Unix connects only to the upstream sockets, no TCP bind or connect, no abstract Unix socket or signal outside the process. true: what the kernel has (a kernel with less logs what stays open and serves); required: refuse to start unless all of it is enforced (Landlock ABI 9, Linux 7.1); false: no sandbox' -r -f -a "true\t'Sandbox with what the kernel has; a kernel with less logs what is left open and serves'
+false\t'No sandbox'
+required\t'Refuse to start unless every restriction is enforced'"
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l log-format -d 'Log format; the filter comes from RUST_LOG (default info)' -r -f -a "text\t''
 json\t''"
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l tls-crl-allow-expired -d 'Admit clients whose CRL is past its nextUpdate. Without it such a client is refused until a fresh CRL is in place'
