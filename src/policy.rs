@@ -178,6 +178,17 @@ struct Rule {
 
 type Bindings = BTreeMap<String, String>;
 
+/// Whether no placeholder is bound to two different values.
+fn agree(all: &[Bindings]) -> bool {
+    let mut seen = Bindings::new();
+    all.iter().flatten().all(|(name, value)| {
+        seen.entry(name.clone())
+            .or_insert_with(|| value.clone())
+            .as_str()
+            == value
+    })
+}
+
 /// The rules in force. Without `--policy` it is [`Policy::open`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Policy {
@@ -306,20 +317,36 @@ impl Rule {
     }
 
     fn admits(&self, cert: &CertInfo, export: &str) -> bool {
-        self.identities.iter().any(|identity| {
-            identity
-                .field
-                .values(cert)
-                .iter()
-                .filter_map(|value| identity.bind(value))
-                .any(|bindings| self.exports.iter().any(|e| e.matches(export, &bindings)))
-        })
+        let bound: Vec<Bindings> = self
+            .identities
+            .iter()
+            .flat_map(|identity| {
+                identity
+                    .field
+                    .values(cert)
+                    .iter()
+                    .filter_map(|value| identity.bind(value))
+            })
+            .collect();
+        // One certificate, one tenant: a certificate whose names bind a
+        // placeholder to two values (two URI SANs of two namespaces, two
+        // CNs) would otherwise get both tenants' disks, so a templated
+        // rule grants it nothing.
+        if self.templated() && !agree(&bound) {
+            return false;
+        }
+        bound
+            .iter()
+            .any(|bindings| self.exports.iter().any(|e| e.matches(export, bindings)))
+    }
+
+    fn templated(&self) -> bool {
+        self.exports.iter().any(|e| !e.placeholders().is_empty())
     }
 
     /// Whether every grant of `new` is plainly a grant of this rule.
     fn covers(&self, new: &Rule) -> bool {
-        let templated = |rule: &Rule| rule.exports.iter().any(|e| !e.placeholders().is_empty());
-        if templated(self) || templated(new) {
+        if self.templated() || new.templated() {
             // Placeholders tie identities to exports: only the same rule
             // (at no more access) is plainly no wider.
             return self.exports == new.exports
@@ -381,6 +408,18 @@ impl ExportPattern {
         }
         if !literal.is_empty() {
             parts.push(Part::Literal(literal));
+        }
+        // Export names have no empty, `.` or `..` segment (see
+        // proto::name), so a pattern with one could match nothing; said
+        // at load instead.
+        if text.contains('/')
+            && text
+                .split('/')
+                .any(|segment| segment.is_empty() || segment == "." || segment == "..")
+        {
+            return Err(format!(
+                "{text:?}: an export pattern has no empty, `.` or `..` segment (no leading, trailing or doubled `/`)"
+            ));
         }
         // A placeholder with anything beside it in its segment would let
         // one tenant's value run on into another's: `{ns}-*` gives `team`
@@ -525,6 +564,12 @@ impl IdentityPattern {
         let parts = units
             .into_iter()
             .map(|unit| match unit {
+                // As `--allow-cn`: a CN is matched exactly (or bound
+                // whole); `cn = ["*"]` meaning "any client" would be a
+                // surprise the documentation does not make.
+                "*" if field == Field::Cn => Err(format!(
+                    "{text:?}: cn patterns are exact names or one {{placeholder}}; `*` is not a glob here"
+                )),
                 "*" => Ok(Part::Any),
                 _ if unit.starts_with('{') => {
                     let mut chars = unit[1..].chars();

@@ -325,7 +325,12 @@ proptest! {
         pattern in "[ab*/-]{0,8}",
         name in "[ab/-]{0,12}",
     ) {
-        let parsed = ExportPattern::parse(if pattern.is_empty() { "a".into() } else { pattern.clone() }).unwrap();
+        // Patterns with an empty segment are refused at load (names
+        // have none); the rest must match as the reference does.
+        let Ok(parsed) = ExportPattern::parse(if pattern.is_empty() { "a".into() } else { pattern.clone() }) else {
+            prop_assert!(pattern.contains('/') && pattern.split('/').any(str::is_empty));
+            return Ok(());
+        };
         let pattern: Vec<char> = parsed.text.chars().collect();
         let name_chars: Vec<char> = name.chars().collect();
         prop_assert_eq!(
@@ -552,4 +557,56 @@ proptest! {
             prop_assert_eq!(policy.decide(&who, &own.join("/")).is_some(), plain, "{} {:?}", t, own);
         }
     }
+}
+
+/// Review finding: a certificate with two URI SANs of two namespaces got
+/// both tenants' disks from one templated rule. One certificate is one
+/// tenant: bindings that disagree grant nothing.
+#[test]
+fn a_certificate_binding_two_tenants_gets_neither() {
+    let policy = Policy::parse(
+        "[[rule]]\nexports = [\"{ns}/*\"]\nallow = { uri = [\"spiffe://cluster.local/ns/{ns}/sa/*\"] }\naccess = \"read-write\"\n",
+    )
+    .unwrap();
+    let one = cert("x", &[], &["spiffe://cluster.local/ns/a/sa/x"]);
+    assert_eq!(policy.decide(&one, "a/db"), Some(Access::ReadWrite));
+    let two = cert(
+        "x",
+        &[],
+        &[
+            "spiffe://cluster.local/ns/a/sa/x",
+            "spiffe://cluster.local/ns/b/sa/x",
+        ],
+    );
+    assert_eq!(policy.decide(&two, "a/db"), None);
+    assert_eq!(policy.decide(&two, "b/db"), None);
+    // The same value twice is still one tenant.
+    let twice = cert(
+        "x",
+        &[],
+        &[
+            "spiffe://cluster.local/ns/a/sa/x",
+            "spiffe://cluster.local/ns/a/sa/y",
+        ],
+    );
+    assert_eq!(policy.decide(&twice, "a/db"), Some(Access::ReadWrite));
+}
+
+#[test]
+fn an_export_pattern_with_an_empty_or_dot_segment_is_an_error() {
+    for bad in ["team//*", "/team", "team/", "{ns}/..", "./x"] {
+        let text = format!(
+            "[[rule]]\nexports = [{bad:?}]\nallow = {{ cn = [\"a\"] }}\naccess = \"read-only\"\n"
+        );
+        assert!(Policy::parse(&text).is_err(), "{bad:?}");
+    }
+}
+
+/// `cn` is exact, as the README and `--allow-cn` say: a `*` is refused at
+/// load rather than taken as "any client".
+#[test]
+fn a_star_cn_pattern_is_an_error_not_any_client() {
+    let text = "[[rule]]\nexports = [\"x\"]\nallow = { cn = [\"*\"] }\naccess = \"read-only\"\n";
+    let error = Policy::parse(text).unwrap_err().to_string();
+    assert!(error.contains("cn patterns are exact"), "{error}");
 }

@@ -22,6 +22,8 @@ pub enum NameError {
     NotUtf8,
     #[error("export names may not hold control characters")]
     Control,
+    #[error("export names have no empty, `.` or `..` segment between `/`s")]
+    Segment,
 }
 
 /// The export name `raw` spells, if it is one: at most 4096 bytes (the
@@ -39,6 +41,17 @@ pub fn export_name(raw: &[u8]) -> Result<&str, NameError> {
     let name = std::str::from_utf8(raw).map_err(|_| NameError::NotUtf8)?;
     if name.chars().any(char::is_control) {
         return Err(NameError::Control);
+    }
+    // `/` separates tenants (a templated policy rule binds one whole
+    // segment), and a server behind `--upstream` may take a name as a
+    // path: so no segment is empty, `.` or `..` (a `*` segment would
+    // otherwise grant `team/..`). The default export `""` stays.
+    if !name.is_empty()
+        && name
+            .split('/')
+            .any(|segment| segment.is_empty() || segment == "." || segment == "..")
+    {
+        return Err(NameError::Segment);
     }
     Ok(name)
 }
@@ -66,6 +79,17 @@ mod tests {
                 "{control:?}"
             );
         }
+        for odd in [
+            ".", "..", "/", "a/", "/a", "a//b", "team/..", "team/.", "../team", "a/./b",
+        ] {
+            assert_eq!(
+                export_name(odd.as_bytes()),
+                Err(NameError::Segment),
+                "{odd:?}"
+            );
+        }
+        assert_eq!(export_name(b"team/db"), Ok("team/db"));
+        assert_eq!(export_name(b"a.b/.hidden"), Ok("a.b/.hidden"));
         let longest = "v".repeat(MAX_EXPORT_NAME);
         assert_eq!(export_name(longest.as_bytes()), Ok(longest.as_str()));
         let longer = "v".repeat(MAX_EXPORT_NAME + 1);
@@ -91,12 +115,20 @@ mod tests {
                     let text = std::str::from_utf8(&raw).unwrap();
                     prop_assert!(text.chars().any(char::is_control));
                 }
+                Err(NameError::Segment) => {
+                    let text = std::str::from_utf8(&raw).unwrap();
+                    prop_assert!(text.split('/').any(|s| s.is_empty() || s == "." || s == ".."));
+                }
                 Err(NameError::TooLong(_)) => prop_assert!(false, "64 bytes are not too long"),
             }
         }
 
         #[test]
-        fn printable_text_is_always_a_name(name in "[^\\p{Cc}]{0,40}") {
+        fn printable_segments_are_always_a_name(
+            segments in proptest::collection::vec("[^\\p{Cc}/]{1,12}", 1..4)
+        ) {
+            prop_assume!(segments.iter().all(|s| s != "." && s != ".."));
+            let name = segments.join("/");
             prop_assert_eq!(export_name(name.as_bytes()), Ok(name.as_str()));
         }
     }
