@@ -128,6 +128,11 @@ pub struct ServeArgs {
     /// export read-write. Needs client certificates (a client CA).
     #[arg(long, env = "NBDGW_POLICY", value_name = "FILE")]
     pub policy: Option<PathBuf>,
+    /// End established sessions whose access a policy reload withdraws or
+    /// reduces to read-only, for their identity and export (true or
+    /// false); false leaves them their access until they end.
+    #[arg(long, env = "NBDGW_POLICY_REVOKE_CLOSES", default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub policy_revoke_closes: bool,
     /// SO_SNDBUF for upstream sockets in bytes; 0 keeps the kernel default.
     #[arg(long, env = "NBDGW_UPSTREAM_SNDBUF", default_value_t = config::DEFAULT_UPSTREAM_SNDBUF)]
     pub upstream_sndbuf: usize,

@@ -16,6 +16,9 @@ pub struct Config {
     /// Which identities may open which exports, and how; read afresh for
     /// each connection: a reload may narrow it.
     pub policy: Arc<crate::policy::PolicyStore>,
+    /// Whether a policy reload ends open sessions whose access it
+    /// narrows (`--policy-revoke-closes`).
+    pub policy_revoke_closes: bool,
     /// Read afresh for each connection: a reload may replace it.
     pub tls: Arc<crate::tls::TlsStore>,
     /// `SO_SNDBUF` requested on each upstream socket; 0 keeps the kernel's.
@@ -95,6 +98,7 @@ impl Config {
             policy: Arc::new(crate::reload::Swap::new(Arc::new(
                 crate::policy::Policy::open(),
             ))),
+            policy_revoke_closes: true,
             tls,
             upstream_sndbuf: DEFAULT_UPSTREAM_SNDBUF,
             max_connections: DEFAULT_MAX_CONNECTIONS,

@@ -158,6 +158,9 @@ fn configure(
         config.policy = policy.store();
         let m = &config.metrics;
         policy.count_into(m.policy_reloads.clone(), m.policy_reload_failures.clone());
+        if args.policy_revoke_closes {
+            policy.close_narrowed_in(config.tls.sessions().clone());
+        }
     }
     Ok((reloader, policy, config))
 }
@@ -338,6 +341,7 @@ fn tls_reloader(args: &ServeArgs, secret_extraction: bool) -> Result<Reloader> {
 fn gateway_config(args: &ServeArgs, upstream: PathBuf, tls: Arc<TlsStore>) -> Config {
     let mut config = Config::new(upstream, tls);
     config.upstream_sndbuf = args.upstream_sndbuf;
+    config.policy_revoke_closes = args.policy_revoke_closes;
     config.max_connections = args.max_connections;
     config.max_handshakes = args.max_handshakes;
     config.max_handshakes_per_source = args.max_handshakes_per_source;

@@ -1,6 +1,6 @@
 # Print an optspec for argparse to handle cmd's options that are independent of any subcommand.
 function __fish_nbdgw_global_optspecs
-    string join \n listen= tls-cert= tls-key= tls-dir= tls-client-ca= tls-crl= allow-cn= allow-dns= allow-uri= tls-crl-allow-expired tls-revoke-closes= tls-min-version= tls-reload-interval= upstream= export= export-dir= policy= upstream-sndbuf= max-connections= max-handshakes= max-handshakes-per-source= handshake-timeout= idle-timeout= stall-timeout= tcp-keepalive= tcp-keepalive-interval= tcp-keepalive-count= max-payload= max-option-len= admin-listen= drain-delay= shutdown-grace= cork= ktls= threads= landlock= log-format= h/help V/version
+    string join \n listen= tls-cert= tls-key= tls-dir= tls-client-ca= tls-crl= allow-cn= allow-dns= allow-uri= tls-crl-allow-expired tls-revoke-closes= tls-min-version= tls-reload-interval= upstream= export= export-dir= policy= policy-revoke-closes= upstream-sndbuf= max-connections= max-handshakes= max-handshakes-per-source= handshake-timeout= idle-timeout= stall-timeout= tcp-keepalive= tcp-keepalive-interval= tcp-keepalive-count= max-payload= max-option-len= admin-listen= drain-delay= shutdown-grace= cork= ktls= ktls-key-limit= threads= landlock= log-format= h/help V/version
 end
 
 function __fish_nbdgw_needs_command
@@ -42,6 +42,8 @@ complete -c nbdgw -n "__fish_nbdgw_needs_command" -l upstream -d 'Unix socket of
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l export -d 'A named export instead of --upstream: clients asking for NAME are relayed to the server on the Unix socket PATH, which is asked for UPSTREAM_NAME (default ""). Repeatable, or comma-separated' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l export-dir -d 'Every Unix socket NAME.sock in this directory is the export NAME, and TENANT/NAME.sock in a subdirectory the export TENANT/NAME; picked up and dropped as sockets appear and disappear' -r -F
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l policy -d 'TOML file saying which client identities may open which exports, read-write or read-only; reloaded like the TLS files, and a reload may only narrow it. Without it every admitted client may open every export read-write. Needs client certificates (a client CA)' -r -F
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l policy-revoke-closes -d 'End established sessions whose access a policy reload withdraws or reduces to read-only, for their identity and export (true or false); false leaves them their access until they end' -r -f -a "true\t''
+false\t''"
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l upstream-sndbuf -d 'SO_SNDBUF for upstream sockets in bytes; 0 keeps the kernel default' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l max-connections -d 'Most client connections served at once; more are closed at accept' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l max-handshakes -d 'Connections still negotiating (before their client certificate is verified) served at once, apart from --max-connections; more wait briefly in a short queue, then are closed' -r
@@ -62,6 +64,7 @@ per-reply\t'Corked around every reply and released after it, as QEMU does'
 off\t''"
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l ktls -d 'Kernel TLS: after the handshake, hand TLS 1.3 sessions to the kernel\'s record layer when it has one (auto: probed at start, rustls otherwise), or never (off)' -r -f -a "auto\t'When the kernel offers it (probed at start), rustls otherwise'
 off\t'Never: rustls keeps every session'"
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l ktls-key-limit -d 'For tests: records nbdgw sends under one key on a kernel TLS session before it updates its own keys (default: the cipher\'s confidentiality limit, halved)' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l threads -d 'Worker threads; 0 means one per CPU. In a container, match the CPU limit' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l landlock -d 'Restrict the process with Landlock once started: read access only beneath the TLS files\' directories, no other file, no TCP bind or connect (true or false; a kernel without Landlock logs it and runs unrestricted)' -r -f -a "true\t''
 false\t''"

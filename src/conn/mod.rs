@@ -26,7 +26,7 @@ use tracing::{info, warn, Instrument};
 use crate::admission::{Admission, HandshakePermit, SessionPermit, SourceClaim};
 use crate::config::{Config, Cork};
 use crate::shutdown::Shutdown;
-use crate::tls::SessionGuard;
+use crate::tls::{Ended, Grant, SessionGuard};
 use error::ConnError;
 use session::{ClientTls, Link, Stats, CLIENT_READ_BUF};
 
@@ -145,7 +145,7 @@ async fn run(
             registered,
         } => {
             let relayed = relay::run(session, cork_handle, link);
-            until_revoked(registered.as_ref(), relayed).await
+            until_ended(registered.as_ref(), relayed).await
         }
     }
 }
@@ -189,14 +189,28 @@ async fn negotiate(
     };
     drop(handshake_permit);
     let relayed =
-        negotiate::relay_options(tls, client_flags, identity, config, &link.shutdown).await?;
+        negotiate::relay_options(tls, client_flags, identity.clone(), config, &link.shutdown)
+            .await?;
     Ok(match relayed {
         negotiate::Outcome::Closed(reason) => Negotiated::Closed(reason),
-        negotiate::Outcome::Transmission(session) => Negotiated::Transmission {
-            session,
-            slot,
-            registered,
-        },
+        negotiate::Outcome::Transmission(session) => {
+            if let Some(guard) = &registered {
+                let grant = Grant {
+                    identity,
+                    export: session.export.clone(),
+                    access: session.access,
+                };
+                guard.granted(
+                    grant,
+                    config.policy_revoke_closes.then_some(&*config.policy),
+                );
+            }
+            Negotiated::Transmission {
+                session,
+                slot,
+                registered,
+            }
+        }
     })
 }
 
@@ -215,8 +229,9 @@ fn log_tls(tls: &ClientTls) {
     );
 }
 
-/// Runs `work` unless the session's certificate is revoked first.
-async fn until_revoked<T>(
+/// Runs `work` unless a reload ends the session first (its certificate
+/// revoked, or its access narrowed).
+async fn until_ended<T>(
     registered: Option<&SessionGuard>,
     work: impl Future<Output = Result<T, ConnError>>,
 ) -> Result<T, ConnError> {
@@ -224,8 +239,14 @@ async fn until_revoked<T>(
         return work.await;
     };
     tokio::select! {
+        // The end first: once signalled, the relay is not polled again, so
+        // a request that arrives after the reload is never forwarded.
+        biased;
+        ended = guard.ended() => Err(match ended {
+            Ended::CertificateRevoked => ConnError::Revoked,
+            Ended::PolicyNarrowed => ConnError::PolicyNarrowed,
+        }),
         result = work => result,
-        () = guard.revoked() => Err(ConnError::Revoked),
     }
 }
 
