@@ -139,6 +139,12 @@ pub struct ServeArgs {
     /// Most client connections served at once; more are closed at accept.
     #[arg(long, env = "NBDGW_MAX_CONNECTIONS", default_value_t = config::DEFAULT_MAX_CONNECTIONS)]
     pub max_connections: usize,
+    /// Of those, how many one client identity (the certificate's CN, DNS
+    /// and URI names; clients without certificates are one identity) may
+    /// hold; more are told so and closed. Default: a quarter of
+    /// --max-connections with client certificates, all of it without.
+    #[arg(long, env = "NBDGW_MAX_SESSIONS_PER_IDENTITY", value_name = "N")]
+    pub max_sessions_per_identity: Option<usize>,
     /// Connections still negotiating (before their client certificate is
     /// verified) served at once, apart from --max-connections; more wait
     /// briefly in a short queue, then are closed.

@@ -25,6 +25,10 @@ pub struct Config {
     pub upstream_sndbuf: usize,
     /// Established (authenticated) sessions at once.
     pub max_connections: usize,
+    /// Of those, how many one client identity may hold (see
+    /// `crate::admission::Identity`). `Config::new` leaves it at
+    /// `max_connections`; `main` applies [`default_sessions_per_identity`].
+    pub max_sessions_per_identity: usize,
     /// Connections still negotiating, not yet authenticated, at once: a
     /// budget of their own, so silent or slow peers cannot take the
     /// slots of authenticated ones.
@@ -102,6 +106,7 @@ impl Config {
             tls,
             upstream_sndbuf: DEFAULT_UPSTREAM_SNDBUF,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_sessions_per_identity: DEFAULT_MAX_CONNECTIONS,
             max_handshakes: DEFAULT_MAX_HANDSHAKES,
             max_handshakes_per_source: DEFAULT_MAX_HANDSHAKES_PER_SOURCE,
             handshake_timeout: Duration::from_secs(DEFAULT_HANDSHAKE_TIMEOUT_SECS),
@@ -133,6 +138,20 @@ pub enum Cork {
 
 pub const DEFAULT_UPSTREAM_SNDBUF: usize = 2 * 1024 * 1024;
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+/// `--max-sessions-per-identity` when not given. With client certificates,
+/// a quarter of `--max-connections` (256 of the default 1024): a
+/// hypervisor attaching a disk per VM for a few hundred VMs under one
+/// certificate fits, and one identity still leaves three quarters of the
+/// slots to the others. Without client certificates every client is the
+/// one anonymous identity, and a cap below `--max-connections` would only
+/// leave slots unused.
+pub fn default_sessions_per_identity(max_connections: usize, client_certificates: bool) -> usize {
+    if client_certificates {
+        (max_connections / 4).max(1)
+    } else {
+        max_connections
+    }
+}
 /// Enough for a host's VMs reconnecting at once; a TLS handshake takes
 /// about half a millisecond of CPU, so 64 finish in well under a second.
 pub const DEFAULT_MAX_HANDSHAKES: usize = 64;

@@ -150,6 +150,12 @@ fn configure(
     let reloader = tls_reloader(args, kernel_tls.is_some())?;
     let mut policy = policy_reloader(args, &reloader)?;
     let mut config = gateway_config(args, upstream, reloader.store());
+    config.max_sessions_per_identity = args.max_sessions_per_identity.unwrap_or_else(|| {
+        nbdgw::config::default_sessions_per_identity(
+            args.max_connections,
+            reloader.requires_client_certificates(),
+        )
+    });
     config.exports = exports.map(Arc::new);
     config.kernel_tls = kernel_tls;
     config.kernel_tls_no_rekey = kernel_tls_no_rekey;
@@ -301,12 +307,13 @@ fn check_limits(args: &ServeArgs) -> Result<()> {
         bail!("a server certificate is required: --tls-cert and --tls-key, or --tls-dir (or NBDGW_TLS_CERT, NBDGW_TLS_KEY, NBDGW_TLS_DIR); see --help");
     }
     if args.max_connections == 0
+        || args.max_sessions_per_identity == Some(0)
         || args.max_handshakes == 0
         || args.max_handshakes_per_source == 0
         || args.max_payload == 0
         || args.handshake_timeout == 0
     {
-        bail!("--max-connections, --max-handshakes, --max-handshakes-per-source, --max-payload and --handshake-timeout must be greater than 0");
+        bail!("--max-connections, --max-sessions-per-identity, --max-handshakes, --max-handshakes-per-source, --max-payload and --handshake-timeout must be greater than 0");
     }
     if args.tcp_keepalive > 0 && (args.tcp_keepalive_interval == 0 || args.tcp_keepalive_count == 0)
     {

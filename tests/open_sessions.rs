@@ -10,13 +10,14 @@ mod common;
 use std::ffi::{OsStr, OsString};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::Duration;
 
-use common::clients::{connect_as, write_server_files};
+use common::clients::{connect_as, try_connect_as, write_server_files};
 use common::pki::{Ca, ClientDir};
 use common::process::NbdgwProcess;
 use common::raw::RawClient;
-use common::{Env, QemuNbd};
+use common::{free_port, run, Env, QemuNbd};
 use nbdgw::proto::consts::*;
 use nbdgw::proto::transmission::ReplyMode;
 
@@ -233,5 +234,90 @@ fn with_policy_revoke_closes_off_open_sessions_keep_their_access() {
     assert_eq!(
         try_write(&mut fresh, 2, 0, b"x"),
         Err(format!("NBD error {EPERM}"))
+    );
+}
+
+/// `GET /metrics` on the admin port, by curl.
+fn metrics(port: u16) -> String {
+    let out = run(Command::new("curl")
+        .args(["-s", "-m", "5"])
+        .arg(format!("http://127.0.0.1:{port}/metrics")));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn one_identity_holds_at_most_its_cap_and_another_still_connects() {
+    let site = Site::new(BOTH_WRITE);
+    let (alice, bob) = (site.client("alice", 2), site.client("bob", 3));
+    let disk = image(&site.env, "disk.img");
+    std::fs::write(&disk, vec![b'D'; 1 << 20]).unwrap();
+    let upstream = QemuNbd::start(&site.env, &disk, &[]);
+    let admin = free_port();
+    let admin_addr = format!("127.0.0.1:{admin}");
+    // The cap through its variable, so that the same test runs against a
+    // gateway without the flag (which ignores the variable).
+    let gateway = site.gateway(
+        &[
+            OsStr::new("--upstream"),
+            upstream.socket.as_os_str(),
+            OsStr::new("--max-connections"),
+            OsStr::new("4"),
+            OsStr::new("--admin-listen"),
+            OsStr::new(&admin_addr),
+        ],
+        &[("NBDGW_MAX_SESSIONS_PER_IDENTITY", OsStr::new("2"))],
+    );
+
+    // Alice tries to take every slot with idle sessions: two are hers.
+    let mut held = Vec::new();
+    let mut refusals = Vec::new();
+    for _ in 0..4 {
+        let mut c = try_connect_as(gateway.addr(), &alice).expect("TLS handshake");
+        let replies = c.option(OPT_GO, &common::raw::go_data("", &[]));
+        let last = replies.last().unwrap();
+        if last.reply_type == REP_ACK {
+            held.push(c);
+        } else {
+            refusals.push((last.reply_type, last.message()));
+        }
+    }
+    assert_eq!(held.len(), 2, "alice's sessions; refused: {refusals:?}");
+    for (reply_type, message) in &refusals {
+        assert_eq!(*reply_type, REP_ERR_SHUTDOWN, "{message}");
+        assert!(
+            message.contains("--max-sessions-per-identity (2) reached"),
+            "{message}"
+        );
+    }
+
+    // Bob still connects and reads, twice over.
+    let mut b1 = session(&gateway, &bob);
+    let mut b2 = session(&gateway, &bob);
+    assert_eq!(b1.read(1, 0, 4), b"DDDD");
+    assert_eq!(b2.read(1, 0, 4), b"DDDD");
+
+    // Alice's slots come back when her sessions end.
+    for mut c in held.drain(..1) {
+        c.disconnect();
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let mut again = session(&gateway, &alice);
+    assert_eq!(again.read(1, 0, 4), b"DDDD");
+
+    let log = gateway.log();
+    assert!(
+        log.contains("session refused")
+            && log.contains("--max-sessions-per-identity (2) reached")
+            && log.contains("CN=alice"),
+        "{log}"
+    );
+    let metrics = metrics(admin);
+    assert!(
+        metrics.contains("nbdgw_sessions_refused_total{reason=\"per_identity\"} 2"),
+        "{metrics}"
+    );
+    assert!(
+        !metrics.contains("alice"),
+        "an identity in a label: {metrics}"
     );
 }

@@ -171,14 +171,21 @@ async fn negotiate(
         .first()
         .and_then(|leaf| crate::tls::CertInfo::from_der(leaf).ok())
         .unwrap_or_default();
-    let registered = (!chain.is_empty()).then(|| config.tls.sessions().register(link.id, chain));
+    let anonymous = chain.is_empty();
+    let registered = (!anonymous).then(|| config.tls.sessions().register(link.id, chain));
     let tls = kernel_tls::hand_over(tls, config).await?;
     // Authenticated: from here on the connection holds a session slot,
     // not a handshake slot.
-    let slot = match link.admission.session() {
+    let who = crate::admission::Identity::of((!anonymous).then_some(&identity));
+    let slot = match link.admission.session(who) {
         Ok(slot) => slot,
         Err(refusal) => {
-            warn!(reason = %refusal, "session refused");
+            config.metrics.session_refused(refusal.metric_reason());
+            let client = match anonymous {
+                true => "no certificate".to_string(),
+                false => identity.to_string(),
+            };
+            warn!(reason = %refusal, %client, "session refused");
             let message = format!("nbdgw: {refusal}; try again later");
             let client =
                 options::OptionChannel::new(tls, error::Side::Client, config.max_option_len);
