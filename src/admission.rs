@@ -4,7 +4,22 @@
 //! apart from the authenticated sessions (`--max-connections`), so a flood
 //! of silent or slow connections can delay other handshakes but never
 //! takes an established session's place, and one address cannot hold all
-//! the handshake slots.
+//! the handshake slots. Authenticated sessions are capped per client
+//! identity as well (`--max-sessions-per-identity`), so one tenant's
+//! certificate cannot hold every session slot with idle sessions.
+//!
+//! The identity a session counts against is the set of names the policy
+//! and the `--allow-*` lists judge (subject CNs, DNS and URI SANs), not
+//! the certificate's fingerprint or key: a tenant whose issuer re-issues
+//! certificates on demand (cert-manager, SPIRE) gets a new fingerprint,
+//! and usually a new key, with every issuance, so either would let it
+//! split itself into as many identities as it asks for certificates, and
+//! a rotation would free its old sessions' count. Its names are what the
+//! trust gives it and it cannot choose them, and across a rotation they
+//! stay the same. The issuer is left out for the same reason the policy
+//! ignores it: certificates with the same names are one principal to
+//! every rule. Clients without certificates (no client CA) are one
+//! identity together.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -36,6 +51,54 @@ pub enum Refusal {
     QueueTimeout(Duration),
     #[error("--max-connections ({0}) reached")]
     SessionsFull(usize),
+    #[error("--max-sessions-per-identity ({0}) reached for this client identity")]
+    IdentityFull(usize),
+}
+
+impl Refusal {
+    /// The `reason` label of a refused session: a fixed few values.
+    pub fn metric_reason(&self) -> &'static str {
+        match self {
+            Refusal::SourceBusy(_) => "per_source",
+            Refusal::QueueFull(_) => "queue_full",
+            Refusal::QueueTimeout(_) => "queue_timeout",
+            Refusal::SessionsFull(_) => "max_connections",
+            Refusal::IdentityFull(_) => "per_identity",
+        }
+    }
+}
+
+/// Who a session counts against for `--max-sessions-per-identity`: the
+/// certificate's names, sorted and without repeats (DNS names lower-cased,
+/// as they are matched), or no certificate at all.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Identity {
+    Anonymous,
+    Named {
+        common_names: Vec<String>,
+        dns_names: Vec<String>,
+        uris: Vec<String>,
+    },
+}
+
+impl Identity {
+    /// `cert`: the client certificate's names, `None` without one.
+    pub fn of(cert: Option<&crate::tls::CertInfo>) -> Self {
+        let Some(cert) = cert else {
+            return Identity::Anonymous;
+        };
+        let canonical = |names: &[String], fold: fn(&str) -> String| {
+            let mut names: Vec<String> = names.iter().map(|n| fold(n)).collect();
+            names.sort();
+            names.dedup();
+            names
+        };
+        Identity::Named {
+            common_names: canonical(&cert.common_names, str::to_owned),
+            dns_names: canonical(&cert.dns_names, str::to_ascii_lowercase),
+            uris: canonical(&cert.uris, str::to_owned),
+        }
+    }
 }
 
 pub struct Admission {
@@ -47,6 +110,10 @@ pub struct Admission {
     per_source: Mutex<HashMap<IpAddr, usize>>,
     sessions: Arc<Semaphore>,
     max_sessions: usize,
+    per_identity_limit: usize,
+    /// Sessions held per identity; an identity is forgotten with its last
+    /// session, so this never holds more entries than there are sessions.
+    per_identity: Arc<IdentityCounts>,
     refusals: RefusalLog,
 }
 
@@ -63,7 +130,24 @@ pub struct HandshakePermit {
 }
 
 /// Held for as long as an authenticated session lasts.
-pub type SessionPermit = OwnedSemaphorePermit;
+pub struct SessionPermit {
+    _slot: OwnedSemaphorePermit,
+    _identity: IdentityClaim,
+}
+
+type IdentityCounts = Mutex<HashMap<Identity, usize>>;
+
+/// One session counted against its identity until dropped.
+struct IdentityClaim {
+    counts: Arc<IdentityCounts>,
+    identity: Identity,
+}
+
+/// As `Admission::sources`: one increment or decrement at a time, never
+/// half done.
+fn lock_counts(counts: &IdentityCounts) -> MutexGuard<'_, HashMap<Identity, usize>> {
+    counts.lock().unwrap_or_else(PoisonError::into_inner)
+}
 
 impl Admission {
     pub fn new(config: &Config) -> Arc<Self> {
@@ -75,6 +159,8 @@ impl Admission {
             per_source: Mutex::default(),
             sessions: Arc::new(Semaphore::new(config.max_connections)),
             max_sessions: config.max_connections,
+            per_identity_limit: config.max_sessions_per_identity,
+            per_identity: Arc::default(),
             refusals: RefusalLog::default(),
         })
     }
@@ -125,12 +211,37 @@ impl Admission {
         })
     }
 
-    /// A session slot for a client that has just authenticated.
-    pub fn session(&self) -> Result<SessionPermit, Refusal> {
-        self.sessions
+    /// A session slot for a client that has just authenticated as
+    /// `identity`: refused when that identity holds its share, or when
+    /// every slot is taken.
+    pub fn session(&self, identity: Identity) -> Result<SessionPermit, Refusal> {
+        let claim = {
+            let mut held = lock_counts(&self.per_identity);
+            let count = held.entry(identity.clone()).or_insert(0);
+            if *count >= self.per_identity_limit {
+                // Nothing claimed: an entry this call created is dropped
+                // again, so refusals leave nothing behind.
+                if *count == 0 {
+                    held.remove(&identity);
+                }
+                return Err(Refusal::IdentityFull(self.per_identity_limit));
+            }
+            *count += 1;
+            IdentityClaim {
+                counts: self.per_identity.clone(),
+                identity,
+            }
+        };
+        // Dropping `claim` on this error gives the identity's count back.
+        let slot = self
+            .sessions
             .clone()
             .try_acquire_owned()
-            .map_err(|_| Refusal::SessionsFull(self.max_sessions))
+            .map_err(|_| Refusal::SessionsFull(self.max_sessions))?;
+        Ok(SessionPermit {
+            _slot: slot,
+            _identity: claim,
+        })
     }
 
     /// Logs a refusal: each at debug, a summary at warn every ten seconds.
@@ -155,6 +266,18 @@ impl Drop for SourceClaim {
             *held -= 1;
             if *held == 0 {
                 sources.remove(&self.ip);
+            }
+        }
+    }
+}
+
+impl Drop for IdentityClaim {
+    fn drop(&mut self) {
+        let mut held = lock_counts(&self.counts);
+        if let Some(count) = held.get_mut(&self.identity) {
+            *count -= 1;
+            if *count == 0 {
+                held.remove(&self.identity);
             }
         }
     }
@@ -239,9 +362,66 @@ mod tests {
         let (got, ()) = tokio::join!(waiting, async { drop(held) });
         let _permit = got.unwrap();
         // Sessions do not depend on handshake slots.
-        let session = a.session().unwrap();
-        assert_eq!(a.session().err(), Some(Refusal::SessionsFull(1)));
+        let session = a.session(Identity::Anonymous).unwrap();
+        assert_eq!(
+            a.session(Identity::Anonymous).err(),
+            Some(Refusal::SessionsFull(1))
+        );
         drop(session);
-        assert!(a.session().is_ok());
+        assert!(a.session(Identity::Anonymous).is_ok());
+    }
+
+    #[test]
+    fn the_default_cap_is_a_quarter_with_certificates_and_everything_without() {
+        use crate::config::default_sessions_per_identity as default;
+        assert_eq!(default(1024, true), 256);
+        assert_eq!(default(3, true), 1);
+        assert_eq!(default(1024, false), 1024);
+    }
+
+    fn named(cn: &str, dns: &[&str]) -> Identity {
+        Identity::of(Some(&crate::tls::CertInfo::with_names(cn, dns, &[])))
+    }
+
+    #[test]
+    fn one_identity_cannot_hold_every_session_slot() {
+        let tls = crate::tls::TlsStore::fixed(test_server_config());
+        let mut config = Config::new("/nonexistent".into(), tls);
+        config.max_connections = 4;
+        config.max_sessions_per_identity = 2;
+        let a = Admission::new(&config);
+        let held: Vec<_> = (0..2)
+            .map(|_| a.session(named("a", &[])).unwrap())
+            .collect();
+        assert_eq!(
+            a.session(named("a", &[])).err(),
+            Some(Refusal::IdentityFull(2))
+        );
+        // The same names in another order or case are the same identity
+        // (a rotated certificate included); other names are another.
+        let b = a.session(named("b", &["X.example", "y.example"])).unwrap();
+        let b2 = a.session(named("b", &["y.example", "x.example"])).unwrap();
+        assert_eq!(
+            a.session(named("b", &["x.example", "y.example", "x.example"]))
+                .err(),
+            Some(Refusal::IdentityFull(2))
+        );
+        assert_eq!(
+            a.session(named("c", &[])).err(),
+            Some(Refusal::SessionsFull(4)),
+            "the global budget still holds"
+        );
+        // Anonymous clients share one identity of their own.
+        drop((b, b2));
+        let anonymous = a.session(Identity::Anonymous).unwrap();
+        drop(held);
+        let second = a.session(Identity::Anonymous).unwrap();
+        assert_eq!(
+            a.session(Identity::Anonymous).err(),
+            Some(Refusal::IdentityFull(2))
+        );
+        // Every refusal and every ended session leaves nothing behind.
+        drop((anonymous, second));
+        assert!(lock_counts(&a.per_identity).is_empty());
     }
 }

@@ -129,12 +129,23 @@ pub struct ServeArgs {
     /// export read-write. Needs client certificates (a client CA).
     #[arg(long, env = "NBDGW_POLICY", value_name = "FILE")]
     pub policy: Option<PathBuf>,
+    /// End established sessions whose access a policy reload withdraws or
+    /// reduces to read-only, for their identity and export (true or
+    /// false); false leaves them their access until they end.
+    #[arg(long, env = "NBDGW_POLICY_REVOKE_CLOSES", default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub policy_revoke_closes: bool,
     /// SO_SNDBUF for upstream sockets in bytes; 0 keeps the kernel default.
     #[arg(long, env = "NBDGW_UPSTREAM_SNDBUF", default_value_t = config::DEFAULT_UPSTREAM_SNDBUF)]
     pub upstream_sndbuf: usize,
     /// Most client connections served at once; more are closed at accept.
     #[arg(long, env = "NBDGW_MAX_CONNECTIONS", default_value_t = config::DEFAULT_MAX_CONNECTIONS)]
     pub max_connections: usize,
+    /// Of those, how many one client identity (the certificate's CN, DNS
+    /// and URI names; clients without certificates are one identity) may
+    /// hold; more are told so and closed. Default: a quarter of
+    /// --max-connections with client certificates, all of it without.
+    #[arg(long, env = "NBDGW_MAX_SESSIONS_PER_IDENTITY", value_name = "N")]
+    pub max_sessions_per_identity: Option<usize>,
     /// Connections still negotiating (before their client certificate is
     /// verified) served at once, apart from --max-connections; more wait
     /// briefly in a short queue, then are closed.

@@ -16,12 +16,19 @@ pub struct Config {
     /// Which identities may open which exports, and how; read afresh for
     /// each connection: a reload may narrow it.
     pub policy: Arc<crate::policy::PolicyStore>,
+    /// Whether a policy reload ends open sessions whose access it
+    /// narrows (`--policy-revoke-closes`).
+    pub policy_revoke_closes: bool,
     /// Read afresh for each connection: a reload may replace it.
     pub tls: Arc<crate::tls::TlsStore>,
     /// `SO_SNDBUF` requested on each upstream socket; 0 keeps the kernel's.
     pub upstream_sndbuf: usize,
     /// Established (authenticated) sessions at once.
     pub max_connections: usize,
+    /// Of those, how many one client identity may hold (see
+    /// `crate::admission::Identity`). `Config::new` leaves it at
+    /// `max_connections`; `main` applies [`default_sessions_per_identity`].
+    pub max_sessions_per_identity: usize,
     /// Connections still negotiating, not yet authenticated, at once: a
     /// budget of their own, so silent or slow peers cannot take the
     /// slots of authenticated ones.
@@ -95,9 +102,11 @@ impl Config {
             policy: Arc::new(crate::reload::Swap::new(Arc::new(
                 crate::policy::Policy::open(),
             ))),
+            policy_revoke_closes: true,
             tls,
             upstream_sndbuf: DEFAULT_UPSTREAM_SNDBUF,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_sessions_per_identity: DEFAULT_MAX_CONNECTIONS,
             max_handshakes: DEFAULT_MAX_HANDSHAKES,
             max_handshakes_per_source: DEFAULT_MAX_HANDSHAKES_PER_SOURCE,
             handshake_timeout: Duration::from_secs(DEFAULT_HANDSHAKE_TIMEOUT_SECS),
@@ -129,6 +138,20 @@ pub enum Cork {
 
 pub const DEFAULT_UPSTREAM_SNDBUF: usize = 2 * 1024 * 1024;
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+/// `--max-sessions-per-identity` when not given. With client certificates,
+/// a quarter of `--max-connections` (256 of the default 1024): a
+/// hypervisor attaching a disk per VM for a few hundred VMs under one
+/// certificate fits, and one identity still leaves three quarters of the
+/// slots to the others. Without client certificates every client is the
+/// one anonymous identity, and a cap below `--max-connections` would only
+/// leave slots unused.
+pub fn default_sessions_per_identity(max_connections: usize, client_certificates: bool) -> usize {
+    if client_certificates {
+        (max_connections / 4).max(1)
+    } else {
+        max_connections
+    }
+}
 /// Enough for a host's VMs reconnecting at once; a TLS handshake takes
 /// about half a millisecond of CPU, so 64 finish in well under a second.
 pub const DEFAULT_MAX_HANDSHAKES: usize = 64;

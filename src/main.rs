@@ -149,6 +149,12 @@ fn configure(
     let reloader = tls_reloader(args, kernel_tls.is_some())?;
     let mut policy = policy_reloader(args, &reloader)?;
     let mut config = gateway_config(args, upstream, reloader.store());
+    config.max_sessions_per_identity = args.max_sessions_per_identity.unwrap_or_else(|| {
+        nbdgw::config::default_sessions_per_identity(
+            args.max_connections,
+            reloader.requires_client_certificates(),
+        )
+    });
     config.exports = exports.map(Arc::new);
     config.kernel_tls = kernel_tls;
     config.kernel_tls_no_rekey = kernel_tls_no_rekey;
@@ -157,6 +163,9 @@ fn configure(
         config.policy = policy.store();
         let m = &config.metrics;
         policy.count_into(m.policy_reloads.clone(), m.policy_reload_failures.clone());
+        if args.policy_revoke_closes {
+            policy.close_narrowed_in(config.tls.sessions().clone());
+        }
     }
     Ok((reloader, policy, config))
 }
@@ -386,12 +395,13 @@ fn check_limits(args: &ServeArgs) -> Result<()> {
         bail!("a server certificate is required: --tls-cert and --tls-key, or --tls-dir (or NBDGW_TLS_CERT, NBDGW_TLS_KEY, NBDGW_TLS_DIR); see --help");
     }
     if args.max_connections == 0
+        || args.max_sessions_per_identity == Some(0)
         || args.max_handshakes == 0
         || args.max_handshakes_per_source == 0
         || args.max_payload == 0
         || args.handshake_timeout == 0
     {
-        bail!("--max-connections, --max-handshakes, --max-handshakes-per-source, --max-payload and --handshake-timeout must be greater than 0");
+        bail!("--max-connections, --max-sessions-per-identity, --max-handshakes, --max-handshakes-per-source, --max-payload and --handshake-timeout must be greater than 0");
     }
     if args.tcp_keepalive > 0 && (args.tcp_keepalive_interval == 0 || args.tcp_keepalive_count == 0)
     {
@@ -426,6 +436,7 @@ fn tls_reloader(args: &ServeArgs, secret_extraction: bool) -> Result<Reloader> {
 fn gateway_config(args: &ServeArgs, upstream: PathBuf, tls: Arc<TlsStore>) -> Config {
     let mut config = Config::new(upstream, tls);
     config.upstream_sndbuf = args.upstream_sndbuf;
+    config.policy_revoke_closes = args.policy_revoke_closes;
     config.max_connections = args.max_connections;
     config.max_handshakes = args.max_handshakes;
     config.max_handshakes_per_source = args.max_handshakes_per_source;

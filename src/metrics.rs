@@ -23,6 +23,11 @@ pub struct Reason {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SessionRefusal {
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct Command {
     pub command: &'static str,
 }
@@ -64,6 +69,9 @@ pub struct Metrics {
     pub upstream_connect_failures: Counter,
     pub upstream_sndbuf: Gauge,
     pub exports_refused: Counter,
+    /// Authenticated clients refused a session, by which limit: a fixed
+    /// few reasons, never the identity.
+    pub sessions_refused: Family<SessionRefusal, Counter>,
     pub policy_reloads: Counter,
     pub policy_reload_failures: Counter,
 }
@@ -94,6 +102,7 @@ impl Metrics {
             upstream_connect_failures: Counter::default(),
             upstream_sndbuf: Gauge::default(),
             exports_refused: Counter::default(),
+            sessions_refused: Family::default(),
             policy_reloads: Counter::default(),
             policy_reload_failures: Counter::default(),
             registry: Registry::default(),
@@ -130,6 +139,11 @@ impl Metrics {
             "identities_refused",
             "Client certificates refused (chain, revocation or allow-lists)",
             m.identities_refused.clone(),
+        );
+        r.register(
+            "sessions_refused",
+            "Authenticated clients refused a session, by reason (max_connections, per_identity)",
+            m.sessions_refused.clone(),
         );
         r.register(
             "kernel_tls_sessions",
@@ -259,6 +273,13 @@ impl Metrics {
         if certificate {
             self.identities_refused.inc();
         }
+    }
+
+    /// A session refused for `reason`, one of `Refusal::metric_reason`'s.
+    pub fn session_refused(&self, reason: &'static str) {
+        self.sessions_refused
+            .get_or_create(&SessionRefusal { reason })
+            .inc();
     }
 
     pub fn request(&self, command: &'static str) {

@@ -47,6 +47,10 @@ pub enum ConnError {
     Stalled(&'static str, Duration),
     #[error("client certificate revoked by a reload (--tls-revoke-closes)")]
     Revoked,
+    #[error(
+        "access to the export withdrawn or reduced by a policy reload (--policy-revoke-closes)"
+    )]
+    PolicyNarrowed,
     #[error("shutdown grace period over with requests still in flight")]
     GraceOver,
 }

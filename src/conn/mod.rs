@@ -26,7 +26,7 @@ use tracing::{info, warn, Instrument};
 use crate::admission::{Admission, HandshakePermit, SessionPermit, SourceClaim};
 use crate::config::{Config, Cork};
 use crate::shutdown::Shutdown;
-use crate::tls::SessionGuard;
+use crate::tls::{Ended, Grant, SessionGuard};
 use error::ConnError;
 use session::{ClientTls, Link, Stats, CLIENT_READ_BUF};
 
@@ -145,7 +145,7 @@ async fn run(
             registered,
         } => {
             let relayed = relay::run(session, cork_handle, link);
-            until_revoked(registered.as_ref(), relayed).await
+            until_ended(registered.as_ref(), relayed).await
         }
     }
 }
@@ -171,14 +171,21 @@ async fn negotiate(
         .first()
         .and_then(|leaf| crate::tls::CertInfo::from_der(leaf).ok())
         .unwrap_or_default();
-    let registered = (!chain.is_empty()).then(|| config.tls.sessions().register(link.id, chain));
+    let anonymous = chain.is_empty();
+    let registered = (!anonymous).then(|| config.tls.sessions().register(link.id, chain));
     let tls = kernel_tls::hand_over(tls, config).await?;
     // Authenticated: from here on the connection holds a session slot,
     // not a handshake slot.
-    let slot = match link.admission.session() {
+    let who = crate::admission::Identity::of((!anonymous).then_some(&identity));
+    let slot = match link.admission.session(who) {
         Ok(slot) => slot,
         Err(refusal) => {
-            warn!(reason = %refusal, "session refused");
+            config.metrics.session_refused(refusal.metric_reason());
+            let client = match anonymous {
+                true => "no certificate".to_string(),
+                false => identity.to_string(),
+            };
+            warn!(reason = %refusal, %client, "session refused");
             let message = format!("nbdgw: {refusal}; try again later");
             let client =
                 options::OptionChannel::new(tls, error::Side::Client, config.max_option_len);
@@ -189,14 +196,28 @@ async fn negotiate(
     };
     drop(handshake_permit);
     let relayed =
-        negotiate::relay_options(tls, client_flags, identity, config, &link.shutdown).await?;
+        negotiate::relay_options(tls, client_flags, identity.clone(), config, &link.shutdown)
+            .await?;
     Ok(match relayed {
         negotiate::Outcome::Closed(reason) => Negotiated::Closed(reason),
-        negotiate::Outcome::Transmission(session) => Negotiated::Transmission {
-            session,
-            slot,
-            registered,
-        },
+        negotiate::Outcome::Transmission(session) => {
+            if let Some(guard) = &registered {
+                let grant = Grant {
+                    identity,
+                    export: session.export.clone(),
+                    access: session.access,
+                };
+                guard.granted(
+                    grant,
+                    config.policy_revoke_closes.then_some(&*config.policy),
+                );
+            }
+            Negotiated::Transmission {
+                session,
+                slot,
+                registered,
+            }
+        }
     })
 }
 
@@ -215,8 +236,9 @@ fn log_tls(tls: &ClientTls) {
     );
 }
 
-/// Runs `work` unless the session's certificate is revoked first.
-async fn until_revoked<T>(
+/// Runs `work` unless a reload ends the session first (its certificate
+/// revoked, or its access narrowed).
+async fn until_ended<T>(
     registered: Option<&SessionGuard>,
     work: impl Future<Output = Result<T, ConnError>>,
 ) -> Result<T, ConnError> {
@@ -224,8 +246,14 @@ async fn until_revoked<T>(
         return work.await;
     };
     tokio::select! {
+        // The end first: once signalled, the relay is not polled again, so
+        // a request that arrives after the reload is never forwarded.
+        biased;
+        ended = guard.ended() => Err(match ended {
+            Ended::CertificateRevoked => ConnError::Revoked,
+            Ended::PolicyNarrowed => ConnError::PolicyNarrowed,
+        }),
         result = work => result,
-        () = guard.revoked() => Err(ConnError::Revoked),
     }
 }
 

@@ -644,6 +644,8 @@ impl<'a> Negotiation<'a> {
             upstream: channel.into_inner().into_inner(),
             mode,
             read_only,
+            export: export.to_string(),
+            access: self.access,
         })))
     }
 }

@@ -39,6 +39,10 @@ pub struct Session {
     pub upstream: UnixStream,
     pub mode: ReplyMode,
     pub read_only: bool,
+    /// The export name the policy judged, and the access it granted: what
+    /// a narrowing reload judges again (`--policy-revoke-closes`).
+    pub export: String,
+    pub access: crate::policy::Access,
 }
 
 /// What a connection's phases share besides its streams.

@@ -13,6 +13,7 @@ use tracing::{error, info};
 
 use super::{Policy, PolicyError};
 use crate::reload::{ReloadOutcome, Swap, Trigger, Triggers};
+use crate::tls::Sessions;
 
 /// The policy new connections use; each connection keeps the one it
 /// started with.
@@ -36,6 +37,9 @@ pub struct PolicyReloader {
     /// Reloads done and refused, for the metrics.
     reloaded: Counter,
     refused: Counter,
+    /// The established sessions a narrowing reload ends when their access
+    /// is narrowed (`--policy-revoke-closes`); `None`: they keep it.
+    sessions: Option<Arc<Sessions>>,
 }
 
 impl PolicyReloader {
@@ -50,7 +54,15 @@ impl PolicyReloader {
             last_refusal: None,
             reloaded: Counter::default(),
             refused: Counter::default(),
+            sessions: None,
         })
+    }
+
+    /// Ends, at each reload, the sessions in `sessions` whose access the
+    /// new policy narrows (`--policy-revoke-closes`). The same registry
+    /// `--tls-revoke-closes` uses.
+    pub fn close_narrowed_in(&mut self, sessions: Arc<Sessions>) {
+        self.sessions = Some(sessions);
     }
 
     /// Counts reloads into these (the metrics' counters).
@@ -88,8 +100,20 @@ impl PolicyReloader {
         });
         match checked {
             Ok((bytes, policy)) => {
-                info!(path = %self.path.display(), rules = policy.rule_count(), "access policy reloaded; new connections use it");
-                self.store.replace(Arc::new(policy));
+                let policy = Arc::new(policy);
+                // Replaced first, then the sessions judged: one recording
+                // its grant meanwhile is judged by the new policy there.
+                self.store.replace(policy.clone());
+                let closed = self
+                    .sessions
+                    .as_ref()
+                    .map_or(0, |sessions| sessions.close_narrowed(&policy));
+                info!(
+                    path = %self.path.display(),
+                    rules = policy.rule_count(),
+                    sessions_closed = closed,
+                    "access policy reloaded; new connections use it"
+                );
                 self.in_force = bytes;
                 self.last_refusal = None;
                 self.reloaded.inc();

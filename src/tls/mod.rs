@@ -25,7 +25,7 @@ pub use material::{
     DirLayout, Material, PemFile, TlsPaths, TlsSources, KUBERNETES_LAYOUT, QEMU_LAYOUT,
 };
 pub use reload::{ReloadOutcome, Reloader, TlsStore, Trigger, EXPIRY_WARNING_DAYS};
-pub use sessions::{SessionGuard, Sessions};
+pub use sessions::{Ended, Grant, SessionGuard, Sessions};
 
 #[derive(Debug, Error)]
 pub enum TlsConfigError {

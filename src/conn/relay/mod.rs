@@ -43,6 +43,7 @@ pub async fn run(
         upstream,
         mode,
         read_only,
+        ..
     } = *session;
     let (client_rd, client_wr) = tokio::io::split(tls);
     let (up_rd, up_wr) = upstream.into_split();
