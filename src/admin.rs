@@ -6,6 +6,8 @@
 
 use std::convert::Infallible;
 use std::path::PathBuf;
+use std::pin::pin;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,8 +15,9 @@ use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
-use tokio::net::{TcpListener, UnixStream};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::{TcpListener, TcpStream, UnixStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, warn};
 
 use crate::logsafe::Escaped;
@@ -24,10 +27,37 @@ use crate::metrics::{Health, Metrics};
 /// answered from the last result, never by a connection of their own.
 pub const UPSTREAM_CHECK_EVERY: Duration = Duration::from_secs(2);
 
+/// How the admin listener protects itself and the data plane.
+#[derive(Debug, Clone, Copy)]
+pub struct AdminLimits {
+    /// Connections open at once; more are closed at accept. Its own
+    /// budget, apart from the NBD listener's, so that neither can use up
+    /// the descriptors of the other.
+    pub max_connections: u32,
+    /// For a request's head, from accept or the previous response (hyper
+    /// starts it whenever it waits for a head, idle keep-alive included).
+    pub header_timeout: Duration,
+    /// Requests per connection; the last response says `Connection: close`.
+    pub keepalive_requests: u32,
+    /// A connection's whole life, however busy.
+    pub keepalive_timeout: Duration,
+    /// Largest request head (hyper's read buffer; at least 8192).
+    pub max_header_bytes: usize,
+}
+
+/// The endpoints read no header at all; a probe sends a handful.
+const MAX_HEADERS: usize = 32;
+
 /// Serves the admin endpoints until the process ends.
-pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, health: Arc<Health>) {
+pub async fn serve(
+    listener: TcpListener,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+    limits: AdminLimits,
+) {
+    let slots = Arc::new(Semaphore::new(limits.max_connections as usize));
     loop {
-        let (stream, _) = match listener.accept().await {
+        let (stream, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
             Err(e) => {
                 warn!(error = %e, "admin listener: accept failed");
@@ -35,21 +65,89 @@ pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, health: Arc<Hea
                 continue;
             }
         };
+        // Closed at once rather than queued: a waiting connection would
+        // hold the very descriptor the cap is there to bound.
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            metrics.admin_connections_refused.inc();
+            debug!(%peer, "admin connection refused: --admin-max-connections open");
+            drop(stream);
+            continue;
+        };
         let (metrics, health) = (metrics.clone(), health.clone());
         tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |request| {
-                let response = respond(&request, &metrics, &health);
-                async move { Ok::<_, Infallible>(response) }
-            });
-            if let Err(e) = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await
-            {
-                debug!(error = %e, "admin connection ended");
-            }
+            let open = OpenAdmin::new(&metrics, slot);
+            serve_one(stream, &metrics, &health, limits).await;
+            drop(open);
         });
     }
 }
+
+/// One admin connection's slot and its place in the open gauge, given
+/// back however the connection ends.
+struct OpenAdmin<'a> {
+    metrics: &'a Metrics,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl<'a> OpenAdmin<'a> {
+    fn new(metrics: &'a Metrics, slot: OwnedSemaphorePermit) -> Self {
+        metrics.admin_connections_open.inc();
+        OpenAdmin {
+            metrics,
+            _slot: slot,
+        }
+    }
+}
+
+impl Drop for OpenAdmin<'_> {
+    fn drop(&mut self) {
+        self.metrics.admin_connections_open.dec();
+    }
+}
+
+async fn serve_one(stream: TcpStream, metrics: &Metrics, health: &Health, limits: AdminLimits) {
+    let served = AtomicU32::new(0);
+    let service = hyper::service::service_fn(|request| {
+        let mut response = respond(&request, metrics, health);
+        // The last request keep-alive allows: hyper closes after it.
+        if served.fetch_add(1, Ordering::Relaxed) + 1 >= limits.keepalive_requests {
+            response.headers_mut().insert(
+                hyper::header::CONNECTION,
+                hyper::header::HeaderValue::from_static("close"),
+            );
+        }
+        async move { Ok::<_, Infallible>(response) }
+    });
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        // Without a timer hyper's header timeout is silently inactive.
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        .keep_alive(limits.keepalive_requests > 1)
+        .max_buf_size(limits.max_header_bytes.max(MIN_HYPER_BUF))
+        .max_headers(MAX_HEADERS);
+    let connection = builder.serve_connection(TokioIo::new(stream), service);
+    let mut connection = pin!(connection);
+    let ended = tokio::select! {
+        ended = connection.as_mut() => ended,
+        () = tokio::time::sleep(limits.keepalive_timeout) => {
+            // Lets a response in progress finish; one the client does not
+            // read is given one more header timeout, then dropped.
+            connection.as_mut().graceful_shutdown();
+            match tokio::time::timeout(limits.header_timeout, connection).await {
+                Ok(ended) => ended,
+                Err(_) => Ok(()),
+            }
+        }
+    };
+    if let Err(e) = ended {
+        debug!(error = %e, "admin connection ended");
+    }
+}
+
+/// hyper panics on a smaller read buffer; the flag's parser refuses one
+/// too, this only keeps a library caller from the panic.
+const MIN_HYPER_BUF: usize = 8192;
 
 fn respond(
     request: &Request<Incoming>,

@@ -188,6 +188,27 @@ pub struct ServeArgs {
     /// address, meant for localhost or the pod network; off by default.
     #[arg(long, env = "NBDGW_ADMIN_LISTEN", value_name = "HOST:PORT")]
     pub admin_listen: Option<SocketAddr>,
+    /// Admin connections open at once; more are closed at accept (and
+    /// counted), so probes and scrapers can never take the descriptors the
+    /// NBD clients need.
+    #[arg(long, env = "NBDGW_ADMIN_MAX_CONNECTIONS", default_value_t = config::DEFAULT_ADMIN_MAX_CONNECTIONS, value_parser = clap::value_parser!(u32).range(1..))]
+    pub admin_max_connections: u32,
+    /// Seconds an admin connection has to send a request's headers, from
+    /// accept or from the previous response; slower ones are closed.
+    #[arg(long, env = "NBDGW_ADMIN_HEADER_TIMEOUT", default_value_t = config::DEFAULT_ADMIN_HEADER_TIMEOUT_SECS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub admin_header_timeout: u64,
+    /// Requests one admin connection may send (keep-alive); the response
+    /// to the last says Connection: close. 1: no keep-alive.
+    #[arg(long, env = "NBDGW_ADMIN_KEEPALIVE_REQUESTS", default_value_t = config::DEFAULT_ADMIN_KEEPALIVE_REQUESTS, value_parser = clap::value_parser!(u32).range(1..))]
+    pub admin_keepalive_requests: u32,
+    /// Seconds an admin connection may stay open in all, however busy;
+    /// then it is closed after the response in progress.
+    #[arg(long, env = "NBDGW_ADMIN_KEEPALIVE_TIMEOUT", default_value_t = config::DEFAULT_ADMIN_KEEPALIVE_TIMEOUT_SECS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub admin_keepalive_timeout: u64,
+    /// Largest admin request head (request line and headers) in bytes;
+    /// larger ones are refused. At least 8192 (hyper's smallest buffer).
+    #[arg(long, env = "NBDGW_ADMIN_MAX_HEADER_BYTES", default_value_t = config::DEFAULT_ADMIN_MAX_HEADER_BYTES, value_parser = clap::value_parser!(u32).range(8192..=1048576))]
+    pub admin_max_header_bytes: u32,
     /// Seconds to go on accepting after SIGTERM, not ready, so that load
     /// balancers stop sending clients first (5 s suits Kubernetes).
     #[arg(long, env = "NBDGW_DRAIN_DELAY", default_value_t = 0)]

@@ -172,3 +172,14 @@ pub const DEFAULT_SHUTDOWN_GRACE_SECS: u64 = 30;
 /// queries of at most 4096 bytes each); 64 KiB leaves room for many
 /// queries and still bounds what an unauthenticated client can send.
 pub const DEFAULT_MAX_OPTION_LEN: u32 = 64 * 1024;
+/// Admin connections at once: room for a burst of half-open ones to wait
+/// out the header timeout while probes still get in, and a bounded share
+/// of descriptors (about a sixth of what `--max-connections` needs).
+pub const DEFAULT_ADMIN_MAX_CONNECTIONS: u32 = 512;
+/// A probe sends its request at once; 5 s is generous on a loaded node.
+pub const DEFAULT_ADMIN_HEADER_TIMEOUT_SECS: u64 = 5;
+pub const DEFAULT_ADMIN_KEEPALIVE_REQUESTS: u32 = 100;
+pub const DEFAULT_ADMIN_KEEPALIVE_TIMEOUT_SECS: u64 = 60;
+/// hyper's smallest read buffer: the endpoints take no headers worth
+/// more than a line or two.
+pub const DEFAULT_ADMIN_MAX_HEADER_BYTES: u32 = 8192;

@@ -83,7 +83,15 @@ fn serve(args: ServeArgs) -> Result<()> {
     let (reloader, policy, config) = configure(&args)?;
     let reload_interval = seconds_or_off(args.tls_reload_interval);
 
-    report_fd_limit(args.max_connections + args.max_handshakes);
+    // The admin listener's connections (one descriptor each) are budgeted
+    // on top of the data plane's, so a full admin cap leaves every
+    // descriptor --max-connections counts on.
+    let admin_share = match args.admin_listen {
+        Some(_) => (args.admin_max_connections as usize)
+            .div_ceil(nbdgw::limits::FDS_PER_CONNECTION as usize),
+        None => 0,
+    };
+    report_fd_limit(args.max_connections + args.max_handshakes + admin_share);
     report_sndbuf(args.upstream_sndbuf, &config.metrics);
     if config.exports.is_none() && !nbdgw::upstream::looks_like_socket(&config.upstream) {
         warn!(upstream = %config.upstream.display(), "upstream socket does not exist yet; clients will get an error until it does");
@@ -111,7 +119,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         }
         debug_probe::after_start();
         if let Some(admin) = listeners.admin {
-            start_admin(async_listener(admin)?, &config);
+            start_admin(async_listener(admin)?, &config, admin_limits(&args));
         }
         let listener = async_listener(listeners.nbd)?;
         info!(
@@ -170,7 +178,17 @@ fn configure(
     Ok((reloader, policy, config))
 }
 
-fn start_admin(listener: TcpListener, config: &Config) {
+fn admin_limits(args: &ServeArgs) -> nbdgw::admin::AdminLimits {
+    nbdgw::admin::AdminLimits {
+        max_connections: args.admin_max_connections,
+        header_timeout: Duration::from_secs(args.admin_header_timeout),
+        keepalive_requests: args.admin_keepalive_requests,
+        keepalive_timeout: Duration::from_secs(args.admin_keepalive_timeout),
+        max_header_bytes: args.admin_max_header_bytes as usize,
+    }
+}
+
+fn start_admin(listener: TcpListener, config: &Config, limits: nbdgw::admin::AdminLimits) {
     info!(admin = %display_addr(&listener), "admin endpoints: /healthz /readyz /metrics");
     let (metrics, health) = (config.metrics.clone(), config.health.clone());
     // With named exports each has its own server; one being down does
@@ -179,7 +197,7 @@ fn start_admin(listener: TcpListener, config: &Config) {
         let upstream = config.upstream.clone();
         tokio::spawn(nbdgw::admin::watch_upstream(upstream, health.clone()));
     }
-    tokio::spawn(nbdgw::admin::serve(listener, metrics, health));
+    tokio::spawn(nbdgw::admin::serve(listener, metrics, health, limits));
 }
 
 fn async_listener(listener: std::net::TcpListener) -> Result<TcpListener> {

@@ -74,6 +74,8 @@ pub struct Metrics {
     pub sessions_refused: Family<SessionRefusal, Counter>,
     pub policy_reloads: Counter,
     pub policy_reload_failures: Counter,
+    pub admin_connections_open: Gauge,
+    pub admin_connections_refused: Counter,
 }
 
 fn latency_histogram() -> Histogram {
@@ -105,6 +107,8 @@ impl Metrics {
             sessions_refused: Family::default(),
             policy_reloads: Counter::default(),
             policy_reload_failures: Counter::default(),
+            admin_connections_open: Gauge::default(),
+            admin_connections_refused: Counter::default(),
             registry: Registry::default(),
         };
         metrics.register_connections(&mut registry);
@@ -174,6 +178,16 @@ impl Metrics {
 
     fn register_exports(&self, r: &mut Registry) {
         let m = self;
+        r.register(
+            "admin_connections_open",
+            "Admin listener connections open now",
+            m.admin_connections_open.clone(),
+        );
+        r.register(
+            "admin_connections_refused",
+            "Admin listener connections closed at accept: --admin-max-connections were open",
+            m.admin_connections_refused.clone(),
+        );
         r.register(
             "exports_refused",
             "Options naming an export the client may not open, or that does not exist",

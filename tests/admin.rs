@@ -133,3 +133,169 @@ fn readiness_follows_the_upstream_socket_and_sigterm_with_a_drain_delay() {
         .expect("exits after the drain");
     assert!(status.success());
 }
+
+/// Slowloris on the admin port: 300 connections that send half a request
+/// line and stop. With the default header timeout (5 s) they are closed
+/// within it; meanwhile a fresh `/healthz` answers in under 2 s and an
+/// NBD client copies the disk, and afterwards nbdgw's descriptors are
+/// back where they were.
+#[test]
+fn half_requests_on_the_admin_port_are_closed_within_the_header_timeout() {
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    const HALF_OPEN: usize = 300;
+    const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+    let env = Env::new();
+    let image = env.random_image("disk.img", 1 << 20, 11);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let admin = free_port();
+    let gw = gateway(&env, &upstream.socket, admin, &[]);
+    assert_eq!(http_get(admin, "/healthz").0, 200);
+    std::thread::sleep(Duration::from_millis(300));
+    let baseline = gw.open_fds();
+
+    let started = Instant::now();
+    let mut half_open: Vec<TcpStream> = (0..HALF_OPEN)
+        .map(|_| {
+            let mut c = TcpStream::connect(("127.0.0.1", admin)).expect("admin connect");
+            c.write_all(b"GET /healthz HT")
+                .expect("half a request line");
+            c
+        })
+        .collect();
+
+    let done = Arc::new(AtomicBool::new(false));
+    let probes = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            let mut slowest = Duration::ZERO;
+            while !done.load(Ordering::SeqCst) {
+                let asked = Instant::now();
+                let (code, body) = http_get(admin, "/healthz");
+                assert_eq!(code, 200, "/healthz during the slowloris: {body}");
+                slowest = slowest.max(asked.elapsed());
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            slowest
+        })
+    };
+    let port = gw.port;
+    let certs = env.certs();
+    let copies = {
+        let (done, image, copy) = (done.clone(), image.clone(), env.path("copy.img"));
+        std::thread::spawn(move || {
+            let mut copied = 0;
+            while !done.load(Ordering::SeqCst) || copied == 0 {
+                let _ = std::fs::remove_file(&copy);
+                run_ok(
+                    Command::new("nbdcopy")
+                        .arg(nbds_uri(port, &certs))
+                        .arg(&copy),
+                );
+                assert_eq!(
+                    std::fs::read(&copy).unwrap(),
+                    std::fs::read(&image).unwrap()
+                );
+                copied += 1;
+            }
+            copied
+        })
+    };
+
+    // Each half-open connection must be closed by nbdgw (EOF or reset)
+    // within the header timeout, with a little slack for scheduling.
+    let deadline = started + HEADER_TIMEOUT + Duration::from_secs(2);
+    for (i, c) in half_open.iter_mut().enumerate() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        c.set_read_timeout(Some(left.max(Duration::from_millis(1))))
+            .unwrap();
+        let mut byte = [0u8; 512];
+        let closed = loop {
+            match c.read(&mut byte) {
+                // hyper may answer the timeout with a 408 first.
+                Ok(n) if n > 0 => continue,
+                Ok(_) => break true,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break false,
+                Err(e) if e.kind() == std::io::ErrorKind::TimedOut => break false,
+                Err(_) => break true,
+            }
+        };
+        assert!(
+            closed,
+            "half-open admin connection {i} still open {:?} after it started (header timeout {HEADER_TIMEOUT:?})",
+            started.elapsed()
+        );
+    }
+    drop(half_open);
+    done.store(true, Ordering::SeqCst);
+    let slowest = probes.join().expect("/healthz answered throughout");
+    assert!(
+        slowest < Duration::from_secs(2),
+        "slowest /healthz took {slowest:?}"
+    );
+    assert!(copies.join().expect("NBD copies throughout") >= 1);
+
+    let settle = Instant::now() + Duration::from_secs(5);
+    while gw.open_fds() > baseline && Instant::now() < settle {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        gw.open_fds() <= baseline,
+        "descriptors {} after the slowloris, {baseline} before",
+        gw.open_fds()
+    );
+    let (_, metrics) = http_get(admin, "/metrics");
+    assert_eq!(
+        sample(&metrics, "nbdgw_admin_connections_refused_total"),
+        0.0
+    );
+}
+
+/// Beyond `--admin-max-connections` a connection is closed at once and
+/// counted; one that fits is served.
+#[test]
+fn admin_connections_beyond_the_cap_are_closed_at_once_and_counted() {
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+
+    let env = Env::new();
+    let image = env.random_image("disk.img", 1 << 20, 12);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let admin = free_port();
+    let gw = gateway(
+        &env,
+        &upstream.socket,
+        admin,
+        &["--admin-max-connections", "4"],
+    );
+    assert_eq!(http_get(admin, "/healthz").0, 200);
+    let held: Vec<TcpStream> = (0..4)
+        .map(|_| {
+            let mut c = TcpStream::connect(("127.0.0.1", admin)).unwrap();
+            c.write_all(b"GET /").unwrap();
+            c
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut extra = TcpStream::connect(("127.0.0.1", admin)).unwrap();
+    extra
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .unwrap();
+    let _ = extra.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+    let mut got = Vec::new();
+    let ended = extra.read_to_end(&mut got);
+    assert!(
+        got.is_empty() && !matches!(&ended, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "the fifth connection was served: {ended:?} {:?}",
+        String::from_utf8_lossy(&got)
+    );
+    drop(held);
+    std::thread::sleep(Duration::from_millis(300));
+    let (code, metrics) = http_get(admin, "/metrics");
+    assert_eq!(code, 200);
+    assert!(sample(&metrics, "nbdgw_admin_connections_refused_total") >= 1.0);
+    drop(gw);
+}

@@ -273,3 +273,61 @@ fn a_misbehaving_upstream_ends_only_that_connection_with_the_reason_logged() {
         eprintln!("{}: {}", case.name, case.logged);
     }
 }
+
+/// libnbd (async API) with one read held at the upstream when SIGTERM
+/// arrives and a second read issued during the grace: the first
+/// completes with its data, the second with ESHUTDOWN, neither hangs.
+#[test]
+fn a_read_issued_during_the_shutdown_grace_is_answered_with_eshutdown() {
+    use std::io::{BufRead, BufReader, Write};
+    use std::process::Stdio;
+
+    let env = Env::new();
+    let image = env.random_image("disk.img", 1 << 20, 21);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let held = common::process::UpstreamCounter::start(&upstream.socket, &env.path("held.sock"));
+    let gw = gateway(&env, &held.socket);
+    let mut probe = Command::new("/usr/bin/python3")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/shutdown_grace_probe.py"
+        ))
+        .arg(gw.port.to_string())
+        .arg(env.certs())
+        .arg(gw.pid().to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3 with libnbd's bindings");
+    let mut to_probe = probe.stdin.take().unwrap();
+    let mut from_probe = BufReader::new(probe.stdout.take().unwrap());
+    let mut line = String::new();
+    let mut expect = |word: &str, line: &mut String| {
+        line.clear();
+        from_probe.read_line(line).unwrap();
+        assert_eq!(line.trim(), word, "probe said {line:?}");
+    };
+    expect("connected", &mut line);
+    held.hold_replies(true);
+    to_probe.write_all(b"\n").unwrap();
+    expect("issued", &mut line);
+    gw.wait_for_log("SIGTERM received", 1);
+    held.hold_replies(false);
+    to_probe.write_all(b"\n").unwrap();
+    line.clear();
+    from_probe.read_line(&mut line).unwrap();
+    let _ = probe.wait();
+    let expected = hex(&std::fs::read(&image).unwrap()[..8]);
+    assert_eq!(
+        line.trim(),
+        format!(
+            r#"{{"first": {{"ok": true, "data": "{expected}"}}, "second": {{"ok": false, "errno": "ESHUTDOWN"}}}}"#
+        ),
+        "nbdgw log:\n{}",
+        gw.log()
+    );
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

@@ -35,7 +35,7 @@ _nbdgw() {
 
     case "${cmd}" in
         nbdgw)
-            opts="-h -V --listen --tls-cert --tls-key --tls-dir --tls-client-ca --tls-crl --allow-cn --allow-dns --allow-uri --tls-crl-allow-expired --tls-revoke-closes --tls-min-version --tls-reload-interval --upstream --export --export-dir --policy --policy-revoke-closes --upstream-sndbuf --max-connections --max-sessions-per-identity --max-handshakes --max-handshakes-per-source --handshake-timeout --idle-timeout --stall-timeout --tcp-keepalive --tcp-keepalive-interval --tcp-keepalive-count --max-payload --max-option-len --admin-listen --drain-delay --shutdown-grace --cork --ktls --ktls-key-limit --threads --landlock --log-format --help --version certs help"
+            opts="-h -V --listen --tls-cert --tls-key --tls-dir --tls-client-ca --tls-crl --allow-cn --allow-dns --allow-uri --tls-crl-allow-expired --tls-revoke-closes --tls-min-version --tls-reload-interval --upstream --export --export-dir --policy --policy-revoke-closes --upstream-sndbuf --max-connections --max-sessions-per-identity --max-handshakes --max-handshakes-per-source --handshake-timeout --idle-timeout --stall-timeout --tcp-keepalive --tcp-keepalive-interval --tcp-keepalive-count --max-payload --max-option-len --admin-listen --admin-max-connections --admin-header-timeout --admin-keepalive-requests --admin-keepalive-timeout --admin-max-header-bytes --drain-delay --shutdown-grace --cork --ktls --ktls-key-limit --threads --landlock --log-format --help --version certs help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 1 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -162,6 +162,26 @@ _nbdgw() {
                     return 0
                     ;;
                 --admin-listen)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --admin-max-connections)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --admin-header-timeout)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --admin-keepalive-requests)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --admin-keepalive-timeout)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --admin-max-header-bytes)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

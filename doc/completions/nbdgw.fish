@@ -1,6 +1,6 @@
 # Print an optspec for argparse to handle cmd's options that are independent of any subcommand.
 function __fish_nbdgw_global_optspecs
-    string join \n listen= tls-cert= tls-key= tls-dir= tls-client-ca= tls-crl= allow-cn= allow-dns= allow-uri= tls-crl-allow-expired tls-revoke-closes= tls-min-version= tls-reload-interval= upstream= export= export-dir= policy= policy-revoke-closes= upstream-sndbuf= max-connections= max-sessions-per-identity= max-handshakes= max-handshakes-per-source= handshake-timeout= idle-timeout= stall-timeout= tcp-keepalive= tcp-keepalive-interval= tcp-keepalive-count= max-payload= max-option-len= admin-listen= drain-delay= shutdown-grace= cork= ktls= ktls-key-limit= threads= landlock= log-format= h/help V/version
+    string join \n listen= tls-cert= tls-key= tls-dir= tls-client-ca= tls-crl= allow-cn= allow-dns= allow-uri= tls-crl-allow-expired tls-revoke-closes= tls-min-version= tls-reload-interval= upstream= export= export-dir= policy= policy-revoke-closes= upstream-sndbuf= max-connections= max-sessions-per-identity= max-handshakes= max-handshakes-per-source= handshake-timeout= idle-timeout= stall-timeout= tcp-keepalive= tcp-keepalive-interval= tcp-keepalive-count= max-payload= max-option-len= admin-listen= admin-max-connections= admin-header-timeout= admin-keepalive-requests= admin-keepalive-timeout= admin-max-header-bytes= drain-delay= shutdown-grace= cork= ktls= ktls-key-limit= threads= landlock= log-format= h/help V/version
 end
 
 function __fish_nbdgw_needs_command
@@ -58,6 +58,11 @@ complete -c nbdgw -n "__fish_nbdgw_needs_command" -l tcp-keepalive-count -d 'Una
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l max-payload -d 'Largest request payload and read length in bytes' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l max-option-len -d 'Largest option data (and option reply) in bytes' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l admin-listen -d 'Plain-HTTP admin endpoints (/healthz, /readyz, /metrics) on this address, meant for localhost or the pod network; off by default' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l admin-max-connections -d 'Admin connections open at once; more are closed at accept (and counted), so probes and scrapers can never take the descriptors the NBD clients need' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l admin-header-timeout -d 'Seconds an admin connection has to send a request\'s headers, from accept or from the previous response; slower ones are closed' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l admin-keepalive-requests -d 'Requests one admin connection may send (keep-alive); the response to the last says Connection: close. 1: no keep-alive' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l admin-keepalive-timeout -d 'Seconds an admin connection may stay open in all, however busy; then it is closed after the response in progress' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l admin-max-header-bytes -d 'Largest admin request head (request line and headers) in bytes; larger ones are refused. At least 8192 (hyper\'s smallest buffer)' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l drain-delay -d 'Seconds to go on accepting after SIGTERM, not ready, so that load balancers stop sending clients first (5 s suits Kubernetes)' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l shutdown-grace -d 'Seconds open connections may finish after SIGTERM or SIGINT' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l cork -d 'TCP_CORK around replies: deferred (held while the next reply is already waiting), per-reply (as QEMU), or off. For measuring; the default gives full segments' -r -f -a "deferred\t'Corked while the next reply is already waiting; released when nothing more is (a burst that fits one write needs no cork at all)'

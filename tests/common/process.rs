@@ -90,6 +90,20 @@ impl NbdgwProcess {
         NbdgwProcess { child, port, log }
     }
 
+    /// The process's id, for /proc and for signals of a test's own.
+    #[allow(dead_code)]
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Descriptors the process holds now.
+    #[allow(dead_code)]
+    pub fn open_fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.child.id()))
+            .map(|dir| dir.count())
+            .unwrap_or(0)
+    }
+
     pub fn addr(&self) -> std::net::SocketAddr {
         ([127, 0, 0, 1], self.port).into()
     }
