@@ -280,7 +280,7 @@ fn admin_connections_beyond_the_cap_are_closed_at_once_and_counted() {
         assert!(std::time::Instant::now() < deadline, "admin slots never came back");
         std::thread::sleep(Duration::from_millis(20));
     }
-    std::thread::sleep(Duration::from_millis(100));
+    std::thread::sleep(Duration::from_millis(300));
     let held: Vec<TcpStream> = (0..4)
         .map(|_| {
             let mut c = TcpStream::connect(("127.0.0.1", admin)).unwrap();
