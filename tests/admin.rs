@@ -276,8 +276,15 @@ fn admin_connections_beyond_the_cap_are_closed_at_once_and_counted() {
     // curl has its answer: wait until only the asking one is open, or a
     // slot still held would refuse one of the four below instead.
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while sample(&http_get(admin, "/metrics").1, "nbdgw_admin_connections_open") > 1.0 {
-        assert!(std::time::Instant::now() < deadline, "admin slots never came back");
+    while sample(
+        &http_get(admin, "/metrics").1,
+        "nbdgw_admin_connections_open",
+    ) > 1.0
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "admin slots never came back"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     std::thread::sleep(Duration::from_millis(300));

@@ -197,7 +197,9 @@ fn refused_clients_get_an_alert_in_qemu_img_and_nbdinfo_and_never_reach_the_upst
     let log = p.gw.log();
     assert!(
         log.contains("client certificate refused")
-            && log.contains("subject \"CN=intruder\", URI spiffe://example.org/ns/prod/sa/other"),
+            && log.contains(
+                "subject \"CN=intruder\", URI [\"spiffe://example.org/ns/prod/sa/other\"]"
+            ),
         "{log}"
     );
     assert!(

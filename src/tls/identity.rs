@@ -6,7 +6,6 @@ use std::fmt;
 use thiserror::Error;
 use x509_parser::extensions::GeneralName;
 
-use crate::logsafe::Escaped;
 use x509_parser::prelude::{FromDer, X509Certificate};
 
 /// The parts of a certificate nbdgw logs and authorises on.
@@ -82,15 +81,18 @@ impl CertInfo {
 }
 
 /// How a client is named in log lines: every name an allow-list could
-/// match. Any peer can present any certificate, so every name is escaped.
+/// match. Any peer can present any certificate, so every name is quoted
+/// on its own with quotes, backslashes, control and format characters
+/// escaped: a CN of `x", DNS admin` cannot pass for a second name, nor a
+/// URI with a space for two.
 impl fmt::Display for CertInfo {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "subject \"{}\"", Escaped(&self.subject))?;
+        write!(f, "subject {:?}", self.subject)?;
         if !self.dns_names.is_empty() {
-            write!(f, ", DNS {}", Escaped(&self.dns_names.join(" ")))?;
+            write!(f, ", DNS {:?}", self.dns_names)?;
         }
         if !self.uris.is_empty() {
-            write!(f, ", URI {}", Escaped(&self.uris.join(" ")))?;
+            write!(f, ", URI {:?}", self.uris)?;
         }
         write!(f, ", serial {}", self.serial)
     }
@@ -315,5 +317,28 @@ mod tests {
             let longer = format!("{uri}/x");
             prop_assert!(!matches(&pattern, &longer, URI));
         }
+    }
+}
+
+#[cfg(test)]
+mod display_tests {
+    use super::*;
+
+    /// Review finding: a CN holding `", DNS admin.example.org` read in the
+    /// log as a second name.
+    #[test]
+    fn names_in_log_lines_cannot_pass_for_other_names() {
+        let mut info = CertInfo::with_names("x\", DNS admin.example.org", &[], &["spiffe://a/b c"]);
+        info.subject = "CN=x\", DNS admin.example.org\u{202e}".into();
+        let shown = info.to_string();
+        // The quote inside the CN is escaped, so the only `, DNS` that
+        // follows a closing quote would be a real DNS name (none here).
+        assert_eq!(
+            shown,
+            format!(
+                r#"subject "CN=x\", DNS admin.example.org\u{{202e}}", URI ["spiffe://a/b c"], serial {}"#,
+                info.serial
+            )
+        );
     }
 }
