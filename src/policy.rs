@@ -753,6 +753,7 @@ impl IdentityPattern {
 }
 
 mod store;
+pub mod tool;
 pub use store::{load, PolicyLoadError, PolicyReloader, PolicyStore};
 
 #[cfg(test)]
