@@ -92,7 +92,9 @@ fn a_policy_session_has_one_open_and_one_close_line_naming_rule_and_counts() {
     );
     let policy = env.path("policy.toml");
     std::fs::write(&policy, POLICY).unwrap();
-    let export = format!("team/db={}:disk0", db.socket.display());
+    // Names a peer chose, escaped in the log: a bidi override in the
+    // export name (a valid name), an ANSI escape in the certificate's CN.
+    let export = format!("team/\u{202e}db={}:disk0", db.socket.display());
     let gw = start(
         &env,
         &ca,
@@ -104,7 +106,12 @@ fn a_policy_session_has_one_open_and_one_close_line_naming_rule_and_counts() {
         ],
     );
     let app = ca
-        .client("team-app", &[], &["spiffe://example.org/ns/team/sa/app"], 7)
+        .client(
+            "team-app\x1b[31m",
+            &[],
+            &["spiffe://example.org/ns/team/sa/app"],
+            7,
+        )
         .client_dir(&env.path("app"), &ca);
 
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/libnbd_probe.py");
@@ -113,7 +120,7 @@ fn a_policy_session_has_one_open_and_one_close_line_naming_rule_and_counts() {
         .arg("open")
         .arg(gw.port.to_string())
         .arg(&app)
-        .arg("team/db"));
+        .arg("team/\u{202e}db"));
     assert!(out.status.success(), "{}", text(&out));
     let probe = String::from_utf8_lossy(&out.stdout);
     assert!(probe.contains(r#""write": "ok""#), "{probe}");
@@ -128,7 +135,7 @@ fn a_policy_session_has_one_open_and_one_close_line_naming_rule_and_counts() {
     assert_eq!(str_field(close, "message"), "closed");
     let socket = db.socket.display().to_string();
     let names = [
-        ("export", "team/db"),
+        ("export", r"team/\u{202e}db"),
         ("upstream_export", "disk0"),
         ("upstream", socket.as_str()),
         ("access", "read-write"),
@@ -139,7 +146,7 @@ fn a_policy_session_has_one_open_and_one_close_line_naming_rule_and_counts() {
         assert_names(line, &names, 7.0);
         let client = str_field(line, "client");
         assert!(
-            client.contains("subject \"CN=team-app\"")
+            client.contains(r#"subject "CN=team-app\u{1b}[31m""#)
                 && client.contains("URI spiffe://example.org/ns/team/sa/app"),
             "{client}"
         );
