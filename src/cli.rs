@@ -48,6 +48,42 @@ pub enum Command {
     /// Make a CA, a server certificate and client certificates in the
     /// layout qemu, nbdkit and libnbd read.
     Certs(CertsArgs),
+    /// Validate a --policy file, or show what it grants one certificate,
+    /// before a rollout.
+    Policy(PolicyArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct PolicyArgs {
+    #[command(subcommand)]
+    pub command: PolicyCommand,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum PolicyCommand {
+    /// Parse the policy file as nbdgw would at start. Exit status 0 when
+    /// it is valid; otherwise 1, with FILE:LINE:COLUMN and the problem on
+    /// stderr.
+    Check {
+        /// The policy file (TOML).
+        #[arg(value_name = "FILE")]
+        file: PathBuf,
+    },
+    /// Show which rule decides whether the client certificate may open the
+    /// export, and with what access. Exit status 0 when a rule grants it,
+    /// 1 when none does, 2 on an error. The --allow-* flags, which nbdgw
+    /// checks first, are not consulted.
+    Explain {
+        /// The policy file (TOML).
+        #[arg(long, value_name = "FILE")]
+        policy: PathBuf,
+        /// The client certificate (PEM; the first certificate in the file).
+        #[arg(long, value_name = "FILE")]
+        cert: PathBuf,
+        /// The export name as the client would ask for it.
+        #[arg(long, value_name = "NAME")]
+        export: String,
+    },
 }
 
 #[derive(Args, Debug)]

@@ -67,6 +67,9 @@ pub struct Config {
     /// After SIGTERM, how long to go on accepting (not ready) so that
     /// load balancers stop sending clients first.
     pub drain_delay: Duration,
+    /// Whether `--allow-*` lists admit clients: without a policy, the
+    /// audit trail names them (else "open") as what granted a session.
+    pub allow_lists: bool,
     pub metrics: Arc<crate::metrics::Metrics>,
     pub health: Arc<crate::metrics::Health>,
 }
@@ -97,6 +100,7 @@ impl Config {
             metrics: Arc::new(crate::metrics::Metrics::new(&tls)),
             health: Arc::default(),
             drain_delay: Duration::ZERO,
+            allow_lists: false,
             upstream,
             exports: None,
             policy: Arc::new(crate::reload::Swap::new(Arc::new(

@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use tokio::net::TcpListener;
 use tracing::{info, warn};
 
-use nbdgw::cli::{CertsArgs, Command, LogFormat, ServeArgs};
+use nbdgw::cli::{CertsArgs, Command, LogFormat, PolicyCommand, ServeArgs};
 use nbdgw::config::{Config, Keepalive};
 use nbdgw::listeners::Listeners;
 use nbdgw::sandbox::{Enforcement, LandlockMode, SocketRule};
@@ -27,6 +27,7 @@ fn main() -> ExitCode {
     let cli = nbdgw::cli::parse();
     let result = match cli.command {
         Some(Command::Certs(args)) => certs(args),
+        Some(Command::Policy(args)) => return policy(args.command),
         None => serve(cli.serve),
     };
     match result {
@@ -35,6 +36,37 @@ fn main() -> ExitCode {
             eprintln!("nbdgw: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// `nbdgw policy check|explain`; the work is in `nbdgw::policy::tool`.
+fn policy(command: PolicyCommand) -> ExitCode {
+    use nbdgw::policy::tool;
+    match command {
+        PolicyCommand::Check { file } => match tool::check(&file) {
+            Ok(rules) => {
+                println!("{}: valid, {rules} rule(s)", file.display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("nbdgw: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        PolicyCommand::Explain {
+            policy,
+            cert,
+            export,
+        } => match tool::explain(&policy, &cert, &export) {
+            Ok(explanation) => {
+                print!("{explanation}");
+                ExitCode::from(if explanation.granted() { 0 } else { 1 })
+            }
+            Err(e) => {
+                eprintln!("nbdgw: {e}");
+                ExitCode::from(2)
+            }
+        },
     }
 }
 
@@ -471,6 +503,8 @@ fn gateway_config(args: &ServeArgs, upstream: PathBuf, tls: Arc<TlsStore>) -> Co
     config.shutdown_grace = Duration::from_secs(args.shutdown_grace);
     config.drain_delay = Duration::from_secs(args.drain_delay);
     config.cork = args.cork;
+    config.allow_lists =
+        !(args.allow_cn.is_empty() && args.allow_dns.is_empty() && args.allow_uri.is_empty());
     config
 }
 

@@ -49,12 +49,16 @@ impl fmt::Display for Access {
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum PolicyError {
-    #[error("not a valid policy file: {0}")]
-    Syntax(String),
+    #[error("{}not a valid policy file: {message}", at.map(|at| at.to_string()).unwrap_or_default())]
+    Syntax {
+        /// Where in the file, when the parser could say.
+        at: Option<Location>,
+        message: String,
+    },
     #[error("{}rule {rule}: {problem}", at.map(|at| at.to_string()).unwrap_or_default())]
     Rule {
         rule: usize,
-        /// Where in the file, when the problem is one pattern's.
+        /// Where in the file: the pattern the problem is in, else the rule.
         at: Option<Location>,
         problem: String,
     },
@@ -69,8 +73,29 @@ pub struct Location {
     pub column: usize,
 }
 
+impl PolicyError {
+    /// Where in the file the problem is, when it is in one place.
+    pub fn location(&self) -> Option<Location> {
+        match self {
+            PolicyError::Syntax { at, .. } | PolicyError::Rule { at, .. } => *at,
+            PolicyError::Wider { .. } => None,
+        }
+    }
+
+    /// The problem without its location, for a caller that puts the
+    /// location elsewhere (`FILE:LINE:COLUMN: problem`).
+    pub fn problem(&self) -> String {
+        match self {
+            PolicyError::Syntax { message, .. } => format!("not a valid policy file: {message}"),
+            PolicyError::Rule { rule, problem, .. } => format!("rule {rule}: {problem}"),
+            PolicyError::Wider { .. } => self.to_string(),
+        }
+    }
+}
+
 impl Location {
-    fn of(text: &str, offset: usize) -> Self {
+    /// The place of byte `offset` in `text`.
+    pub fn of(text: &str, offset: usize) -> Self {
         let before = text.get(..offset).unwrap_or(text);
         let line_start = before.rfind('\n').map_or(0, |at| at + 1);
         Location {
@@ -95,8 +120,9 @@ type RuleProblem = (Option<std::ops::Range<usize>>, String);
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct FileShape {
+    /// Spanned so a rule can be named by its line.
     #[serde(default)]
-    rule: Vec<RuleShape>,
+    rule: Vec<Spanned<RuleShape>>,
 }
 
 #[derive(Deserialize)]
@@ -147,6 +173,15 @@ impl Field {
         }
     }
 
+    /// The key of the `allow` table that holds this field's patterns.
+    fn key(self) -> &'static str {
+        match self {
+            Field::Cn => "cn",
+            Field::Dns => "dns",
+            Field::Uri => "uri",
+        }
+    }
+
     fn values(self, cert: &CertInfo) -> &[String] {
         match self {
             Field::Cn => &cert.common_names,
@@ -174,6 +209,39 @@ struct Rule {
     exports: Vec<ExportPattern>,
     identities: Vec<IdentityPattern>,
     access: Access,
+    /// Where the rule starts in its file (not part of what it grants).
+    line: usize,
+}
+
+/// Which rule of a policy: its number (the Nth `[[rule]]`, from 1) and
+/// the line it starts on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RuleRef {
+    pub number: usize,
+    pub line: usize,
+}
+
+/// What a policy decided for one identity and export: the access, and
+/// the rule that granted it (`None`: no policy, everyone read-write).
+/// With several rules granting, the most permissive access wins and the
+/// first rule in the file granting that access is the one named.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decision {
+    pub access: Access,
+    pub rule: Option<RuleRef>,
+}
+
+/// One rule granting an identity an export, as `nbdgw policy explain`
+/// shows it: the rule, its access and patterns, the identity pattern that
+/// admitted the certificate, and what its placeholders were bound to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    pub rule: RuleRef,
+    pub access: Access,
+    pub exports: Vec<String>,
+    /// `cn`, `dns` or `uri`, and the pattern as written.
+    pub admitted_by: (&'static str, String),
+    pub bindings: Vec<(String, String)>,
 }
 
 type Bindings = BTreeMap<String, String>;
@@ -214,16 +282,20 @@ impl Policy {
     }
 
     pub fn parse(text: &str) -> Result<Self, PolicyError> {
-        let shape: FileShape =
-            toml::from_str(text).map_err(|e| PolicyError::Syntax(e.message().to_string()))?;
+        let shape: FileShape = toml::from_str(text).map_err(|e| PolicyError::Syntax {
+            at: e.span().map(|span| Location::of(text, span.start)),
+            message: e.message().to_string(),
+        })?;
         let rules = shape
             .rule
             .into_iter()
             .enumerate()
             .map(|(i, rule)| {
-                Rule::parse(rule).map_err(|(span, problem)| PolicyError::Rule {
+                let whole = rule.span();
+                let line = Location::of(text, whole.start).line;
+                Rule::parse(rule.into_inner(), line).map_err(|(span, problem)| PolicyError::Rule {
                     rule: i + 1,
-                    at: span.map(|span| Location::of(text, span.start)),
+                    at: Some(Location::of(text, span.unwrap_or(whole).start)),
                     problem,
                 })
             })
@@ -233,14 +305,55 @@ impl Policy {
 
     /// The access `cert` has to `export`, if any.
     pub fn decide(&self, cert: &CertInfo, export: &str) -> Option<Access> {
+        self.decide_with_rule(cert, export).map(|d| d.access)
+    }
+
+    /// The access `cert` has to `export`, if any, and the rule that
+    /// granted it: the first in the file of those granting the most.
+    pub fn decide_with_rule(&self, cert: &CertInfo, export: &str) -> Option<Decision> {
         let Some(rules) = &self.rules else {
-            return Some(Access::ReadWrite);
+            return Some(Decision {
+                access: Access::ReadWrite,
+                rule: None,
+            });
         };
         rules
             .iter()
-            .filter(|rule| rule.admits(cert, export))
-            .map(|rule| rule.access)
-            .max()
+            .enumerate()
+            .filter(|(_, rule)| rule.admitting(cert, export).is_some())
+            .map(|(i, rule)| Decision {
+                access: rule.access,
+                rule: Some(rule.reference(i)),
+            })
+            .reduce(|best, next| {
+                if next.access > best.access {
+                    next
+                } else {
+                    best
+                }
+            })
+    }
+
+    /// Every rule granting `cert` the export, in file order (none for
+    /// the open policy, which has no rules).
+    pub fn grants(&self, cert: &CertInfo, export: &str) -> Vec<Grant> {
+        let Some(rules) = &self.rules else {
+            return Vec::new();
+        };
+        rules
+            .iter()
+            .enumerate()
+            .filter_map(|(i, rule)| {
+                let (identity, bindings) = rule.admitting(cert, export)?;
+                Some(Grant {
+                    rule: rule.reference(i),
+                    access: rule.access,
+                    exports: rule.exports.iter().map(|e| e.text.clone()).collect(),
+                    admitted_by: (identity.field.key(), identity.text.clone()),
+                    bindings: bindings.into_iter().collect(),
+                })
+            })
+            .collect()
     }
 
     /// Refuses a replacement that might grant any identity an export, or
@@ -271,7 +384,7 @@ impl Policy {
 }
 
 impl Rule {
-    fn parse(shape: RuleShape) -> Result<Self, RuleProblem> {
+    fn parse(shape: RuleShape, line: usize) -> Result<Self, RuleProblem> {
         if shape.exports.is_empty() {
             return Err((
                 None,
@@ -313,35 +426,53 @@ impl Rule {
             exports,
             identities,
             access: shape.access,
+            line,
         })
-    }
-
-    fn admits(&self, cert: &CertInfo, export: &str) -> bool {
-        let bound: Vec<Bindings> = self
-            .identities
-            .iter()
-            .flat_map(|identity| {
-                identity
-                    .field
-                    .values(cert)
-                    .iter()
-                    .filter_map(|value| identity.bind(value))
-            })
-            .collect();
-        // One certificate, one tenant: a certificate whose names bind a
-        // placeholder to two values (two URI SANs of two namespaces, two
-        // CNs) would otherwise get both tenants' disks, so a templated
-        // rule grants it nothing.
-        if self.templated() && !agree(&bound) {
-            return false;
-        }
-        bound
-            .iter()
-            .any(|bindings| self.exports.iter().any(|e| e.matches(export, bindings)))
     }
 
     fn templated(&self) -> bool {
         self.exports.iter().any(|e| !e.placeholders().is_empty())
+    }
+
+    fn reference(&self, index: usize) -> RuleRef {
+        RuleRef {
+            number: index + 1,
+            line: self.line,
+        }
+    }
+
+    /// If this rule admits `cert` to `export`: the identity pattern that
+    /// matched, and what it bound.
+    fn admitting(&self, cert: &CertInfo, export: &str) -> Option<(&IdentityPattern, Bindings)> {
+        // One certificate, one tenant: a certificate whose names bind a
+        // placeholder to two values (two URI SANs of two namespaces, two
+        // CNs) would otherwise get both tenants' disks, so a templated
+        // rule grants it nothing.
+        if self.templated() {
+            let bound: Vec<Bindings> = self
+                .identities
+                .iter()
+                .flat_map(|identity| {
+                    identity
+                        .field
+                        .values(cert)
+                        .iter()
+                        .filter_map(|value| identity.bind(value))
+                })
+                .collect();
+            if !agree(&bound) {
+                return None;
+            }
+        }
+        self.identities.iter().find_map(|identity| {
+            identity
+                .field
+                .values(cert)
+                .iter()
+                .filter_map(|value| identity.bind(value))
+                .find(|bindings| self.exports.iter().any(|e| e.matches(export, bindings)))
+                .map(|bindings| (identity, bindings))
+        })
     }
 
     /// Whether every grant of `new` is plainly a grant of this rule.
@@ -674,7 +805,8 @@ impl IdentityPattern {
 }
 
 mod store;
-pub use store::{PolicyLoadError, PolicyReloader, PolicyStore};
+pub mod tool;
+pub use store::{load, PolicyLoadError, PolicyReloader, PolicyStore};
 
 #[cfg(test)]
 mod tests;

@@ -22,11 +22,41 @@ _nbdgw() {
             nbdgw,help)
                 cmd="nbdgw__subcmd__help"
                 ;;
+            nbdgw,policy)
+                cmd="nbdgw__subcmd__policy"
+                ;;
             nbdgw__subcmd__help,certs)
                 cmd="nbdgw__subcmd__help__subcmd__certs"
                 ;;
             nbdgw__subcmd__help,help)
                 cmd="nbdgw__subcmd__help__subcmd__help"
+                ;;
+            nbdgw__subcmd__help,policy)
+                cmd="nbdgw__subcmd__help__subcmd__policy"
+                ;;
+            nbdgw__subcmd__help__subcmd__policy,check)
+                cmd="nbdgw__subcmd__help__subcmd__policy__subcmd__check"
+                ;;
+            nbdgw__subcmd__help__subcmd__policy,explain)
+                cmd="nbdgw__subcmd__help__subcmd__policy__subcmd__explain"
+                ;;
+            nbdgw__subcmd__policy,check)
+                cmd="nbdgw__subcmd__policy__subcmd__check"
+                ;;
+            nbdgw__subcmd__policy,explain)
+                cmd="nbdgw__subcmd__policy__subcmd__explain"
+                ;;
+            nbdgw__subcmd__policy,help)
+                cmd="nbdgw__subcmd__policy__subcmd__help"
+                ;;
+            nbdgw__subcmd__policy__subcmd__help,check)
+                cmd="nbdgw__subcmd__policy__subcmd__help__subcmd__check"
+                ;;
+            nbdgw__subcmd__policy__subcmd__help,explain)
+                cmd="nbdgw__subcmd__policy__subcmd__help__subcmd__explain"
+                ;;
+            nbdgw__subcmd__policy__subcmd__help,help)
+                cmd="nbdgw__subcmd__policy__subcmd__help__subcmd__help"
                 ;;
             *)
                 ;;
@@ -35,7 +65,7 @@ _nbdgw() {
 
     case "${cmd}" in
         nbdgw)
-            opts="-h -V --listen --tls-cert --tls-key --tls-dir --tls-client-ca --tls-crl --allow-cn --allow-dns --allow-uri --tls-crl-allow-expired --tls-revoke-closes --tls-min-version --tls-reload-interval --upstream --export --export-dir --policy --policy-revoke-closes --upstream-sndbuf --max-connections --max-sessions-per-identity --max-handshakes --max-handshakes-per-source --handshake-timeout --idle-timeout --stall-timeout --tcp-keepalive --tcp-keepalive-interval --tcp-keepalive-count --max-payload --max-option-len --admin-listen --admin-max-connections --admin-header-timeout --admin-keepalive-requests --admin-keepalive-timeout --admin-max-header-bytes --drain-delay --shutdown-grace --cork --ktls --ktls-key-limit --threads --landlock --log-format --help --version certs help"
+            opts="-h -V --listen --tls-cert --tls-key --tls-dir --tls-client-ca --tls-crl --allow-cn --allow-dns --allow-uri --tls-crl-allow-expired --tls-revoke-closes --tls-min-version --tls-reload-interval --upstream --export --export-dir --policy --policy-revoke-closes --upstream-sndbuf --max-connections --max-sessions-per-identity --max-handshakes --max-handshakes-per-source --handshake-timeout --idle-timeout --stall-timeout --tcp-keepalive --tcp-keepalive-interval --tcp-keepalive-count --max-payload --max-option-len --admin-listen --admin-max-connections --admin-header-timeout --admin-keepalive-requests --admin-keepalive-timeout --admin-max-header-bytes --drain-delay --shutdown-grace --cork --ktls --ktls-key-limit --threads --landlock --log-format --help --version certs policy help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 1 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -267,7 +297,7 @@ _nbdgw() {
             return 0
             ;;
         nbdgw__subcmd__help)
-            opts="certs help"
+            opts="certs policy help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -297,6 +327,158 @@ _nbdgw() {
         nbdgw__subcmd__help__subcmd__help)
             opts=""
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        nbdgw__subcmd__help__subcmd__policy)
+            opts="check explain"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        nbdgw__subcmd__help__subcmd__policy__subcmd__check)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        nbdgw__subcmd__help__subcmd__policy__subcmd__explain)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        nbdgw__subcmd__policy)
+            opts="-h --help check explain help"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        nbdgw__subcmd__policy__subcmd__check)
+            opts="-h --help"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        nbdgw__subcmd__policy__subcmd__explain)
+            opts="-h --policy --cert --export --help"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                --policy)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --cert)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --export)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        nbdgw__subcmd__policy__subcmd__help)
+            opts="check explain help"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        nbdgw__subcmd__policy__subcmd__help__subcmd__check)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        nbdgw__subcmd__policy__subcmd__help__subcmd__explain)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        nbdgw__subcmd__policy__subcmd__help__subcmd__help)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
             fi

@@ -81,6 +81,7 @@ complete -c nbdgw -n "__fish_nbdgw_needs_command" -l tls-crl-allow-expired -d 'A
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -s h -l help -d 'Print help (see more with \'--help\')'
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -s V -l version -d 'Print version'
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -f -a "certs" -d 'Make a CA, a server certificate and client certificates in the layout qemu, nbdkit and libnbd read'
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -f -a "policy" -d 'Validate a --policy file, or show what it grants one certificate, before a rollout'
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand certs" -l out -d 'Directory to write into (created if missing)' -r -F
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand certs" -l server-name -d 'DNS name or IP address for the server certificate (repeatable; default localhost and 127.0.0.1)' -r
@@ -92,5 +93,20 @@ complete -c nbdgw -n "__fish_nbdgw_using_subcommand certs" -l ca-key -d 'The key
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand certs" -l force -d 'Overwrite existing files'
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand certs" -l keep-ca-key -d 'Keep the new CA\'s key as ca-key.pem (mode 0600), to issue more certificates from it later; without it the key is thrown away'
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand certs" -s h -l help -d 'Print help'
-complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and not __fish_seen_subcommand_from certs help" -f -a "certs" -d 'Make a CA, a server certificate and client certificates in the layout qemu, nbdkit and libnbd read'
-complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and not __fish_seen_subcommand_from certs help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand policy; and not __fish_seen_subcommand_from check explain help" -s h -l help -d 'Print help'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand policy; and not __fish_seen_subcommand_from check explain help" -f -a "check" -d 'Parse the policy file as nbdgw would at start. Exit status 0 when it is valid; otherwise 1, with FILE:LINE:COLUMN and the problem on stderr'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand policy; and not __fish_seen_subcommand_from check explain help" -f -a "explain" -d 'Show which rule decides whether the client certificate may open the export, and with what access. Exit status 0 when a rule grants it, 1 when none does, 2 on an error. The --allow-* flags, which nbdgw checks first, are not consulted'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand policy; and not __fish_seen_subcommand_from check explain help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand policy; and __fish_seen_subcommand_from check" -s h -l help -d 'Print help'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand policy; and __fish_seen_subcommand_from explain" -l policy -d 'The policy file (TOML)' -r -F
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand policy; and __fish_seen_subcommand_from explain" -l cert -d 'The client certificate (PEM; the first certificate in the file)' -r -F
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand policy; and __fish_seen_subcommand_from explain" -l export -d 'The export name as the client would ask for it' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand policy; and __fish_seen_subcommand_from explain" -s h -l help -d 'Print help'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand policy; and __fish_seen_subcommand_from help" -f -a "check" -d 'Parse the policy file as nbdgw would at start. Exit status 0 when it is valid; otherwise 1, with FILE:LINE:COLUMN and the problem on stderr'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand policy; and __fish_seen_subcommand_from help" -f -a "explain" -d 'Show which rule decides whether the client certificate may open the export, and with what access. Exit status 0 when a rule grants it, 1 when none does, 2 on an error. The --allow-* flags, which nbdgw checks first, are not consulted'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand policy; and __fish_seen_subcommand_from help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and not __fish_seen_subcommand_from certs policy help" -f -a "certs" -d 'Make a CA, a server certificate and client certificates in the layout qemu, nbdkit and libnbd read'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and not __fish_seen_subcommand_from certs policy help" -f -a "policy" -d 'Validate a --policy file, or show what it grants one certificate, before a rollout'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and not __fish_seen_subcommand_from certs policy help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and __fish_seen_subcommand_from policy" -f -a "check" -d 'Parse the policy file as nbdgw would at start. Exit status 0 when it is valid; otherwise 1, with FILE:LINE:COLUMN and the problem on stderr'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and __fish_seen_subcommand_from policy" -f -a "explain" -d 'Show which rule decides whether the client certificate may open the export, and with what access. Exit status 0 when a rule grants it, 1 when none does, 2 on an error. The --allow-* flags, which nbdgw checks first, are not consulted'

@@ -25,10 +25,11 @@ use tracing::{info, warn, Instrument};
 
 use crate::admission::{Admission, HandshakePermit, SessionPermit, SourceClaim};
 use crate::config::{Config, Cork};
+use crate::logsafe::escape;
 use crate::shutdown::Shutdown;
 use crate::tls::{Ended, Grant, SessionGuard};
 use error::ConnError;
-use session::{ClientTls, Link, Stats, CLIENT_READ_BUF};
+use session::{ClientTls, Link, Stats, AUDIT, CLIENT_READ_BUF};
 
 /// A connection the accept loop took, counted against its source address.
 pub struct Accepted {
@@ -83,6 +84,10 @@ pub async fn serve(conn: Accepted, config: &Config, admission: &Admission, shutd
     .await
 }
 
+/// The close line: for a session that entered transmission, the audit
+/// trail's second line (target `nbdgw::audit`, with the open line's
+/// names); for any other connection, a plain one. Exactly one of
+/// `reason` (a normal end) and `error` (anything else) is given.
 fn log_close(result: Result<&'static str, ConnError>, stats: &Stats, started: Instant) {
     let session::Counts {
         requests,
@@ -91,15 +96,52 @@ fn log_close(result: Result<&'static str, ConnError>, stats: &Stats, started: In
         bytes_out,
     } = stats.counts();
     let secs = started.elapsed().as_secs_f64();
-    match result {
-        Ok(reason) => info!(
-            reason,
-            requests, replies, bytes_in, bytes_out, secs, "closed"
-        ),
-        Err(error) if error.is_routine() => {
-            info!(%error, requests, replies, bytes_in, bytes_out, secs, "closed")
+    let routine = result.as_ref().map_or_else(ConnError::is_routine, |_| true);
+    let (reason, error) = match &result {
+        Ok(reason) => (Some(*reason), None),
+        Err(error) => (None, Some(escape(&error.to_string()).into_owned())),
+    };
+    let error = error.as_deref().map(tracing::field::display);
+    let Some(a) = stats.audit() else {
+        if routine {
+            info!(
+                reason,
+                error, requests, replies, bytes_in, bytes_out, secs, "closed"
+            );
+        } else {
+            warn!(
+                reason,
+                error, requests, replies, bytes_in, bytes_out, secs, "closed"
+            );
         }
-        Err(error) => warn!(%error, requests, replies, bytes_in, bytes_out, secs, "closed"),
+        return;
+    };
+    macro_rules! audit_close {
+        ($level:ident) => {
+            $level!(
+                target: AUDIT,
+                reason,
+                error,
+                requests,
+                replies,
+                bytes_in,
+                bytes_out,
+                secs,
+                client = %a.client,
+                export = %a.export,
+                upstream_export = %a.upstream_export,
+                upstream = %a.upstream,
+                access = %a.access,
+                rule = %a.rule,
+                rule_line = a.rule_line,
+                "closed"
+            )
+        };
+    }
+    if routine {
+        audit_close!(info);
+    } else {
+        audit_close!(warn);
     }
 }
 
@@ -200,7 +242,8 @@ async fn negotiate(
             .await?;
     Ok(match relayed {
         negotiate::Outcome::Closed(reason) => Negotiated::Closed(reason),
-        negotiate::Outcome::Transmission(session) => {
+        negotiate::Outcome::Transmission(session, audit) => {
+            link.stats.opened(*audit);
             if let Some(guard) = &registered {
                 let grant = Grant {
                     identity,

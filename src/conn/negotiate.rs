@@ -9,11 +9,11 @@ use tracing::{debug, info, warn};
 
 use super::error::{ConnError, Side};
 use super::options::{OptionChannel, ShutdownAnswer};
-use super::session::{ClientStream, Session};
+use super::session::{Audit, ClientStream, Session, AUDIT};
 use crate::config::Config;
 use crate::exports::Export;
-use crate::logsafe::{escape_bytes, Escaped};
-use crate::policy::{Access, Policy};
+use crate::logsafe::{escape, escape_bytes, Escaped};
+use crate::policy::{Access, Policy, RuleRef};
 use crate::proto::consts::*;
 use crate::proto::handshake::{
     clamp_block_size, encode_export_name_reply, encode_info_name, encode_option_reply,
@@ -30,7 +30,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 pub enum Outcome {
-    Transmission(Box<Session>),
+    /// The session, and what the audit trail says of it.
+    Transmission(Box<Session>, Box<Audit>),
     Closed(&'static str),
 }
 
@@ -131,8 +132,13 @@ struct Negotiation<'a> {
     /// The current option as the upstream must see it, when it names an
     /// export the upstream knows by another name.
     renamed: Option<Renamed>,
-    /// What the identity may do with the export the current option named.
+    /// What the identity may do with the export the current option named,
+    /// and the policy rule that decided it (`None` without a policy).
     access: Access,
+    rule: Option<RuleRef>,
+    /// The named export the last naming option was routed to (`None`
+    /// with one `--upstream`).
+    target: Option<Export>,
     identity: CertInfo,
     /// The policy as it was when the connection started.
     policy: Arc<Policy>,
@@ -208,6 +214,8 @@ impl<'a> Negotiation<'a> {
             answered: false,
             renamed: None,
             access: Access::ReadWrite,
+            rule: None,
+            target: None,
             identity,
             policy: config.policy.current(),
             config,
@@ -257,14 +265,14 @@ impl<'a> Negotiation<'a> {
                 return Ok(Step::Closed("NBD_OPT_EXPORT_NAME with a malformed name"));
             }
         };
-        let Some(access) = self.policy.decide(&self.identity, &export) else {
+        let Some(decision) = self.policy.decide_with_rule(&self.identity, &export) else {
             self.log_refused(&export);
             self.config.metrics.exports_refused.inc();
             return Ok(Step::Closed(
                 "NBD_OPT_EXPORT_NAME for an export not open to it",
             ));
         };
-        self.access = access;
+        (self.access, self.rule) = (decision.access, decision.rule);
         if let Some(found) = self.route(&export) {
             let Some(target) = found else {
                 self.config.metrics.exports_refused.inc();
@@ -277,9 +285,10 @@ impl<'a> Negotiation<'a> {
                 ));
             }
             self.renamed = Some(Renamed {
-                data: target.upstream_name.into_bytes(),
+                data: target.upstream_name.clone().into_bytes(),
                 client_name: export.clone(),
             });
+            self.target = Some(target);
         }
         let Some(upstream) = self.upstream.as_mut() else {
             return Ok(Step::Closed("no upstream"));
@@ -338,11 +347,11 @@ impl<'a> Negotiation<'a> {
                 return self.refuse(option, REP_ERR_INVALID, &e.to_string()).await;
             }
         };
-        let Some(access) = self.policy.decide(&self.identity, &name) else {
+        let Some(decision) = self.policy.decide_with_rule(&self.identity, &name) else {
             self.log_refused(&name);
             return self.unknown(option).await;
         };
-        self.access = access;
+        (self.access, self.rule) = (decision.access, decision.rule);
         if let Some(found) = self.route(&name) {
             let Some(target) = found else {
                 debug!(export = %Escaped(&name), "no such export");
@@ -359,6 +368,7 @@ impl<'a> Negotiation<'a> {
                     data,
                     client_name: name,
                 });
+            self.target = Some(target);
         }
         self.relayed(option).await
     }
@@ -629,24 +639,55 @@ impl<'a> Negotiation<'a> {
             (false, false) => ReplyMode::Simple,
         };
         let read_only = tflags & TFLAG_READ_ONLY != 0;
+        let audit = self.audit(export);
         info!(
-            export = %Escaped(export),
-            client = %self.identity,
-            access = %self.access,
+            target: AUDIT,
+            client = %audit.client,
+            export = %audit.export,
+            upstream_export = %audit.upstream_export,
+            upstream = %audit.upstream,
+            access = %audit.access,
+            rule = %audit.rule,
+            rule_line = audit.rule_line,
             ?mode,
             size,
             transmission_flags = format_args!("{tflags:#x}"),
             read_only,
             "negotiated"
         );
-        Ok(Outcome::Transmission(Box::new(Session {
+        let session = Session {
             tls: self.client.into_inner(),
             upstream: channel.into_inner().into_inner(),
             mode,
             read_only,
             export: export.to_string(),
             access: self.access,
-        })))
+        };
+        Ok(Outcome::Transmission(Box::new(session), Box::new(audit)))
+    }
+
+    /// What the audit trail says of the session entering transmission on
+    /// `export` (the client's name for it).
+    fn audit(&self, export: &str) -> Audit {
+        let (upstream_export, upstream) = match &self.target {
+            Some(target) => (target.upstream_name.as_str(), target.socket.as_path()),
+            // One upstream for every name: asked for the client's name.
+            None => (export, self.config.upstream.as_path()),
+        };
+        let (rule, rule_line) = match self.rule {
+            Some(rule) => (format!("policy:{}", rule.number), rule.line),
+            None if self.config.allow_lists => ("--allow-*".to_string(), 0),
+            None => ("open".to_string(), 0),
+        };
+        Audit {
+            client: self.identity.to_string(),
+            export: escape(export).into_owned(),
+            upstream_export: escape(upstream_export).into_owned(),
+            upstream: escape(&upstream.display().to_string()).into_owned(),
+            access: self.access,
+            rule,
+            rule_line,
+        }
     }
 }
 

@@ -4,7 +4,7 @@
 use std::future::{poll_fn, Future};
 use std::pin::pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::task::Poll;
 use std::time::Duration;
 
@@ -45,6 +45,31 @@ pub struct Session {
     pub access: crate::policy::Access,
 }
 
+/// The tracing target of the audit trail: one line when a session
+/// enters transmission ("negotiated") and one when it ends ("closed"),
+/// with the fields README.md documents, so operators can route them.
+pub const AUDIT: &str = "nbdgw::audit";
+
+/// What the audit trail says of a session on both of its lines, fixed
+/// when it enters transmission. Peer-controlled text is escaped here.
+#[derive(Debug, Clone)]
+pub struct Audit {
+    /// The client certificate's names (subject, SANs, serial), escaped.
+    pub client: String,
+    /// The export as the client named it, escaped.
+    pub export: String,
+    /// The name the upstream was asked for, escaped.
+    pub upstream_export: String,
+    /// The upstream's socket, escaped.
+    pub upstream: String,
+    pub access: crate::policy::Access,
+    /// `policy:N` (the Nth `[[rule]]`), or without a policy `--allow-*`
+    /// (the allow-lists admitted the client) or `open`.
+    pub rule: String,
+    /// The line of that `[[rule]]`; 0 when no policy rule decided.
+    pub rule_line: usize,
+}
+
 /// What a connection's phases share besides its streams.
 pub struct Link<'a> {
     pub id: u64,
@@ -60,6 +85,9 @@ pub struct Stats {
     replies: AtomicU64,
     bytes_from_client: AtomicU64,
     bytes_to_client: AtomicU64,
+    /// Set when the connection enters transmission: it is a session the
+    /// audit trail follows to its end.
+    audit: OnceLock<Audit>,
     pub metrics: Arc<Metrics>,
 }
 
@@ -79,6 +107,7 @@ impl Stats {
             replies: AtomicU64::new(0),
             bytes_from_client: AtomicU64::new(0),
             bytes_to_client: AtomicU64::new(0),
+            audit: OnceLock::new(),
             metrics,
         }
     }
@@ -106,6 +135,16 @@ impl Stats {
     pub fn sent(&self, bytes: u64) {
         self.bytes_to_client.fetch_add(bytes, Ordering::Relaxed);
         self.metrics.bytes_sent.inc_by(bytes);
+    }
+
+    /// The connection entered transmission as `audit` says.
+    pub fn opened(&self, audit: Audit) {
+        // Only one negotiation per connection: a second is impossible.
+        let _ = self.audit.set(audit);
+    }
+
+    pub fn audit(&self) -> Option<&Audit> {
+        self.audit.get()
     }
 
     pub fn counts(&self) -> Counts {

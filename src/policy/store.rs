@@ -141,6 +141,11 @@ impl PolicyReloader {
     }
 }
 
+/// Reads and parses the policy file at `path` (`nbdgw policy check`).
+pub fn load(path: &std::path::Path) -> Result<Policy, PolicyLoadError> {
+    read(path).map(|(_, policy)| policy)
+}
+
 fn read(path: &std::path::Path) -> Result<(Vec<u8>, Policy), PolicyLoadError> {
     let bytes = std::fs::read(path).map_err(|error| PolicyLoadError::Read {
         path: path.display().to_string(),
@@ -155,8 +160,15 @@ fn parse(path: &std::path::Path, bytes: &[u8]) -> Result<Policy, PolicyLoadError
         path: path.display().to_string(),
         error,
     };
-    let text = std::str::from_utf8(bytes)
-        .map_err(|e| invalid(PolicyError::Syntax(format!("not UTF-8: {e}"))))?;
+    let text = std::str::from_utf8(bytes).map_err(|e| {
+        let valid = &bytes[..e.valid_up_to()];
+        invalid(PolicyError::Syntax {
+            at: std::str::from_utf8(valid)
+                .ok()
+                .map(|valid| super::Location::of(valid, valid.len())),
+            message: format!("not UTF-8: {e}"),
+        })
+    })?;
     Policy::parse(text).map_err(invalid)
 }
 

@@ -610,3 +610,82 @@ fn a_star_cn_pattern_is_an_error_not_any_client() {
     let error = Policy::parse(text).unwrap_err().to_string();
     assert!(error.contains("cn patterns are exact"), "{error}");
 }
+
+#[test]
+fn the_deciding_rule_is_the_first_granting_the_most_access() {
+    let policy = Policy::parse(EXAMPLE).unwrap();
+    let both = cert("backup", &[], &["spiffe://example.org/ns/prod/sa/vm-host"]);
+    let rule = |number, line| Some(RuleRef { number, line });
+    // EXAMPLE starts with a newline: rule 1 on line 2, rule 2 on line 7.
+    assert_eq!(
+        policy.decide_with_rule(&both, "vm-1"),
+        Some(Decision {
+            access: Access::ReadWrite,
+            rule: rule(1, 2)
+        })
+    );
+    assert_eq!(
+        policy.decide_with_rule(&both, "db-1"),
+        Some(Decision {
+            access: Access::ReadOnly,
+            rule: rule(2, 7)
+        })
+    );
+    assert_eq!(policy.decide_with_rule(&both, "a/b/c"), None);
+    // Of equal grants, the first; a later, wider one wins over it.
+    let text = "[[rule]]\nexports = [\"*\"]\nallow = { cn = [\"a\"] }\naccess = \"read-only\"\n\
+                [[rule]]\nexports = [\"x\"]\nallow = { cn = [\"a\"] }\naccess = \"read-only\"\n\
+                [[rule]]\nexports = [\"x\"]\nallow = { cn = [\"a\"] }\naccess = \"read-write\"\n";
+    let policy = Policy::parse(text).unwrap();
+    let a = cert("a", &[], &[]);
+    assert_eq!(
+        policy.decide_with_rule(&a, "y").and_then(|d| d.rule),
+        rule(1, 1)
+    );
+    assert_eq!(
+        policy.decide_with_rule(&a, "x").and_then(|d| d.rule),
+        rule(3, 9)
+    );
+    let grants: Vec<usize> = policy
+        .grants(&a, "x")
+        .iter()
+        .map(|g| g.rule.number)
+        .collect();
+    assert_eq!(grants, [1, 2, 3]);
+    // No policy: read-write, by no rule.
+    assert_eq!(
+        Policy::open().decide_with_rule(&a, "x"),
+        Some(Decision {
+            access: Access::ReadWrite,
+            rule: None
+        })
+    );
+}
+
+#[test]
+fn every_load_error_says_where_it_is() {
+    for (text, line, column) in [
+        ("[[rule]]\nexports = [\"x\"\n", 2, 15),
+        (
+            "\n[[rule]]\nexports = []\nallow = { cn = [\"a\"] }\naccess = \"read-only\"\n",
+            2,
+            1,
+        ),
+        (
+            "[[rule]]\nexports = [\"x\"]\nallow = { cn = [\"a\"] }\naccess = \"all\"\n",
+            4,
+            10,
+        ),
+    ] {
+        let error = Policy::parse(text).unwrap_err();
+        assert_eq!(
+            error.location(),
+            Some(Location { line, column }),
+            "{text}: {error}"
+        );
+        assert!(error
+            .to_string()
+            .starts_with(&format!("line {line}, column {column}: ")));
+        assert!(!error.problem().contains("line"), "{}", error.problem());
+    }
+}

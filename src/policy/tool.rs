@@ -1,0 +1,144 @@
+//! `nbdgw policy check FILE` and `nbdgw policy explain`: what an operator
+//! runs before a rollout. The same parser and matcher as the gateway
+//! (`Policy::parse`, `Policy::decide_with_rule`), so what they say is what
+//! nbdgw will do, `--allow-*` aside (those are checked first, in the TLS
+//! handshake).
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::CertificateDer;
+use thiserror::Error;
+
+use super::{load, Decision, Grant, PolicyLoadError};
+use crate::logsafe::Escaped;
+use crate::proto::name::{export_name, NameError};
+use crate::tls::CertInfo;
+
+#[derive(Debug, Error)]
+pub enum ToolError {
+    /// `FILE:LINE:COLUMN: problem` when the problem has a place, as
+    /// compilers say it (editors jump there).
+    #[error("{}", describe_load(.0))]
+    Policy(PolicyLoadError),
+    #[error("{path}: cannot read a PEM certificate: {why}")]
+    CertPem { path: PathBuf, why: String },
+    #[error("{path}: not a certificate nbdgw can read: {why}")]
+    Cert { path: PathBuf, why: String },
+}
+
+fn describe_load(error: &PolicyLoadError) -> String {
+    match error {
+        PolicyLoadError::Invalid { path, error } => match error.location() {
+            Some(at) => format!("{path}:{}:{}: {}", at.line, at.column, error.problem()),
+            None => format!("{path}: {error}"),
+        },
+        other => other.to_string(),
+    }
+}
+
+/// Parses the policy file as nbdgw would at start; returns how many
+/// rules it has.
+pub fn check(path: &Path) -> Result<usize, ToolError> {
+    let policy = load(path).map_err(ToolError::Policy)?;
+    Ok(policy.rule_count().unwrap_or(0))
+}
+
+/// What the policy in `policy` lets the client certificate (PEM; the
+/// first certificate of the file) do with `export`.
+pub fn explain(policy: &Path, cert: &Path, export: &str) -> Result<Explanation, ToolError> {
+    let policy = load(policy).map_err(ToolError::Policy)?;
+    let der = CertificateDer::from_pem_file(cert).map_err(|e| ToolError::CertPem {
+        path: cert.to_path_buf(),
+        why: e.to_string(),
+    })?;
+    let identity = CertInfo::from_der(&der).map_err(|e| ToolError::Cert {
+        path: cert.to_path_buf(),
+        why: e.to_string(),
+    })?;
+    // nbdgw refuses such a name before the policy is asked.
+    let name_problem = export_name(export.as_bytes()).err();
+    let (decision, grants) = match name_problem {
+        Some(_) => (None, Vec::new()),
+        None => (
+            policy.decide_with_rule(&identity, export),
+            policy.grants(&identity, export),
+        ),
+    };
+    Ok(Explanation {
+        identity,
+        export: export.to_string(),
+        name_problem,
+        decision,
+        grants,
+    })
+}
+
+/// The answer of `nbdgw policy explain`, printed by its `Display`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Explanation {
+    pub identity: CertInfo,
+    pub export: String,
+    pub name_problem: Option<NameError>,
+    pub decision: Option<Decision>,
+    /// Every rule granting the export, in file order.
+    pub grants: Vec<Grant>,
+}
+
+impl Explanation {
+    pub fn granted(&self) -> bool {
+        self.decision.is_some()
+    }
+}
+
+impl fmt::Display for Explanation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "certificate: {}", self.identity)?;
+        let export = Escaped(&self.export);
+        if let Some(problem) = self.name_problem {
+            return writeln!(
+                f,
+                "export \"{export}\": refused before the policy is asked: {problem}"
+            );
+        }
+        let Some(decision) = self.decision else {
+            return writeln!(
+                f,
+                "export \"{export}\": no rule grants it (the client is told the export does not exist)"
+            );
+        };
+        writeln!(f, "export \"{export}\": {}", decision.access)?;
+        let decisive = decision.rule;
+        for grant in &self.grants {
+            let lead = if Some(grant.rule) == decisive {
+                "decided by"
+            } else {
+                "also granted by"
+            };
+            write!(
+                f,
+                "{lead} rule {} (line {}): {} to exports [{}], admitted by {} \"{}\"",
+                grant.rule.number,
+                grant.rule.line,
+                grant.access,
+                quoted(grant.exports.iter().map(String::as_str)),
+                grant.admitted_by.0,
+                Escaped(&grant.admitted_by.1),
+            )?;
+            for (i, (name, value)) in grant.bindings.iter().enumerate() {
+                let lead = if i == 0 { " with" } else { "," };
+                write!(f, "{lead} {{{name}}} = \"{}\"", Escaped(value))?;
+            }
+            writeln!(f)?;
+        }
+        Ok(())
+    }
+}
+
+fn quoted<'a>(texts: impl Iterator<Item = &'a str>) -> String {
+    texts
+        .map(|t| format!("\"{}\"", Escaped(t)))
+        .collect::<Vec<_>>()
+        .join(", ")
+}

@@ -1,0 +1,206 @@
+//! `nbdgw policy check` and `nbdgw policy explain`, run as operators run
+//! them: the binary, a policy file, client certificates made here.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use common::pki::Ca;
+
+const POLICY: &str = r#"# tenants and the backup server
+[[rule]]
+exports = ["vm-*"]
+allow = { uri = ["spiffe://example.org/ns/*/sa/vm-host"] }
+access = "read-write"
+
+[[rule]]
+exports = ["*", "*/*"]
+allow = { cn = ["backup"] }
+access = "read-only"
+
+[[rule]]
+exports = ["{ns}/*"]
+allow = { uri = ["spiffe://example.org/ns/{ns}/sa/app"] }
+access = "read-write"
+"#;
+
+fn nbdgw(args: &[&std::ffi::OsStr]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_nbdgw"))
+        .args(args)
+        .output()
+        .expect("run nbdgw")
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn check(file: &Path) -> Output {
+    nbdgw(&["policy".as_ref(), "check".as_ref(), file.as_os_str()])
+}
+
+#[test]
+fn check_accepts_a_valid_file_and_names_line_and_column_of_a_broken_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = write(dir.path(), "good.toml", POLICY);
+    let out = check(&good);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("valid, 3 rule(s)"),
+        "{}",
+        stdout(&out)
+    );
+
+    // A placeholder that is not a whole segment: the pattern's place.
+    let templated = POLICY.replace(r#"["{ns}/*"]"#, r#"["vm", "{ns}-*"]"#);
+    let broken = write(dir.path(), "templated.toml", &templated);
+    let out = check(&broken);
+    assert_eq!(out.status.code(), Some(1));
+    let message = stderr(&out);
+    let at = format!("{}:13:18: rule 3:", broken.display());
+    assert!(message.contains(&at), "{message}");
+    assert!(message.contains("whole `/`-separated segment"), "{message}");
+    assert!(stdout(&out).is_empty());
+
+    // A TOML syntax error, and a misspelt key: where the parser stopped.
+    for (text, at, what) in [
+        ("[[rule]]\nexports = [\"x\"\nallow = 3\n", "3:1:", "not a valid policy file"),
+        (
+            "[[rule]]\nexports = [\"x\"]\nallow = { cn = [\"a\"] }\naccess = \"read-only\"\ncolour = 1\n",
+            "5:1:",
+            "unknown field `colour`",
+        ),
+        // A rule-wide problem: the rule's own line.
+        (
+            "\n\n[[rule]]\nexports = [\"x\"]\nallow = {}\naccess = \"read-only\"\n",
+            "3:1: rule 1:",
+            "names no identity",
+        ),
+    ] {
+        let file = write(dir.path(), "bad.toml", text);
+        let out = check(&file);
+        assert_eq!(out.status.code(), Some(1), "{text}");
+        let message = stderr(&out);
+        assert!(
+            message.contains(&format!("{}:{at}", file.display())) && message.contains(what),
+            "{text}: {message}"
+        );
+    }
+
+    let out = check(&dir.path().join("missing.toml"));
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("cannot read"), "{}", stderr(&out));
+}
+
+struct Certs {
+    _dir: tempfile::TempDir,
+    policy: PathBuf,
+    vm_host: PathBuf,
+    backup: PathBuf,
+    db_app: PathBuf,
+    intruder: PathBuf,
+}
+
+fn certs() -> Certs {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("explain CA");
+    let cert = |name: &str, uris: &[&str], serial| {
+        let leaf = ca.client(name, &[], uris, serial);
+        write(dir.path(), &format!("{name}.pem"), &leaf.cert)
+    };
+    Certs {
+        policy: write(dir.path(), "policy.toml", POLICY),
+        vm_host: cert("vm-host", &["spiffe://example.org/ns/prod/sa/vm-host"], 1),
+        backup: cert("backup", &[], 2),
+        db_app: cert("db-app", &["spiffe://example.org/ns/db/sa/app"], 3),
+        intruder: cert("intruder", &["spiffe://example.org/ns/db/sa/other"], 4),
+        _dir: dir,
+    }
+}
+
+fn explain(certs: &Certs, cert: &Path, export: &str) -> Output {
+    nbdgw(&[
+        "policy".as_ref(),
+        "explain".as_ref(),
+        "--policy".as_ref(),
+        certs.policy.as_os_str(),
+        "--cert".as_ref(),
+        cert.as_os_str(),
+        "--export".as_ref(),
+        export.as_ref(),
+    ])
+}
+
+#[test]
+fn explain_names_the_deciding_rule_and_its_access() {
+    let c = certs();
+
+    // A templated rule, with what its placeholder bound.
+    let out = explain(&c, &c.db_app, "db/c");
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("subject \"CN=db-app\""), "{text}");
+    assert!(text.contains("export \"db/c\": read-write"), "{text}");
+    assert!(
+        text.contains(r#"decided by rule 3 (line 12): read-write to exports ["{ns}/*"], admitted by uri "spiffe://example.org/ns/{ns}/sa/app" with {ns} = "db""#),
+        "{text}"
+    );
+
+    // The neighbouring namespace's disk, and one that merely starts with
+    // the same letters: nothing grants them.
+    for export in ["db-prod/d", "dbx/c", "vm-a"] {
+        let out = explain(&c, &c.db_app, export);
+        assert_eq!(out.status.code(), Some(1), "{export}");
+        let text = stdout(&out);
+        assert!(
+            text.contains(&format!("export \"{export}\": no rule grants it")),
+            "{text}"
+        );
+    }
+    let out = explain(&c, &c.intruder, "db/c");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stdout(&out).contains("no rule grants it"));
+
+    // Read-only against read-write, by different rules.
+    let out = explain(&c, &c.backup, "vm-a");
+    assert_eq!(out.status.code(), Some(0));
+    let text = stdout(&out);
+    assert!(text.contains("export \"vm-a\": read-only"), "{text}");
+    assert!(
+        text.contains("decided by rule 2 (line 7): read-only"),
+        "{text}"
+    );
+    let out = explain(&c, &c.vm_host, "vm-a");
+    assert_eq!(out.status.code(), Some(0));
+    let text = stdout(&out);
+    assert!(text.contains("export \"vm-a\": read-write"), "{text}");
+    assert!(
+        text.contains("decided by rule 1 (line 2): read-write"),
+        "{text}"
+    );
+
+    // A name nbdgw refuses before any policy is asked, escaped.
+    let out = explain(&c, &c.backup, "vm-\x1b[2J");
+    assert_eq!(out.status.code(), Some(1));
+    let text = stdout(&out);
+    assert!(
+        text.contains(r#"export "vm-\u{1b}[2J": refused before the policy is asked"#),
+        "{text}"
+    );
+
+    // Not a certificate: an error, status 2.
+    let out = explain(&c, &c.policy, "vm-a");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("policy.toml"), "{}", stderr(&out));
+}
