@@ -134,11 +134,7 @@ impl AsyncRead for RecordAligned {
 /// Writes go straight to the socket: rustls writes ciphertext through
 /// `RecordAligned` until the hand-over.
 impl AsyncWrite for RecordAligned {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        b: &[u8],
-    ) -> Poll<io::Result<usize>> {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, b: &[u8]) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.get_mut().tcp).poll_write(cx, b)
     }
 
@@ -176,7 +172,10 @@ pub fn tls_io(io: ClientIo, config: &Config) -> (TlsIo, Arc<rustls::ServerConfig
             let secrets = SecretLog::new();
             let mut own = (*current).clone();
             own.key_log = secrets.clone();
-            (Either::Right(RecordAligned::new(io, secrets)), Arc::new(own))
+            (
+                Either::Right(RecordAligned::new(io, secrets)),
+                Arc::new(own),
+            )
         }
         None => (Either::Left(io), current),
     }
@@ -430,7 +429,10 @@ impl KernelTls {
             )),
             _ => Err(io::Error::new(
                 io::ErrorKind::InvalidData,
-                format!("client sent a malformed alert record ({} bytes)", record.len()),
+                format!(
+                    "client sent a malformed alert record ({} bytes)",
+                    record.len()
+                ),
             )),
         }
     }

@@ -148,7 +148,11 @@ fn probe_cipher(suite: Suite) -> Result<Verdict, KernelTlsError> {
     match recv_record(server.as_fd(), &mut record) {
         Ok((Some(TlsGetRecordType::Handshake), KEY_UPDATE_LEN))
             if record[..KEY_UPDATE_LEN] == KEY_UPDATE_NOT_REQUESTED => {}
-        other => return Ok(Verdict::NoRekey(format!("the KeyUpdate read back as {other:?}"))),
+        other => {
+            return Ok(Verdict::NoRekey(format!(
+                "the KeyUpdate read back as {other:?}"
+            )))
+        }
     }
     if let Err(e) = set_keys(&server, Direction::Rx, 0, &second) {
         return Ok(Verdict::NoRekey(e.to_string()));
@@ -170,7 +174,12 @@ pub fn recv_record(
     use std::os::fd::AsRawFd;
     let mut space = nix::cmsg_space!(u8);
     let mut iov = [std::io::IoSliceMut::new(buf)];
-    let msg = recvmsg::<()>(fd.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::empty())?;
+    let msg = recvmsg::<()>(
+        fd.as_raw_fd(),
+        &mut iov,
+        Some(&mut space),
+        MsgFlags::empty(),
+    )?;
     let kind = msg.cmsgs()?.find_map(|c| match c {
         ControlMessageOwned::TlsGetRecordType(t) => Some(t),
         _ => None,
@@ -356,7 +365,9 @@ pub fn send_record(
     }
     // A record this small goes whole or not at all.
     if sent as usize != body.len() {
-        return Err(std::io::Error::other("the kernel took part of a control record"));
+        return Err(std::io::Error::other(
+            "the kernel took part of a control record",
+        ));
     }
     Ok(())
 }
