@@ -145,6 +145,11 @@ pub struct ServeArgs {
     /// Seconds a client has from connecting to finishing negotiation.
     #[arg(long, env = "NBDGW_HANDSHAKE_TIMEOUT", default_value_t = config::DEFAULT_HANDSHAKE_TIMEOUT_SECS)]
     pub handshake_timeout: u64,
+    /// Seconds an upstream may take, in negotiation, to accept and greet,
+    /// and then to answer each option; a server that does not gets the
+    /// client NBD_REP_ERR_SHUTDOWN. Keep it below --handshake-timeout.
+    #[arg(long, env = "NBDGW_UPSTREAM_TIMEOUT", default_value_t = config::DEFAULT_UPSTREAM_TIMEOUT_SECS)]
+    pub upstream_timeout: u64,
     /// Seconds a connection may sit with no request in flight and no reply
     /// being written, counted from the last reply's last byte; 0 never
     /// closes it (VM disks can be idle for hours).

@@ -302,8 +302,9 @@ fn check_limits(args: &ServeArgs) -> Result<()> {
         || args.max_handshakes_per_source == 0
         || args.max_payload == 0
         || args.handshake_timeout == 0
+        || args.upstream_timeout == 0
     {
-        bail!("--max-connections, --max-handshakes, --max-handshakes-per-source, --max-payload and --handshake-timeout must be greater than 0");
+        bail!("--max-connections, --max-handshakes, --max-handshakes-per-source, --max-payload, --handshake-timeout and --upstream-timeout must be greater than 0");
     }
     if args.tcp_keepalive > 0 && (args.tcp_keepalive_interval == 0 || args.tcp_keepalive_count == 0)
     {
@@ -342,6 +343,7 @@ fn gateway_config(args: &ServeArgs, upstream: PathBuf, tls: Arc<TlsStore>) -> Co
     config.max_handshakes = args.max_handshakes;
     config.max_handshakes_per_source = args.max_handshakes_per_source;
     config.handshake_timeout = Duration::from_secs(args.handshake_timeout);
+    config.upstream_timeout = Duration::from_secs(args.upstream_timeout);
     config.idle_timeout = seconds_or_off(args.idle_timeout);
     config.stall_timeout = seconds_or_off(args.stall_timeout);
     config.keepalive = seconds_or_off(args.tcp_keepalive).map(|idle| Keepalive {

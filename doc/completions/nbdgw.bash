@@ -35,7 +35,7 @@ _nbdgw() {
 
     case "${cmd}" in
         nbdgw)
-            opts="-h -V --listen --tls-cert --tls-key --tls-dir --tls-client-ca --tls-crl --allow-cn --allow-dns --allow-uri --tls-crl-allow-expired --tls-revoke-closes --tls-min-version --tls-reload-interval --upstream --export --export-dir --policy --upstream-sndbuf --max-connections --max-handshakes --max-handshakes-per-source --handshake-timeout --idle-timeout --stall-timeout --tcp-keepalive --tcp-keepalive-interval --tcp-keepalive-count --max-payload --max-option-len --admin-listen --drain-delay --shutdown-grace --cork --ktls --threads --landlock --log-format --help --version certs help"
+            opts="-h -V --listen --tls-cert --tls-key --tls-dir --tls-client-ca --tls-crl --allow-cn --allow-dns --allow-uri --tls-crl-allow-expired --tls-revoke-closes --tls-min-version --tls-reload-interval --upstream --export --export-dir --policy --upstream-sndbuf --max-connections --max-handshakes --max-handshakes-per-source --handshake-timeout --upstream-timeout --idle-timeout --stall-timeout --tcp-keepalive --tcp-keepalive-interval --tcp-keepalive-count --max-payload --max-option-len --admin-listen --drain-delay --shutdown-grace --cork --ktls --ktls-key-limit --threads --landlock --log-format --help --version certs help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 1 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -125,6 +125,10 @@ _nbdgw() {
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
+                --upstream-timeout)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
                 --idle-timeout)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
@@ -171,6 +175,10 @@ _nbdgw() {
                     ;;
                 --ktls)
                     COMPREPLY=($(compgen -W "auto off" -- "${cur}"))
+                    return 0
+                    ;;
+                --ktls-key-limit)
+                    COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
                 --threads)

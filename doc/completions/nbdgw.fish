@@ -1,6 +1,6 @@
 # Print an optspec for argparse to handle cmd's options that are independent of any subcommand.
 function __fish_nbdgw_global_optspecs
-    string join \n listen= tls-cert= tls-key= tls-dir= tls-client-ca= tls-crl= allow-cn= allow-dns= allow-uri= tls-crl-allow-expired tls-revoke-closes= tls-min-version= tls-reload-interval= upstream= export= export-dir= policy= upstream-sndbuf= max-connections= max-handshakes= max-handshakes-per-source= handshake-timeout= idle-timeout= stall-timeout= tcp-keepalive= tcp-keepalive-interval= tcp-keepalive-count= max-payload= max-option-len= admin-listen= drain-delay= shutdown-grace= cork= ktls= threads= landlock= log-format= h/help V/version
+    string join \n listen= tls-cert= tls-key= tls-dir= tls-client-ca= tls-crl= allow-cn= allow-dns= allow-uri= tls-crl-allow-expired tls-revoke-closes= tls-min-version= tls-reload-interval= upstream= export= export-dir= policy= upstream-sndbuf= max-connections= max-handshakes= max-handshakes-per-source= handshake-timeout= upstream-timeout= idle-timeout= stall-timeout= tcp-keepalive= tcp-keepalive-interval= tcp-keepalive-count= max-payload= max-option-len= admin-listen= drain-delay= shutdown-grace= cork= ktls= ktls-key-limit= threads= landlock= log-format= h/help V/version
 end
 
 function __fish_nbdgw_needs_command
@@ -47,6 +47,7 @@ complete -c nbdgw -n "__fish_nbdgw_needs_command" -l max-connections -d 'Most cl
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l max-handshakes -d 'Connections still negotiating (before their client certificate is verified) served at once, apart from --max-connections; more wait briefly in a short queue, then are closed' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l max-handshakes-per-source -d 'Of those, how many one source address may hold' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l handshake-timeout -d 'Seconds a client has from connecting to finishing negotiation' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l upstream-timeout -d 'Seconds an upstream may take, in negotiation, to accept and greet, and then to answer each option; a server that does not gets the client NBD_REP_ERR_SHUTDOWN. Keep it below --handshake-timeout' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l idle-timeout -d 'Seconds a connection may sit with no request in flight and no reply being written, counted from the last reply\'s last byte; 0 never closes it (VM disks can be idle for hours)' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l stall-timeout -d 'Seconds a started request payload, or a reply the client does not read, may make no progress before the connection is closed; also the TCP_USER_TIMEOUT for unacknowledged data. 0: never' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l tcp-keepalive -d 'Seconds of silence before TCP keepalive probes a client; 0 turns keepalive off. A client that powered off is closed after about IDLE + INTERVAL x COUNT seconds' -r
@@ -62,6 +63,7 @@ per-reply\t'Corked around every reply and released after it, as QEMU does'
 off\t''"
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l ktls -d 'Kernel TLS: after the handshake, hand TLS 1.3 sessions to the kernel\'s record layer when it has one (auto: probed at start, rustls otherwise), or never (off)' -r -f -a "auto\t'When the kernel offers it (probed at start), rustls otherwise'
 off\t'Never: rustls keeps every session'"
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l ktls-key-limit -d 'For tests: records nbdgw sends under one key on a kernel TLS session before it updates its own keys (default: the cipher\'s confidentiality limit, halved)' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l threads -d 'Worker threads; 0 means one per CPU. In a container, match the CPU limit' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l landlock -d 'Restrict the process with Landlock once started: read access only beneath the TLS files\' directories, no other file, no TCP bind or connect (true or false; a kernel without Landlock logs it and runs unrestricted)' -r -f -a "true\t''
 false\t''"
