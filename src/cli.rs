@@ -122,6 +122,17 @@ pub struct ServeArgs {
     /// picked up and dropped as sockets appear and disappear.
     #[arg(long, env = "NBDGW_EXPORT_DIR", value_name = "DIR")]
     pub export_dir: Option<PathBuf>,
+    /// Whose sockets --export-dir serves: any; same (a socket owned by
+    /// its directory's owner, whose server, by SO_PEERCRED, runs as that
+    /// uid); or a numeric uid (directory, socket and server all that
+    /// uid). Symbolic links are never followed, whatever this says.
+    #[arg(
+        long,
+        env = "NBDGW_EXPORT_DIR_OWNER",
+        value_name = "any|same|UID",
+        default_value_t = crate::exports::OwnerCheck::Any
+    )]
+    pub export_dir_owner: crate::exports::OwnerCheck,
     /// TOML file saying which client identities may open which exports,
     /// read-write or read-only; reloaded like the TLS files, and a reload
     /// may only narrow it. Without it every admitted client may open every

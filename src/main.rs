@@ -263,6 +263,10 @@ mod debug_probe {
 }
 
 fn export_table(args: &ServeArgs) -> Result<Option<nbdgw::exports::ExportTable>> {
+    // An owner check that checks nothing must not look like one.
+    if args.export_dir.is_none() && args.export_dir_owner != nbdgw::exports::OwnerCheck::Any {
+        bail!("--export-dir-owner (NBDGW_EXPORT_DIR_OWNER) needs --export-dir: it checks only the sockets found there");
+    }
     if args.exports.is_empty() && args.export_dir.is_none() {
         return Ok(None);
     }
@@ -271,8 +275,9 @@ fn export_table(args: &ServeArgs) -> Result<Option<nbdgw::exports::ExportTable>>
             bail!("--export-dir {}: not a directory", dir.display());
         }
     }
-    let table = nbdgw::exports::ExportTable::new(args.exports.clone(), args.export_dir.clone())?;
-    info!(exports = ?table.names(), dir = ?args.export_dir, "exports routed by name");
+    let table = nbdgw::exports::ExportTable::new(args.exports.clone(), args.export_dir.clone())?
+        .with_owner_check(args.export_dir_owner);
+    info!(exports = ?table.names(), dir = ?args.export_dir, owner = %args.export_dir_owner, "exports routed by name");
     Ok(Some(table))
 }
 

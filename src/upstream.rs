@@ -9,6 +9,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 use crate::config::Config;
+use crate::exports::DirSocket;
 use crate::proto::consts::GREETING_LEN;
 use crate::proto::handshake::{parse_upstream_greeting, upstream_client_flags};
 use crate::proto::ProtoError;
@@ -16,7 +17,10 @@ use crate::proto::ProtoError;
 #[derive(Debug, Error)]
 pub enum UpstreamError {
     #[error("cannot connect to {path}: {error}")]
-    Connect { path: String, error: std::io::Error },
+    Connect {
+        path: String,
+        error: crate::exports::CheckError,
+    },
     #[error("{path} did not accept and greet within {after:?} (--upstream-timeout)")]
     Timeout { path: String, after: Duration },
     #[error("greeting: {0}")]
@@ -38,9 +42,15 @@ pub struct Upstream {
 /// kernel does that for it, into the backlog) but never greets would
 /// otherwise hold the client until the handshake timeout, and the client
 /// would learn nothing.
-pub async fn open(socket: &Path, config: &Config) -> Result<Upstream, UpstreamError> {
+/// A socket found in `--export-dir` (`in_dir`) is reached only through
+/// its checks (see `crate::exports`).
+pub async fn open(
+    socket: &Path,
+    in_dir: Option<&DirSocket>,
+    config: &Config,
+) -> Result<Upstream, UpstreamError> {
     let after = config.upstream_timeout;
-    tokio::time::timeout(after, connect_and_greet(socket, config))
+    tokio::time::timeout(after, connect_and_greet(socket, in_dir, config))
         .await
         .map_err(|_| UpstreamError::Timeout {
             path: socket.display().to_string(),
@@ -48,8 +58,12 @@ pub async fn open(socket: &Path, config: &Config) -> Result<Upstream, UpstreamEr
         })?
 }
 
-async fn connect_and_greet(socket: &Path, config: &Config) -> Result<Upstream, UpstreamError> {
-    let stream = UnixStream::connect(socket)
+async fn connect_and_greet(
+    socket: &Path,
+    in_dir: Option<&DirSocket>,
+    config: &Config,
+) -> Result<Upstream, UpstreamError> {
+    let stream = crate::exports::connect(socket, in_dir)
         .await
         .map_err(|error| UpstreamError::Connect {
             path: socket.display().to_string(),

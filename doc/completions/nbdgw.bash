@@ -35,7 +35,7 @@ _nbdgw() {
 
     case "${cmd}" in
         nbdgw)
-            opts="-h -V --listen --tls-cert --tls-key --tls-dir --tls-client-ca --tls-crl --allow-cn --allow-dns --allow-uri --tls-crl-allow-expired --tls-revoke-closes --tls-min-version --tls-reload-interval --upstream --export --export-dir --policy --upstream-sndbuf --max-connections --max-handshakes --max-handshakes-per-source --handshake-timeout --upstream-timeout --idle-timeout --stall-timeout --tcp-keepalive --tcp-keepalive-interval --tcp-keepalive-count --max-payload --max-option-len --admin-listen --drain-delay --shutdown-grace --cork --ktls --ktls-key-limit --threads --landlock --log-format --help --version certs help"
+            opts="-h -V --listen --tls-cert --tls-key --tls-dir --tls-client-ca --tls-crl --allow-cn --allow-dns --allow-uri --tls-crl-allow-expired --tls-revoke-closes --tls-min-version --tls-reload-interval --upstream --export --export-dir --export-dir-owner --policy --upstream-sndbuf --max-connections --max-handshakes --max-handshakes-per-source --handshake-timeout --upstream-timeout --idle-timeout --stall-timeout --tcp-keepalive --tcp-keepalive-interval --tcp-keepalive-count --max-payload --max-option-len --admin-listen --drain-delay --shutdown-grace --cork --ktls --ktls-key-limit --threads --landlock --log-format --help --version certs help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 1 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -98,6 +98,10 @@ _nbdgw() {
                     return 0
                     ;;
                 --export-dir)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --export-dir-owner)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

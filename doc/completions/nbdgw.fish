@@ -1,6 +1,6 @@
 # Print an optspec for argparse to handle cmd's options that are independent of any subcommand.
 function __fish_nbdgw_global_optspecs
-    string join \n listen= tls-cert= tls-key= tls-dir= tls-client-ca= tls-crl= allow-cn= allow-dns= allow-uri= tls-crl-allow-expired tls-revoke-closes= tls-min-version= tls-reload-interval= upstream= export= export-dir= policy= upstream-sndbuf= max-connections= max-handshakes= max-handshakes-per-source= handshake-timeout= upstream-timeout= idle-timeout= stall-timeout= tcp-keepalive= tcp-keepalive-interval= tcp-keepalive-count= max-payload= max-option-len= admin-listen= drain-delay= shutdown-grace= cork= ktls= ktls-key-limit= threads= landlock= log-format= h/help V/version
+    string join \n listen= tls-cert= tls-key= tls-dir= tls-client-ca= tls-crl= allow-cn= allow-dns= allow-uri= tls-crl-allow-expired tls-revoke-closes= tls-min-version= tls-reload-interval= upstream= export= export-dir= export-dir-owner= policy= upstream-sndbuf= max-connections= max-handshakes= max-handshakes-per-source= handshake-timeout= upstream-timeout= idle-timeout= stall-timeout= tcp-keepalive= tcp-keepalive-interval= tcp-keepalive-count= max-payload= max-option-len= admin-listen= drain-delay= shutdown-grace= cork= ktls= ktls-key-limit= threads= landlock= log-format= h/help V/version
 end
 
 function __fish_nbdgw_needs_command
@@ -41,6 +41,7 @@ complete -c nbdgw -n "__fish_nbdgw_needs_command" -l tls-reload-interval -d 'Sec
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l upstream -d 'Unix socket of the NBD server to relay to; every export name the client asks for goes to it unchanged' -r -F
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l export -d 'A named export instead of --upstream: clients asking for NAME are relayed to the server on the Unix socket PATH, which is asked for UPSTREAM_NAME (default ""). Repeatable, or comma-separated' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l export-dir -d 'Every Unix socket NAME.sock in this directory is the export NAME, and TENANT/NAME.sock in a subdirectory the export TENANT/NAME; picked up and dropped as sockets appear and disappear' -r -F
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l export-dir-owner -d 'Whose sockets --export-dir serves: any; same (a socket owned by its directory\'s owner, whose server, by SO_PEERCRED, runs as that uid); or a numeric uid (directory, socket and server all that uid). Symbolic links are never followed, whatever this says' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l policy -d 'TOML file saying which client identities may open which exports, read-write or read-only; reloaded like the TLS files, and a reload may only narrow it. Without it every admitted client may open every export read-write. Needs client certificates (a client CA)' -r -F
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l upstream-sndbuf -d 'SO_SNDBUF for upstream sockets in bytes; 0 keeps the kernel default' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l max-connections -d 'Most client connections served at once; more are closed at accept' -r

@@ -11,7 +11,7 @@ use super::error::{ConnError, Side};
 use super::options::{OptionChannel, ShutdownAnswer};
 use super::session::{ClientStream, Session};
 use crate::config::Config;
-use crate::exports::Export;
+use crate::exports::{DirSocket, Export};
 use crate::logsafe::{escape_bytes, Escaped};
 use crate::policy::{Access, Policy};
 use crate::proto::consts::*;
@@ -164,10 +164,11 @@ impl Attached {
     /// and logged here, once, for every caller.
     async fn connect(
         socket: &Path,
+        in_dir: Option<&DirSocket>,
         export: Option<String>,
         config: &Config,
     ) -> Result<Self, UpstreamError> {
-        let upstream = match upstream::open(socket, config).await {
+        let upstream = match upstream::open(socket, in_dir, config).await {
             Ok(upstream) => upstream,
             Err(e) => {
                 config.metrics.upstream_connect_failures.inc();
@@ -346,7 +347,7 @@ impl<'a> Negotiation<'a> {
         if self.upstream.is_some() {
             return true;
         }
-        match Attached::connect(&self.config.upstream, None, self.config).await {
+        match Attached::connect(&self.config.upstream, None, None, self.config).await {
             Ok(attached) => {
                 self.upstream = Some(attached);
                 true
@@ -457,10 +458,13 @@ impl<'a> Negotiation<'a> {
             old.channel.goodbye().await;
         }
         let export = Some(target.name.clone());
-        let mut attached = match Attached::connect(&target.socket, export, self.config).await {
-            Ok(attached) => attached,
-            Err(e) => return Ok(Err(e.to_string())),
-        };
+        let mut attached =
+            match Attached::connect(&target.socket, target.in_dir.as_ref(), export, self.config)
+                .await
+            {
+                Ok(attached) => attached,
+                Err(e) => return Ok(Err(e.to_string())),
+            };
         let replay = if self.extended {
             Some(OPT_EXTENDED_HEADERS)
         } else {

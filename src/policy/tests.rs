@@ -558,7 +558,11 @@ proptest! {
 fn grants_anything_holds_for_every_identity_some_rule_admits_and_no_other() {
     let policy = Policy::parse(EXAMPLE).unwrap();
     let vm_host = cert("h1", &[], &["spiffe://example.org/ns/prod/sa/vm-host"]);
-    let other = cert("someone", &["backup"], &["spiffe://example.org/ns/x/sa/other"]);
+    let other = cert(
+        "someone",
+        &["backup"],
+        &["spiffe://example.org/ns/x/sa/other"],
+    );
     assert!(policy.grants_anything(&vm_host));
     assert!(policy.grants_anything(&cert("backup", &[], &[])));
     assert!(!policy.grants_anything(&other));
