@@ -159,6 +159,17 @@ pub struct ServeArgs {
     /// picked up and dropped as sockets appear and disappear.
     #[arg(long, env = "NBDGW_EXPORT_DIR", value_name = "DIR")]
     pub export_dir: Option<PathBuf>,
+    /// Whose sockets --export-dir serves: any; same (a socket owned by
+    /// its directory's owner, whose server, by SO_PEERCRED, runs as that
+    /// uid); or a numeric uid (directory, socket and server all that
+    /// uid). Symbolic links are never followed, whatever this says.
+    #[arg(
+        long,
+        env = "NBDGW_EXPORT_DIR_OWNER",
+        value_name = "any|same|UID",
+        default_value_t = crate::exports::OwnerCheck::Any
+    )]
+    pub export_dir_owner: crate::exports::OwnerCheck,
     /// TOML file saying which client identities may open which exports,
     /// read-write or read-only; reloaded like the TLS files, and a reload
     /// may only narrow it. Without it every admitted client may open every
@@ -193,6 +204,11 @@ pub struct ServeArgs {
     /// Seconds a client has from connecting to finishing negotiation.
     #[arg(long, env = "NBDGW_HANDSHAKE_TIMEOUT", default_value_t = config::DEFAULT_HANDSHAKE_TIMEOUT_SECS)]
     pub handshake_timeout: u64,
+    /// Seconds an upstream may take, in negotiation, to accept and greet,
+    /// and then to answer each option; a server that does not gets the
+    /// client NBD_REP_ERR_SHUTDOWN. Keep it below --handshake-timeout.
+    #[arg(long, env = "NBDGW_UPSTREAM_TIMEOUT", default_value_t = config::DEFAULT_UPSTREAM_TIMEOUT_SECS)]
+    pub upstream_timeout: u64,
     /// Seconds a connection may sit with no request in flight and no reply
     /// being written, counted from the last reply's last byte; 0 never
     /// closes it (VM disks can be idle for hours).

@@ -37,6 +37,11 @@ pub struct Config {
     pub max_handshakes_per_source: usize,
     /// From accept until transmission starts (or the connection ends).
     pub handshake_timeout: Duration,
+    /// Bounds each step of talking to an upstream in negotiation: the
+    /// connect and greeting together, then each option reply. Shorter
+    /// than the handshake timeout, so that a hung server gets the client
+    /// an error reply rather than a silent close.
+    pub upstream_timeout: Duration,
     /// Closes a connection with no request in flight and no reply being
     /// written for this long, counted from the last reply's last byte.
     pub idle_timeout: Option<Duration>,
@@ -114,6 +119,7 @@ impl Config {
             max_handshakes: DEFAULT_MAX_HANDSHAKES,
             max_handshakes_per_source: DEFAULT_MAX_HANDSHAKES_PER_SOURCE,
             handshake_timeout: Duration::from_secs(DEFAULT_HANDSHAKE_TIMEOUT_SECS),
+            upstream_timeout: Duration::from_secs(DEFAULT_UPSTREAM_TIMEOUT_SECS),
             idle_timeout: None,
             stall_timeout: Some(Duration::from_secs(DEFAULT_STALL_TIMEOUT_SECS)),
             keepalive: Some(Keepalive::default()),
@@ -171,6 +177,10 @@ pub const DEFAULT_KEEPALIVE_IDLE_SECS: u64 = 60;
 pub const DEFAULT_KEEPALIVE_INTERVAL_SECS: u64 = 10;
 pub const DEFAULT_KEEPALIVE_COUNT: u32 = 6;
 pub const DEFAULT_HANDSHAKE_TIMEOUT_SECS: u64 = 10;
+/// A local server greets and answers options in milliseconds; one that
+/// says nothing for this long is hung, and half the handshake timeout
+/// leaves the client time to hear so.
+pub const DEFAULT_UPSTREAM_TIMEOUT_SECS: u64 = 5;
 pub const DEFAULT_SHUTDOWN_GRACE_SECS: u64 = 30;
 /// Option data is a few short strings (export names and meta-context
 /// queries of at most 4096 bytes each); 64 KiB leaves room for many

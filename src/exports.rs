@@ -5,13 +5,29 @@
 //! directory is looked at when a client names an export or asks for the
 //! list, so sockets are picked up and dropped as they come and go, with
 //! nothing to watch or cache.
+//!
+//! Whoever can write in the directory chooses what its names lead to, so
+//! a name leads only to a socket that really is there: no symbolic link
+//! is followed, neither a socket's nor a tenant directory's, in LIST and
+//! in open alike; and optionally (`--export-dir-owner`) only to sockets
+//! owned by their directory's owner and served by a process of that uid
+//! (`SO_PEERCRED`). Opening walks the path by file descriptors
+//! (`O_PATH|O_NOFOLLOW`, one component at a time) and connects through
+//! the checked socket's own descriptor (`/proc/self/fd/N`), so what was
+//! checked is what is connected to, however the directory changes
+//! meanwhile.
 
-use std::os::unix::fs::FileTypeExt;
+use std::fmt;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
+use rustix::fs::{FileType, Mode, OFlags};
 use thiserror::Error;
+use tokio::net::UnixStream;
 
+use crate::logsafe::Escaped;
 use crate::proto::name::{export_name, NameError};
 
 /// The suffix that makes a file in `--export-dir` an export.
@@ -27,6 +43,68 @@ pub enum ExportError {
     Name(String, NameError),
 }
 
+/// Whose sockets `--export-dir` serves: `any` (only the checks against
+/// symbolic links), `same` (the socket's owner must be its directory's,
+/// and its server must run as that uid), or a uid (directory, socket and
+/// server all that uid).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum OwnerCheck {
+    #[default]
+    Any,
+    Same,
+    Uid(u32),
+}
+
+#[derive(Debug, Error, PartialEq, Eq)]
+#[error("--export-dir-owner {0:?}: expected any, same or a numeric uid")]
+pub struct OwnerCheckError(String);
+
+impl FromStr for OwnerCheck {
+    type Err = OwnerCheckError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text {
+            "any" => Ok(OwnerCheck::Any),
+            "same" => Ok(OwnerCheck::Same),
+            // A user name would be looked up in a passwd file the
+            // sandbox later hides, and could be renamed: numbers only.
+            _ => text
+                .parse()
+                .map(OwnerCheck::Uid)
+                .map_err(|_| OwnerCheckError(text.to_string())),
+        }
+    }
+}
+
+impl fmt::Display for OwnerCheck {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            OwnerCheck::Any => f.write_str("any"),
+            OwnerCheck::Same => f.write_str("same"),
+            OwnerCheck::Uid(uid) => write!(f, "{uid}"),
+        }
+    }
+}
+
+impl OwnerCheck {
+    /// The uid a socket in a directory owned by `dir_uid`, the directory
+    /// itself, and the socket's server must all have; `None`: unchecked.
+    fn wanted(self, dir_uid: u32) -> Option<u32> {
+        match self {
+            OwnerCheck::Any => None,
+            OwnerCheck::Same => Some(dir_uid),
+            OwnerCheck::Uid(uid) => Some(uid),
+        }
+    }
+
+    /// What LIST can know without connecting: the directory's and the
+    /// socket's owners.
+    fn admits(self, dir_uid: u32, socket_uid: u32) -> bool {
+        self.wanted(dir_uid)
+            .is_none_or(|want| dir_uid == want && socket_uid == want)
+    }
+}
+
 /// One export: the name clients use, the socket behind it, and the name
 /// to ask that server for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -34,6 +112,145 @@ pub struct Export {
     pub name: String,
     pub socket: PathBuf,
     pub upstream_name: String,
+    /// Set for a socket found in `--export-dir`: connected to only
+    /// through the checks (`None`: a path the operator gave).
+    pub in_dir: Option<DirSocket>,
+}
+
+/// Where in `--export-dir` a socket is, and what it must pass.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirSocket {
+    dir: PathBuf,
+    tenant: Option<String>,
+    /// The socket's file name, `NAME.sock`.
+    file: String,
+    owner: OwnerCheck,
+}
+
+/// Why a name in `--export-dir` leads nowhere.
+#[derive(Debug, Error)]
+pub enum CheckError {
+    #[error("no such socket")]
+    Missing,
+    #[error("{0} is a symbolic link, which nbdgw never follows")]
+    Symlink(&'static str),
+    #[error("{0} is not a {1}")]
+    WrongType(&'static str, &'static str),
+    #[error("{what} is owned by uid {uid}, not {want} (--export-dir-owner)")]
+    Owner {
+        what: &'static str,
+        uid: u32,
+        want: u32,
+    },
+    #[error("its server runs as uid {uid}, not {want} (--export-dir-owner)")]
+    Peer { uid: u32, want: u32 },
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl From<rustix::io::Errno> for CheckError {
+    fn from(errno: rustix::io::Errno) -> Self {
+        if errno == rustix::io::Errno::NOENT {
+            CheckError::Missing
+        } else {
+            CheckError::Io(errno.into())
+        }
+    }
+}
+
+/// A socket that passed the checks, held open (`O_PATH`) until connected.
+struct Checked {
+    socket: OwnedFd,
+    /// The uid its server must run as, if checked.
+    peer: Option<u32>,
+}
+
+impl DirSocket {
+    /// Walks to the socket one component at a time, never following a
+    /// symbolic link (the export directory itself is the operator's and
+    /// may be one), checking types and owners on the descriptors it holds.
+    fn check(&self) -> Result<Checked, CheckError> {
+        let path_only = OFlags::PATH | OFlags::CLOEXEC;
+        let base = rustix::fs::open(&self.dir, path_only | OFlags::DIRECTORY, Mode::empty())?;
+        let parent = match &self.tenant {
+            Some(tenant) => {
+                let fd =
+                    rustix::fs::openat(&base, tenant, path_only | OFlags::NOFOLLOW, Mode::empty())?;
+                expect_type(
+                    &fd,
+                    FileType::Directory,
+                    "the tenant directory",
+                    "directory",
+                )?;
+                fd
+            }
+            None => base,
+        };
+        let dir_uid = rustix::fs::fstat(&parent)?.st_uid;
+        let socket = rustix::fs::openat(
+            &parent,
+            &self.file,
+            path_only | OFlags::NOFOLLOW,
+            Mode::empty(),
+        )?;
+        expect_type(&socket, FileType::Socket, "the socket", "socket")?;
+        let socket_uid = rustix::fs::fstat(&socket)?.st_uid;
+        let want = self.owner.wanted(dir_uid);
+        if let Some(want) = want {
+            for (what, uid) in [("its directory", dir_uid), ("the socket", socket_uid)] {
+                if uid != want {
+                    return Err(CheckError::Owner { what, uid, want });
+                }
+            }
+        }
+        Ok(Checked { socket, peer: want })
+    }
+
+    /// Checks, connects through the checked socket's descriptor, and
+    /// checks the server's uid.
+    async fn connect(&self) -> Result<UnixStream, CheckError> {
+        self.check()?.connect().await
+    }
+}
+
+impl Checked {
+    async fn connect(self) -> Result<UnixStream, CheckError> {
+        let checked = self;
+        // The magic link names the very inode checked above: a socket
+        // swapped in since (or a link put in its place) is not reached.
+        let via = format!("/proc/self/fd/{}", checked.socket.as_raw_fd());
+        let stream = UnixStream::connect(&via).await?;
+        if let Some(want) = checked.peer {
+            // The credentials the server had when it called listen().
+            let uid = stream.peer_cred()?.uid();
+            if uid != want {
+                return Err(CheckError::Peer { uid, want });
+            }
+        }
+        Ok(stream)
+    }
+}
+
+fn expect_type(
+    fd: &OwnedFd,
+    wanted: FileType,
+    what: &'static str,
+    kind: &'static str,
+) -> Result<(), CheckError> {
+    match FileType::from_raw_mode(rustix::fs::fstat(fd)?.st_mode) {
+        found if found == wanted => Ok(()),
+        FileType::Symlink => Err(CheckError::Symlink(what)),
+        _ => Err(CheckError::WrongType(what, kind)),
+    }
+}
+
+/// Connects to an export's socket: a path the operator gave as it is, a
+/// socket in `--export-dir` only through its checks.
+pub async fn connect(socket: &Path, in_dir: Option<&DirSocket>) -> Result<UnixStream, CheckError> {
+    match in_dir {
+        Some(in_dir) => in_dir.connect().await,
+        None => Ok(UnixStream::connect(socket).await?),
+    }
 }
 
 impl FromStr for Export {
@@ -54,6 +271,7 @@ impl FromStr for Export {
             name: name.to_string(),
             socket: PathBuf::from(socket),
             upstream_name: upstream_name.to_string(),
+            in_dir: None,
         })
     }
 }
@@ -63,6 +281,7 @@ impl FromStr for Export {
 pub struct ExportTable {
     fixed: Vec<Export>,
     dir: Option<PathBuf>,
+    owner: OwnerCheck,
 }
 
 impl ExportTable {
@@ -72,7 +291,17 @@ impl ExportTable {
                 return Err(ExportError::Duplicate(export.name.clone()));
             }
         }
-        Ok(ExportTable { fixed, dir })
+        Ok(ExportTable {
+            fixed,
+            dir,
+            owner: OwnerCheck::Any,
+        })
+    }
+
+    /// Serves only the directory's sockets that pass `owner`.
+    pub fn with_owner_check(mut self, owner: OwnerCheck) -> Self {
+        self.owner = owner;
+        self
     }
 
     /// The sockets of `--export` (for the sandbox, which gives each its
@@ -86,52 +315,91 @@ impl ExportTable {
     }
 
     /// The export called `name`: a fixed one, else a socket in the
-    /// directory (`NAME`) or in one of its subdirectories (`TENANT/NAME`).
-    /// A name that could step out of the directory is never looked up
-    /// there: each component must be a plain file name.
+    /// directory (`NAME`) or in one of its subdirectories (`TENANT/NAME`)
+    /// that passes the checks connecting will make again. A name that
+    /// could step out of the directory is never looked up there: each
+    /// component must be a plain file name.
     pub fn lookup(&self, name: &str) -> Option<Export> {
         if let Some(export) = self.fixed.iter().find(|e| e.name == name) {
             return Some(export.clone());
         }
         let dir = self.dir.as_ref()?;
-        let (subdir, file) = match name.split_once('/') {
-            Some((tenant, file)) if is_plain_file_name(tenant) => (dir.join(tenant), file),
+        let (tenant, file) = match name.split_once('/') {
+            Some((tenant, file)) if is_plain_file_name(tenant) => (Some(tenant), file),
             Some(_) => return None,
-            None => (dir.clone(), name),
+            None => (None, name),
         };
         if !is_plain_file_name(file) {
             return None;
         }
-        let socket = subdir.join(format!("{file}{SOCKET_SUFFIX}"));
-        is_socket(&socket).then(|| Export {
+        let in_dir = DirSocket {
+            dir: dir.clone(),
+            tenant: tenant.map(str::to_string),
+            file: format!("{file}{SOCKET_SUFFIX}"),
+            owner: self.owner,
+        };
+        match in_dir.check() {
+            Ok(_) => {}
+            Err(CheckError::Missing) => return None,
+            Err(why) => {
+                // A name someone put there that leads nowhere it may:
+                // worth the operator's eye, and answered as unknown.
+                tracing::info!(export = %Escaped(name), %why, "export-dir: not served");
+                return None;
+            }
+        }
+        let mut socket = tenant.map_or_else(|| dir.clone(), |t| dir.join(t));
+        socket.push(&in_dir.file);
+        Some(Export {
             name: name.to_string(),
             socket,
             upstream_name: String::new(),
+            in_dir: Some(in_dir),
         })
     }
 
     /// Every export's name, fixed ones first, then the directory's
-    /// (its subdirectories' as `TENANT/NAME`) sorted.
+    /// (its subdirectories' as `TENANT/NAME`) sorted; by the same rules as
+    /// `lookup` (no symbolic link, owners as `--export-dir-owner` says),
+    /// so that LIST shows what can be opened.
     pub fn names(&self) -> Vec<String> {
         let mut names: Vec<String> = self.fixed.iter().map(|e| e.name.clone()).collect();
         let mut found = Vec::new();
         if let Some(dir) = &self.dir {
             for (tenant, path) in entries(dir) {
-                // A directory as lookup sees it: through a symbolic link.
-                if path.is_dir() {
-                    found.extend(
-                        sockets(&path)
+                // lstat: a link to a directory is not a tenant directory.
+                match std::fs::symlink_metadata(&path) {
+                    Ok(meta) if meta.is_dir() => found.extend(
+                        self.sockets(&path, meta.uid())
                             .into_iter()
                             .map(|name| format!("{tenant}/{name}")),
-                    );
+                    ),
+                    _ => {}
                 }
             }
-            found.extend(sockets(dir));
+            // The export directory itself may be a link (the operator's).
+            if let Ok(meta) = std::fs::metadata(dir) {
+                found.extend(self.sockets(dir, meta.uid()));
+            }
         }
         found.retain(|name| !names.contains(name));
         found.sort();
         names.append(&mut found);
         names
+    }
+
+    /// The export names of the sockets directly in `dir`, owned by
+    /// `dir_uid`, that the owner check admits.
+    fn sockets(&self, dir: &Path, dir_uid: u32) -> Vec<String> {
+        entries(dir)
+            .into_iter()
+            .filter_map(|(file_name, path)| {
+                let name = file_name.strip_suffix(SOCKET_SUFFIX)?;
+                let meta = std::fs::symlink_metadata(&path).ok()?;
+                let served = meta.file_type().is_socket() && self.owner.admits(dir_uid, meta.uid());
+                (served && is_plain_file_name(name)).then(|| name.to_string())
+            })
+            .collect()
     }
 }
 
@@ -149,21 +417,6 @@ fn entries(dir: &Path) -> Vec<(String, PathBuf)> {
         .collect()
 }
 
-/// The export names of the sockets directly in `dir`.
-fn sockets(dir: &Path) -> Vec<String> {
-    entries(dir)
-        .into_iter()
-        .filter_map(|(file_name, path)| {
-            let name = file_name.strip_suffix(SOCKET_SUFFIX)?;
-            let socket = std::fs::symlink_metadata(&path)
-                .ok()?
-                .file_type()
-                .is_socket();
-            (socket && is_plain_file_name(name)).then(|| name.to_string())
-        })
-        .collect()
-}
-
 /// An export name (no NUL, no control character), non-empty, no `/`, not
 /// hidden (so never `.` or `..`), short enough for a file name: a socket
 /// called otherwise is neither listed nor opened.
@@ -173,10 +426,6 @@ fn is_plain_file_name(name: &str) -> bool {
         && !name.starts_with('.')
         && !name.contains('/')
         && name.len() + SOCKET_SUFFIX.len() <= 255
-}
-
-fn is_socket(path: &Path) -> bool {
-    std::fs::metadata(path).is_ok_and(|m| m.file_type().is_socket())
 }
 
 #[cfg(test)]
@@ -297,5 +546,104 @@ mod tests {
         ] {
             assert!(table.lookup(name).is_none(), "{name:?}");
         }
+    }
+
+    #[test]
+    fn the_owner_flag_takes_any_same_or_a_uid() {
+        assert_eq!("any".parse(), Ok(OwnerCheck::Any));
+        assert_eq!("same".parse(), Ok(OwnerCheck::Same));
+        assert_eq!("65534".parse(), Ok(OwnerCheck::Uid(65534)));
+        for bad in ["", "nobody", "-1", "same "] {
+            assert!(bad.parse::<OwnerCheck>().is_err(), "{bad:?}");
+        }
+        assert_eq!(OwnerCheck::Uid(7).to_string(), "7");
+    }
+
+    #[test]
+    fn symbolic_links_are_neither_listed_nor_looked_up() {
+        let outer = tempfile::tempdir().unwrap();
+        let dir = outer.path().join("exports");
+        std::fs::create_dir_all(dir.join("team")).unwrap();
+        let _db = UnixListener::bind(dir.join("team/db.sock")).unwrap();
+        let _outside = UnixListener::bind(outer.path().join("secret.sock")).unwrap();
+        std::os::unix::fs::symlink(outer.path().join("secret.sock"), dir.join("x.sock")).unwrap();
+        std::os::unix::fs::symlink("db.sock", dir.join("team/alias.sock")).unwrap();
+        std::os::unix::fs::symlink("team", dir.join("evil")).unwrap();
+        let table = ExportTable::new(vec![], Some(dir)).unwrap();
+        assert_eq!(table.names(), ["team/db"]);
+        for name in ["x", "team/alias", "evil/db", "evil/alias"] {
+            assert!(table.lookup(name).is_none(), "{name}");
+        }
+        assert!(table.lookup("team/db").is_some());
+    }
+
+    #[test]
+    fn the_owner_check_lists_and_looks_up_alike() {
+        use std::os::unix::fs::lchown;
+        let outer = tempfile::tempdir().unwrap();
+        let dir = outer.path().join("exports");
+        std::fs::create_dir_all(dir.join("a")).unwrap();
+        std::fs::create_dir_all(dir.join("b")).unwrap();
+        let _a = UnixListener::bind(dir.join("a/disk.sock")).unwrap();
+        let _b = UnixListener::bind(dir.join("b/disk.sock")).unwrap();
+        let _top = UnixListener::bind(dir.join("top.sock")).unwrap();
+        // Chown needs root (the test suite runs as root; elsewhere the
+        // owners cannot be made to differ, and this checks nothing).
+        let me = std::fs::metadata(&dir).unwrap().uid();
+        let other = me.wrapping_add(4242);
+        if lchown(dir.join("b/disk.sock"), Some(other), None).is_err() {
+            return;
+        }
+        lchown(dir.join("a"), Some(other), None).unwrap();
+        lchown(dir.join("a/disk.sock"), Some(other), None).unwrap();
+        let table = |owner| {
+            ExportTable::new(vec![], Some(dir.clone()))
+                .unwrap()
+                .with_owner_check(owner)
+        };
+        let served = |owner| {
+            let table = table(owner);
+            let listed = table.names();
+            for name in ["a/disk", "b/disk", "top"] {
+                let found = table.lookup(name).is_some();
+                assert_eq!(found, listed.iter().any(|n| n == name), "{owner} {name}");
+            }
+            listed
+        };
+        assert_eq!(served(OwnerCheck::Any), ["a/disk", "b/disk", "top"]);
+        // b's socket is not its directory owner's.
+        assert_eq!(served(OwnerCheck::Same), ["a/disk", "top"]);
+        // a's directory and socket are the other uid's; top is mine,
+        // in my directory.
+        assert_eq!(served(OwnerCheck::Uid(other)), ["a/disk"]);
+        assert_eq!(served(OwnerCheck::Uid(me)), ["top"]);
+    }
+
+    #[tokio::test]
+    async fn what_was_checked_is_what_is_connected_to() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = std::os::unix::net::UnixListener::bind(dir.path().join("db.sock")).unwrap();
+        let decoy = std::os::unix::net::UnixListener::bind(dir.path().join("decoy.sock")).unwrap();
+        real.set_nonblocking(true).unwrap();
+        decoy.set_nonblocking(true).unwrap();
+        let in_dir = DirSocket {
+            dir: dir.path().to_path_buf(),
+            tenant: None,
+            file: "db.sock".into(),
+            owner: OwnerCheck::Same,
+        };
+        let checked = in_dir.check().unwrap();
+        // Between the check and the connect, the name is made a link to
+        // another socket.
+        std::fs::remove_file(dir.path().join("db.sock")).unwrap();
+        std::os::unix::fs::symlink("decoy.sock", dir.path().join("db.sock")).unwrap();
+        let _stream = checked.connect().await.unwrap();
+        assert!(
+            real.accept().is_ok(),
+            "the checked socket got the connection"
+        );
+        assert!(decoy.accept().is_err(), "the decoy got none");
+        // Checked afresh, the link is refused.
+        assert!(matches!(in_dir.check(), Err(CheckError::Symlink(_))));
     }
 }

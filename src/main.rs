@@ -410,6 +410,10 @@ mod debug_probe {
 }
 
 fn export_table(args: &ServeArgs) -> Result<Option<nbdgw::exports::ExportTable>> {
+    // An owner check that checks nothing must not look like one.
+    if args.export_dir.is_none() && args.export_dir_owner != nbdgw::exports::OwnerCheck::Any {
+        bail!("--export-dir-owner (NBDGW_EXPORT_DIR_OWNER) needs --export-dir: it checks only the sockets found there");
+    }
     if args.exports.is_empty() && args.export_dir.is_none() {
         return Ok(None);
     }
@@ -418,8 +422,9 @@ fn export_table(args: &ServeArgs) -> Result<Option<nbdgw::exports::ExportTable>>
             bail!("--export-dir {}: not a directory", dir.display());
         }
     }
-    let table = nbdgw::exports::ExportTable::new(args.exports.clone(), args.export_dir.clone())?;
-    info!(exports = ?table.names(), dir = ?args.export_dir, "exports routed by name");
+    let table = nbdgw::exports::ExportTable::new(args.exports.clone(), args.export_dir.clone())?
+        .with_owner_check(args.export_dir_owner);
+    info!(exports = ?table.names(), dir = ?args.export_dir, owner = %args.export_dir_owner, "exports routed by name");
     Ok(Some(table))
 }
 
@@ -450,8 +455,9 @@ fn check_limits(args: &ServeArgs) -> Result<()> {
         || args.max_handshakes_per_source == 0
         || args.max_payload == 0
         || args.handshake_timeout == 0
+        || args.upstream_timeout == 0
     {
-        bail!("--max-connections, --max-sessions-per-identity, --max-handshakes, --max-handshakes-per-source, --max-payload and --handshake-timeout must be greater than 0");
+        bail!("--max-connections, --max-sessions-per-identity, --max-handshakes, --max-handshakes-per-source, --max-payload, --handshake-timeout and --upstream-timeout must be greater than 0");
     }
     if args.tcp_keepalive > 0 && (args.tcp_keepalive_interval == 0 || args.tcp_keepalive_count == 0)
     {
@@ -491,6 +497,7 @@ fn gateway_config(args: &ServeArgs, upstream: PathBuf, tls: Arc<TlsStore>) -> Co
     config.max_handshakes = args.max_handshakes;
     config.max_handshakes_per_source = args.max_handshakes_per_source;
     config.handshake_timeout = Duration::from_secs(args.handshake_timeout);
+    config.upstream_timeout = Duration::from_secs(args.upstream_timeout);
     config.idle_timeout = seconds_or_off(args.idle_timeout);
     config.stall_timeout = seconds_or_off(args.stall_timeout);
     config.keepalive = seconds_or_off(args.tcp_keepalive).map(|idle| Keepalive {

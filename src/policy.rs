@@ -356,6 +356,25 @@ impl Policy {
             .collect()
     }
 
+    /// Whether any rule admits `cert` at all, to any export: an identity
+    /// no rule names has no business with any upstream, so with the
+    /// single `--upstream` nbdgw connects it only for identities this
+    /// holds for (and only once an option needs it).
+    pub fn grants_anything(&self, cert: &CertInfo) -> bool {
+        let Some(rules) = &self.rules else {
+            return true;
+        };
+        rules.iter().any(|rule| {
+            rule.identities.iter().any(|identity| {
+                identity
+                    .field
+                    .values(cert)
+                    .iter()
+                    .any(|value| identity.bind(value).is_some())
+            })
+        })
+    }
+
     /// Refuses a replacement that might grant any identity an export, or
     /// an access, the running policy does not. Judged rule by rule and
     /// conservatively: a rule the running one does not plainly cover is

@@ -9,6 +9,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 use crate::config::Config;
+use crate::exports::DirSocket;
 use crate::proto::consts::GREETING_LEN;
 use crate::proto::handshake::{parse_upstream_greeting, upstream_client_flags};
 use crate::proto::ProtoError;
@@ -16,19 +17,17 @@ use crate::proto::ProtoError;
 #[derive(Debug, Error)]
 pub enum UpstreamError {
     #[error("cannot connect to {path}: {error}")]
-    Connect { path: String, error: std::io::Error },
-    #[error("connecting to {0} timed out")]
-    Timeout(String),
+    Connect {
+        path: String,
+        error: crate::exports::CheckError,
+    },
+    #[error("{path} did not accept and greet within {after:?} (--upstream-timeout)")]
+    Timeout { path: String, after: Duration },
     #[error("greeting: {0}")]
     Io(#[from] std::io::Error),
     #[error("bad greeting: {0}")]
     Proto(#[from] ProtoError),
 }
-
-/// A local Unix socket connects at once or not at all; a server that has
-/// stopped accepting (its backlog full) should not hold a client for
-/// longer than this.
-pub const UPSTREAM_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// An upstream connection that has finished the greeting and is ready for
 /// options.
@@ -39,14 +38,42 @@ pub struct Upstream {
 }
 
 /// Connects to `socket`, sizes the send buffer, and does the newstyle
-/// greeting.
-pub async fn open(socket: &Path, config: &Config) -> Result<Upstream, UpstreamError> {
-    let path = socket.display().to_string();
-    let connect = UnixStream::connect(socket);
-    let mut stream = tokio::time::timeout(UPSTREAM_CONNECT_TIMEOUT, connect)
+/// greeting, all within `--upstream-timeout`: a server that accepts (the
+/// kernel does that for it, into the backlog) but never greets would
+/// otherwise hold the client until the handshake timeout, and the client
+/// would learn nothing.
+/// A socket found in `--export-dir` (`in_dir`) is reached only through
+/// its checks (see `crate::exports`).
+pub async fn open(
+    socket: &Path,
+    in_dir: Option<&DirSocket>,
+    config: &Config,
+) -> Result<Upstream, UpstreamError> {
+    let after = config.upstream_timeout;
+    tokio::time::timeout(after, connect_and_greet(socket, in_dir, config))
         .await
-        .map_err(|_| UpstreamError::Timeout(path.clone()))?
-        .map_err(|error| UpstreamError::Connect { path, error })?;
+        .map_err(|_| UpstreamError::Timeout {
+            path: socket.display().to_string(),
+            after,
+        })?
+}
+
+async fn connect_and_greet(
+    socket: &Path,
+    in_dir: Option<&DirSocket>,
+    config: &Config,
+) -> Result<Upstream, UpstreamError> {
+    let stream = crate::exports::connect(socket, in_dir)
+        .await
+        .map_err(|error| UpstreamError::Connect {
+            path: socket.display().to_string(),
+            error,
+        })?;
+    greet(stream, config).await
+}
+
+/// The greeting on a connected stream.
+async fn greet(mut stream: UnixStream, config: &Config) -> Result<Upstream, UpstreamError> {
     if config.upstream_sndbuf > 0 {
         // Best effort: the start-up probe already told the operator what
         // the kernel grants.

@@ -39,6 +39,12 @@ pub enum ConnError {
     Tls(io::Error),
     #[error("kernel TLS hand-over failed: {0}")]
     KernelTls(#[from] crate::tls::kernel::KernelTlsError),
+    #[error("{side} made no progress {when} for {after:?} (--upstream-timeout)")]
+    NoAnswer {
+        side: Side,
+        when: &'static str,
+        after: Duration,
+    },
     #[error("negotiation not finished within {0:?}")]
     HandshakeTimeout(Duration),
     #[error("idle for {0:?} with no request in flight")]
@@ -97,6 +103,9 @@ impl ConnError {
                 side: Side::Upstream,
                 ..
             } | ConnError::Proto {
+                side: Side::Upstream,
+                ..
+            } | ConnError::NoAnswer {
                 side: Side::Upstream,
                 ..
             } | ConnError::UpstreamGone(_)

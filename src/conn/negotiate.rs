@@ -11,7 +11,7 @@ use super::error::{ConnError, Side};
 use super::options::{OptionChannel, ShutdownAnswer};
 use super::session::{Audit, ClientStream, Session, AUDIT};
 use crate::config::Config;
-use crate::exports::Export;
+use crate::exports::{DirSocket, Export};
 use crate::logsafe::{escape, escape_bytes, Escaped};
 use crate::policy::{Access, Policy, RuleRef};
 use crate::proto::consts::*;
@@ -42,6 +42,10 @@ const UPSTREAM_NEGOTIATION_BUF: usize = 4096;
 /// option, up to this much (a long LIST goes out in pieces).
 const CLIENT_REPLY_BATCH: usize = 16 * 1024;
 
+/// What a client hears when the single `--upstream` cannot be reached
+/// (why, with its path, is in the log only).
+const SINGLE_UNAVAILABLE: &str = "nbdgw: upstream NBD server unavailable";
+
 /// How much of a malformed export name the log shows.
 const LOGGED_NAME_BYTES: usize = 256;
 
@@ -56,21 +60,9 @@ pub async fn relay_options(
     shutdown: &Shutdown,
 ) -> Result<Outcome, ConnError> {
     let client = OptionChannel::new(tls, Side::Client, config.max_option_len);
-    // Only now, with TLS up, does an upstream hear of this client; with
-    // named exports, only once an option names one it may open.
-    let upstream = match config.exports {
-        Some(_) => None,
-        None => match Attached::connect(&config.upstream, None, config).await {
-            Ok(attached) => Some(attached),
-            // Why (with the socket's path) is logged by `connect`; the
-            // client learns only that the server is not there.
-            Err(_) => {
-                let message = "nbdgw: upstream NBD server unavailable";
-                return refuse_all(client, message).await.map(Outcome::Closed);
-            }
-        },
-    };
-    let mut negotiation = Negotiation::new(client, upstream, client_flags, identity, config);
+    // No upstream hears of this client yet: only an option that passed
+    // authorization connects one (see `reach_single` and `attach`).
+    let mut negotiation = Negotiation::new(client, client_flags, identity, config);
     loop {
         let option = negotiation.client.read_option().await?;
         match negotiation
@@ -96,6 +88,14 @@ pub async fn relay_options(
         match step {
             Step::Next => {}
             Step::Closed(reason) => return Ok(Outcome::Closed(reason)),
+            Step::Unavailable => {
+                // The single upstream is not there: every further option
+                // gets the same answer, rather than a fresh wait of up to
+                // --upstream-timeout each.
+                return refuse_all(negotiation.client, SINGLE_UNAVAILABLE)
+                    .await
+                    .map(Outcome::Closed);
+            }
             Step::Transmission {
                 export,
                 size,
@@ -109,6 +109,9 @@ pub async fn relay_options(
 enum Step {
     Next,
     Closed(&'static str),
+    /// The single `--upstream` could not be reached; the option was
+    /// refused saying so.
+    Unavailable,
     /// The export, its size and transmission flags, as the upstream said.
     Transmission {
         export: String,
@@ -119,8 +122,9 @@ enum Step {
 
 struct Negotiation<'a> {
     client: Client,
-    /// The upstream options go to: connected at start with one upstream,
-    /// else to the export the last option named.
+    /// The upstream options go to: with one upstream, connected by the
+    /// first option that needs it once authorized; with named exports,
+    /// that of the export the last option named.
     upstream: Option<Attached>,
     client_flags: ClientFlags,
     structured: bool,
@@ -166,10 +170,11 @@ impl Attached {
     /// and logged here, once, for every caller.
     async fn connect(
         socket: &Path,
+        in_dir: Option<&DirSocket>,
         export: Option<String>,
         config: &Config,
     ) -> Result<Self, UpstreamError> {
-        let upstream = match upstream::open(socket, config).await {
+        let upstream = match upstream::open(socket, in_dir, config).await {
             Ok(upstream) => upstream,
             Err(e) => {
                 config.metrics.upstream_connect_failures.inc();
@@ -182,8 +187,10 @@ impl Attached {
             }
         };
         let stream = BufReader::with_capacity(UPSTREAM_NEGOTIATION_BUF, upstream.stream);
+        let channel = OptionChannel::new(stream, Side::Upstream, config.max_option_len)
+            .bounded(config.upstream_timeout);
         Ok(Attached {
-            channel: OptionChannel::new(stream, Side::Upstream, config.max_option_len),
+            channel,
             export,
             pads_export_name: upstream.pads_export_name,
         })
@@ -199,14 +206,13 @@ struct Relayed {
 impl<'a> Negotiation<'a> {
     fn new(
         client: Client,
-        upstream: Option<Attached>,
         client_flags: ClientFlags,
         identity: CertInfo,
         config: &'a Config,
     ) -> Self {
         Negotiation {
             client,
-            upstream,
+            upstream: None,
             client_flags,
             structured: false,
             extended: false,
@@ -289,6 +295,10 @@ impl<'a> Negotiation<'a> {
                 client_name: export.clone(),
             });
             self.target = Some(target);
+        } else if !self.reach_single().await {
+            return Ok(Step::Closed(
+                "NBD_OPT_EXPORT_NAME with the upstream unavailable",
+            ));
         }
         let Some(upstream) = self.upstream.as_mut() else {
             return Ok(Step::Closed("no upstream"));
@@ -330,6 +340,38 @@ impl<'a> Negotiation<'a> {
         Some(table.lookup(name))
     }
 
+    /// With the single `--upstream`: whether an option from this client
+    /// may reach it at all, the options that name no export (LIST and the
+    /// framing ones) included. An identity no rule admits never causes a
+    /// connection, so it can hold none of the server's slots
+    /// (`qemu-nbd --shared=N`).
+    fn may_reach_single(&self) -> bool {
+        self.config.exports.is_none() && self.policy.grants_anything(&self.identity)
+    }
+
+    /// Connects the single `--upstream` if not yet connected; for options
+    /// that passed authorization only. False when it cannot be reached
+    /// (logged by `Attached::connect`).
+    async fn reach_single(&mut self) -> bool {
+        if self.upstream.is_some() {
+            return true;
+        }
+        match Attached::connect(&self.config.upstream, None, None, self.config).await {
+            Ok(attached) => {
+                self.upstream = Some(attached);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    async fn single_unavailable(&mut self, option: &OptionHeader) -> Result<Step, ConnError> {
+        self.client
+            .send_reply(option.option, REP_ERR_SHUTDOWN, SINGLE_UNAVAILABLE)
+            .await?;
+        Ok(Step::Unavailable)
+    }
+
     /// INFO, GO and the META_CONTEXT options: authorized for the export
     /// they name, sent to its upstream under the upstream's name for it.
     async fn naming_an_export(&mut self, option: &OptionHeader) -> Result<Step, ConnError> {
@@ -369,6 +411,8 @@ impl<'a> Negotiation<'a> {
                     client_name: name,
                 });
             self.target = Some(target);
+        } else if !self.reach_single().await {
+            return self.single_unavailable(option).await;
         }
         self.relayed(option).await
     }
@@ -424,10 +468,13 @@ impl<'a> Negotiation<'a> {
             old.channel.goodbye().await;
         }
         let export = Some(target.name.clone());
-        let mut attached = match Attached::connect(&target.socket, export, self.config).await {
-            Ok(attached) => attached,
-            Err(e) => return Ok(Err(e.to_string())),
-        };
+        let mut attached =
+            match Attached::connect(&target.socket, target.in_dir.as_ref(), export, self.config)
+                .await
+            {
+                Ok(attached) => attached,
+                Err(e) => return Ok(Err(e.to_string())),
+            };
         let replay = if self.extended {
             Some(OPT_EXTENDED_HEADERS)
         } else {
@@ -452,16 +499,27 @@ impl<'a> Negotiation<'a> {
     /// open are listed.
     async fn list(&mut self, option: &OptionHeader) -> Result<Step, ConnError> {
         self.renamed = None;
-        let Some(table) = self.config.exports.clone() else {
+        if self.may_reach_single() {
+            if !self.reach_single().await {
+                return self.single_unavailable(option).await;
+            }
             return self.relayed(option).await;
-        };
+        }
         if !self.client.data().is_empty() {
             return self
                 .refuse(option, REP_ERR_INVALID, "LIST takes no data")
                 .await;
         }
+        // With the single upstream and an identity no rule admits, the
+        // list it may see is empty, and nbdgw says so itself.
+        let names = self
+            .config
+            .exports
+            .as_ref()
+            .map(|table| table.names())
+            .unwrap_or_default();
         let mut replies = Vec::new();
-        for name in table.names() {
+        for name in names {
             if self.policy.decide(&self.identity, &name).is_some() {
                 replies.extend(encode_option_reply(
                     OPT_LIST,
@@ -475,13 +533,18 @@ impl<'a> Negotiation<'a> {
         Ok(Step::Next)
     }
 
-    /// STRUCTURED_REPLY and EXTENDED_HEADERS go to the upstream in use.
-    /// Before any export is chosen (named exports), nbdgw agrees to
+    /// STRUCTURED_REPLY and EXTENDED_HEADERS go to the upstream in use
+    /// (the single `--upstream` is connected for them if this client may
+    /// reach it). Before any export is chosen (named exports, or an
+    /// identity no rule admits), nbdgw agrees to
     /// structured replies itself and asks each upstream for them as it
     /// connects; extended headers it cannot promise for an upstream not
     /// yet chosen, so it declines them then and clients fall back.
     async fn framing(&mut self, option: &OptionHeader) -> Result<Step, ConnError> {
         self.renamed = None;
+        if self.upstream.is_none() && self.may_reach_single() && !self.reach_single().await {
+            return self.single_unavailable(option).await;
+        }
         if self.upstream.is_some() {
             return self.relayed(option).await;
         }

@@ -4,6 +4,9 @@
 //! here once. The client's channel reads options and sends replies; the
 //! upstream's sends options and reads replies.
 
+use std::future::Future;
+use std::time::Duration;
+
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::error::{ConnError, Side};
@@ -20,6 +23,9 @@ pub struct OptionChannel<S> {
     data: Vec<u8>,
     /// Largest option data, or option reply data, accepted.
     max_len: u32,
+    /// How long each read or write may take; `None` for the client,
+    /// whose whole negotiation the handshake timeout bounds.
+    bound: Option<Duration>,
 }
 
 /// What the shutdown makes of an option.
@@ -41,7 +47,17 @@ impl<S: AsyncRead + AsyncWrite + Unpin> OptionChannel<S> {
             side,
             data: Vec::new(),
             max_len,
+            bound: None,
         }
+    }
+
+    /// Bounds each read and each write (the upstream's, by
+    /// `--upstream-timeout`): a server that stops answering mid-option
+    /// gets the client an error reply, not a wait for the handshake
+    /// timeout.
+    pub fn bounded(mut self, bound: Duration) -> Self {
+        self.bound = Some(bound);
+        self
     }
 
     pub fn get_mut(&mut self) -> &mut S {
@@ -63,11 +79,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> OptionChannel<S> {
         buf: &mut [u8],
         when: &'static str,
     ) -> Result<(), ConnError> {
-        self.stream
-            .read_exact(buf)
+        let (side, bound) = (self.side, self.bound);
+        within(bound, side, when, self.stream.read_exact(buf))
             .await
             .map(|_| ())
-            .map_err(ConnError::io(self.side, when))
     }
 
     /// Reads one option: header and all its data (at most the limit, so
@@ -104,11 +119,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> OptionChannel<S> {
         }
         self.check_length("option reply", reply.length)?;
         into.extend_from_slice(&header);
-        let read = (&mut self.stream)
-            .take(reply.length.into())
-            .read_to_end(into)
-            .await
-            .map_err(ConnError::io(self.side, WHEN_HAGGLING))?;
+        let (side, bound) = (self.side, self.bound);
+        let mut body = (&mut self.stream).take(reply.length.into());
+        let read = within(bound, side, WHEN_HAGGLING, body.read_to_end(into)).await?;
         if read < reply.length as usize {
             return Err(ConnError::closed(
                 self.side,
@@ -124,11 +137,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> OptionChannel<S> {
     }
 
     async fn read_data(&mut self, length: u32, when: &'static str) -> Result<(), ConnError> {
-        let read = (&mut self.stream)
-            .take(length.into())
-            .read_to_end(&mut self.data)
-            .await
-            .map_err(ConnError::io(self.side, when))?;
+        let (side, bound) = (self.side, self.bound);
+        let mut data = (&mut self.stream).take(length.into());
+        let read = within(bound, side, when, data.read_to_end(&mut self.data)).await?;
         if read < length as usize {
             return Err(ConnError::closed(self.side, when));
         }
@@ -137,15 +148,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> OptionChannel<S> {
 
     /// Writes `bytes` and flushes them.
     pub async fn send(&mut self, bytes: &[u8]) -> Result<(), ConnError> {
-        let side = self.side;
-        self.stream
-            .write_all(bytes)
-            .await
-            .map_err(ConnError::io(side, WHEN_HAGGLING))?;
-        self.stream
-            .flush()
-            .await
-            .map_err(ConnError::io(side, WHEN_HAGGLING))
+        let (side, bound) = (self.side, self.bound);
+        within(bound, side, WHEN_HAGGLING, self.stream.write_all(bytes)).await?;
+        within(bound, side, WHEN_HAGGLING, self.stream.flush()).await
     }
 
     /// One option reply with an optional message.
@@ -207,5 +212,22 @@ impl<S: AsyncRead + AsyncWrite + Unpin> OptionChannel<S> {
         self.send_reply(option.option, REP_ERR_SHUTDOWN, "nbdgw is shutting down")
             .await?;
         Ok(ShutdownAnswer::Refused)
+    }
+}
+
+/// `io` with its error mapped to `side`, and cut off after `bound` if
+/// there is one.
+async fn within<T>(
+    bound: Option<Duration>,
+    side: Side,
+    when: &'static str,
+    io: impl Future<Output = std::io::Result<T>>,
+) -> Result<T, ConnError> {
+    let Some(after) = bound else {
+        return io.await.map_err(ConnError::io(side, when));
+    };
+    match tokio::time::timeout(after, io).await {
+        Ok(done) => done.map_err(ConnError::io(side, when)),
+        Err(_) => Err(ConnError::NoAnswer { side, when, after }),
     }
 }

@@ -689,3 +689,21 @@ fn every_load_error_says_where_it_is() {
         assert!(!error.problem().contains("line"), "{}", error.problem());
     }
 }
+
+#[test]
+fn grants_anything_holds_for_every_identity_some_rule_admits_and_no_other() {
+    let policy = Policy::parse(EXAMPLE).unwrap();
+    let vm_host = cert("h1", &[], &["spiffe://example.org/ns/prod/sa/vm-host"]);
+    let other = cert(
+        "someone",
+        &["backup"],
+        &["spiffe://example.org/ns/x/sa/other"],
+    );
+    assert!(policy.grants_anything(&vm_host));
+    assert!(policy.grants_anything(&cert("backup", &[], &[])));
+    assert!(!policy.grants_anything(&other));
+    assert!(!policy.grants_anything(&CertInfo::default()));
+    assert!(Policy::open().grants_anything(&CertInfo::default()));
+    // Whoever `decide` lets open anything, `grants_anything` holds for.
+    assert!(policy.decide(&other, "vm-1").is_none() && policy.decide(&other, "").is_none());
+}

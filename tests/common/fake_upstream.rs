@@ -179,3 +179,34 @@ pub fn good_read(read: Asked) -> Vec<u8> {
     c.extend(std::iter::repeat_n(7u8, length as usize));
     c
 }
+
+/// A server that accepts every connection and then says nothing, not even
+/// its greeting (a hung NBD server), holding each connection open until
+/// the other side closes it. With `greets`, it sends the greeting, reads
+/// the client flags, and is silent from then on (it never answers an
+/// option).
+pub fn silent(socket: &Path, greets: bool) -> FakeUpstream {
+    let listener = UnixListener::bind(socket).unwrap();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut s) = stream else { return };
+            std::thread::spawn(move || {
+                if greets {
+                    let mut greeting = NBDMAGIC.to_be_bytes().to_vec();
+                    greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
+                    greeting
+                        .extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+                    if s.write_all(&greeting).is_err() {
+                        return;
+                    }
+                }
+                // Reads (and drops) whatever comes until nbdgw closes.
+                let mut sink = [0u8; 4096];
+                while matches!(s.read(&mut sink), Ok(n) if n > 0) {}
+            });
+        }
+    });
+    FakeUpstream {
+        socket: socket.to_owned(),
+    }
+}
