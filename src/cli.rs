@@ -236,6 +236,11 @@ pub struct ServeArgs {
     /// Largest option data (and option reply) in bytes.
     #[arg(long, env = "NBDGW_MAX_OPTION_LEN", default_value_t = config::DEFAULT_MAX_OPTION_LEN)]
     pub max_option_len: u32,
+    /// Export names one connection may have refused (malformed, not
+    /// granted by the policy, or unknown) before it is closed: each
+    /// refusal logs a line.
+    #[arg(long, env = "NBDGW_MAX_REFUSED_OPTIONS", default_value_t = config::DEFAULT_MAX_REFUSED_OPTIONS)]
+    pub max_refused_options: u32,
     /// Plain-HTTP admin endpoints (/healthz, /readyz, /metrics) on this
     /// address, meant for localhost or the pod network; off by default.
     #[arg(long, env = "NBDGW_ADMIN_LISTEN", value_name = "HOST:PORT")]

@@ -55,6 +55,9 @@ pub struct Config {
     pub max_payload: u32,
     /// Largest option data (or option reply data) either side may send.
     pub max_option_len: u32,
+    /// Export names one connection may have refused (malformed, not
+    /// granted, unknown) before it is closed.
+    pub max_refused_options: u32,
     /// How replies are held back into full TCP segments.
     pub cork: Cork,
     /// The ciphers kernel TLS takes, when sessions go to the kernel after
@@ -125,6 +128,7 @@ impl Config {
             keepalive: Some(Keepalive::default()),
             max_payload: crate::proto::consts::DEFAULT_MAX_PAYLOAD,
             max_option_len: DEFAULT_MAX_OPTION_LEN,
+            max_refused_options: DEFAULT_MAX_REFUSED_OPTIONS,
             cork: Cork::Deferred,
             kernel_tls: None,
             kernel_tls_no_rekey: false,
@@ -182,6 +186,9 @@ pub const DEFAULT_HANDSHAKE_TIMEOUT_SECS: u64 = 10;
 /// leaves the client time to hear so.
 pub const DEFAULT_UPSTREAM_TIMEOUT_SECS: u64 = 5;
 pub const DEFAULT_SHUTDOWN_GRACE_SECS: u64 = 30;
+/// A client trying names, or a LIST-less one guessing a few, stays far
+/// below it; each refusal logs a line.
+pub const DEFAULT_MAX_REFUSED_OPTIONS: u32 = 32;
 /// Option data is a few short strings (export names and meta-context
 /// queries of at most 4096 bytes each); 64 KiB leaves room for many
 /// queries and still bounds what an unauthenticated client can send.

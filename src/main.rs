@@ -507,6 +507,7 @@ fn gateway_config(args: &ServeArgs, upstream: PathBuf, tls: Arc<TlsStore>) -> Co
     });
     config.max_payload = args.max_payload;
     config.max_option_len = args.max_option_len;
+    config.max_refused_options = args.max_refused_options;
     config.shutdown_grace = Duration::from_secs(args.shutdown_grace);
     config.drain_delay = Duration::from_secs(args.drain_delay);
     config.cork = args.cork;

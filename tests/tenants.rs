@@ -311,3 +311,30 @@ fn clients_are_not_told_socket_paths_and_the_log_is() {
     let log = named.log();
     assert!(log.contains(&gone.display().to_string()), "{log}");
 }
+
+/// Review finding: every refused name logs a line of up to 4 KiB, and a
+/// connection could go on naming exports for the whole handshake
+/// timeout. Past `--max-refused-options` it is closed.
+#[test]
+fn a_connection_naming_too_many_refused_exports_is_closed() {
+    let site = Site::new();
+    let image = site.env.path("public.img");
+    std::fs::write(&image, vec![b'P'; 1 << 20]).unwrap();
+    let upstream = QemuNbd::start_at(site.env.path("nbd.sock"), &image, &[]);
+    let gw = site.gateway(&[OsStr::new("--upstream"), upstream.socket.as_os_str()]);
+    let mut c = connect_as(gw.addr(), &site.alice);
+    let long = "x".repeat(4000);
+    for _ in 0..32 {
+        let refused = c.option(OPT_INFO, &raw_go_data(long.as_bytes()));
+        assert_eq!(refused[0].reply_type, REP_ERR_UNKNOWN);
+    }
+    c.send_option(OPT_INFO, &raw_go_data(long.as_bytes()));
+    c.expect_closed();
+    gw.wait_for_log("more export names refused than --max-refused-options", 1);
+    let log = gw.log();
+    assert_eq!(
+        log.matches("refused: the policy does not open").count(),
+        33,
+        "{log}"
+    );
+}

@@ -1,6 +1,6 @@
 # Print an optspec for argparse to handle cmd's options that are independent of any subcommand.
 function __fish_nbdgw_global_optspecs
-    string join \n listen= tls-cert= tls-key= tls-dir= tls-client-ca= tls-crl= allow-cn= allow-dns= allow-uri= tls-crl-allow-expired tls-revoke-closes= tls-min-version= tls-reload-interval= upstream= export= export-dir= export-dir-owner= policy= policy-revoke-closes= upstream-sndbuf= max-connections= max-sessions-per-identity= max-handshakes= max-handshakes-per-source= handshake-timeout= upstream-timeout= idle-timeout= stall-timeout= tcp-keepalive= tcp-keepalive-interval= tcp-keepalive-count= max-payload= max-option-len= admin-listen= admin-max-connections= admin-header-timeout= admin-keepalive-requests= admin-keepalive-timeout= admin-max-header-bytes= drain-delay= shutdown-grace= cork= ktls= ktls-key-limit= threads= landlock= log-format= h/help V/version
+    string join \n listen= tls-cert= tls-key= tls-dir= tls-client-ca= tls-crl= allow-cn= allow-dns= allow-uri= tls-crl-allow-expired tls-revoke-closes= tls-min-version= tls-reload-interval= upstream= export= export-dir= export-dir-owner= policy= policy-revoke-closes= upstream-sndbuf= max-connections= max-sessions-per-identity= max-handshakes= max-handshakes-per-source= handshake-timeout= upstream-timeout= idle-timeout= stall-timeout= tcp-keepalive= tcp-keepalive-interval= tcp-keepalive-count= max-payload= max-option-len= max-refused-options= admin-listen= admin-max-connections= admin-header-timeout= admin-keepalive-requests= admin-keepalive-timeout= admin-max-header-bytes= drain-delay= shutdown-grace= cork= ktls= ktls-key-limit= threads= landlock= log-format= h/help V/version
 end
 
 function __fish_nbdgw_needs_command
@@ -59,6 +59,7 @@ complete -c nbdgw -n "__fish_nbdgw_needs_command" -l tcp-keepalive-interval -d '
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l tcp-keepalive-count -d 'Unanswered keepalive probes before the connection is dropped' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l max-payload -d 'Largest request payload and read length in bytes' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l max-option-len -d 'Largest option data (and option reply) in bytes' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l max-refused-options -d 'Export names one connection may have refused (malformed, not granted by the policy, or unknown) before it is closed: each refusal logs a line' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l admin-listen -d 'Plain-HTTP admin endpoints (/healthz, /readyz, /metrics) on this address, meant for localhost or the pod network; off by default' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l admin-max-connections -d 'Admin connections open at once; more are closed at accept (and counted), so probes and scrapers can never take the descriptors the NBD clients need' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l admin-header-timeout -d 'Seconds an admin connection has to send a request\'s headers, from accept or from the previous response; slower ones are closed' -r

@@ -46,6 +46,9 @@ const CLIENT_REPLY_BATCH: usize = 16 * 1024;
 /// (why, with its path, is in the log only).
 const SINGLE_UNAVAILABLE: &str = "nbdgw: upstream NBD server unavailable";
 
+/// Why a connection that kept naming exports it may not open ended.
+const TOO_MANY_REFUSALS: &str = "more export names refused than --max-refused-options";
+
 /// How much of a malformed export name the log shows.
 const LOGGED_NAME_BYTES: usize = 256;
 
@@ -140,6 +143,10 @@ struct Negotiation<'a> {
     /// and the policy rule that decided it (`None` without a policy).
     access: Access,
     rule: Option<RuleRef>,
+    /// Export names refused so far (malformed, not granted, or unknown):
+    /// each logs a line, so past `--max-refused-options` the connection
+    /// ends instead of filling the log for the handshake timeout.
+    refusals: u32,
     /// The named export the last naming option was routed to (`None`
     /// with one `--upstream`).
     target: Option<Export>,
@@ -221,6 +228,7 @@ impl<'a> Negotiation<'a> {
             renamed: None,
             access: Access::ReadWrite,
             rule: None,
+            refusals: 0,
             target: None,
             identity,
             policy: config.policy.current(),
@@ -386,6 +394,9 @@ impl<'a> Negotiation<'a> {
             Ok(name) => name.to_owned(),
             Err(e) => {
                 self.log_malformed(name, e);
+                if self.one_refusal_too_many() {
+                    return Ok(Step::Closed(TOO_MANY_REFUSALS));
+                }
                 return self.refuse(option, REP_ERR_INVALID, &e.to_string()).await;
             }
         };
@@ -421,7 +432,16 @@ impl<'a> Negotiation<'a> {
     /// not leak.
     async fn unknown(&mut self, option: &OptionHeader) -> Result<Step, ConnError> {
         self.config.metrics.exports_refused.inc();
+        if self.one_refusal_too_many() {
+            return Ok(Step::Closed(TOO_MANY_REFUSALS));
+        }
         self.refuse(option, REP_ERR_UNKNOWN, "unknown export").await
+    }
+
+    /// Counts a refused name; true once past `--max-refused-options`.
+    fn one_refusal_too_many(&mut self) -> bool {
+        self.refusals += 1;
+        self.refusals > self.config.max_refused_options
     }
 
     async fn refuse(
