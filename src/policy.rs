@@ -365,13 +365,14 @@ impl Policy {
             return true;
         };
         rules.iter().any(|rule| {
-            rule.identities.iter().any(|identity| {
-                identity
-                    .field
-                    .values(cert)
-                    .iter()
-                    .any(|value| identity.bind(value).is_some())
-            })
+            rule.one_tenant(cert)
+                && rule.identities.iter().any(|identity| {
+                    identity
+                        .field
+                        .values(cert)
+                        .iter()
+                        .any(|value| identity.bind(value).is_some())
+                })
         })
     }
 
@@ -453,6 +454,35 @@ impl Rule {
         self.exports.iter().any(|e| !e.placeholders().is_empty())
     }
 
+    /// One certificate, one tenant: a certificate whose names bind a
+    /// placeholder that the rule's exports use to two values (two URI
+    /// SANs of two namespaces, two CNs) would otherwise get both tenants'
+    /// disks, so a templated rule grants it nothing. Placeholders only
+    /// the identity patterns use (`{host}` in `{host}.{ns}.svc`) may
+    /// differ: they name no tenant.
+    fn one_tenant(&self, cert: &CertInfo) -> bool {
+        if !self.templated() {
+            return true;
+        }
+        let used: Vec<&str> = self.exports.iter().flat_map(|e| e.placeholders()).collect();
+        let bound: Vec<Bindings> = self
+            .identities
+            .iter()
+            .flat_map(|identity| {
+                identity
+                    .field
+                    .values(cert)
+                    .iter()
+                    .filter_map(|value| identity.bind(value))
+            })
+            .map(|mut bindings| {
+                bindings.retain(|name, _| used.contains(&name.as_str()));
+                bindings
+            })
+            .collect();
+        agree(&bound)
+    }
+
     fn reference(&self, index: usize) -> RuleRef {
         RuleRef {
             number: index + 1,
@@ -463,25 +493,8 @@ impl Rule {
     /// If this rule admits `cert` to `export`: the identity pattern that
     /// matched, and what it bound.
     fn admitting(&self, cert: &CertInfo, export: &str) -> Option<(&IdentityPattern, Bindings)> {
-        // One certificate, one tenant: a certificate whose names bind a
-        // placeholder to two values (two URI SANs of two namespaces, two
-        // CNs) would otherwise get both tenants' disks, so a templated
-        // rule grants it nothing.
-        if self.templated() {
-            let bound: Vec<Bindings> = self
-                .identities
-                .iter()
-                .flat_map(|identity| {
-                    identity
-                        .field
-                        .values(cert)
-                        .iter()
-                        .filter_map(|value| identity.bind(value))
-                })
-                .collect();
-            if !agree(&bound) {
-                return None;
-            }
+        if !self.one_tenant(cert) {
+            return None;
         }
         self.identities.iter().find_map(|identity| {
             identity

@@ -62,6 +62,15 @@ pub enum ConnError {
 }
 
 impl ConnError {
+    /// Why a reload ended the session.
+    pub fn ended(why: crate::tls::Ended) -> Self {
+        use crate::tls::Ended;
+        match why {
+            Ended::CertificateRevoked => ConnError::Revoked,
+            Ended::PolicyNarrowed => ConnError::PolicyNarrowed,
+        }
+    }
+
     /// A failed read or write on `side`: EOF means that side went away.
     pub fn io(side: Side, when: &'static str) -> impl FnOnce(io::Error) -> Self {
         move |error| {

@@ -27,7 +27,7 @@ use crate::admission::{Admission, HandshakePermit, SessionPermit, SourceClaim};
 use crate::config::{Config, Cork};
 use crate::logsafe::escape;
 use crate::shutdown::Shutdown;
-use crate::tls::{Ended, Grant, SessionGuard};
+use crate::tls::{Grant, SessionGuard};
 use error::ConnError;
 use session::{ClientTls, Link, Stats, AUDIT, CLIENT_READ_BUF};
 
@@ -186,7 +186,7 @@ async fn run(
             slot: _slot,
             registered,
         } => {
-            let relayed = relay::run(session, cork_handle, link);
+            let relayed = relay::run(session, cork_handle, link, registered.as_ref());
             until_ended(registered.as_ref(), relayed).await
         }
     }
@@ -292,10 +292,7 @@ async fn until_ended<T>(
         // The end first: once signalled, the relay is not polled again, so
         // a request that arrives after the reload is never forwarded.
         biased;
-        ended = guard.ended() => Err(match ended {
-            Ended::CertificateRevoked => ConnError::Revoked,
-            Ended::PolicyNarrowed => ConnError::PolicyNarrowed,
-        }),
+        ended = guard.ended() => Err(ConnError::ended(ended)),
         result = work => result,
     }
 }

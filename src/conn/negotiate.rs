@@ -77,6 +77,9 @@ pub async fn relay_options(
             ShutdownAnswer::Refused => continue,
             ShutdownAnswer::End(reason) => return Ok(Outcome::Closed(reason)),
         }
+        // Each option is judged by the policy in force when it arrives:
+        // a narrowing reload during negotiation lists and opens no more.
+        negotiation.policy = config.policy.current();
         let step = match option.option {
             OPT_STARTTLS => negotiation.starttls_again().await?,
             OPT_ABORT => negotiation.abort(&option).await?,

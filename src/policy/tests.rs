@@ -707,3 +707,24 @@ fn grants_anything_holds_for_every_identity_some_rule_admits_and_no_other() {
     // Whoever `decide` lets open anything, `grants_anything` holds for.
     assert!(policy.decide(&other, "vm-1").is_none() && policy.decide(&other, "").is_none());
 }
+
+/// Second review: the one-tenant rule compares only the placeholders the
+/// exports use (two hosts of one namespace are one tenant), and an
+/// identity two tenants' names would bind is granted nothing anywhere,
+/// so it reaches no upstream either.
+#[test]
+fn one_tenant_counts_only_the_placeholders_exports_use() {
+    let policy = Policy::parse(
+        "[[rule]]\nexports = [\"{ns}/*\"]\nallow = { dns = [\"{host}.{ns}.svc\"] }\naccess = \"read-write\"\n",
+    )
+    .unwrap();
+    let two_hosts = cert("x", &["a.team.svc", "b.team.svc"], &[]);
+    assert_eq!(
+        policy.decide(&two_hosts, "team/db"),
+        Some(Access::ReadWrite)
+    );
+    assert!(policy.grants_anything(&two_hosts));
+    let two_tenants = cert("x", &["a.team.svc", "a.other.svc"], &[]);
+    assert_eq!(policy.decide(&two_tenants, "team/db"), None);
+    assert!(!policy.grants_anything(&two_tenants));
+}

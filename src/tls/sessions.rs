@@ -78,6 +78,13 @@ pub struct SessionGuard {
 }
 
 impl SessionGuard {
+    /// Whether a reload has ended this session, without waiting: the
+    /// relay asks before it forwards each request, so that nothing read
+    /// after the reload reaches the upstream however busy the relay is.
+    pub fn signalled(&self) -> Option<Ended> {
+        self.end.why.get().copied()
+    }
+
     /// Resolves, with the reason, once a reload has ended this session.
     pub async fn ended(&self) -> Ended {
         self.end.notify.notified().await;

@@ -37,6 +37,7 @@ pub async fn run(
     session: Box<Session>,
     cork: Option<socket2::Socket>,
     link: &Link<'_>,
+    registered: Option<&crate::tls::SessionGuard>,
 ) -> Result<&'static str, ConnError> {
     let Session {
         tls,
@@ -50,7 +51,8 @@ pub async fn run(
     let flight = Flight::new();
     let (local_tx, local_rx) = mpsc::channel(LOCAL_QUEUE);
     let drain = local_tx.clone();
-    let requests = Requests::new(client_rd, up_wr, &flight, local_tx, (mode, read_only), link);
+    let requests = Requests::new(client_rd, up_wr, &flight, local_tx, (mode, read_only), link)
+        .ended_by(registered);
     let upstream = BufReader::with_capacity(UPSTREAM_READ_BUF, up_rd);
     let replies = Replies::new(upstream, &flight, local_rx, mode, link.config.max_payload);
     let mut writer = ReplyWriter::new(client_wr, cork, link.config, link.stats);

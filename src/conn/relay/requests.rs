@@ -36,6 +36,8 @@ pub struct Requests<'a> {
     shutdown: Shutdown,
     /// Header and the first part of the payload, then further pieces.
     buf: Vec<u8>,
+    /// The session's registration, which a reload may end.
+    registered: Option<&'a crate::tls::SessionGuard>,
 }
 
 impl<'a> Requests<'a> {
@@ -57,7 +59,15 @@ impl<'a> Requests<'a> {
             link,
             shutdown: link.shutdown.clone(),
             buf: Vec::with_capacity(REQUEST_CHUNK),
+            registered: None,
         }
+    }
+
+    /// Ends the relay, before it forwards another request, once a reload
+    /// has ended the session.
+    pub fn ended_by(mut self, registered: Option<&'a crate::tls::SessionGuard>) -> Self {
+        self.registered = registered;
+        self
     }
 
     fn config(&self) -> &'a Config {
@@ -92,7 +102,14 @@ impl<'a> Requests<'a> {
                         return Ok(());
                     }
                 }
-                None => self.forward(header, payload).await?,
+                None => {
+                    // A reload may have ended the session while this
+                    // request was read: it must not reach the upstream.
+                    if let Some(why) = self.registered.and_then(|g| g.signalled()) {
+                        return Err(ConnError::ended(why));
+                    }
+                    self.forward(header, payload).await?
+                }
             }
         }
     }
