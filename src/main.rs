@@ -421,6 +421,12 @@ fn export_table(args: &ServeArgs) -> Result<Option<nbdgw::exports::ExportTable>>
         if !dir.is_dir() {
             bail!("--export-dir {}: not a directory", dir.display());
         }
+        // Sockets there are connected through the descriptor the checks
+        // were made on (/proc/self/fd/N): without /proc every open would
+        // fail later as "export unavailable".
+        if !std::path::Path::new("/proc/self/fd").is_dir() {
+            bail!("--export-dir needs /proc mounted (sockets are connected through /proc/self/fd)");
+        }
     }
     let table = nbdgw::exports::ExportTable::new(args.exports.clone(), args.export_dir.clone())?
         .with_owner_check(args.export_dir_owner);
