@@ -1,10 +1,13 @@
 //! Who gets a slot. Peers that have not yet authenticated draw from a
 //! budget of their own (`--max-handshakes`, at most
-//! `--max-handshakes-per-source` from one address, with a short queue),
+//! `--max-handshakes-per-source` from one source, with a short queue),
 //! apart from the authenticated sessions (`--max-connections`), so a flood
 //! of silent or slow connections can delay other handshakes but never
-//! takes an established session's place, and one address cannot hold all
-//! the handshake slots. Authenticated sessions are capped per client
+//! takes an established session's place, and one source cannot hold all
+//! the handshake slots. A source is a prefix, not an address
+//! (`--source-prefix-v6`, default /64; `--source-prefix-v4`, default /32):
+//! one IPv6 host is routinely given a whole /64, so keyed by address it
+//! could be as many sources as it cares to configure addresses. Authenticated sessions are capped per client
 //! identity as well (`--max-sessions-per-identity`), so one tenant's
 //! certificate cannot hold every session slot with idle sessions.
 //!
@@ -22,7 +25,8 @@
 //! identity together.
 
 use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr};
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
@@ -41,10 +45,103 @@ pub const HANDSHAKE_QUEUE_WAIT: Duration = Duration::from_secs(2);
 /// turn into a flood of log lines.
 const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
 
+/// How many leading bits of a peer's address make its source, per family.
+/// Only [`SourcePrefixes::new`] (and the default) makes one, so the
+/// lengths are always in range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SourcePrefixes {
+    v4: u8,
+    v6: u8,
+}
+
+pub const DEFAULT_SOURCE_PREFIX_V4: u8 = 32;
+/// The smallest prefix an IPv6 host is usually given (RFC 6177, SLAAC):
+/// every address in it may be the same machine.
+pub const DEFAULT_SOURCE_PREFIX_V6: u8 = 64;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
+pub enum PrefixError {
+    #[error("--source-prefix-v4 must be 0 to 32, not {0}")]
+    V4(u8),
+    #[error("--source-prefix-v6 must be 0 to 128, not {0}")]
+    V6(u8),
+}
+
+impl SourcePrefixes {
+    pub fn new(v4: u8, v6: u8) -> Result<Self, PrefixError> {
+        if v4 > 32 {
+            return Err(PrefixError::V4(v4));
+        }
+        if v6 > 128 {
+            return Err(PrefixError::V6(v6));
+        }
+        Ok(SourcePrefixes { v4, v6 })
+    }
+
+    /// The source `ip` counts against.
+    pub fn source_of(&self, ip: IpAddr) -> Source {
+        source_key(ip, self.v4, self.v6)
+    }
+}
+
+impl Default for SourcePrefixes {
+    fn default() -> Self {
+        SourcePrefixes {
+            v4: DEFAULT_SOURCE_PREFIX_V4,
+            v6: DEFAULT_SOURCE_PREFIX_V6,
+        }
+    }
+}
+
+/// A source: a network address with its host bits cleared, and the
+/// prefix length that cleared them. Shown as `2001:db8:1:2::/64`, so a
+/// log line names the whole prefix that was busy, not one of its hosts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Source {
+    network: IpAddr,
+    len: u8,
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.network, self.len)
+    }
+}
+
+/// The source `ip` counts against: its first `v4_prefix` (IPv4) or
+/// `v6_prefix` (IPv6) bits. An IPv4-mapped IPv6 address is its IPv4
+/// address first, so a client on a dual-stack socket is judged by the
+/// IPv4 prefix like every other IPv4 client (as a /64 of `::ffff:0:0/96`
+/// the whole IPv4 internet would be one source). Lengths beyond the
+/// family's width are taken as the full width, so the function is total;
+/// `SourcePrefixes` never passes such a length.
+pub fn source_key(ip: IpAddr, v4_prefix: u8, v6_prefix: u8) -> Source {
+    match ip.to_canonical() {
+        IpAddr::V4(v4) => {
+            let len = v4_prefix.min(32);
+            // `checked_shl` is `None` for a shift by the full width, which
+            // is the /0 case: no bit of the address is kept.
+            let mask = u32::MAX.checked_shl(32 - u32::from(len)).unwrap_or(0);
+            Source {
+                network: IpAddr::V4(Ipv4Addr::from(u32::from(v4) & mask)),
+                len,
+            }
+        }
+        IpAddr::V6(v6) => {
+            let len = v6_prefix.min(128);
+            let mask = u128::MAX.checked_shl(128 - u32::from(len)).unwrap_or(0);
+            Source {
+                network: IpAddr::V6(Ipv6Addr::from(u128::from(v6) & mask)),
+                len,
+            }
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
 pub enum Refusal {
-    #[error("--max-handshakes-per-source ({0}) reached for this address")]
-    SourceBusy(usize),
+    #[error("--max-handshakes-per-source ({limit}) reached for {prefix}")]
+    SourceBusy { limit: usize, prefix: Source },
     #[error("--max-handshakes ({0}) reached and the queue is full")]
     QueueFull(usize),
     #[error("no handshake slot within {0:?} (--max-handshakes reached)")]
@@ -59,7 +156,7 @@ impl Refusal {
     /// The `reason` label of a refused session: a fixed few values.
     pub fn metric_reason(&self) -> &'static str {
         match self {
-            Refusal::SourceBusy(_) => "per_source",
+            Refusal::SourceBusy { .. } => "per_source",
             Refusal::QueueFull(_) => "queue_full",
             Refusal::QueueTimeout(_) => "queue_timeout",
             Refusal::SessionsFull(_) => "max_connections",
@@ -107,7 +204,8 @@ pub struct Admission {
     /// Connections waiting for a handshake slot; at most `max_handshakes`.
     queued: Semaphore,
     per_source_limit: usize,
-    per_source: Mutex<HashMap<IpAddr, usize>>,
+    prefixes: SourcePrefixes,
+    per_source: Mutex<HashMap<Source, usize>>,
     sessions: Arc<Semaphore>,
     max_sessions: usize,
     per_identity_limit: usize,
@@ -117,10 +215,10 @@ pub struct Admission {
     refusals: RefusalLog,
 }
 
-/// One connection counted against its source address until dropped.
+/// One connection counted against its source prefix until dropped.
 pub struct SourceClaim {
     admission: Arc<Admission>,
-    ip: IpAddr,
+    source: Source,
 }
 
 /// Held from accept until the client has authenticated.
@@ -156,6 +254,7 @@ impl Admission {
             max_handshakes: config.max_handshakes,
             queued: Semaphore::new(config.max_handshakes),
             per_source_limit: config.max_handshakes_per_source,
+            prefixes: config.source_prefixes,
             per_source: Mutex::default(),
             sessions: Arc::new(Semaphore::new(config.max_connections)),
             max_sessions: config.max_connections,
@@ -165,7 +264,7 @@ impl Admission {
         })
     }
 
-    fn sources(&self) -> MutexGuard<'_, HashMap<IpAddr, usize>> {
+    fn sources(&self) -> MutexGuard<'_, HashMap<Source, usize>> {
         // Each change is one increment or decrement: never half done.
         self.per_source
             .lock()
@@ -173,19 +272,21 @@ impl Admission {
     }
 
     /// At accept, without waiting: counts the connection against its
-    /// source address, or refuses it.
+    /// source prefix, or refuses it.
     pub fn claim_source(self: &Arc<Self>, peer: SocketAddr) -> Result<SourceClaim, Refusal> {
-        // An IPv4 client on a dual-stack socket is one address, not two.
-        let ip = peer.ip().to_canonical();
+        let source = self.prefixes.source_of(peer.ip());
         let mut sources = self.sources();
-        let held = sources.entry(ip).or_insert(0);
+        let held = sources.entry(source).or_insert(0);
         if *held >= self.per_source_limit {
-            return Err(Refusal::SourceBusy(self.per_source_limit));
+            return Err(Refusal::SourceBusy {
+                limit: self.per_source_limit,
+                prefix: source,
+            });
         }
         *held += 1;
         Ok(SourceClaim {
             admission: self.clone(),
-            ip,
+            source,
         })
     }
 
@@ -262,10 +363,10 @@ impl Admission {
 impl Drop for SourceClaim {
     fn drop(&mut self) {
         let mut sources = self.admission.sources();
-        if let Some(held) = sources.get_mut(&self.ip) {
+        if let Some(held) = sources.get_mut(&self.source) {
             *held -= 1;
             if *held == 0 {
-                sources.remove(&self.ip);
+                sources.remove(&self.source);
             }
         }
     }
@@ -336,8 +437,10 @@ mod tests {
         let first = a.claim_source(peer("192.0.2.1", 1)).unwrap();
         let second = a.claim_source(peer("192.0.2.1", 2)).unwrap();
         assert_eq!(
-            a.claim_source(peer("192.0.2.1", 3)).err(),
-            Some(Refusal::SourceBusy(2))
+            a.claim_source(peer("192.0.2.1", 3))
+                .err()
+                .map(|r| r.to_string()),
+            Some("--max-handshakes-per-source (2) reached for 192.0.2.1/32".to_owned())
         );
         // The same address as IPv4-mapped IPv6 is the same source.
         assert!(a.claim_source(peer("::ffff:192.0.2.1", 4)).is_err());
@@ -423,5 +526,123 @@ mod tests {
         // Every refusal and every ended session leaves nothing behind.
         drop((anonymous, second));
         assert!(lock_counts(&a.per_identity).is_empty());
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn a_source_is_the_prefix_and_is_shown_as_one() {
+        let key = |s, v4, v6| source_key(ip(s), v4, v6).to_string();
+        assert_eq!(key("2001:db8:1:2:aaaa::5", 32, 64), "2001:db8:1:2::/64");
+        assert_eq!(
+            key("2001:db8:1:2:aaaa::5", 32, 128),
+            "2001:db8:1:2:aaaa::5/128"
+        );
+        assert_eq!(key("2001:db8:1:2:aaaa::5", 32, 0), "::/0");
+        assert_eq!(key("2001:db8:1:2:aaaa::5", 32, 63), "2001:db8:1:2::/63");
+        assert_eq!(key("2001:db8:1:3::1", 32, 63), "2001:db8:1:2::/63");
+        assert_eq!(key("192.0.2.77", 32, 64), "192.0.2.77/32");
+        assert_eq!(key("192.0.2.77", 24, 64), "192.0.2.0/24");
+        assert_eq!(key("192.0.2.77", 0, 64), "0.0.0.0/0");
+        // IPv4-mapped IPv6 is IPv4 first: the v4 prefix applies, not the
+        // v6 one (which would make all of IPv4 one source).
+        assert_eq!(key("::ffff:192.0.2.77", 24, 64), "192.0.2.0/24");
+        assert_eq!(key("::ffff:192.0.2.77", 32, 64), "192.0.2.77/32");
+        // Lengths past the width are the width (the function is total).
+        assert_eq!(key("192.0.2.77", 200, 200), "192.0.2.77/32");
+        assert_eq!(key("::1", 200, 200), "::1/128");
+    }
+
+    #[test]
+    fn prefix_lengths_are_checked() {
+        assert!(SourcePrefixes::new(0, 0).is_ok());
+        assert!(SourcePrefixes::new(32, 128).is_ok());
+        assert_eq!(SourcePrefixes::new(33, 64), Err(PrefixError::V4(33)));
+        assert_eq!(SourcePrefixes::new(32, 129), Err(PrefixError::V6(129)));
+        assert_eq!(
+            PrefixError::V6(129).to_string(),
+            "--source-prefix-v6 must be 0 to 128, not 129"
+        );
+        assert_eq!(
+            SourcePrefixes::default(),
+            SourcePrefixes::new(32, 64).unwrap()
+        );
+    }
+
+    #[test]
+    fn one_slash_64_is_one_source_and_another_is_not_held_up() {
+        let a = admission(64, 3, 10);
+        // Many addresses of one /64, as one host may configure.
+        let held: Vec<_> = (1..=3u16)
+            .map(|i| {
+                a.claim_source(peer(&format!("2001:db8:1:2::{i:x}"), 1))
+                    .unwrap()
+            })
+            .collect();
+        for i in 4..40u16 {
+            let refused = a
+                .claim_source(peer(&format!("2001:db8:1:2:{i:x}::{i:x}"), 1))
+                .err()
+                .map(|r| r.to_string());
+            assert_eq!(
+                refused.as_deref(),
+                Some("--max-handshakes-per-source (3) reached for 2001:db8:1:2::/64")
+            );
+        }
+        // The neighbouring /64 is another source.
+        let other = a.claim_source(peer("2001:db8:1:3::1", 1)).unwrap();
+        drop((held, other));
+        assert!(a.sources().is_empty());
+    }
+
+    /// `a` and `b` agree in their first `len` of `width` bits.
+    fn same_prefix(a: u128, b: u128, len: u8, width: u32) -> bool {
+        let shift = width - u32::from(len);
+        (a ^ b).checked_shr(shift).unwrap_or(0) == 0
+    }
+
+    fn not_mapped(v: u128) -> bool {
+        Ipv6Addr::from(v).to_ipv4_mapped().is_none()
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn v6_addresses_share_a_key_exactly_when_they_share_the_prefix(
+            a: u128, b: u128, len in 0u8..=128, host: u128, bit in 0u32..128,
+        ) {
+            proptest::prop_assume!(not_mapped(a) && not_mapped(b));
+            let key = |v: u128| source_key(IpAddr::V6(Ipv6Addr::from(v)), 32, len);
+            proptest::prop_assert_eq!(key(a) == key(b), same_prefix(a, b, len, 128));
+            // Any host part within a's prefix: the same key.
+            let mask = u128::MAX.checked_shl(128 - u32::from(len)).unwrap_or(0);
+            let sibling = (a & mask) | (host & !mask);
+            proptest::prop_assume!(not_mapped(sibling));
+            proptest::prop_assert_eq!(key(sibling), key(a));
+            // One bit changed inside the prefix: another key.
+            if len > 0 {
+                let flipped = a ^ (1u128 << (127 - bit % u32::from(len)));
+                proptest::prop_assume!(not_mapped(flipped));
+                proptest::prop_assert_ne!(key(flipped), key(a));
+            }
+            // The key is the prefix itself: keying it again changes nothing.
+            let IpAddr::V6(network) = key(a).network else {
+                return Err(proptest::test_runner::TestCaseError::fail("v6 became v4"));
+            };
+            proptest::prop_assert_eq!(key(u128::from(network)), key(a));
+        }
+
+        #[test]
+        fn v4_addresses_share_a_key_exactly_when_they_share_the_prefix(
+            a: u32, b: u32, len in 0u8..=32, v6 in 0u8..=128,
+        ) {
+            let key = |v: u32| source_key(IpAddr::V4(Ipv4Addr::from(v)), len, v6);
+            let same = same_prefix(u128::from(a), u128::from(b), len, 32);
+            proptest::prop_assert_eq!(key(a) == key(b), same);
+            // Mapped into IPv6, the same source, whatever the v6 length.
+            let mapped = IpAddr::V6(Ipv4Addr::from(a).to_ipv6_mapped());
+            proptest::prop_assert_eq!(source_key(mapped, len, v6), key(a));
+        }
     }
 }

@@ -198,9 +198,18 @@ pub struct ServeArgs {
     /// briefly in a short queue, then are closed.
     #[arg(long, env = "NBDGW_MAX_HANDSHAKES", default_value_t = config::DEFAULT_MAX_HANDSHAKES)]
     pub max_handshakes: usize,
-    /// Of those, how many one source address may hold.
+    /// Of those, how many one source (see --source-prefix-v4 and
+    /// --source-prefix-v6) may hold.
     #[arg(long, env = "NBDGW_MAX_HANDSHAKES_PER_SOURCE", default_value_t = config::DEFAULT_MAX_HANDSHAKES_PER_SOURCE)]
     pub max_handshakes_per_source: usize,
+    /// Leading bits of an IPv4 address (0 to 32) that make one source for
+    /// --max-handshakes-per-source; IPv4-mapped IPv6 peers count as IPv4.
+    #[arg(long, env = "NBDGW_SOURCE_PREFIX_V4", value_name = "BITS", default_value_t = config::DEFAULT_SOURCE_PREFIX_V4)]
+    pub source_prefix_v4: u8,
+    /// Leading bits of an IPv6 address (0 to 128) that make one source for
+    /// --max-handshakes-per-source: a host usually owns a whole /64.
+    #[arg(long, env = "NBDGW_SOURCE_PREFIX_V6", value_name = "BITS", default_value_t = config::DEFAULT_SOURCE_PREFIX_V6)]
+    pub source_prefix_v6: u8,
     /// Seconds a client has from connecting to finishing negotiation.
     #[arg(long, env = "NBDGW_HANDSHAKE_TIMEOUT", default_value_t = config::DEFAULT_HANDSHAKE_TIMEOUT_SECS)]
     pub handshake_timeout: u64,

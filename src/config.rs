@@ -4,6 +4,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use crate::admission::{
+    PrefixError, Source, SourcePrefixes, DEFAULT_SOURCE_PREFIX_V4, DEFAULT_SOURCE_PREFIX_V6,
+};
+
 /// Everything a running gateway needs. `main` builds it from flags and
 /// environment; tests build it directly.
 #[derive(Clone)]
@@ -33,8 +37,10 @@ pub struct Config {
     /// budget of their own, so silent or slow peers cannot take the
     /// slots of authenticated ones.
     pub max_handshakes: usize,
-    /// Of `max_handshakes`, how many one source address may hold.
+    /// Of `max_handshakes`, how many one source prefix may hold.
     pub max_handshakes_per_source: usize,
+    /// Which addresses are one source for `max_handshakes_per_source`.
+    pub source_prefixes: SourcePrefixes,
     /// From accept until transmission starts (or the connection ends).
     pub handshake_timeout: Duration,
     /// Bounds each step of talking to an upstream in negotiation: the
@@ -121,6 +127,7 @@ impl Config {
             max_sessions_per_identity: DEFAULT_MAX_CONNECTIONS,
             max_handshakes: DEFAULT_MAX_HANDSHAKES,
             max_handshakes_per_source: DEFAULT_MAX_HANDSHAKES_PER_SOURCE,
+            source_prefixes: SourcePrefixes::default(),
             handshake_timeout: Duration::from_secs(DEFAULT_HANDSHAKE_TIMEOUT_SECS),
             upstream_timeout: Duration::from_secs(DEFAULT_UPSTREAM_TIMEOUT_SECS),
             idle_timeout: None,

@@ -183,12 +183,13 @@ fn configure(
         (None, Some(_)) => PathBuf::new(),
         (None, None) => bail!("--upstream, --export or --export-dir is required (or NBDGW_UPSTREAM, NBDGW_EXPORT, NBDGW_EXPORT_DIR); see --help"),
     };
-    check_limits(args)?;
+    let source_prefixes = check_limits(args)?;
     // Probed before the sandbox, which forbids the loopback connection.
     let (kernel_tls, kernel_tls_no_rekey) = nbdgw::tls::kernel::decide(args.ktls);
     let reloader = tls_reloader(args, kernel_tls.is_some())?;
     let mut policy = policy_reloader(args, &reloader)?;
     let mut config = gateway_config(args, upstream, reloader.store());
+    config.source_prefixes = source_prefixes;
     config.max_sessions_per_identity = args.max_sessions_per_identity.unwrap_or_else(|| {
         nbdgw::config::default_sessions_per_identity(
             args.max_connections,
@@ -451,7 +452,10 @@ fn policy_reloader(
     Ok(Some(policy))
 }
 
-fn check_limits(args: &ServeArgs) -> Result<()> {
+/// Returns the source prefixes, checked here with the other limits so a
+/// length out of range stops start-up, naming its flag, before anything
+/// is loaded.
+fn check_limits(args: &ServeArgs) -> Result<nbdgw::config::SourcePrefixes> {
     if args.tls_cert.is_none() && args.tls_dir.is_none() {
         bail!("a server certificate is required: --tls-cert and --tls-key, or --tls-dir (or NBDGW_TLS_CERT, NBDGW_TLS_KEY, NBDGW_TLS_DIR); see --help");
     }
@@ -469,7 +473,10 @@ fn check_limits(args: &ServeArgs) -> Result<()> {
     {
         bail!("--tcp-keepalive-interval and --tcp-keepalive-count must be greater than 0 while keepalive is on");
     }
-    Ok(())
+    Ok(nbdgw::config::SourcePrefixes::new(
+        args.source_prefix_v4,
+        args.source_prefix_v6,
+    )?)
 }
 
 /// The first load of the TLS files, whose failure stops start-up.
