@@ -3,7 +3,8 @@
 //! in one, qemu-io (qemu's own NBD client) in the other. Removing the
 //! client's address is the power cut. Needs root (as CI runs); without
 //! the rights to make namespaces the test says so and passes nothing off
-//! as checked.
+//! as checked. The per-source cap's test makes a namespace of its own, to
+//! give one host many addresses of one IPv6 /64.
 
 mod common;
 
@@ -172,4 +173,165 @@ fn keepalive_drops_a_client_that_powered_off() {
         "noticed after {noticed:?}"
     );
     assert!(gw.log().contains("timed out"), "{}", gw.log());
+}
+
+/// One host of one IPv6 /64 (200 of its addresses, as in issue 20) opens
+/// slow handshakes; the per-source cap must count the /64, not each
+/// address, or the host takes every handshake slot and the queue, and a
+/// client from another prefix waits its 2 s and is cut. One namespace of
+/// the test's own: every address on its loopback, nbdgw among them.
+#[test]
+fn one_slash_64_holds_at_most_the_per_source_cap() {
+    const ATTACKERS: u16 = 200;
+    const PER_SOURCE: usize = 8; // the default --max-handshakes-per-source
+    let tag = std::process::id() % 100_000;
+    let Some(ns) = Namespace::new(&format!("nbdgw-p{tag}")) else {
+        eprintln!("SKIPPED: cannot create network namespaces here (not root?)");
+        return;
+    };
+    // nodad: usable at once, without waiting out duplicate detection.
+    let mut batch: Vec<String> = (0..ATTACKERS)
+        .map(|i| format!("addr add 2001:db8:1:2::{:x}/128 dev lo nodad", 0x1000 + i))
+        .collect();
+    batch.push("addr add 2001:db8:9::1/128 dev lo nodad".into());
+    assert!(ns.batch(&batch), "adding the test's addresses");
+
+    let env = Env::new();
+    let image = env.random_image("disk.img", 1 << 20, 5);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let certs = env.certs();
+    let server: std::net::SocketAddr = "[2001:db8:9::1]:10809".parse().unwrap();
+    let mut gateway = Command::new("ip");
+    gateway
+        .args(["netns", "exec", &ns.name, env!("CARGO_BIN_EXE_nbdgw")])
+        .arg("--listen")
+        .arg(server.to_string())
+        .arg("--upstream")
+        .arg(&upstream.socket)
+        // No client CA: the test's client is anonymous.
+        .arg("--tls-cert")
+        .arg(certs.join("server-cert.pem"))
+        .arg("--tls-key")
+        .arg(certs.join("server-key.pem"));
+    let gw = NbdgwProcess::spawn(gateway, server.port());
+    gw.wait_for_log("nbdgw listening", 1);
+
+    let path = format!("/run/netns/{}", ns.name);
+    std::thread::spawn(move || {
+        enter_namespace(&path);
+        // Silent connections: each holds a handshake slot (or a place in
+        // the queue) until --handshake-timeout, unless refused at accept.
+        let held: Vec<std::net::TcpStream> = (0..ATTACKERS)
+            .map(|i| {
+                let ip: std::net::Ipv6Addr =
+                    format!("2001:db8:1:2::{:x}", 0x1000 + i).parse().unwrap();
+                connect_from(ip.into(), server)
+            })
+            .collect();
+        // Time for nbdgw to accept them all and close what it refuses.
+        std::thread::sleep(Duration::from_millis(500));
+        let open = held.iter().filter(|s| still_open(s)).count();
+        assert!(
+            open <= PER_SOURCE,
+            "{open} connections of one /64 still held after 500 ms"
+        );
+        // While they hold their slots, a client of another /64 gets in
+        // (refused at once, or after the queue's 2 s, before the fix).
+        let started = Instant::now();
+        let mut client = common::raw::RawClient::tls(server, &certs);
+        let list = client.option(nbdgw::proto::consts::OPT_LIST, &[]);
+        assert!(!list.is_empty(), "the export list");
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_secs(2),
+            "a client of another prefix took {took:?}"
+        );
+        drop(held);
+    })
+    .join()
+    .expect("the namespace's clients");
+    assert!(
+        gw.log()
+            .contains("--max-handshakes-per-source (8) reached for 2001:db8:1:2::/64"),
+        "the refusal names the prefix:\n{}",
+        gw.log()
+    );
+}
+
+/// A network namespace of the test's own, removed on drop.
+struct Namespace {
+    name: String,
+}
+
+impl Namespace {
+    fn new(name: &str) -> Option<Self> {
+        if !ip(&["netns", "add", name]) {
+            return None;
+        }
+        let ns = Namespace { name: name.into() };
+        assert!(ip(&["-n", name, "link", "set", "lo", "up"]));
+        Some(ns)
+    }
+
+    /// `ip -batch`: one process for many commands.
+    fn batch(&self, commands: &[String]) -> bool {
+        use std::io::Write;
+        let mut child = Command::new("ip")
+            .args(["-n", &self.name, "-batch", "-"])
+            .stdin(Stdio::piped())
+            .spawn()
+            .expect("ip -batch");
+        let written = child
+            .stdin
+            .take()
+            .map(|mut stdin| stdin.write_all(commands.join("\n").as_bytes()))
+            .is_some_and(|w| w.is_ok());
+        child.wait().is_ok_and(|s| s.success()) && written
+    }
+}
+
+impl Drop for Namespace {
+    fn drop(&mut self) {
+        ip(&["netns", "del", &self.name]);
+    }
+}
+
+/// Moves the calling thread (only it) into the namespace at `path`, so
+/// the sockets it makes are in there too.
+fn enter_namespace(path: &str) {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::File::open(path).expect("the namespace's file");
+    // SAFETY: setns on a descriptor we hold open; it changes only this
+    // thread's network namespace.
+    let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+    assert_eq!(rc, 0, "setns: {}", std::io::Error::last_os_error());
+}
+
+fn connect_from(from: std::net::IpAddr, to: std::net::SocketAddr) -> std::net::TcpStream {
+    let socket =
+        socket2::Socket::new(socket2::Domain::IPV6, socket2::Type::STREAM, None).expect("socket");
+    socket
+        .bind(&std::net::SocketAddr::new(from, 0).into())
+        .expect("bind to the attacker's address");
+    socket
+        .connect_timeout(&to.into(), Duration::from_secs(5))
+        .expect("connect");
+    socket.into()
+}
+
+/// Not closed by nbdgw: reads find no EOF (a greeting, if any, is read
+/// and dropped).
+fn still_open(stream: &std::net::TcpStream) -> bool {
+    use std::io::Read;
+    stream.set_nonblocking(true).expect("nonblocking");
+    let mut buf = [0u8; 256];
+    let mut reader = stream;
+    loop {
+        match reader.read(&mut buf) {
+            Ok(0) => return false,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return true,
+            Err(_) => return false,
+        }
+    }
 }
