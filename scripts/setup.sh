@@ -8,11 +8,17 @@
 # libgnutls28-dev (the key update tests compile a GnuTLS client,
 # tests/clients/gnutls_keyupdate.c), and qemu-system-x86 for
 # scripts/ktls-vm.sh (the kernel TLS tests, under a kernel that has it).
+#
+#   scripts/setup.sh          # everything the tests need
+#   scripts/setup.sh --demo   # only what scripts/demo.sh runs
 set -euo pipefail
 sudo=""
 [ "$(id -u)" -eq 0 ] || sudo="sudo"
 
-packages=(qemu-utils libnbd-bin python3-libnbd iproute2 curl systemd gcc pkg-config libgnutls28-dev)
+packages=(qemu-utils libnbd-bin)
+demo_only=false
+[ "${1:-}" = "--demo" ] && demo_only=true
+$demo_only || packages+=(python3-libnbd iproute2 curl systemd gcc pkg-config libgnutls28-dev)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -21,6 +27,10 @@ if ((${#missing[@]})); then
     echo "setup: installing ${missing[*]}" >&2
     $sudo apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+if $demo_only; then
+    command -v cargo >/dev/null || { echo "setup: cargo (Rust toolchain) is required" >&2; exit 1; }
+    exit 0
 fi
 # At the installed qemu-utils' own version: Debian's qemu-system-x86 of
 # another version would replace qemu-utils (seen: bookworm's 7.2 removing a
