@@ -7,16 +7,16 @@
 
 mod common;
 
-use std::ffi::{OsStr, OsString};
+use std::ffi::OsStr;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use common::clients::{connect_as, try_connect_as, write_server_files};
-use common::pki::{Ca, ClientDir};
+use common::clients::{connect_as, try_connect_as};
 use common::process::NbdgwProcess;
 use common::raw::RawClient;
+use common::site::PolicySite;
 use common::{free_port, run, Env, QemuNbd};
 use nbdgw::proto::consts::*;
 use nbdgw::proto::transmission::ReplyMode;
@@ -50,47 +50,18 @@ allow = { cn = ["bob"] }
 access = "read-only"
 "#;
 
-struct Site {
-    env: Env,
-    server: [PathBuf; 3],
-    policy: PathBuf,
-    ca: Ca,
+struct Site(PolicySite);
+
+impl std::ops::Deref for Site {
+    type Target = PolicySite;
+    fn deref(&self) -> &PolicySite {
+        &self.0
+    }
 }
 
 impl Site {
     fn new(policy: &str) -> Self {
-        let env = Env::new();
-        let ca = Ca::new("open sessions CA");
-        let (cert, key, client_ca) = write_server_files(&env.path("server"), &ca.server("gw"), &ca);
-        let path = env.path("policy.toml");
-        std::fs::write(&path, policy).unwrap();
-        Site {
-            env,
-            server: [cert, key, client_ca],
-            policy: path,
-            ca,
-        }
-    }
-
-    fn client(&self, cn: &str, serial: u64) -> PathBuf {
-        self.ca
-            .client(cn, &[], &[], serial)
-            .client_dir(&self.env.path(cn), &self.ca)
-    }
-
-    fn gateway(&self, extra: &[&OsStr], env: &[(&str, &OsStr)]) -> NbdgwProcess {
-        let [cert, key, client_ca] = &self.server;
-        let mut args: Vec<OsString> = [
-            ("--tls-cert", cert),
-            ("--tls-key", key),
-            ("--tls-client-ca", client_ca),
-            ("--policy", &self.policy),
-        ]
-        .into_iter()
-        .flat_map(|(flag, path)| [OsString::from(flag), path.into()])
-        .collect();
-        args.extend(extra.iter().map(|a| a.to_os_string()));
-        NbdgwProcess::start_with(args, env)
+        Site(PolicySite::new("open sessions CA", policy))
     }
 }
 

@@ -8,13 +8,13 @@
 
 mod common;
 
-use std::ffi::{OsStr, OsString};
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 
-use common::clients::{connect_as, http_get, write_server_files};
-use common::pki::{Ca, ClientDir};
+use common::clients::{connect_as, http_get};
 use common::process::NbdgwProcess;
 use common::raw::{OptReply, RawClient};
+use common::site::PolicySite;
 use common::{fake_upstream, free_port, Env, QemuNbd};
 use nbdgw::proto::consts::*;
 use nbdgw::proto::transmission::ReplyMode;
@@ -27,47 +27,30 @@ allow = { cn = ["alice"] }
 access = "read-write"
 "#;
 
-/// A CA, the gateway's files, the policy, and alice's certificate.
+/// The gateway's files, the policy, and alice's certificate.
 struct Site {
-    env: Env,
-    server: [PathBuf; 3],
-    policy: PathBuf,
+    base: PolicySite,
     alice: PathBuf,
+}
+
+impl std::ops::Deref for Site {
+    type Target = PolicySite;
+    fn deref(&self) -> &PolicySite {
+        &self.base
+    }
 }
 
 impl Site {
     fn new() -> Self {
-        let env = Env::new();
-        let ca = Ca::new("tenants CA");
-        let (cert, key, client_ca) = write_server_files(&env.path("server"), &ca.server("gw"), &ca);
-        let policy = env.path("policy.toml");
-        std::fs::write(&policy, POLICY).unwrap();
-        let alice = ca
-            .client("alice", &[], &[], 2)
-            .client_dir(&env.path("alice"), &ca);
-        Site {
-            env,
-            server: [cert, key, client_ca],
-            policy,
-            alice,
-        }
+        let base = PolicySite::new("tenants CA", POLICY);
+        let alice = base.client("alice", 2);
+        Site { base, alice }
     }
 
     /// The gateway with the policy and `routing` (`--upstream …`,
     /// `--export …` or `--export-dir …`).
     fn gateway(&self, routing: &[&OsStr]) -> NbdgwProcess {
-        let [cert, key, client_ca] = &self.server;
-        let mut args: Vec<OsString> = [
-            ("--tls-cert", cert),
-            ("--tls-key", key),
-            ("--tls-client-ca", client_ca),
-            ("--policy", &self.policy),
-        ]
-        .into_iter()
-        .flat_map(|(flag, path)| [OsString::from(flag), path.into()])
-        .collect();
-        args.extend(routing.iter().map(|a| a.to_os_string()));
-        NbdgwProcess::start(args)
+        self.base.gateway(routing, &[])
     }
 }
 

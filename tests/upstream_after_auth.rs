@@ -9,14 +9,14 @@
 
 mod common;
 
-use std::ffi::{OsStr, OsString};
+use std::ffi::OsStr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use common::clients::{connect_as, write_server_files};
-use common::pki::{Ca, ClientDir};
+use common::clients::connect_as;
 use common::process::{NbdgwProcess, UpstreamCounter};
 use common::raw::{go_data, RawClient};
+use common::site::PolicySite;
 use common::{fake_upstream, Env, QemuNbd};
 use nbdgw::proto::consts::*;
 
@@ -30,48 +30,27 @@ access = "read-write"
 "#;
 
 struct Site {
-    env: Env,
-    server: [PathBuf; 3],
-    policy: PathBuf,
+    base: PolicySite,
     alice: PathBuf,
     mallory: PathBuf,
 }
 
+impl std::ops::Deref for Site {
+    type Target = PolicySite;
+    fn deref(&self) -> &PolicySite {
+        &self.base
+    }
+}
+
 impl Site {
     fn new() -> Self {
-        let env = Env::new();
-        let ca = Ca::new("upstream CA");
-        let (cert, key, client_ca) = write_server_files(&env.path("server"), &ca.server("gw"), &ca);
-        let policy = env.path("policy.toml");
-        std::fs::write(&policy, POLICY).unwrap();
-        let alice = ca
-            .client("alice", &[], &[], 2)
-            .client_dir(&env.path("alice"), &ca);
-        let mallory = ca
-            .client("mallory", &[], &[], 3)
-            .client_dir(&env.path("mallory"), &ca);
+        let base = PolicySite::new("upstream CA", POLICY);
+        let (alice, mallory) = (base.client("alice", 2), base.client("mallory", 3));
         Site {
-            env,
-            server: [cert, key, client_ca],
-            policy,
+            base,
             alice,
             mallory,
         }
-    }
-
-    fn gateway(&self, routing: &[&OsStr], vars: &[(&str, &OsStr)]) -> NbdgwProcess {
-        let [cert, key, client_ca] = &self.server;
-        let mut args: Vec<OsString> = [
-            ("--tls-cert", cert),
-            ("--tls-key", key),
-            ("--tls-client-ca", client_ca),
-            ("--policy", &self.policy),
-        ]
-        .into_iter()
-        .flat_map(|(flag, path)| [OsString::from(flag), path.into()])
-        .collect();
-        args.extend(routing.iter().map(|a| a.to_os_string()));
-        NbdgwProcess::start_with(args, vars)
     }
 }
 

@@ -475,6 +475,34 @@ static void key_update(struct client *c, unsigned flags)
 		    flags);
 }
 
+/* After something the server must end the session for: wait for that
+ * end (close_notify, an alert or the connection closing), print how it
+ * came, and tidy up. Exit status 0 only if it came with no data. */
+static int expect_session_end(struct client *c,
+			      gnutls_certificate_credentials_t cred, int fd,
+			      const char *after)
+{
+	uint8_t byte;
+	ssize_t r;
+	double deadline = now_secs() + IO_TIMEOUT_SECS;
+	while ((r = gnutls_record_recv(c->session, &byte, 1)) ==
+		       GNUTLS_E_AGAIN ||
+	       r == GNUTLS_E_INTERRUPTED)
+		if (now_secs() > deadline)
+			die("the server kept the session open after %s", after);
+	if (r > 0)
+		die("data from the server after %s", after);
+	if (r == GNUTLS_E_FATAL_ALERT_RECEIVED)
+		printf("server alert: %d\n", (int)gnutls_alert_get(c->session));
+	printf("session ended by the server after %s: %s\n", after,
+	       r == 0 ? "close_notify" : gnutls_strerror((int)r));
+	gnutls_deinit(c->session);
+	gnutls_certificate_free_credentials(cred);
+	close(fd);
+	gnutls_global_deinit();
+	return 0;
+}
+
 static int connect_to(const char *host, const char *port)
 {
 	struct addrinfo hints = { .ai_socktype = SOCK_STREAM }, *res, *ai;
@@ -626,25 +654,7 @@ int main(int argc, char **argv)
 		phase = "key update flood";
 		for (int i = 0; i < 40; i++)
 			key_update(&c, 0);
-		uint8_t byte;
-		ssize_t r;
-		deadline = now_secs() + IO_TIMEOUT_SECS;
-		while ((r = gnutls_record_recv(c.session, &byte, 1)) ==
-			       GNUTLS_E_AGAIN ||
-		       r == GNUTLS_E_INTERRUPTED)
-			if (now_secs() > deadline)
-				die("the server kept the session open through 40 KeyUpdates");
-		if (r > 0)
-			die("data from the server after the flood");
-		if (r == GNUTLS_E_FATAL_ALERT_RECEIVED)
-			printf("server alert: %d\n", (int)gnutls_alert_get(c.session));
-		printf("session ended by the server after the flood: %s\n",
-		       r == 0 ? "close_notify" : gnutls_strerror((int)r));
-		gnutls_deinit(c.session);
-		gnutls_certificate_free_credentials(cred);
-		close(fd);
-		gnutls_global_deinit();
-		return 0;
+		return expect_session_end(&c, cred, fd, "the flood");
 	}
 
 	if (is_alert) {
@@ -656,23 +666,7 @@ int main(int argc, char **argv)
 		check(gnutls_alert_send(c.session, GNUTLS_AL_WARNING,
 					GNUTLS_A_UNRECOGNIZED_NAME),
 		      "gnutls_alert_send");
-		uint8_t byte;
-		ssize_t r;
-		deadline = now_secs() + IO_TIMEOUT_SECS;
-		while ((r = gnutls_record_recv(c.session, &byte, 1)) ==
-			       GNUTLS_E_AGAIN ||
-		       r == GNUTLS_E_INTERRUPTED)
-			if (now_secs() > deadline)
-				die("the server kept the session open after a warning alert");
-		if (r > 0)
-			die("data from the server after the alert");
-		printf("session ended by the server after the alert: %s\n",
-		       r == 0 ? "close_notify" : gnutls_strerror((int)r));
-		gnutls_deinit(c.session);
-		gnutls_certificate_free_credentials(cred);
-		close(fd);
-		gnutls_global_deinit();
-		return 0;
+		return expect_session_end(&c, cred, fd, "the alert");
 	}
 
 	if (is_long) {

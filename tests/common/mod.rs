@@ -8,6 +8,7 @@ pub mod gnutls_client;
 pub mod pki;
 pub mod process;
 pub mod raw;
+pub mod site;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
