@@ -280,6 +280,35 @@ fn at_shutdown_requests_in_flight_finish_and_new_ones_get_eshutdown() {
     assert!(log.contains("reason=\"nbdgw shutting down"), "{log}");
 }
 
+/// The race issue 20 found behind its shutdown scenario: the last reply
+/// in flight leaves during the grace and the client sends its next
+/// request at once. That request was never read (the connection closed
+/// as "nothing left in flight"; libnbd failed it with ENOTCONN); now it
+/// is answered with ESHUTDOWN, then close_notify.
+#[test]
+fn a_request_sent_as_the_last_reply_leaves_is_answered_before_the_close() {
+    let held = HeldUpstream::new();
+    let mut gw = held.gateway("30");
+    let mut c = held.read_in_flight(&gw);
+    gw.signal("TERM");
+    gw.wait_for_log("SIGTERM received", 1);
+    held.relay.hold_replies(false);
+    let data = common::raw::assemble(&c.read_reply(65536), 1, 0, 65536);
+    assert!(
+        data == held.image[..65536],
+        "the read in flight came back wrong"
+    );
+    c.send_request(0, CMD_READ, 3, 4096, 4096, &[]);
+    let refused = c.read_chunk(0);
+    assert_eq!((refused.cookie, refused.error_code()), (3, ESHUTDOWN));
+    let mut buf = [0u8; 1];
+    assert_eq!(c.stream.read(&mut buf).expect("close_notify"), 0);
+    let status = gw
+        .wait_exit(Duration::from_secs(5))
+        .expect("exits once drained");
+    assert!(status.success(), "{}", gw.log());
+}
+
 #[test]
 fn after_the_grace_period_the_cut_is_logged_and_a_second_signal_exits_at_once() {
     let held = HeldUpstream::new();
