@@ -43,6 +43,10 @@ use tracing::{debug, warn};
 use crate::config::Config;
 use crate::metrics::Metrics;
 use fair::{Arrival, Bounds, FairQueue};
+/// Proven sources remembered at most; an IPv6 attacker cannot grow the
+/// map without bound, and a legitimate deployment has far fewer sources
+/// that authenticate.
+const PROVEN_SOURCES_MAX: usize = 65_536;
 /// Refusals are summed up in one log line this often, so a flood cannot
 /// turn into a flood of log lines.
 const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
@@ -144,10 +148,12 @@ pub fn source_key(ip: IpAddr, v4_prefix: u8, v6_prefix: u8) -> Source {
 pub enum Refusal {
     #[error("--handshake-queue-per-source ({limit}) reached for {prefix}: its handshakes (--max-handshakes-per-source) and its waiting places are all taken")]
     SourceBusy { limit: usize, prefix: Source },
-    #[error("--handshake-queue ({0}) full: shed as the longest waiter of the source with the most waiting")]
+    #[error("--handshake-queue ({0}) full: shed as the longest waiter of the source with the most waiting, or (unproven) refused where only proven sources wait")]
     QueueFull(usize),
     #[error("no handshake slot within {0:?} (--handshake-queue-timeout)")]
     QueueTimeout(Duration),
+    #[error("nbdgw stopped accepting while it waited for a handshake slot")]
+    ShuttingDown,
     #[error("--max-connections ({0}) reached")]
     SessionsFull(usize),
     #[error("--max-sessions-per-identity ({0}) reached for this client identity")]
@@ -161,6 +167,7 @@ impl Refusal {
             Refusal::SourceBusy { .. } => "source_queue_full",
             Refusal::QueueFull(_) => "shed_busiest_source",
             Refusal::QueueTimeout(_) => "queue_timeout",
+            Refusal::ShuttingDown => "shutting_down",
             Refusal::SessionsFull(_) => "max_connections",
             Refusal::IdentityFull(_) => "per_identity",
         }
@@ -206,6 +213,13 @@ pub struct Admission {
     bounds: Bounds,
     queue_timeout: Duration,
     prefixes: SourcePrefixes,
+    /// Sources one of whose connections authenticated, and when last: the
+    /// proven class of `fair`. At most `PROVEN_SOURCES_MAX` entries.
+    proven: Mutex<HashMap<Source, Instant>>,
+    /// How long a source stays proven (`--source-memory`); zero: never.
+    source_memory: Duration,
+    /// Set once nbdgw stops accepting: waiters are told at once.
+    closed: std::sync::atomic::AtomicBool,
     sessions: Arc<Semaphore>,
     max_sessions: usize,
     per_identity_limit: usize,
@@ -237,6 +251,8 @@ pub struct HandshakePermit {
     admission: Arc<Admission>,
     /// `None` once given back (a waiter gone before its slot came).
     source: Option<Source>,
+    /// Whether the slot is one of the proven sources' (the reserve).
+    proven: bool,
 }
 
 /// Held for as long as an authenticated session lasts.
@@ -262,6 +278,10 @@ impl Admission {
     pub fn new(config: &Config) -> Arc<Self> {
         let bounds = Bounds {
             budget: config.max_handshakes,
+            unproven_budget: config
+                .max_handshakes
+                .saturating_sub(config.handshake_reserve)
+                .max(1),
             cap: config.max_handshakes_per_source,
             waiting: config.handshake_queue,
             waiting_per_source: config.handshake_queue_per_source,
@@ -271,6 +291,9 @@ impl Admission {
             bounds,
             queue_timeout: config.handshake_queue_timeout,
             prefixes: config.source_prefixes,
+            proven: Mutex::default(),
+            source_memory: config.source_memory,
+            closed: std::sync::atomic::AtomicBool::new(false),
             sessions: Arc::new(Semaphore::new(config.max_connections)),
             max_sessions: config.max_connections,
             per_identity_limit: config.max_sessions_per_identity,
@@ -298,15 +321,17 @@ impl Admission {
     /// room is told so through its own task.
     pub fn arrive(self: &Arc<Self>, peer: SocketAddr) -> Result<Place, Refusal> {
         let source = self.prefixes.source_of(peer.ip());
+        let proven = self.is_proven(source);
         let (tx, granted) = oneshot::channel();
         let mut slots = self.slots();
-        let arrival = slots.arrive(source, tx);
+        let arrival = slots.arrive(source, proven, tx);
         self.show(&slots);
         drop(slots);
         let state = match arrival {
-            Arrival::Go => PlaceState::Granted(HandshakePermit {
+            Arrival::Go { proven } => PlaceState::Granted(HandshakePermit {
                 admission: self.clone(),
                 source: Some(source),
+                proven,
             }),
             // Dropping the shed waiter's sender wakes it with the news.
             Arrival::Wait { ticket, shed } => {
@@ -319,6 +344,7 @@ impl Admission {
                     prefix: source,
                 })
             }
+            Arrival::QueueFull => return Err(Refusal::QueueFull(self.bounds.waiting)),
         };
         Ok(Place { source, state })
     }
@@ -333,20 +359,29 @@ impl Admission {
         };
         self.metrics.handshake_waits.inc();
         let since = Instant::now();
+        // The sender dropped unsent: shed, or every waiter told to go.
+        let dropped = || match self.closed.load(Ordering::Acquire) {
+            true => Refusal::ShuttingDown,
+            false => Refusal::QueueFull(self.bounds.waiting),
+        };
         let result = match tokio::time::timeout(self.queue_timeout, &mut granted).await {
             Ok(Ok(permit)) => Ok(permit),
-            Ok(Err(_)) => Err(Refusal::QueueFull(self.bounds.waiting)),
+            Ok(Err(_)) => Err(dropped()),
             Err(_) => {
-                let mut slots = self.slots();
-                let gave_up = slots.cancel(source, ticket);
-                self.show(&slots);
-                drop(slots);
+                // In a block of its own: the guard must be gone before any
+                // await, not just dropped.
+                let gave_up = {
+                    let mut slots = self.slots();
+                    let gave_up = slots.cancel(source, ticket);
+                    self.show(&slots);
+                    gave_up
+                };
                 match gave_up {
                     true => Err(Refusal::QueueTimeout(self.queue_timeout)),
-                    // Its turn came as the time ran out: take it.
-                    false => granted
-                        .try_recv()
-                        .map_err(|_| Refusal::QueueFull(self.bounds.waiting)),
+                    // Out of line already: its slot is being handed over
+                    // (the sender is sent or dropped right after the lock
+                    // is let go), or it was shed. Either comes at once.
+                    false => granted.await.map_err(|_| dropped()),
                 }
             }
         };
@@ -358,28 +393,91 @@ impl Admission {
         result
     }
 
+    /// nbdgw stopped accepting: every connection still waiting for a
+    /// handshake slot is closed now (it was sent nothing, so clients can
+    /// go elsewhere at once), not given a slot and a handshake that would
+    /// only end in NBD_REP_ERR_SHUTDOWN.
+    pub fn close_waiters(&self) {
+        self.closed.store(true, Ordering::Release);
+        let mut slots = self.slots();
+        let waiters = slots.take_waiters();
+        self.show(&slots);
+        drop(slots);
+        // Each dropped sender wakes its waiter with the news.
+        drop(waiters);
+    }
+
+    fn is_proven(&self, source: Source) -> bool {
+        if self.source_memory.is_zero() {
+            return false;
+        }
+        let proven = self.proven.lock().unwrap_or_else(PoisonError::into_inner);
+        proven
+            .get(&source)
+            .is_some_and(|at| at.elapsed() < self.source_memory)
+    }
+
+    /// A connection from `source` authenticated: the source is proven
+    /// from now on (for `--source-memory`), its waiters included.
+    fn prove(self: &Arc<Self>, source: Source) {
+        if self.source_memory.is_zero() {
+            return;
+        }
+        {
+            let mut proven = self.proven.lock().unwrap_or_else(PoisonError::into_inner);
+            if proven.len() >= PROVEN_SOURCES_MAX && !proven.contains_key(&source) {
+                // Full: forget the expired, then (still full) the oldest
+                // half. Rare, and linear only then.
+                let memory = self.source_memory;
+                proven.retain(|_, at| at.elapsed() < memory);
+                if proven.len() >= PROVEN_SOURCES_MAX {
+                    let mut times: Vec<Instant> = proven.values().copied().collect();
+                    times.sort_unstable();
+                    let cut = times[times.len() / 2];
+                    proven.retain(|_, at| *at > cut);
+                }
+            }
+            proven.insert(source, Instant::now());
+        }
+        let granted = {
+            let mut slots = self.slots();
+            let granted = slots.promote(source);
+            self.show(&slots);
+            granted
+        };
+        self.hand_over(granted);
+    }
+
     /// A slot of `source` is free: to the next waiter in turn, skipping
     /// any that went away before their turn came.
-    fn release(self: &Arc<Self>, mut source: Source) {
-        loop {
+    fn release(self: &Arc<Self>, source: Source, proven: bool) {
+        let next = {
             let mut slots = self.slots();
-            let next = slots.release(source);
+            let next = slots.release(source, proven);
             self.show(&slots);
-            drop(slots);
-            let Some((to, waiter)) = next else {
-                return;
-            };
+            next
+        };
+        self.hand_over(next);
+    }
+
+    /// Gives each granted waiter its permit; one that went away before its
+    /// turn came gives the slot back, which may grant another.
+    fn hand_over(
+        self: &Arc<Self>,
+        mut grants: Vec<(Source, oneshot::Sender<HandshakePermit>, bool)>,
+    ) {
+        while let Some((to, waiter, proven)) = grants.pop() {
             let permit = HandshakePermit {
                 admission: self.clone(),
                 source: Some(to),
+                proven,
             };
-            match waiter.send(permit) {
-                Ok(()) => return,
-                // Gone: its slot is free again, without recursing in drop.
-                Err(mut permit) => {
-                    permit.source = None;
-                    source = to;
-                }
+            if let Err(mut permit) = waiter.send(permit) {
+                // Given back here, not in its drop, which would recurse.
+                permit.source = None;
+                let mut slots = self.slots();
+                grants.extend(slots.release(to, proven));
+                self.show(&slots);
             }
         }
     }
@@ -434,10 +532,20 @@ impl Admission {
     }
 }
 
+impl HandshakePermit {
+    /// The client authenticated (its certificate verified, or the TLS
+    /// handshake done where no client CA is set): its source is proven.
+    pub fn authenticated(&self) {
+        if let Some(source) = self.source {
+            self.admission.prove(source);
+        }
+    }
+}
+
 impl Drop for HandshakePermit {
     fn drop(&mut self) {
         if let Some(source) = self.source.take() {
-            self.admission.release(source);
+            self.admission.release(source, self.proven);
         }
     }
 }
@@ -580,6 +688,45 @@ mod tests {
         let b1 = b1.unwrap();
         let (c1, ()) = tokio::join!(a.handshake(c1), async { drop(b1) });
         drop(c1.unwrap());
+        assert_eq!(counts(&a), (0, 0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn at_shutdown_waiters_are_told_at_once_and_proven_sources_keep_the_reserve() {
+        let tls = crate::tls::TlsStore::fixed(test_server_config());
+        let mut config = Config::new("/nonexistent".into(), tls);
+        config.max_handshakes = 2;
+        config.handshake_reserve = 1;
+        let a = Admission::new(&config);
+        // One connection of this source authenticated before.
+        let first = a
+            .handshake(a.arrive(peer("203.0.113.1", 1)).unwrap())
+            .await
+            .unwrap();
+        assert!(!first.proven);
+        first.authenticated();
+        drop(first);
+        // An unproven source holds the unproven share; the next waits
+        // though a slot is free.
+        let held = a
+            .handshake(a.arrive(peer("192.0.2.1", 1)).unwrap())
+            .await
+            .unwrap();
+        let waiting = a.arrive(peer("198.51.100.1", 1)).unwrap();
+        assert_eq!(counts(&a), (1, 1));
+        // The proven source takes the reserve at once.
+        let again = a
+            .handshake(a.arrive(peer("203.0.113.1", 2)).unwrap())
+            .await
+            .unwrap();
+        assert!(again.proven);
+        // Accepting stops: the waiter is closed now, not given a slot.
+        a.close_waiters();
+        assert_eq!(
+            a.handshake(waiting).await.err(),
+            Some(Refusal::ShuttingDown)
+        );
+        drop((held, again));
         assert_eq!(counts(&a), (0, 0));
     }
 

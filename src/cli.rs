@@ -215,6 +215,17 @@ pub struct ServeArgs {
     /// closed.
     #[arg(long, env = "NBDGW_HANDSHAKE_QUEUE_TIMEOUT", default_value_t = config::DEFAULT_HANDSHAKE_QUEUE_TIMEOUT_SECS, value_parser = clap::value_parser!(u64).range(1..))]
     pub handshake_queue_timeout: u64,
+    /// Of --max-handshakes, the slots only proven sources (see
+    /// --source-memory) may take, so slow handshakes from unproven
+    /// sources, however many, never hold them all. Default: a quarter.
+    #[arg(long, env = "NBDGW_HANDSHAKE_RESERVE", value_name = "N")]
+    pub handshake_reserve: Option<usize>,
+    /// Seconds a source one of whose connections authenticated stays
+    /// "proven": its waiting connections get handshake slots before, and
+    /// are never shed for, those of sources that have not; 0: no source
+    /// is ever preferred.
+    #[arg(long, env = "NBDGW_SOURCE_MEMORY", value_name = "SECS", default_value_t = config::DEFAULT_SOURCE_MEMORY_SECS)]
+    pub source_memory: u64,
     /// Leading bits of an IPv4 address (0 to 32) that make one source for
     /// --max-handshakes-per-source; IPv4-mapped IPv6 peers count as IPv4.
     #[arg(long, env = "NBDGW_SOURCE_PREFIX_V4", value_name = "BITS", default_value_t = config::DEFAULT_SOURCE_PREFIX_V4)]

@@ -50,6 +50,11 @@ pub struct Config {
     pub handshake_queue_per_source: usize,
     /// How long a connection may wait for its handshake slot.
     pub handshake_queue_timeout: Duration,
+    /// Of `max_handshakes`, the slots only proven sources may take.
+    pub handshake_reserve: usize,
+    /// How long a source one of whose connections authenticated is served
+    /// before sources that have not (zero: never).
+    pub source_memory: Duration,
     /// From accept until transmission starts (or the connection ends).
     pub handshake_timeout: Duration,
     /// Bounds each step of talking to an upstream in negotiation: the
@@ -140,6 +145,8 @@ impl Config {
             handshake_queue: DEFAULT_HANDSHAKE_QUEUE,
             handshake_queue_per_source: DEFAULT_HANDSHAKE_QUEUE_PER_SOURCE,
             handshake_queue_timeout: Duration::from_secs(DEFAULT_HANDSHAKE_QUEUE_TIMEOUT_SECS),
+            source_memory: Duration::from_secs(DEFAULT_SOURCE_MEMORY_SECS),
+            handshake_reserve: DEFAULT_MAX_HANDSHAKES / 4,
             handshake_timeout: Duration::from_secs(DEFAULT_HANDSHAKE_TIMEOUT_SECS),
             upstream_timeout: Duration::from_secs(DEFAULT_UPSTREAM_TIMEOUT_SECS),
             idle_timeout: None,
@@ -201,6 +208,10 @@ pub const DEFAULT_HANDSHAKE_QUEUE_PER_SOURCE: usize = 256;
 /// Served eight at a time, 256 handshakes from one source take about a
 /// second on loopback; ten leaves room for slow links and busy hosts.
 pub const DEFAULT_HANDSHAKE_QUEUE_TIMEOUT_SECS: u64 = 10;
+/// A day: a hypervisor whose VMs were connected yesterday is still the
+/// same host when they reconnect together (after a gateway restart the
+/// memory starts empty).
+pub const DEFAULT_SOURCE_MEMORY_SECS: u64 = 86_400;
 /// Long enough for a VM paused by its host or a congested link, short
 /// enough that a dead peer does not hold a slot for the 15 minutes TCP
 /// retransmission would take.

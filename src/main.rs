@@ -509,6 +509,11 @@ fn gateway_config(args: &ServeArgs, upstream: PathBuf, tls: Arc<TlsStore>) -> Co
     config.handshake_queue = args.handshake_queue;
     config.handshake_queue_per_source = args.handshake_queue_per_source;
     config.handshake_queue_timeout = Duration::from_secs(args.handshake_queue_timeout);
+    config.source_memory = Duration::from_secs(args.source_memory);
+    config.handshake_reserve = args
+        .handshake_reserve
+        .unwrap_or(args.max_handshakes / 4)
+        .min(args.max_handshakes.saturating_sub(1));
     config.handshake_timeout = Duration::from_secs(args.handshake_timeout);
     config.upstream_timeout = Duration::from_secs(args.upstream_timeout);
     config.idle_timeout = seconds_or_off(args.idle_timeout);
@@ -590,6 +595,10 @@ fn fit_fd_limit(
     config.max_connections = fitted.sessions;
     config.max_handshakes = fitted.handshakes;
     config.max_handshakes_per_source = config.max_handshakes_per_source.min(fitted.handshakes);
+    config.handshake_reserve = args
+        .handshake_reserve
+        .unwrap_or(fitted.handshakes / 4)
+        .min(fitted.handshakes.saturating_sub(1));
     config.handshake_queue = fitted.waiting;
     config.handshake_queue_per_source = config.handshake_queue_per_source.min(fitted.waiting);
     // The default share follows --max-connections down; a share given

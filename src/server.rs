@@ -74,6 +74,7 @@ pub async fn run(
     }
     drop(listener);
     config.health.set_accepting(false);
+    admission.close_waiters();
     shut_down(connections, &control, config.shutdown_grace).await;
     Ok(())
 }

@@ -309,6 +309,55 @@ fn a_request_sent_as_the_last_reply_leaves_is_answered_before_the_close() {
     assert!(status.success(), "{}", gw.log());
 }
 
+/// A client that keeps sending during the shutdown (issue 20's review):
+/// the wait for requests already on their way is one window, so it gets
+/// ESHUTDOWN for a while and then close_notify, rather than holding the
+/// connection until the grace period (30 s here) cuts it without one.
+#[test]
+fn a_client_that_keeps_sending_at_shutdown_is_closed_after_one_window() {
+    let held = HeldUpstream::new();
+    let mut gw = held.gateway("30");
+    let mut c = held.read_in_flight(&gw);
+    gw.signal("TERM");
+    gw.wait_for_log("SIGTERM received", 1);
+    held.relay.hold_replies(false);
+    c.read_reply(65536);
+    let started = Instant::now();
+    let mut refused = 0;
+    let closed = loop {
+        if started.elapsed() > Duration::from_secs(5) {
+            break false;
+        }
+        c.send_request(0, CMD_READ, 10 + refused, 0, 4096, &[]);
+        let mut header = [0u8; 20];
+        if c.stream.read_exact(&mut header).is_err() {
+            break true;
+        }
+        let len = u32::from_be_bytes(header[16..20].try_into().unwrap()) as usize;
+        let mut payload = vec![0u8; len];
+        if c.stream.read_exact(&mut payload).is_err() {
+            break true;
+        }
+        assert_eq!(
+            u32::from_be_bytes(payload[..4].try_into().unwrap()),
+            ESHUTDOWN
+        );
+        refused += 1;
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let took = started.elapsed();
+    assert!(
+        closed,
+        "still open after {took:?}, {refused} requests refused"
+    );
+    assert!(took < Duration::from_secs(2), "closed after {took:?}");
+    assert!(refused >= 1, "no request answered before the close");
+    let status = gw
+        .wait_exit(Duration::from_secs(5))
+        .expect("exits once drained");
+    assert!(status.success(), "{}", gw.log());
+}
+
 #[test]
 fn after_the_grace_period_the_cut_is_logged_and_a_second_signal_exits_at_once() {
     let held = HeldUpstream::new();

@@ -9,8 +9,25 @@
 //! `--handshake-timeout`. Connections above the cap, or arriving when the
 //! budget is spent, wait, first come first served within their source;
 //! a freed slot goes to the next source in turn (round-robin) that has a
-//! waiter and is below its cap, so a source with hundreds waiting delays
-//! a source with one by at most one turn.
+//! waiter and is below its cap.
+//!
+//! Round-robin alone is fair to each source, and so an attacker with many
+//! sources (a /24, or the /64s of one IPv6 /48) would get most turns and,
+//! when every place is taken, make a legitimate burst from one source the
+//! busiest, to be shed. So sources come in two classes: proven (one of its
+//! connections authenticated recently, which an attacker without a valid
+//! client certificate cannot do) and unproven. A freed slot goes to a
+//! proven source in turn before any unproven one, and when every place is
+//! taken an unproven waiter makes room, never a proven one for an
+//! unproven newcomer. Within a class: round-robin for slots, the longest
+//! waiter of the source with the most waiting for shedding. And unproven
+//! sources together hold at most `unproven_budget` slots
+//! (`--max-handshakes` less `--handshake-reserve`): slow or silent
+//! handshakes from any number of unproven sources cannot hold the slots a
+//! proven host's VMs need when they reconnect.
+//!
+//! Finding the busiest source and leaving a turn order are linear in the
+//! sources waiting, which `--handshake-queue` bounds (1024 by default).
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
@@ -18,20 +35,27 @@ use std::hash::Hash;
 /// What a connection arriving gets.
 #[derive(Debug)]
 pub enum Arrival<T> {
-    /// A slot, now.
-    Go,
+    /// A slot, now; `proven`: one of the proven sources' (given back with
+    /// [`FairQueue::release`] saying so).
+    Go { proven: bool },
     /// A place in its source's line, known by `ticket`. `shed` is the
     /// waiter that had to make room (the longest waiter of the source
     /// with the most waiting), when every place was taken.
     Wait { ticket: u64, shed: Option<T> },
-    /// Its source already has `--max-waiting-per-source` waiting.
+    /// Its source already has `--handshake-queue-per-source` waiting.
     SourceLineFull,
+    /// Every place is taken by waiters it may not displace (proven ones,
+    /// for an unproven newcomer), or there are no places at all.
+    QueueFull,
 }
 
 #[derive(Debug, Clone, Copy)]
 pub struct Bounds {
     /// Slots in all (`--max-handshakes`).
     pub budget: usize,
+    /// Of those, how many unproven sources may hold together
+    /// (`--max-handshakes` less `--handshake-reserve`).
+    pub unproven_budget: usize,
     /// Slots one source may hold (`--max-handshakes-per-source`).
     pub cap: usize,
     /// Connections waiting, all sources together (`--max-waiting`).
@@ -43,22 +67,40 @@ pub struct Bounds {
 pub struct FairQueue<S, T> {
     bounds: Bounds,
     in_use: usize,
+    /// Of `in_use`, the slots given to unproven sources.
+    unproven_in_use: usize,
     waiting: usize,
     sources: HashMap<S, Line<T>>,
-    /// The sources with someone waiting, in the order they are served.
-    turns: VecDeque<S>,
+    /// The sources with someone waiting, in the order they are served:
+    /// `[PROVEN]` before `[UNPROVEN]`.
+    turns: [VecDeque<S>; 2],
     next_ticket: u64,
 }
 
+const PROVEN: usize = 0;
+const UNPROVEN: usize = 1;
+
 struct Line<T> {
     active: usize,
+    proven: bool,
     waiters: VecDeque<(u64, T)>,
+}
+
+impl<T> Line<T> {
+    fn class(&self) -> usize {
+        if self.proven {
+            PROVEN
+        } else {
+            UNPROVEN
+        }
+    }
 }
 
 impl<T> Default for Line<T> {
     fn default() -> Self {
         Line {
             active: 0,
+            proven: false,
             waiters: VecDeque::new(),
         }
     }
@@ -69,9 +111,10 @@ impl<S: Copy + Eq + Hash, T> FairQueue<S, T> {
         FairQueue {
             bounds,
             in_use: 0,
+            unproven_in_use: 0,
             waiting: 0,
             sources: HashMap::new(),
-            turns: VecDeque::new(),
+            turns: [VecDeque::new(), VecDeque::new()],
             next_ticket: 0,
         }
     }
@@ -84,46 +127,118 @@ impl<S: Copy + Eq + Hash, T> FairQueue<S, T> {
         self.in_use
     }
 
-    /// A connection from `source`; `waiter` is what it is woken through.
-    pub fn arrive(&mut self, source: S, waiter: T) -> Arrival<T> {
+    /// A connection from `source` (`proven`: see the module's comment);
+    /// `waiter` is what it is woken through.
+    pub fn arrive(&mut self, source: S, proven: bool, waiter: T) -> Arrival<T> {
         let bounds = self.bounds;
         let line = self.sources.entry(source).or_default();
+        // A line with waiters changes class only through `promote`, which
+        // hands on the slots that may then be theirs.
+        if line.waiters.is_empty() {
+            line.proven |= proven;
+        }
         // No one of this source waits ahead of it, and (the queue being
-        // work-conserving) no other source waits while a slot is free.
-        if line.waiters.is_empty() && line.active < bounds.cap && self.in_use < bounds.budget {
+        // work-conserving) no other source of its class waits while a
+        // slot it may take is free.
+        let room = match line.proven {
+            true => self.in_use < bounds.budget,
+            false => self.in_use < bounds.budget && self.unproven_in_use < bounds.unproven_budget,
+        };
+        if line.waiters.is_empty() && line.active < bounds.cap && room {
             line.active += 1;
             self.in_use += 1;
-            return Arrival::Go;
+            if !line.proven {
+                self.unproven_in_use += 1;
+            }
+            return Arrival::Go {
+                proven: line.proven,
+            };
         }
-        if line.waiters.len() >= bounds.waiting_per_source || bounds.waiting == 0 {
+        let class = line.class();
+        if line.waiters.len() >= bounds.waiting_per_source {
             self.forget_if_idle(source);
             return Arrival::SourceLineFull;
         }
-        let shed = if self.waiting >= bounds.waiting {
-            self.shed_one()
-        } else {
-            None
-        };
+        let mut shed = None;
+        if self.waiting >= bounds.waiting {
+            // An unproven waiter makes room; a proven one only for another
+            // proven connection.
+            shed = self.shed_one(UNPROVEN);
+            if shed.is_none() && class == PROVEN {
+                shed = self.shed_one(PROVEN);
+            }
+            if shed.is_none() {
+                self.forget_if_idle(source);
+                return Arrival::QueueFull;
+            }
+        }
         let ticket = self.next_ticket;
         self.next_ticket += 1;
+        // Made anew if shedding emptied this very line and forgot it.
         let line = self.sources.entry(source).or_default();
+        line.proven = class == PROVEN;
         line.waiters.push_back((ticket, waiter));
         if line.waiters.len() == 1 {
-            self.turns.push_back(source);
+            self.turns[class].push_back(source);
         }
         self.waiting += 1;
         Arrival::Wait { ticket, shed }
     }
 
-    /// A slot `source` held is free: returns the waiter it goes to, if
-    /// any, now counted as holding it.
-    pub fn release(&mut self, source: S) -> Option<(S, T)> {
+    /// Every waiter, taken out of line (nbdgw stopped accepting).
+    pub fn take_waiters(&mut self) -> Vec<T> {
+        let mut taken = Vec::with_capacity(self.waiting);
+        for line in self.sources.values_mut() {
+            taken.extend(line.waiters.drain(..).map(|(_, waiter)| waiter));
+        }
+        self.sources.retain(|_, line| line.active > 0);
+        self.turns = [VecDeque::new(), VecDeque::new()];
+        self.waiting = 0;
+        taken
+    }
+
+    /// One of `source`'s connections authenticated: from now on it is
+    /// served as proven, its waiters included. Returns the waiters that
+    /// get a slot now (the reserve may have been free).
+    pub fn promote(&mut self, source: S) -> Vec<(S, T, bool)> {
+        let Some(line) = self.sources.get_mut(&source) else {
+            return Vec::new();
+        };
+        if line.proven {
+            return Vec::new();
+        }
+        line.proven = true;
+        if line.waiters.is_empty() {
+            return Vec::new();
+        }
+        self.turns[UNPROVEN].retain(|s| *s != source);
+        self.turns[PROVEN].push_back(source);
+        let mut granted = Vec::new();
+        while let Some(grant) = self.next_turn() {
+            granted.push(grant);
+        }
+        granted
+    }
+
+    /// A slot `source` held is free (`proven`: as [`Arrival::Go`] and the
+    /// grants said): returns the waiters it goes to, now counted as
+    /// holding their slots, and whether as proven. Usually one; two when
+    /// an unproven slot given back leaves room in the unproven share as
+    /// well as a slot a proven waiter takes.
+    pub fn release(&mut self, source: S, proven: bool) -> Vec<(S, T, bool)> {
         if let Some(line) = self.sources.get_mut(&source) {
             line.active = line.active.saturating_sub(1);
             self.in_use = self.in_use.saturating_sub(1);
+            if !proven {
+                self.unproven_in_use = self.unproven_in_use.saturating_sub(1);
+            }
         }
         self.forget_if_idle(source);
-        self.next_turn()
+        let mut granted = Vec::new();
+        while let Some(grant) = self.next_turn() {
+            granted.push(grant);
+        }
+        granted
     }
 
     /// A waiter that gave up (timed out, or its task ended). False if it
@@ -136,49 +251,60 @@ impl<S: Copy + Eq + Hash, T> FairQueue<S, T> {
             return false;
         };
         line.waiters.remove(at);
-        let empty = line.waiters.is_empty();
+        let (empty, class) = (line.waiters.is_empty(), line.class());
         self.waiting -= 1;
         if empty {
-            self.turns.retain(|s| *s != source);
+            self.turns[class].retain(|s| *s != source);
         }
         self.forget_if_idle(source);
         true
     }
 
     /// The next source in turn below its cap gives its longest waiter
-    /// the free slot; sources at their cap keep their turn for later.
-    fn next_turn(&mut self) -> Option<(S, T)> {
+    /// the free slot, proven sources first; sources at their cap keep
+    /// their turn for later.
+    fn next_turn(&mut self) -> Option<(S, T, bool)> {
         if self.in_use >= self.bounds.budget {
             return None;
         }
-        for _ in 0..self.turns.len() {
-            let source = self.turns.pop_front()?;
-            let Some(line) = self.sources.get_mut(&source) else {
-                continue;
-            };
-            if line.active >= self.bounds.cap {
-                self.turns.push_back(source);
-                continue;
+        for class in [PROVEN, UNPROVEN] {
+            if class == UNPROVEN && self.unproven_in_use >= self.bounds.unproven_budget {
+                break;
             }
-            let Some((_, waiter)) = line.waiters.pop_front() else {
-                continue;
-            };
-            line.active += 1;
-            self.in_use += 1;
-            self.waiting -= 1;
-            if !line.waiters.is_empty() {
-                self.turns.push_back(source);
+            for _ in 0..self.turns[class].len() {
+                let Some(source) = self.turns[class].pop_front() else {
+                    break;
+                };
+                let Some(line) = self.sources.get_mut(&source) else {
+                    continue;
+                };
+                if line.active >= self.bounds.cap {
+                    self.turns[class].push_back(source);
+                    continue;
+                }
+                let Some((_, waiter)) = line.waiters.pop_front() else {
+                    continue;
+                };
+                line.active += 1;
+                self.in_use += 1;
+                if class == UNPROVEN {
+                    self.unproven_in_use += 1;
+                }
+                self.waiting -= 1;
+                if !line.waiters.is_empty() {
+                    self.turns[class].push_back(source);
+                }
+                return Some((source, waiter, class == PROVEN));
             }
-            return Some((source, waiter));
         }
         None
     }
 
-    /// Every place is taken: the source with the most waiting gives up
-    /// its longest waiter (the first such source in turn order).
-    fn shed_one(&mut self) -> Option<T> {
+    /// The source of `class` with the most waiting (the first such in
+    /// turn order) gives up its longest waiter.
+    fn shed_one(&mut self, class: usize) -> Option<T> {
         let mut busiest: Option<(S, usize)> = None;
-        for source in &self.turns {
+        for source in &self.turns[class] {
             let len = self.sources.get(source).map_or(0, |l| l.waiters.len());
             if busiest.is_none_or(|(_, most)| len > most) {
                 busiest = Some((*source, len));
@@ -190,7 +316,7 @@ impl<S: Copy + Eq + Hash, T> FairQueue<S, T> {
         let empty = line.waiters.is_empty();
         self.waiting -= 1;
         if empty {
-            self.turns.retain(|s| *s != busiest);
+            self.turns[class].retain(|s| *s != busiest);
         }
         self.forget_if_idle(busiest);
         Some(waiter)
@@ -215,19 +341,38 @@ impl<S: Copy + Eq + Hash, T> FairQueue<S, T> {
         assert_eq!(active, self.in_use);
         assert_eq!(waiting, self.waiting);
         assert!(self.in_use <= b.budget);
+        assert!(self.unproven_in_use <= b.unproven_budget);
+        assert!(self.unproven_in_use <= self.in_use);
         assert!(self.waiting <= b.waiting);
         for (source, line) in &self.sources {
             assert!(line.active <= b.cap);
             assert!(line.waiters.len() <= b.waiting_per_source);
             assert!(line.active > 0 || !line.waiters.is_empty(), "idle kept");
-            let in_turns = self.turns.iter().filter(|s| *s == source).count();
+            let in_turns = self.turns[line.class()]
+                .iter()
+                .filter(|s| *s == source)
+                .count();
             assert_eq!(in_turns, usize::from(!line.waiters.is_empty()));
-            // Work-conserving: no free slot while an eligible waiter waits.
+            let other = self.turns[1 - line.class()]
+                .iter()
+                .filter(|s| *s == source)
+                .count();
+            assert_eq!(other, 0, "in the other class's turns");
+            // Work-conserving: no free slot while a waiter that may take
+            // it waits.
             if !line.waiters.is_empty() && line.active < b.cap {
-                assert_eq!(self.in_use, b.budget, "a slot idle while {in_turns} waits");
+                assert!(
+                    self.in_use == b.budget
+                        || (!line.proven && self.unproven_in_use >= b.unproven_budget),
+                    "a slot idle while {in_turns} waits"
+                );
             }
         }
-        assert!(self.turns.iter().all(|s| self.sources.contains_key(s)));
+        assert!(self
+            .turns
+            .iter()
+            .flatten()
+            .all(|s| self.sources.contains_key(s)));
     }
 }
 
@@ -239,6 +384,7 @@ mod tests {
     fn bounds(budget: usize, cap: usize, waiting: usize, per_source: usize) -> Bounds {
         Bounds {
             budget,
+            unproven_budget: budget,
             cap,
             waiting,
             waiting_per_source: per_source,
@@ -248,18 +394,21 @@ mod tests {
     #[test]
     fn a_burst_from_one_source_waits_in_order_beyond_its_cap() {
         let mut q = FairQueue::new(bounds(64, 2, 100, 100));
-        assert!(matches!(q.arrive('a', 0), Arrival::Go));
-        assert!(matches!(q.arrive('a', 1), Arrival::Go));
+        assert!(matches!(q.arrive('a', false, 0), Arrival::Go { .. }));
+        assert!(matches!(q.arrive('a', false, 1), Arrival::Go { .. }));
         for i in 2..10 {
-            assert!(matches!(q.arrive('a', i), Arrival::Wait { shed: None, .. }));
+            assert!(matches!(
+                q.arrive('a', false, i),
+                Arrival::Wait { shed: None, .. }
+            ));
         }
         // Each slot it frees goes to its next waiter, first come first.
         for i in 2..10 {
-            assert_eq!(q.release('a'), Some(('a', i)));
+            assert_eq!(q.release('a', false), vec![('a', i, false)]);
             q.check_invariants();
         }
-        assert_eq!(q.release('a'), None);
-        assert_eq!(q.release('a'), None);
+        assert_eq!(q.release('a', false), vec![]);
+        assert_eq!(q.release('a', false), vec![]);
         assert!(q.sources.is_empty());
     }
 
@@ -267,55 +416,157 @@ mod tests {
     fn a_source_with_one_waiter_is_served_before_a_crowd_behind_it() {
         // Budget 2, both held by a; a has 5 more waiting; b arrives.
         let mut q = FairQueue::new(bounds(2, 2, 100, 100));
-        q.arrive('a', 0);
-        q.arrive('a', 1);
+        q.arrive('a', false, 0);
+        q.arrive('a', false, 1);
         for i in 2..7 {
-            q.arrive('a', i);
+            q.arrive('a', false, i);
         }
-        assert!(matches!(q.arrive('b', 100), Arrival::Wait { .. }));
+        assert!(matches!(q.arrive('b', false, 100), Arrival::Wait { .. }));
         // a's turn came first (it waited first), then b's.
-        assert_eq!(q.release('a'), Some(('a', 2)));
-        assert_eq!(q.release('a'), Some(('b', 100)));
-        assert_eq!(q.release('a'), Some(('a', 3)));
+        assert_eq!(q.release('a', false), vec![('a', 2, false)]);
+        assert_eq!(q.release('a', false), vec![('b', 100, false)]);
+        assert_eq!(q.release('a', false), vec![('a', 3, false)]);
         q.check_invariants();
     }
 
     #[test]
     fn the_longest_waiter_of_the_busiest_source_is_shed() {
         let mut q = FairQueue::new(bounds(1, 1, 4, 10));
-        q.arrive('x', 0);
-        q.arrive('b', 10);
+        q.arrive('x', false, 0);
+        q.arrive('b', false, 10);
         for i in 1..4 {
-            q.arrive('a', i);
+            q.arrive('a', false, i);
         }
         // Four waiting: a place for c costs a its longest waiter.
-        let Arrival::Wait { shed, .. } = q.arrive('c', 20) else {
+        let Arrival::Wait { shed, .. } = q.arrive('c', false, 20) else {
             panic!("c was not given a place");
         };
         assert_eq!(shed, Some(1));
         q.check_invariants();
         // A line of its own full: refused, nothing shed.
         let mut q = FairQueue::new(bounds(1, 1, 100, 2));
-        q.arrive('a', 0);
-        q.arrive('a', 1);
-        q.arrive('a', 2);
-        assert!(matches!(q.arrive('a', 3), Arrival::SourceLineFull));
-        assert!(matches!(q.arrive('b', 4), Arrival::Wait { shed: None, .. }));
+        q.arrive('a', false, 0);
+        q.arrive('a', false, 1);
+        q.arrive('a', false, 2);
+        assert!(matches!(q.arrive('a', false, 3), Arrival::SourceLineFull));
+        assert!(matches!(
+            q.arrive('b', false, 4),
+            Arrival::Wait { shed: None, .. }
+        ));
         q.check_invariants();
+    }
+
+    /// Issue 20's review: an attacker spread over many sources fills the
+    /// budget and every place, then a host that has authenticated before
+    /// reconnects its VMs together. It is served before every one of the
+    /// attacker's sources and none of its connections is shed; the
+    /// attacker's waiters make room instead.
+    #[test]
+    fn a_proven_source_goes_first_and_is_never_shed_for_an_unproven_one() {
+        let mut q = FairQueue::new(bounds(4, 1, 8, 8));
+        // Four attacker sources hold the budget, eight more fill the line.
+        for s in 0..12u32 {
+            q.arrive(s, false, s);
+        }
+        assert_eq!((q.in_use(), q.waiting()), (4, 8));
+        // The host: eight at once, each taking an attacker's place.
+        for i in 0..8u32 {
+            let Arrival::Wait {
+                shed: Some(victim), ..
+            } = q.arrive(100, true, 1000 + i)
+            else {
+                panic!("the proven host was not given a place");
+            };
+            assert!(victim < 100, "shed one of the host's own: {victim}");
+        }
+        // Only the host waits now: an unproven newcomer may not displace it.
+        assert!(matches!(q.arrive(200, false, 2000), Arrival::QueueFull));
+        q.check_invariants();
+        // The first slot an attacker frees is the host's, and each the
+        // host frees goes to its next (its cap is one), before any of the
+        // attacker's waiters.
+        assert_eq!(q.release(0, false), vec![(100, 1000, true)]);
+        for i in 1..8 {
+            assert_eq!(q.release(100, true), vec![(100, 1000 + i, true)]);
+        }
+        q.check_invariants();
+    }
+
+    #[test]
+    fn at_shutdown_every_waiter_is_taken_out_of_line() {
+        let mut q = FairQueue::new(bounds(1, 1, 10, 10));
+        q.arrive('x', false, 0);
+        q.arrive('a', false, 1);
+        q.arrive('b', true, 2);
+        let mut taken = q.take_waiters();
+        taken.sort();
+        assert_eq!(taken, vec![1, 2]);
+        q.check_invariants();
+        assert_eq!(q.release('x', false), vec![]);
+        assert!(q.sources.is_empty());
+    }
+
+    /// Slow handshakes from any number of unproven sources hold at most
+    /// the unproven share; the reserve stays for proven sources, and a
+    /// source proven while it waits gets it at once.
+    #[test]
+    fn unproven_sources_cannot_hold_the_reserve() {
+        let mut q = FairQueue::new(Bounds {
+            budget: 4,
+            unproven_budget: 2,
+            cap: 4,
+            waiting: 10,
+            waiting_per_source: 10,
+        });
+        assert!(matches!(
+            q.arrive(1, false, 1),
+            Arrival::Go { proven: false }
+        ));
+        assert!(matches!(
+            q.arrive(2, false, 2),
+            Arrival::Go { proven: false }
+        ));
+        // The unproven share is spent: the next unproven waits, slots free.
+        assert!(matches!(q.arrive(3, false, 3), Arrival::Wait { .. }));
+        assert!(matches!(q.arrive(3, false, 4), Arrival::Wait { .. }));
+        assert_eq!(q.in_use(), 2);
+        q.check_invariants();
+        // A proven source takes the reserve at once.
+        assert!(matches!(q.arrive(9, true, 9), Arrival::Go { proven: true }));
+        // Source 3 proves itself (one of its connections authenticated
+        // elsewhere): its waiters take what is left of the budget.
+        assert_eq!(q.promote(3), vec![(3, 3, true)]);
+        q.check_invariants();
+        assert_eq!(q.in_use(), 4);
+        // An unproven slot given back goes to the proven waiter.
+        assert_eq!(q.release(1, false), vec![(3, 4, true)]);
+        q.check_invariants();
+    }
+
+    #[test]
+    fn a_source_proven_while_waiting_moves_ahead() {
+        let mut q = FairQueue::new(bounds(1, 1, 10, 10));
+        q.arrive('x', false, 0);
+        q.arrive('a', false, 1);
+        q.arrive('b', false, 2);
+        assert!(q.promote('b').is_empty(), "no slot was free");
+        q.check_invariants();
+        assert_eq!(q.release('x', false), vec![('b', 2, true)]);
+        assert_eq!(q.release('b', true), vec![('a', 1, false)]);
     }
 
     #[test]
     fn a_cancelled_waiter_leaves_nothing_behind() {
         let mut q = FairQueue::new(bounds(1, 1, 10, 10));
-        q.arrive('a', 0);
-        let Arrival::Wait { ticket, .. } = q.arrive('b', 1) else {
+        q.arrive('a', false, 0);
+        let Arrival::Wait { ticket, .. } = q.arrive('b', false, 1) else {
             panic!("no wait");
         };
         assert!(q.cancel('b', ticket));
         assert!(!q.cancel('b', ticket));
         q.check_invariants();
-        assert_eq!(q.release('a'), None);
-        assert!(q.sources.is_empty() && q.turns.is_empty());
+        assert_eq!(q.release('a', false), vec![]);
+        assert!(q.sources.is_empty() && q.turns.iter().all(VecDeque::is_empty));
     }
 
     #[derive(Debug, Clone)]
@@ -323,29 +574,36 @@ mod tests {
         Arrive(u8),
         Release(u8),
         Cancel(u8),
+        Promote(u8),
     }
 
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
-            (0u8..5).prop_map(Op::Arrive),
-            (0u8..5).prop_map(Op::Release),
-            (0u8..5).prop_map(Op::Cancel),
+            3 => (0u8..5).prop_map(Op::Arrive),
+            3 => (0u8..5).prop_map(Op::Release),
+            2 => (0u8..5).prop_map(Op::Cancel),
+            1 => (0u8..5).prop_map(Op::Promote),
         ]
     }
 
     proptest! {
-        /// Whatever the order of arrivals, ends and give-ups: no source
-        /// above its cap, the bounds hold, no slot idle while a waiter
-        /// could use it, and every waiter is accounted for exactly once
-        /// (granted, shed, cancelled or still waiting).
+        /// Whatever the order of arrivals, ends, give-ups and promotions:
+        /// no source above its cap, the bounds hold, no slot idle while a
+        /// waiter could use it, every waiter accounted for exactly once
+        /// (granted, shed, cancelled or still waiting), a slot never goes
+        /// to an unproven source while a proven one below its cap waits,
+        /// and a proven waiter is shed only for a proven newcomer when no
+        /// unproven one waits.
         #[test]
-        fn the_bounds_hold_and_no_slot_idles(
-            budget in 1usize..6, cap in 1usize..4, waiting in 0usize..6,
+        fn the_bounds_hold_no_slot_idles_and_proven_sources_come_first(
+            budget in 1usize..6, reserve in 0usize..3, cap in 1usize..4, waiting in 0usize..6,
             per_source in 1usize..4, ops in proptest::collection::vec(op(), 1..200)
         ) {
-            let mut q = FairQueue::new(bounds(budget, cap, waiting, per_source));
-            let mut holding: Vec<u8> = Vec::new();
+            let unproven_budget = budget.saturating_sub(reserve).max(1);
+            let mut q = FairQueue::new(Bounds { unproven_budget, ..bounds(budget, cap, waiting, per_source) });
+            let mut holding: Vec<(u8, bool)> = Vec::new();
             let mut waiting_tickets: Vec<(u8, u64, u32)> = Vec::new();
+            let mut proven: std::collections::HashSet<u8> = Default::default();
             let mut next = 0u32;
             let mut outcomes: HashMap<u32, &str> = HashMap::new();
             for op in ops {
@@ -353,28 +611,49 @@ mod tests {
                     Op::Arrive(s) => {
                         let id = next;
                         next += 1;
-                        match q.arrive(s, id) {
-                            Arrival::Go => { holding.push(s); outcomes.insert(id, "go"); }
+                        let unproven_waiting =
+                            waiting_tickets.iter().any(|w| !proven.contains(&w.0));
+                        match q.arrive(s, proven.contains(&s), id) {
+                            Arrival::Go { proven: as_proven } => {
+                                prop_assert_eq!(as_proven, proven.contains(&s) || q.sources[&s].proven);
+                                holding.push((s, as_proven));
+                                outcomes.insert(id, "go");
+                            }
                             Arrival::Wait { ticket, shed } => {
-                                waiting_tickets.push((s, ticket, id));
                                 if let Some(victim) = shed {
                                     prop_assert_eq!(outcomes.insert(victim, "shed"), Some("wait"));
-                                    waiting_tickets.retain(|w| w.2 != victim);
+                                    let at = waiting_tickets.iter().position(|w| w.2 == victim).unwrap();
+                                    let (from, _, _) = waiting_tickets.remove(at);
+                                    if proven.contains(&from) {
+                                        prop_assert!(proven.contains(&s) && !unproven_waiting,
+                                            "a proven waiter shed for {}", s);
+                                    }
                                 }
+                                waiting_tickets.push((s, ticket, id));
                                 outcomes.insert(id, "wait");
                             }
-                            Arrival::SourceLineFull => { outcomes.insert(id, "refused"); }
+                            Arrival::SourceLineFull | Arrival::QueueFull => {
+                                outcomes.insert(id, "refused");
+                            }
                         }
                     }
                     Op::Release(i) => {
                         if holding.is_empty() { continue; }
-                        let s = holding.remove(i as usize % holding.len());
-                        if let Some((to, id)) = q.release(s) {
+                        let (s, as_proven) = holding.remove(i as usize % holding.len());
+                        for (to, id, to_proven) in q.release(s, as_proven) {
                             prop_assert_eq!(outcomes.insert(id, "granted"), Some("wait"));
                             let at = waiting_tickets.iter().position(|w| w.2 == id).unwrap();
                             let (from, _, _) = waiting_tickets.remove(at);
                             prop_assert_eq!(from, to);
-                            holding.push(to);
+                            prop_assert_eq!(to_proven, proven.contains(&to));
+                            if !to_proven {
+                                for w in &waiting_tickets {
+                                    let held = holding.iter().filter(|h| h.0 == w.0).count();
+                                    prop_assert!(!proven.contains(&w.0) || held >= cap,
+                                        "{} served before proven {}", to, w.0);
+                                }
+                            }
+                            holding.push((to, to_proven));
                         }
                     }
                     Op::Cancel(i) => {
@@ -383,9 +662,21 @@ mod tests {
                         prop_assert!(q.cancel(s, ticket));
                         outcomes.insert(id, "cancelled");
                     }
+                    Op::Promote(s) => {
+                        proven.insert(s);
+                        for (to, id, to_proven) in q.promote(s) {
+                            prop_assert_eq!((to, to_proven), (s, true));
+                            prop_assert_eq!(outcomes.insert(id, "granted"), Some("wait"));
+                            let at = waiting_tickets.iter().position(|w| w.2 == id).unwrap();
+                            waiting_tickets.remove(at);
+                            holding.push((to, true));
+                        }
+                    }
                 }
                 q.check_invariants();
                 prop_assert_eq!(q.in_use(), holding.len());
+                prop_assert_eq!(q.unproven_in_use, holding.iter().filter(|h| !h.1).count());
+                prop_assert!(q.unproven_in_use <= unproven_budget);
                 prop_assert_eq!(q.waiting(), waiting_tickets.len());
             }
         }

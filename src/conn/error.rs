@@ -57,7 +57,7 @@ pub enum ConnError {
         "access to the export withdrawn or reduced by a policy reload (--policy-revoke-closes)"
     )]
     PolicyNarrowed,
-    #[error("shutdown grace period over with requests still in flight")]
+    #[error("shutdown grace period over")]
     GraceOver,
 }
 

@@ -212,6 +212,8 @@ async fn negotiate(
         plain::Outcome::Closed(reason) => return Ok(Negotiated::Closed(reason)),
     };
     let tls = plain::accept_tls(io, config).await?;
+    // Past the checks of the TLS handshake: its source has proven itself.
+    handshake_permit.authenticated();
     log_tls(&tls);
     let chain = tls.get_ref().1.peer_certificates().unwrap_or_default();
     // Anonymous clients (no client CA) have no names: a policy with rules

@@ -25,9 +25,11 @@ const REPLY_FIELDS_ALLOWANCE: u64 = 8192;
 /// open for requests already on their way: a client that sent one just
 /// as the last reply left gets ESHUTDOWN for it, not a close with a
 /// request unanswered (libnbd then fails it with ENOTCONN). Each such
-/// request starts the wait again; the grace period bounds the whole.
-/// A few round trips of a slow link; an idle session still closes in a
-/// blink.
+/// One window, from when the flight first empties after the drain: a
+/// client that keeps sending gets ESHUTDOWN for what arrives within it,
+/// then the close, rather than holding the connection until the grace
+/// period cuts it. A few round trips of a slow link; an idle session
+/// still closes in a blink.
 const SHUTDOWN_LINGER: std::time::Duration = std::time::Duration::from_millis(250);
 
 pub struct Replies<'a> {
@@ -40,6 +42,8 @@ pub struct Replies<'a> {
     max_reply: u64,
     /// Set by DISC or shutdown: finish what is in flight, then close.
     draining: Option<&'static str>,
+    /// When the shutdown's wait for requests already sent ends.
+    linger_until: Option<tokio::time::Instant>,
 }
 
 enum Next {
@@ -65,6 +69,7 @@ impl<'a> Replies<'a> {
             max_reply: u64::from(max_payload).max(u64::from(DEFAULT_MAX_PAYLOAD))
                 + REPLY_FIELDS_ALLOWANCE,
             draining: None,
+            linger_until: None,
         }
     }
 
@@ -81,7 +86,10 @@ impl<'a> Replies<'a> {
                 // side with ESHUTDOWN) or the client's DISC.
                 writer.end_burst().await?;
                 self.flight.replies_written();
-                match tokio::time::timeout(SHUTDOWN_LINGER, self.local.recv()).await {
+                let until = *self
+                    .linger_until
+                    .get_or_insert_with(|| tokio::time::Instant::now() + SHUTDOWN_LINGER);
+                match tokio::time::timeout_at(until, self.local.recv()).await {
                     Err(_) => return Ok(reason),
                     Ok(m) => {
                         self.handle_local(m, writer).await?;
