@@ -242,6 +242,22 @@ impl HeldUpstream {
         ])
     }
 
+    /// SIGTERM with a read (cookie 1) in flight, then that read let go
+    /// and its reply checked: the gateway now has nothing left in flight.
+    fn shutting_down_with_the_read_answered(&self) -> (NbdgwProcess, RawClient) {
+        let gw = self.gateway("30");
+        let mut c = self.read_in_flight(&gw);
+        gw.signal("TERM");
+        gw.wait_for_log("SIGTERM received", 1);
+        self.relay.hold_replies(false);
+        let data = common::raw::assemble(&c.read_reply(65536), 1, 0, 65536);
+        assert!(
+            data == self.image[..65536],
+            "the read in flight came back wrong"
+        );
+        (gw, c)
+    }
+
     /// A client in transmission with one read (cookie 1) held upstream.
     fn read_in_flight(&self, gw: &NbdgwProcess) -> RawClient {
         let mut c = RawClient::tls(gw.addr(), &self.env.certs());
@@ -287,26 +303,13 @@ fn at_shutdown_requests_in_flight_finish_and_new_ones_get_eshutdown() {
 /// is answered with ESHUTDOWN, then close_notify.
 #[test]
 fn a_request_sent_as_the_last_reply_leaves_is_answered_before_the_close() {
-    let held = HeldUpstream::new();
-    let mut gw = held.gateway("30");
-    let mut c = held.read_in_flight(&gw);
-    gw.signal("TERM");
-    gw.wait_for_log("SIGTERM received", 1);
-    held.relay.hold_replies(false);
-    let data = common::raw::assemble(&c.read_reply(65536), 1, 0, 65536);
-    assert!(
-        data == held.image[..65536],
-        "the read in flight came back wrong"
-    );
+    let (mut gw, mut c) = HeldUpstream::new().shutting_down_with_the_read_answered();
     c.send_request(0, CMD_READ, 3, 4096, 4096, &[]);
     let refused = c.read_chunk(0);
     assert_eq!((refused.cookie, refused.error_code()), (3, ESHUTDOWN));
     let mut buf = [0u8; 1];
     assert_eq!(c.stream.read(&mut buf).expect("close_notify"), 0);
-    let status = gw
-        .wait_exit(Duration::from_secs(5))
-        .expect("exits once drained");
-    assert!(status.success(), "{}", gw.log());
+    exits_cleanly(&mut gw);
 }
 
 /// A client that keeps sending during the shutdown (issue 20's review):
@@ -315,13 +318,7 @@ fn a_request_sent_as_the_last_reply_leaves_is_answered_before_the_close() {
 /// connection until the grace period (30 s here) cuts it without one.
 #[test]
 fn a_client_that_keeps_sending_at_shutdown_is_closed_after_one_window() {
-    let held = HeldUpstream::new();
-    let mut gw = held.gateway("30");
-    let mut c = held.read_in_flight(&gw);
-    gw.signal("TERM");
-    gw.wait_for_log("SIGTERM received", 1);
-    held.relay.hold_replies(false);
-    c.read_reply(65536);
+    let (mut gw, mut c) = HeldUpstream::new().shutting_down_with_the_read_answered();
     let started = Instant::now();
     let mut refused = 0;
     let closed = loop {
@@ -352,6 +349,10 @@ fn a_client_that_keeps_sending_at_shutdown_is_closed_after_one_window() {
     );
     assert!(took < Duration::from_secs(2), "closed after {took:?}");
     assert!(refused >= 1, "no request answered before the close");
+    exits_cleanly(&mut gw);
+}
+
+fn exits_cleanly(gw: &mut NbdgwProcess) {
     let status = gw
         .wait_exit(Duration::from_secs(5))
         .expect("exits once drained");
