@@ -28,6 +28,7 @@
 //! identity together.
 
 mod fair;
+mod proven;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -43,10 +44,6 @@ use tracing::{debug, warn};
 use crate::config::Config;
 use crate::metrics::Metrics;
 use fair::{Arrival, Bounds, FairQueue};
-/// Proven sources remembered at most; an IPv6 attacker cannot grow the
-/// map without bound, and a legitimate deployment has far fewer sources
-/// that authenticate.
-const PROVEN_SOURCES_MAX: usize = 65_536;
 /// Refusals are summed up in one log line this often, so a flood cannot
 /// turn into a flood of log lines.
 const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
@@ -148,7 +145,9 @@ pub fn source_key(ip: IpAddr, v4_prefix: u8, v6_prefix: u8) -> Source {
 pub enum Refusal {
     #[error("--handshake-queue-per-source ({limit}) reached for {prefix}: its handshakes (--max-handshakes-per-source) and its waiting places are all taken")]
     SourceBusy { limit: usize, prefix: Source },
-    #[error("--handshake-queue ({0}) full: shed as the longest waiter of the source with the most waiting, or (unproven) refused where only proven sources wait")]
+    #[error("--handshake-queue ({0}) full: shed as the longest waiter of the source with the most waiting")]
+    Shed(usize),
+    #[error("--handshake-queue ({0}) full, and only proven sources wait")]
     QueueFull(usize),
     #[error("no handshake slot within {0:?} (--handshake-queue-timeout)")]
     QueueTimeout(Duration),
@@ -165,7 +164,8 @@ impl Refusal {
     pub fn metric_reason(&self) -> &'static str {
         match self {
             Refusal::SourceBusy { .. } => "source_queue_full",
-            Refusal::QueueFull(_) => "shed_busiest_source",
+            Refusal::Shed(_) => "shed_busiest_source",
+            Refusal::QueueFull(_) => "queue_full",
             Refusal::QueueTimeout(_) => "queue_timeout",
             Refusal::ShuttingDown => "shutting_down",
             Refusal::SessionsFull(_) => "max_connections",
@@ -213,11 +213,10 @@ pub struct Admission {
     bounds: Bounds,
     queue_timeout: Duration,
     prefixes: SourcePrefixes,
-    /// Sources one of whose connections authenticated, and when last: the
-    /// proven class of `fair`. At most `PROVEN_SOURCES_MAX` entries.
-    proven: Mutex<HashMap<Source, Instant>>,
-    /// How long a source stays proven (`--source-memory`); zero: never.
-    source_memory: Duration,
+    /// The sources proven (see `proven`), for `fair`'s classes.
+    proven: Mutex<proven::Proven>,
+    /// Whose reloads end what proved a source.
+    tls: Arc<crate::tls::TlsStore>,
     /// Set once nbdgw stops accepting: waiters are told at once.
     closed: std::sync::atomic::AtomicBool,
     sessions: Arc<Semaphore>,
@@ -278,6 +277,7 @@ impl Admission {
     pub fn new(config: &Config) -> Arc<Self> {
         let bounds = Bounds {
             budget: config.max_handshakes,
+            // At least one slot for unproven sources whatever the config.
             unproven_budget: config
                 .max_handshakes
                 .saturating_sub(config.handshake_reserve)
@@ -291,8 +291,8 @@ impl Admission {
             bounds,
             queue_timeout: config.handshake_queue_timeout,
             prefixes: config.source_prefixes,
-            proven: Mutex::default(),
-            source_memory: config.source_memory,
+            proven: Mutex::new(proven::Proven::new(config.source_memory)),
+            tls: config.tls.clone(),
             closed: std::sync::atomic::AtomicBool::new(false),
             sessions: Arc::new(Semaphore::new(config.max_connections)),
             max_sessions: config.max_connections,
@@ -362,7 +362,7 @@ impl Admission {
         // The sender dropped unsent: shed, or every waiter told to go.
         let dropped = || match self.closed.load(Ordering::Acquire) {
             true => Refusal::ShuttingDown,
-            false => Refusal::QueueFull(self.bounds.waiting),
+            false => Refusal::Shed(self.bounds.waiting),
         };
         let result = match tokio::time::timeout(self.queue_timeout, &mut granted).await {
             Ok(Ok(permit)) => Ok(permit),
@@ -407,37 +407,36 @@ impl Admission {
         drop(waiters);
     }
 
-    fn is_proven(&self, source: Source) -> bool {
-        if self.source_memory.is_zero() {
-            return false;
-        }
-        let proven = self.proven.lock().unwrap_or_else(PoisonError::into_inner);
-        proven
-            .get(&source)
-            .is_some_and(|at| at.elapsed() < self.source_memory)
+    fn proven(&self) -> MutexGuard<'_, proven::Proven> {
+        self.proven.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// A connection from `source` authenticated: the source is proven
-    /// from now on (for `--source-memory`), its waiters included.
-    fn prove(self: &Arc<Self>, source: Source) {
-        if self.source_memory.is_zero() {
+    /// The TLS files and policy in force, as reload counts: a reload ends
+    /// what proved a source under the previous ones.
+    fn generation(&self) -> proven::Generation {
+        (self.tls.reloads_ok.get(), self.metrics.policy_reloads.get())
+    }
+
+    fn is_proven(&self, source: Source) -> bool {
+        self.proven().is_proven(source, self.generation())
+    }
+
+    /// `identity` (a client certificate's names) was given a session from
+    /// `peer` and opened an export, or such a session ended: its source is
+    /// proven for `--source-memory`, and its waiters may take the reserve.
+    pub fn prove(self: &Arc<Self>, peer: SocketAddr, identity: &Identity) {
+        if *identity == Identity::Anonymous {
             return;
         }
-        {
-            let mut proven = self.proven.lock().unwrap_or_else(PoisonError::into_inner);
-            if proven.len() >= PROVEN_SOURCES_MAX && !proven.contains_key(&source) {
-                // Full: forget the expired, then (still full) the oldest
-                // half. Rare, and linear only then.
-                let memory = self.source_memory;
-                proven.retain(|_, at| at.elapsed() < memory);
-                if proven.len() >= PROVEN_SOURCES_MAX {
-                    let mut times: Vec<Instant> = proven.values().copied().collect();
-                    times.sort_unstable();
-                    let cut = times[times.len() / 2];
-                    proven.retain(|_, at| *at > cut);
-                }
-            }
-            proven.insert(source, Instant::now());
+        let source = self.prefixes.source_of(peer.ip());
+        let generation = self.generation();
+        let (proved, known) = {
+            let mut proven = self.proven();
+            (proven.prove(source, identity, generation), proven.len())
+        };
+        self.metrics.proven_sources.set(known as i64);
+        if !proved {
+            return;
         }
         let granted = {
             let mut slots = self.slots();
@@ -528,16 +527,6 @@ impl Admission {
                 "connections refused (at most one such line every {}s)",
                 REFUSAL_LOG_EVERY.as_secs()
             );
-        }
-    }
-}
-
-impl HandshakePermit {
-    /// The client authenticated (its certificate verified, or the TLS
-    /// handshake done where no client CA is set): its source is proven.
-    pub fn authenticated(&self) {
-        if let Some(source) = self.source {
-            self.admission.prove(source);
         }
     }
 }
@@ -679,7 +668,7 @@ mod tests {
         // Every place taken: the busiest source's longest waiter is shed.
         let b1 = a.arrive(peer("198.51.100.1", 1)).unwrap();
         let c1 = a.arrive(peer("203.0.113.1", 1)).unwrap();
-        assert_eq!(a.handshake(a1).await.err(), Some(Refusal::QueueFull(3)));
+        assert_eq!(a.handshake(a1).await.err(), Some(Refusal::Shed(3)));
         // Turns go by source, in the order the sources lined up: a (its
         // second), then b, then c.
         let (a2, ()) = tokio::join!(a.handshake(a2), async { drop(held) });
@@ -697,15 +686,17 @@ mod tests {
         let mut config = Config::new("/nonexistent".into(), tls);
         config.max_handshakes = 2;
         config.handshake_reserve = 1;
-        let a = Admission::new(&config);
-        // One connection of this source authenticated before.
+        let a = Admission::new(&config); // A client of this source opened an export before.
         let first = a
             .handshake(a.arrive(peer("203.0.113.1", 1)).unwrap())
             .await
             .unwrap();
         assert!(!first.proven);
-        first.authenticated();
         drop(first);
+        let host = Identity::of(Some(&crate::tls::CertInfo::with_names("host", &[], &[])));
+        a.prove(peer("203.0.113.1", 1), &Identity::Anonymous);
+        assert!(!a.is_proven(a.prefixes.source_of(peer("203.0.113.1", 1).ip())));
+        a.prove(peer("203.0.113.1", 1), &host);
         // An unproven source holds the unproven share; the next waits
         // though a slot is free.
         let held = a

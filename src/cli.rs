@@ -220,10 +220,10 @@ pub struct ServeArgs {
     /// sources, however many, never hold them all. Default: a quarter.
     #[arg(long, env = "NBDGW_HANDSHAKE_RESERVE", value_name = "N")]
     pub handshake_reserve: Option<usize>,
-    /// Seconds a source one of whose connections authenticated stays
-    /// "proven": its waiting connections get handshake slots before, and
-    /// are never shed for, those of sources that have not; 0: no source
-    /// is ever preferred.
+    /// Seconds a source stays "proven" after one of its clients opened an
+    /// export with a client certificate: it may use --handshake-reserve,
+    /// and its waiting connections are never shed for those of unproven
+    /// sources; 0 (or no client CA): no source is.
     #[arg(long, env = "NBDGW_SOURCE_MEMORY", value_name = "SECS", default_value_t = config::DEFAULT_SOURCE_MEMORY_SECS)]
     pub source_memory: u64,
     /// Leading bits of an IPv4 address (0 to 32) that make one source for

@@ -146,7 +146,9 @@ impl Config {
             handshake_queue_per_source: DEFAULT_HANDSHAKE_QUEUE_PER_SOURCE,
             handshake_queue_timeout: Duration::from_secs(DEFAULT_HANDSHAKE_QUEUE_TIMEOUT_SECS),
             source_memory: Duration::from_secs(DEFAULT_SOURCE_MEMORY_SECS),
-            handshake_reserve: DEFAULT_MAX_HANDSHAKES / 4,
+            // `main` sets it from the flags and the TLS files; none by
+            // default here, so tests and embedders see plain round-robin.
+            handshake_reserve: 0,
             handshake_timeout: Duration::from_secs(DEFAULT_HANDSHAKE_TIMEOUT_SECS),
             upstream_timeout: Duration::from_secs(DEFAULT_UPSTREAM_TIMEOUT_SECS),
             idle_timeout: None,

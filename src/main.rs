@@ -187,6 +187,17 @@ fn configure(
     let mut policy = policy_reloader(args, &reloader)?;
     let mut config = gateway_config(args, upstream, reloader.store());
     config.source_prefixes = source_prefixes;
+    // Only a client certificate the policy honours proves a source; with
+    // no client CA nothing can, and a reserve would only idle.
+    if !reloader.requires_client_certificates() && args.source_memory > 0 {
+        info!("no client CA: no source can prove itself, so --source-memory and --handshake-reserve are off");
+        config.source_memory = Duration::ZERO;
+    }
+    config.handshake_reserve = handshake_reserve(
+        args,
+        args.max_handshakes,
+        reloader.requires_client_certificates(),
+    );
     config.max_sessions_per_identity = args.max_sessions_per_identity.unwrap_or_else(|| {
         nbdgw::config::default_sessions_per_identity(
             args.max_connections,
@@ -466,6 +477,12 @@ fn check_limits(args: &ServeArgs) -> Result<nbdgw::config::SourcePrefixes> {
     {
         bail!("--max-connections, --max-sessions-per-identity, --max-handshakes, --max-handshakes-per-source, --max-payload, --handshake-timeout and --upstream-timeout must be greater than 0");
     }
+    if args
+        .handshake_reserve
+        .is_some_and(|reserve| reserve >= args.max_handshakes)
+    {
+        bail!("--handshake-reserve must be less than --max-handshakes: unproven sources need at least one slot");
+    }
     if args.tcp_keepalive > 0 && (args.tcp_keepalive_interval == 0 || args.tcp_keepalive_count == 0)
     {
         bail!("--tcp-keepalive-interval and --tcp-keepalive-count must be greater than 0 while keepalive is on");
@@ -510,10 +527,6 @@ fn gateway_config(args: &ServeArgs, upstream: PathBuf, tls: Arc<TlsStore>) -> Co
     config.handshake_queue_per_source = args.handshake_queue_per_source;
     config.handshake_queue_timeout = Duration::from_secs(args.handshake_queue_timeout);
     config.source_memory = Duration::from_secs(args.source_memory);
-    config.handshake_reserve = args
-        .handshake_reserve
-        .unwrap_or(args.max_handshakes / 4)
-        .min(args.max_handshakes.saturating_sub(1));
     config.handshake_timeout = Duration::from_secs(args.handshake_timeout);
     config.upstream_timeout = Duration::from_secs(args.upstream_timeout);
     config.idle_timeout = seconds_or_off(args.idle_timeout);
@@ -532,6 +545,21 @@ fn gateway_config(args: &ServeArgs, upstream: PathBuf, tls: Arc<TlsStore>) -> Co
     config.allow_lists =
         !(args.allow_cn.is_empty() && args.allow_dns.is_empty() && args.allow_uri.is_empty());
     config
+}
+
+/// The handshake slots kept for proven sources out of `handshakes`: none
+/// where no source can be proven (no client CA, or `--source-memory 0`);
+/// a quarter by default; a given reserve lowered with `--max-handshakes`
+/// when the descriptor limit lowers that.
+fn handshake_reserve(args: &ServeArgs, handshakes: usize, client_certificates: bool) -> usize {
+    if !client_certificates || args.source_memory == 0 {
+        return 0;
+    }
+    match args.handshake_reserve {
+        Some(given) => given * handshakes / args.max_handshakes.max(1),
+        None => handshakes / 4,
+    }
+    .min(handshakes.saturating_sub(1))
 }
 
 fn seconds_or_off(secs: u64) -> Option<Duration> {
@@ -589,16 +617,14 @@ fn fit_fd_limit(
         max_handshakes = fitted.handshakes,
         handshake_queue = fitted.waiting,
         admin_max_connections = fitted.admin,
+        handshake_reserve = handshake_reserve(args, fitted.handshakes, client_certificates),
         "the file descriptor limit (RLIMIT_NOFILE, e.g. LimitNOFILE= in systemd) is too low for the configured bounds; lowered them in proportion to fit (was --max-connections {}, --max-handshakes {}, --handshake-queue {}, --admin-max-connections {})",
         asked.sessions, asked.handshakes, asked.waiting, asked.admin,
     );
     config.max_connections = fitted.sessions;
     config.max_handshakes = fitted.handshakes;
     config.max_handshakes_per_source = config.max_handshakes_per_source.min(fitted.handshakes);
-    config.handshake_reserve = args
-        .handshake_reserve
-        .unwrap_or(fitted.handshakes / 4)
-        .min(fitted.handshakes.saturating_sub(1));
+    config.handshake_reserve = handshake_reserve(args, fitted.handshakes, client_certificates);
     config.handshake_queue = fitted.waiting;
     config.handshake_queue_per_source = config.handshake_queue_per_source.min(fitted.waiting);
     // The default share follows --max-connections down; a share given

@@ -77,6 +77,7 @@ pub struct Metrics {
     pub handshake_waits: Counter,
     pub handshake_wait_seconds: Histogram,
     pub handshakes_refused: Family<SessionRefusal, Counter>,
+    pub proven_sources: Gauge,
     pub policy_reloads: Counter,
     pub policy_reload_failures: Counter,
     pub admin_connections_open: Gauge,
@@ -117,6 +118,7 @@ impl Metrics {
             // anyone should need.
             handshake_wait_seconds: Histogram::new(exponential_buckets(1e-3, 2.0, 15)),
             handshakes_refused: Family::default(),
+            proven_sources: Gauge::default(),
             policy_reloads: Counter::default(),
             policy_reload_failures: Counter::default(),
             admin_connections_open: Gauge::default(),
@@ -183,8 +185,13 @@ impl Metrics {
         );
         r.register(
             "handshakes_refused",
-            "Connections closed before their handshake, by reason (source_queue_full: its source's line full; shed_busiest_source: made room as the longest waiter of the busiest source; queue_timeout)",
+            "Connections closed before their handshake, by reason (source_queue_full: its source's line full; shed_busiest_source: made room as the longest waiter of the busiest source; queue_full: unproven, and only proven sources wait; queue_timeout; shutting_down)",
             m.handshakes_refused.clone(),
+        );
+        r.register(
+            "proven_sources",
+            "Sources remembered as proven (a client of theirs opened an export with a certificate within --source-memory)",
+            m.proven_sources.clone(),
         );
         r.register(
             "kernel_tls_sessions",

@@ -77,7 +77,7 @@ pub async fn serve(
             stats: &stats,
         };
         let result = tokio::select! {
-            result = run(tcp, handshake, &link) => result,
+            result = run(tcp, peer, handshake, &link) => result,
             () = cut.cut() => Err(ConnError::GraceOver),
         };
         metrics.connections_open.dec();
@@ -159,12 +159,15 @@ enum Negotiated {
         session: Box<session::Session>,
         slot: SessionPermit,
         registered: Option<SessionGuard>,
+        /// The client certificate's names, which prove its source.
+        who: crate::admission::Identity,
     },
 }
 
 /// Returns why the connection ended normally, or what went wrong.
 async fn run(
     tcp: TcpStream,
+    peer: SocketAddr,
     handshake_permit: HandshakePermit,
     link: &Link<'_>,
 ) -> Result<&'static str, ConnError> {
@@ -192,9 +195,16 @@ async fn run(
             session,
             slot: _slot,
             registered,
+            who,
         } => {
+            // Its certificate was given a session and an export: the
+            // source has proven itself; again when the session ends, so
+            // a host whose VMs stay connected for days stays proven.
+            link.admission.prove(peer, &who);
             let relayed = relay::run(session, cork_handle, link, registered.as_ref());
-            until_ended(registered.as_ref(), relayed).await
+            let ended = until_ended(registered.as_ref(), relayed).await;
+            link.admission.prove(peer, &who);
+            ended
         }
     }
 }
@@ -212,8 +222,6 @@ async fn negotiate(
         plain::Outcome::Closed(reason) => return Ok(Negotiated::Closed(reason)),
     };
     let tls = plain::accept_tls(io, config).await?;
-    // Past the checks of the TLS handshake: its source has proven itself.
-    handshake_permit.authenticated();
     log_tls(&tls);
     let chain = tls.get_ref().1.peer_certificates().unwrap_or_default();
     // Anonymous clients (no client CA) have no names: a policy with rules
@@ -228,7 +236,7 @@ async fn negotiate(
     // Authenticated: from here on the connection holds a session slot,
     // not a handshake slot.
     let who = crate::admission::Identity::of((!anonymous).then_some(&identity));
-    let slot = match link.admission.session(who) {
+    let slot = match link.admission.session(who.clone()) {
         Ok(slot) => slot,
         Err(refusal) => {
             config.metrics.session_refused(refusal.metric_reason());
@@ -268,6 +276,7 @@ async fn negotiate(
                 session,
                 slot,
                 registered,
+                who,
             }
         }
     })

@@ -74,7 +74,7 @@ pub struct Audit {
 pub struct Link<'a> {
     pub id: u64,
     pub config: &'a Config,
-    pub admission: &'a Admission,
+    pub admission: &'a std::sync::Arc<Admission>,
     pub shutdown: Shutdown,
     pub stats: &'a Stats,
 }
