@@ -186,7 +186,21 @@ async fn run(
             slot: _slot,
             registered,
         } => {
-            let relayed = relay::run(session, cork_handle, link, registered.as_ref());
+            let session::Session {
+                tls,
+                upstream,
+                mode,
+                read_only,
+                ..
+            } = *session;
+            let ends = relay::Ends {
+                client: tokio::io::split(tls),
+                upstream: upstream.into_split(),
+                mode,
+                read_only,
+            };
+            let transmit = link.transmit();
+            let relayed = relay::run(ends, cork_handle, &transmit, registered.as_ref());
             until_ended(registered.as_ref(), relayed).await
         }
     }

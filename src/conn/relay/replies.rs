@@ -6,8 +6,7 @@ use std::future::poll_fn;
 use std::pin::Pin;
 use std::task::Poll;
 
-use tokio::io::{AsyncBufRead, AsyncReadExt, BufReader};
-use tokio::net::unix::OwnedReadHalf;
+use tokio::io::{AsyncBufRead, AsyncRead, AsyncReadExt, AsyncWrite, BufReader};
 use tokio::sync::mpsc;
 
 use super::flight::Flight;
@@ -22,8 +21,8 @@ use crate::proto::transmission::{check_error_payload, parse_reply, reply_header_
 /// 8 KiB covers them all.
 const REPLY_FIELDS_ALLOWANCE: u64 = 8192;
 
-pub struct Replies<'a> {
-    upstream: BufReader<OwnedReadHalf>,
+pub struct Replies<'a, U> {
+    upstream: BufReader<U>,
     flight: &'a Flight,
     local: mpsc::Receiver<Local>,
     local_open: bool,
@@ -40,9 +39,9 @@ enum Next {
     UpstreamEof,
 }
 
-impl<'a> Replies<'a> {
+impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
     pub fn new(
-        upstream: BufReader<OwnedReadHalf>,
+        upstream: BufReader<U>,
         flight: &'a Flight,
         local: mpsc::Receiver<Local>,
         mode: ReplyMode,
@@ -62,7 +61,7 @@ impl<'a> Replies<'a> {
 
     /// Relays replies until a drain is complete (returns why the
     /// connection ends) or something fails.
-    pub async fn run(mut self, writer: &mut ReplyWriter<'_>) -> Result<&'static str, ConnError> {
+    pub async fn run<W: AsyncWrite + Unpin>(mut self, writer: &mut ReplyWriter<'_, W>) -> Result<&'static str, ConnError> {
         loop {
             if let (Some(reason), true) = (self.draining, self.flight.is_empty()) {
                 return Ok(reason);
@@ -147,7 +146,7 @@ impl<'a> Replies<'a> {
 
     /// One reply message: header (its magic tells how long), then its
     /// payload straight into the writer.
-    async fn relay_one(&mut self, writer: &mut ReplyWriter<'_>) -> Result<(), ConnError> {
+    async fn relay_one<W: AsyncWrite + Unpin>(&mut self, writer: &mut ReplyWriter<'_, W>) -> Result<(), ConnError> {
         let eof = || ConnError::io(Side::Upstream, "in the middle of a reply");
         let mut header = [0u8; EXTENDED_REPLY_LEN];
         self.upstream
@@ -197,7 +196,7 @@ impl<'a> Replies<'a> {
     }
 
     /// A request's last reply is in the writer.
-    async fn finish(&self, cookie: u64, writer: &mut ReplyWriter<'_>) -> Result<(), ConnError> {
+    async fn finish<W: AsyncWrite + Unpin>(&self, cookie: u64, writer: &mut ReplyWriter<'_, W>) -> Result<(), ConnError> {
         if let Some((command, took)) = self.flight.complete(cookie) {
             writer.metrics().answered(command_name(command), took);
         }
