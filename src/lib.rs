@@ -9,6 +9,7 @@
 pub mod admin;
 mod admission;
 pub mod certs;
+pub mod client;
 pub mod cli;
 pub mod config;
 mod conn;

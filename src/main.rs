@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use tokio::net::TcpListener;
 use tracing::{info, warn};
 
-use nbdgw::cli::{CertsArgs, Command, LogFormat, PolicyCommand, ServeArgs};
+use nbdgw::cli::{CertsArgs, ClientArgs, Command, LogFormat, PolicyCommand, ServeArgs};
 use nbdgw::config::{Config, Keepalive};
 use nbdgw::listeners::Listeners;
 use nbdgw::sandbox::{Enforcement, LandlockMode, SocketRule};
@@ -28,6 +28,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Some(Command::Certs(args)) => certs(args),
         Some(Command::Policy(args)) => return policy(args.command),
+        Some(Command::Client(args)) => client(args),
         None => serve(cli.serve),
     };
     match result {
@@ -95,6 +96,80 @@ fn certs(args: CertsArgs) -> Result<()> {
         println!("{}", path.display());
     }
     Ok(())
+}
+
+/// `nbdgw client`: the files read and the settings fixed before any
+/// socket is touched, then the local listener served.
+fn client(args: ClientArgs) -> Result<()> {
+    use nbdgw::client::{self, ClientSettings, LocalListener};
+    use nbdgw::tls::client::{build_client, ClientTlsSources};
+    init_logging(args.log_format);
+    let (host, port) = client::parse_server(&args.server)?;
+    let server_name = client::server_name(args.server_name.as_deref().unwrap_or(&host))?;
+    let sources = ClientTlsSources {
+        dir: args.tls_dir.clone(),
+        ca: args.tls_ca.clone(),
+        cert: args.tls_cert.clone(),
+        key: args.tls_key.clone(),
+    };
+    let paths = sources.resolve().context("client TLS files")?;
+    let loaded = build_client(&paths, args.tls_min_version).context("client TLS files")?;
+    let identity = loaded
+        .identity
+        .as_ref()
+        .map_or_else(|| "none".to_string(), |i| i.to_string());
+    info!(
+        layout = paths.layout.unwrap_or("files"),
+        ca = %paths.ca.display(),
+        cas = loaded.cas,
+        crls = loaded.crls,
+        client_certificate = %identity,
+        server_name = ?server_name,
+        "client TLS loaded"
+    );
+    let keepalive = (args.tcp_keepalive > 0).then(|| Keepalive {
+        idle: Duration::from_secs(args.tcp_keepalive),
+        ..Keepalive::default()
+    });
+    let settings = ClientSettings {
+        server: args.server.clone(),
+        host,
+        port,
+        server_name,
+        tls: loaded.config,
+        server_timeout: Duration::from_secs(args.server_timeout),
+        handshake_timeout: Duration::from_secs(args.handshake_timeout),
+        idle_timeout: seconds_or_off(args.idle_timeout),
+        stall_timeout: seconds_or_off(args.stall_timeout),
+        keepalive,
+        max_payload: args.max_payload,
+        max_option_len: args.max_option_len,
+        max_connections: args.max_connections,
+        cork: nbdgw::config::Cork::Deferred,
+        shutdown_grace: Duration::from_secs(args.shutdown_grace),
+        metrics: Arc::new(nbdgw::metrics::Metrics::client_mode()),
+    };
+    report_fd_limit(args.max_connections);
+    let threads = match args.threads {
+        0 => std::thread::available_parallelism().map_or(1, usize::from),
+        n => n,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let listener = LocalListener::bind(&args.listen)?;
+        client::log_start(&listener, &settings, paths.layout.unwrap_or("files"));
+        notify(&[NotifyState::Ready]);
+        client::run(listener, Arc::new(settings), async {
+            shutdown_signals().await;
+            notify(&[NotifyState::Stopping]);
+        })
+        .await?;
+        Ok(())
+    })
 }
 
 fn init_logging(format: LogFormat) {

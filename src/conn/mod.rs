@@ -7,12 +7,15 @@
 //! `options`) → `relay` (transmission). `kernel_tls` may hand the session
 //! from rustls to the kernel between the handshake and the options.
 
+mod client_mode;
 mod error;
 mod kernel_tls;
 mod negotiate;
 mod options;
 mod plain;
 mod relay;
+mod relayed;
+mod remote;
 mod session;
 
 use std::future::Future;
@@ -30,6 +33,8 @@ use crate::shutdown::Shutdown;
 use crate::tls::{Grant, SessionGuard};
 use error::ConnError;
 use session::{ClientTls, Link, Stats, AUDIT, CLIENT_READ_BUF};
+
+pub use client_mode::serve as serve_local;
 
 /// A connection the accept loop took, counted against its source address.
 pub struct Accepted {
@@ -314,8 +319,18 @@ async fn until_ended<T>(
 /// Keepalive notices a client that vanished without a FIN or RST while
 /// idle; TCP_USER_TIMEOUT one that vanished with our data unacknowledged.
 fn set_liveness_checks(tcp: &TcpStream, config: &Config) {
+    set_keepalive(tcp, config.keepalive, config.stall_timeout);
+}
+
+/// The liveness checks of either direction's TCP peer: keepalive, and the
+/// stall timeout as TCP_USER_TIMEOUT.
+fn set_keepalive(
+    tcp: &TcpStream,
+    keepalive: Option<crate::config::Keepalive>,
+    stall_timeout: Option<std::time::Duration>,
+) {
     let socket = socket2::SockRef::from(tcp);
-    if let Some(keepalive) = config.keepalive {
+    if let Some(keepalive) = keepalive {
         let params = socket2::TcpKeepalive::new()
             .with_time(keepalive.idle)
             .with_interval(keepalive.interval)
@@ -324,7 +339,7 @@ fn set_liveness_checks(tcp: &TcpStream, config: &Config) {
             warn!(error = %e, "cannot set TCP keepalive");
         }
     }
-    if let Some(stall) = config.stall_timeout {
+    if let Some(stall) = stall_timeout {
         if let Err(e) = socket.set_tcp_user_timeout(Some(stall)) {
             warn!(error = %e, "cannot set TCP_USER_TIMEOUT");
         }

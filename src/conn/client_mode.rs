@@ -1,0 +1,309 @@
+//! One local connection of `nbdgw client`: the plaintext fixed-newstyle
+//! server side towards the local client (the greeting the server mode
+//! sends before STARTTLS), the remote server reached with TLS (`remote`),
+//! the local client's options relayed through the shared option relay
+//! (`relayed`), then the shared transmission relay (`relay`). Only these
+//! phases differ from the server mode; nothing here parses or relays on
+//! its own.
+
+use std::time::Instant;
+
+use tokio::io::{AsyncRead, AsyncWrite};
+use tracing::{debug, info, warn, Instrument};
+
+use super::error::{ConnError, Side};
+use super::options::{OptionChannel, ShutdownAnswer};
+use super::relayed::{self, Batch, Framing};
+use super::remote::{self, Remote, RemoteTls};
+use super::session::{Limits, Stats, Transmit};
+use crate::client::ClientSettings;
+use crate::logsafe::{escape_bytes, Escaped};
+use crate::proto::consts::*;
+use crate::proto::handshake::{ClientFlags, OptionHeader};
+use crate::shutdown::Shutdown;
+
+/// What the local client hears when the server side fails mid-option.
+const SERVER_FAILED: &str = "nbdgw client: the NBD server failed or closed the connection";
+
+/// Serves one local connection to its end and logs how it ended.
+pub async fn serve<S>(
+    local: S,
+    id: u64,
+    peer: String,
+    settings: &ClientSettings,
+    shutdown: Shutdown,
+) where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let span = tracing::info_span!("conn", id, peer = %peer);
+    async move {
+        let metrics = &settings.metrics;
+        info!("accepted");
+        metrics.connections_open.inc();
+        let started = Instant::now();
+        let stats = Stats::new(metrics.clone());
+        let mut cut = shutdown.clone();
+        let result = tokio::select! {
+            result = run(local, settings, shutdown, &stats) => result,
+            () = cut.cut() => Err(ConnError::GraceOver),
+        };
+        metrics.connections_open.dec();
+        metrics.connection(match &result {
+            Err(e) if !e.is_routine() => "error",
+            _ => "closed",
+        });
+        super::log_close(result, &stats, started);
+    }
+    .instrument(span)
+    .await
+}
+
+/// How negotiation ended.
+enum Negotiated<S> {
+    Closed(&'static str),
+    Transmission {
+        local: S,
+        remote: RemoteTls,
+        framing: Framing,
+        read_only: bool,
+    },
+}
+
+async fn run<S>(
+    local: S,
+    settings: &ClientSettings,
+    shutdown: Shutdown,
+    stats: &Stats,
+) -> Result<&'static str, ConnError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let negotiated = tokio::time::timeout(
+        settings.handshake_timeout,
+        negotiate(local, settings, &shutdown),
+    )
+    .await
+    .map_err(|_| ConnError::HandshakeTimeout(settings.handshake_timeout))??;
+    let (local, remote, framing, read_only) = match negotiated {
+        Negotiated::Closed(reason) => return Ok(reason),
+        Negotiated::Transmission {
+            local,
+            remote,
+            framing,
+            read_only,
+        } => (local, remote, framing, read_only),
+    };
+    let ends = super::relay::Ends {
+        client: tokio::io::split(local),
+        upstream: tokio::io::split(remote),
+        mode: framing.mode(),
+        read_only,
+    };
+    let transmit = Transmit {
+        limits: Limits {
+            max_payload: settings.max_payload,
+            idle_timeout: settings.idle_timeout,
+            stall_timeout: settings.stall_timeout,
+            cork: settings.cork,
+        },
+        shutdown,
+        stats,
+    };
+    // No cork handle: the local side is a Unix socket or loopback TCP;
+    // towards the network each request leaves in full TLS records.
+    super::relay::run(ends, None, &transmit, None).await
+}
+
+/// The greeting towards the local client, the remote server reached, then
+/// the local client's options relayed.
+async fn negotiate<S>(
+    local: S,
+    settings: &ClientSettings,
+    shutdown: &Shutdown,
+) -> Result<Negotiated<S>, ConnError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let mut local = OptionChannel::new(local, Side::Client, settings.max_option_len);
+    let flags = super::plain::greet(&mut local).await?;
+    let remote = match remote::connect(settings).await {
+        Ok(remote) => remote,
+        Err(e) => {
+            settings.metrics.upstream_connect_failures.inc();
+            let error = e.to_string();
+            warn!(reason = e.reason(), error = %Escaped(&error), "server unavailable");
+            // The local client is the operator's own: it may hear why.
+            let message = format!("nbdgw client: {error}");
+            return relayed::refuse_all(local, &message)
+                .await
+                .map(Negotiated::Closed);
+        }
+    };
+    let mut options = Options {
+        local,
+        remote,
+        flags,
+        framing: Framing::default(),
+        batch: Batch::default(),
+        settings,
+    };
+    loop {
+        let option = options.local.read_option().await?;
+        match options.local.refuse_for_shutdown(&option, shutdown).await? {
+            ShutdownAnswer::Serve => {}
+            ShutdownAnswer::Refused => continue,
+            ShutdownAnswer::End(reason) => return Ok(Negotiated::Closed(reason)),
+        }
+        let step = match option.option {
+            OPT_STARTTLS => options.starttls().await?,
+            OPT_ABORT => options.abort().await?,
+            OPT_EXPORT_NAME => options.export_name().await?,
+            OPT_LIST | OPT_INFO | OPT_GO | OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT
+            | OPT_STRUCTURED_REPLY | OPT_EXTENDED_HEADERS => options.relayed(&option).await?,
+            _ => {
+                relayed::refuse_unsupported(&mut options.local, &option).await?;
+                Step::Next
+            }
+        };
+        match step {
+            Step::Next => {}
+            Step::Closed(reason) => return Ok(Negotiated::Closed(reason)),
+            Step::Transmission(tflags) => return Ok(options.enter_transmission(tflags)),
+        }
+    }
+}
+
+enum Step {
+    Next,
+    Closed(&'static str),
+    /// The export's transmission flags.
+    Transmission(u16),
+}
+
+/// The option relay of one connection.
+struct Options<'a, S> {
+    local: OptionChannel<S>,
+    remote: Remote,
+    flags: ClientFlags,
+    framing: Framing,
+    batch: Batch,
+    settings: &'a ClientSettings,
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> Options<'_, S> {
+    /// TLS is this side's job towards the server; the local side is
+    /// plaintext, which the spec's answer for "no TLS here" says.
+    async fn starttls(&mut self) -> Result<Step, ConnError> {
+        let message = "nbdgw client: the local side is plaintext; TLS is used towards the server";
+        self.local
+            .send_reply(OPT_STARTTLS, REP_ERR_UNSUP, message)
+            .await?;
+        Ok(Step::Next)
+    }
+
+    async fn abort(&mut self) -> Result<Step, ConnError> {
+        // A soft disconnect for the server too; the ACK does not wait on it.
+        let _ = self.remote.channel.send_option(OPT_ABORT, &[]).await;
+        self.remote.channel.goodbye().await;
+        self.local.acknowledge_abort().await?;
+        Ok(Step::Closed("client sent NBD_OPT_ABORT"))
+    }
+
+    /// The old way in: a server refuses it by closing, and so must we.
+    async fn export_name(&mut self) -> Result<Step, ConnError> {
+        let data = self.local.data();
+        let answered = relayed::export_name_exchange(
+            &mut self.remote.channel,
+            self.remote.pads_export_name,
+            data,
+        )
+        .await?;
+        let export = match answered {
+            Ok(export) => export,
+            Err(e) => {
+                warn!(export = %escape_bytes(self.local.data()), error = %e, "the server refused NBD_OPT_EXPORT_NAME");
+                return Ok(Step::Closed("the server refused the export"));
+            }
+        };
+        relayed::answer_export_name(&mut self.local, export, self.flags).await?;
+        self.log_negotiated(self.local.data(), export);
+        Ok(Step::Transmission(export.1))
+    }
+
+    /// Forwards the option unchanged and relays every reply to it, with
+    /// the maximum block size lowered to `--max-payload`.
+    async fn relayed(&mut self, option: &OptionHeader) -> Result<Step, ConnError> {
+        self.remote
+            .channel
+            .send_option(option.option, self.local.data())
+            .await?;
+        let max_payload = self.settings.max_payload;
+        let relayed = relayed::relay_or_answer(
+            &mut self.local,
+            &mut self.remote.channel,
+            option.option,
+            &mut self.batch,
+            |reply_type, batch, start| match reply_type {
+                REP_INFO => relayed::info_export(
+                    &mut batch[start + OPTION_REPLY_HEADER_LEN..],
+                    max_payload,
+                ),
+                _ => None,
+            },
+            SERVER_FAILED,
+        )
+        .await?;
+        debug!(
+            option = option_name(option.option),
+            reply = format_args!("{:#x}", relayed.reply_type),
+            "relayed"
+        );
+        if relayed.reply_type != REP_ACK {
+            if matches!(option.option, OPT_GO | OPT_INFO) {
+                // Why a disk cannot be opened belongs in the log, with the
+                // server's own words (escaped: they are the server's).
+                warn!(
+                    option = option_name(option.option),
+                    export = %Escaped(&relayed::go_export_name(self.local.data())),
+                    reply = remote::reply_name(relayed.reply_type),
+                    message = %escape_bytes(&relayed.message),
+                    "the server refused the export"
+                );
+            }
+            return Ok(Step::Next);
+        }
+        self.framing.acknowledged(option.option);
+        if option.option != OPT_GO {
+            return Ok(Step::Next);
+        }
+        // The spec makes INFO_EXPORT mandatory before GO's ACK.
+        let Some(export) = relayed.export else {
+            warn!("the server acknowledged NBD_OPT_GO without NBD_INFO_EXPORT");
+            return Ok(Step::Closed("the server sent no export information"));
+        };
+        let name = relayed::split_name(self.local.data());
+        self.log_negotiated(name, export);
+        Ok(Step::Transmission(export.1))
+    }
+
+    fn log_negotiated(&self, export: &[u8], (size, tflags): (u64, u16)) {
+        info!(
+            export = %escape_bytes(export),
+            server = %Escaped(&self.settings.server),
+            mode = ?self.framing.mode(),
+            size,
+            transmission_flags = format_args!("{tflags:#x}"),
+            read_only = tflags & TFLAG_READ_ONLY != 0,
+            "negotiated"
+        );
+    }
+
+    fn enter_transmission(self, tflags: u16) -> Negotiated<S> {
+        Negotiated::Transmission {
+            local: self.local.into_inner(),
+            remote: self.remote.channel.into_inner(),
+            framing: self.framing,
+            read_only: tflags & TFLAG_READ_ONLY != 0,
+        }
+    }
+}
