@@ -105,13 +105,28 @@ pub struct ClientArgs {
     #[arg(long, env = "NBDGW_CLIENT_TLS_CA", value_name = "FILE")]
     pub tls_ca: Option<PathBuf>,
     /// Client certificate chain (PEM) to present.
-    #[arg(long, env = "NBDGW_CLIENT_TLS_CERT", value_name = "FILE", requires = "tls_key")]
+    #[arg(
+        long,
+        env = "NBDGW_CLIENT_TLS_CERT",
+        value_name = "FILE",
+        requires = "tls_key"
+    )]
     pub tls_cert: Option<PathBuf>,
     /// The client certificate's private key (PEM).
-    #[arg(long, env = "NBDGW_CLIENT_TLS_KEY", value_name = "FILE", requires = "tls_cert")]
+    #[arg(
+        long,
+        env = "NBDGW_CLIENT_TLS_KEY",
+        value_name = "FILE",
+        requires = "tls_cert"
+    )]
     pub tls_key: Option<PathBuf>,
     /// Oldest TLS version offered to the server.
-    #[arg(long, env = "NBDGW_CLIENT_TLS_MIN_VERSION", value_enum, default_value = "1.2")]
+    #[arg(
+        long,
+        env = "NBDGW_CLIENT_TLS_MIN_VERSION",
+        value_enum,
+        default_value = "1.2"
+    )]
     pub tls_min_version: MinVersion,
     /// Seconds the server may take to accept, greet and finish TLS, and
     /// then to answer each option; a local client then hears why.

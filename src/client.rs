@@ -57,10 +57,7 @@ pub enum ClientError {
     #[error("--listen {0}: another process is listening on this socket")]
     SocketInUse(PathBuf),
     #[error("--listen {what}: {error}")]
-    Bind {
-        what: String,
-        error: std::io::Error,
-    },
+    Bind { what: String, error: std::io::Error },
 }
 
 /// Where local clients connect: a Unix socket path or a loopback address.

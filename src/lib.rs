@@ -9,8 +9,8 @@
 pub mod admin;
 mod admission;
 pub mod certs;
-pub mod client;
 pub mod cli;
+pub mod client;
 pub mod config;
 mod conn;
 pub mod exports;

@@ -94,7 +94,11 @@ fn drain_deadline(config: &Config) -> Option<tokio::time::Instant> {
 
 /// Draining, then after the grace period the cut, each announced to the
 /// connections, which end themselves and log it.
-pub(crate) async fn shut_down(mut connections: JoinSet<()>, control: &ShutdownControl, grace: Duration) {
+pub(crate) async fn shut_down(
+    mut connections: JoinSet<()>,
+    control: &ShutdownControl,
+    grace: Duration,
+) {
     control.enter(Phase::Draining);
     info!(
         open = connections.len(),

@@ -22,8 +22,28 @@ use crate::proto::consts::*;
 use crate::proto::handshake::{ClientFlags, OptionHeader};
 use crate::shutdown::Shutdown;
 
-/// What the local client hears when the server side fails mid-option.
-const SERVER_FAILED: &str = "nbdgw client: the NBD server failed or closed the connection";
+/// What the local client hears when the server fails mid-option: a TLS
+/// alert after the handshake (in TLS 1.3 the server judges the client's
+/// certificate after the client has finished) says the certificate was
+/// refused; anything else is the error as logged.
+fn server_failure(error: &ConnError) -> String {
+    let alert = match error {
+        ConnError::Io { error, .. } => error
+            .get_ref()
+            .and_then(|e| e.downcast_ref::<rustls::Error>())
+            .and_then(|e| match e {
+                rustls::Error::AlertReceived(alert) => Some(*alert),
+                _ => None,
+            }),
+        _ => None,
+    };
+    match alert {
+        Some(alert) => format!(
+            "the server ended the TLS session with alert {alert:?}: it did not accept this client's certificate"
+        ),
+        None => format!("the server failed: {error}"),
+    }
+}
 
 /// Serves one local connection to its end and logs how it ended.
 pub async fn serve<S>(
@@ -154,16 +174,41 @@ where
             ShutdownAnswer::Refused => continue,
             ShutdownAnswer::End(reason) => return Ok(Negotiated::Closed(reason)),
         }
+        options.batch.answered = false;
         let step = match option.option {
-            OPT_STARTTLS => options.starttls().await?,
-            OPT_ABORT => options.abort().await?,
-            OPT_EXPORT_NAME => options.export_name().await?,
-            OPT_LIST | OPT_INFO | OPT_GO | OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT
-            | OPT_STRUCTURED_REPLY | OPT_EXTENDED_HEADERS => options.relayed(&option).await?,
-            _ => {
-                relayed::refuse_unsupported(&mut options.local, &option).await?;
-                Step::Next
+            OPT_STARTTLS => options.starttls().await,
+            OPT_ABORT => options.abort().await,
+            // No error reply exists for EXPORT_NAME: a failure closes.
+            OPT_EXPORT_NAME => Ok(options.export_name().await?),
+            OPT_LIST
+            | OPT_INFO
+            | OPT_GO
+            | OPT_LIST_META_CONTEXT
+            | OPT_SET_META_CONTEXT
+            | OPT_STRUCTURED_REPLY
+            | OPT_EXTENDED_HEADERS => options.relayed(&option).await,
+            _ => relayed::refuse_unsupported(&mut options.local, &option)
+                .await
+                .map(|()| Step::Next),
+        };
+        let step = match step {
+            Ok(step) => step,
+            Err(e) if e.is_upstream() && !options.batch.answered => {
+                // The local client hears why, on this option and every
+                // later one (qemu goes on to its next option after an
+                // error to one that only asks for a framing), not just a
+                // closed socket.
+                warn!(error = %Escaped(&e.to_string()), "the server failed during negotiation");
+                let message = format!("nbdgw client: {}", server_failure(&e));
+                options
+                    .local
+                    .send_reply(option.option, REP_ERR_SHUTDOWN, &message)
+                    .await?;
+                return relayed::refuse_all(options.local, &message)
+                    .await
+                    .map(Negotiated::Closed);
             }
+            Err(e) => return Err(e),
         };
         match step {
             Step::Next => {}
@@ -238,19 +283,17 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Options<'_, S> {
             .send_option(option.option, self.local.data())
             .await?;
         let max_payload = self.settings.max_payload;
-        let relayed = relayed::relay_or_answer(
+        let relayed = relayed::relay_replies(
             &mut self.local,
             &mut self.remote.channel,
             option.option,
             &mut self.batch,
             |reply_type, batch, start| match reply_type {
-                REP_INFO => relayed::info_export(
-                    &mut batch[start + OPTION_REPLY_HEADER_LEN..],
-                    max_payload,
-                ),
+                REP_INFO => {
+                    relayed::info_export(&mut batch[start + OPTION_REPLY_HEADER_LEN..], max_payload)
+                }
                 _ => None,
             },
-            SERVER_FAILED,
         )
         .await?;
         debug!(

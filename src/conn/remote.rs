@@ -90,12 +90,13 @@ async fn connect_and_secure(settings: &ClientSettings) -> Result<Remote, RemoteE
     // Nagle would hold a request behind our unacknowledged data.
     let _ = tcp.set_nodelay(true);
     super::set_keepalive(&tcp, settings.keepalive, settings.stall_timeout);
-    let pads_export_name = newstyle_greeting(&mut tcp)
-        .await
-        .map_err(|error| RemoteError::Greeting {
-            server: server(),
-            error,
-        })?;
+    let pads_export_name =
+        newstyle_greeting(&mut tcp)
+            .await
+            .map_err(|error| RemoteError::Greeting {
+                server: server(),
+                error,
+            })?;
     let tcp = starttls(tcp, settings).await?;
     let connector = tokio_rustls::TlsConnector::from(settings.tls.clone());
     let tls = connector
@@ -123,10 +124,7 @@ async fn starttls(tcp: TcpStream, settings: &ClientSettings) -> Result<TcpStream
         error,
     };
     let mut plain = OptionChannel::new(tcp, Side::Upstream, settings.max_option_len);
-    plain
-        .send_option(OPT_STARTTLS, &[])
-        .await
-        .map_err(failed)?;
+    plain.send_option(OPT_STARTTLS, &[]).await.map_err(failed)?;
     let mut reply = Vec::new();
     let header = plain
         .read_reply(OPT_STARTTLS, &mut reply)

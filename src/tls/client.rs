@@ -12,8 +12,8 @@ use std::sync::Arc;
 use rustls::client::{Resumption, WebPkiServerVerifier};
 use rustls::{ClientConfig, RootCertStore};
 
-use super::{certificates, crls, private_key, provider, CertInfo, MinVersion, PemFile};
 use super::TlsConfigError;
+use super::{certificates, crls, private_key, provider, CertInfo, MinVersion, PemFile};
 
 /// Where the client-side files come from: a directory, with any file
 /// overridden by its own flag.

@@ -66,8 +66,14 @@ where
     let flight = Flight::new();
     let (local_tx, local_rx) = mpsc::channel(LOCAL_QUEUE);
     let drain = local_tx.clone();
-    let requests = Requests::new((client_rd, up_wr), &flight, local_tx, (mode, read_only), link)
-        .ended_by(registered);
+    let requests = Requests::new(
+        (client_rd, up_wr),
+        &flight,
+        local_tx,
+        (mode, read_only),
+        link,
+    )
+    .ended_by(registered);
     let upstream = BufReader::with_capacity(UPSTREAM_READ_BUF, up_rd);
     let replies = Replies::new(upstream, &flight, local_rx, mode, link.limits.max_payload);
     let mut writer = ReplyWriter::new(client_wr, cork, &link.limits, link.stats);

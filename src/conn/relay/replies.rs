@@ -61,7 +61,10 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
 
     /// Relays replies until a drain is complete (returns why the
     /// connection ends) or something fails.
-    pub async fn run<W: AsyncWrite + Unpin>(mut self, writer: &mut ReplyWriter<'_, W>) -> Result<&'static str, ConnError> {
+    pub async fn run<W: AsyncWrite + Unpin>(
+        mut self,
+        writer: &mut ReplyWriter<'_, W>,
+    ) -> Result<&'static str, ConnError> {
         loop {
             if let (Some(reason), true) = (self.draining, self.flight.is_empty()) {
                 return Ok(reason);
@@ -146,7 +149,10 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
 
     /// One reply message: header (its magic tells how long), then its
     /// payload straight into the writer.
-    async fn relay_one<W: AsyncWrite + Unpin>(&mut self, writer: &mut ReplyWriter<'_, W>) -> Result<(), ConnError> {
+    async fn relay_one<W: AsyncWrite + Unpin>(
+        &mut self,
+        writer: &mut ReplyWriter<'_, W>,
+    ) -> Result<(), ConnError> {
         let eof = || ConnError::io(Side::Upstream, "in the middle of a reply");
         let mut header = [0u8; EXTENDED_REPLY_LEN];
         self.upstream
@@ -196,7 +202,11 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
     }
 
     /// A request's last reply is in the writer.
-    async fn finish<W: AsyncWrite + Unpin>(&self, cookie: u64, writer: &mut ReplyWriter<'_, W>) -> Result<(), ConnError> {
+    async fn finish<W: AsyncWrite + Unpin>(
+        &self,
+        cookie: u64,
+        writer: &mut ReplyWriter<'_, W>,
+    ) -> Result<(), ConnError> {
         if let Some((command, took)) = self.flight.complete(cookie) {
             writer.metrics().answered(command_name(command), took);
         }

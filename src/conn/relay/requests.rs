@@ -191,13 +191,17 @@ impl<'a, C: AsyncRead + Unpin, U: AsyncWrite + Unpin> Requests<'a, C, U> {
         const WHEN: &str = "in the middle of a request payload";
         let room = (REQUEST_CHUNK - self.buf.len()) as u64;
         let (client, buf) = (&mut self.client, &mut self.buf);
-        let read = within_stall(self.link.limits.stall_timeout, "sending a request payload", async {
-            client
-                .take(remaining.min(room))
-                .read_buf(buf)
-                .await
-                .map_err(ConnError::io(Side::Client, WHEN))
-        })
+        let read = within_stall(
+            self.link.limits.stall_timeout,
+            "sending a request payload",
+            async {
+                client
+                    .take(remaining.min(room))
+                    .read_buf(buf)
+                    .await
+                    .map_err(ConnError::io(Side::Client, WHEN))
+            },
+        )
         .await?;
         if read == 0 {
             return Err(ConnError::closed(Side::Client, WHEN));

@@ -1,0 +1,426 @@
+//! `nbdgw client`: unmodified plaintext clients (qemu-img, libnbd's
+//! nbdinfo and nbdcopy, the raw client in every framing) on its Unix
+//! socket or loopback port, relayed over STARTTLS and verified TLS to the
+//! nbdgw server mode in front of qemu-nbd, and to qemu-nbd's own TLS.
+//! Bytes are checked both ways against the image read directly; refusals
+//! (a certificate for another name, an untrusted CA, an expired
+//! certificate, a client certificate the server does not take, an
+//! unknown export, a server without TLS) reach the local client as an
+//! error and nbdgw client's log as a line that says why.
+
+mod common;
+
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::pki::{Ca, ClientDir};
+use common::process::NbdgwProcess;
+use common::raw::RawClient;
+use common::{pattern, run, run_ok, Env, QemuNbd};
+use nbdgw::proto::transmission::ReplyMode;
+
+const SIZE: usize = 8 << 20;
+
+fn unix_uri(socket: &Path) -> String {
+    format!("nbd+unix:///?socket={}", socket.display())
+}
+
+/// `nbdgw client` on a Unix socket in front of `server`, with the test's
+/// certificate directory (libnbd/qemu layout: ca-cert.pem,
+/// client-cert.pem, client-key.pem).
+fn client_on_socket(
+    env: &Env,
+    name: &str,
+    server: &str,
+    tls_dir: &Path,
+) -> (NbdgwProcess, PathBuf) {
+    let socket = env.path(name);
+    let client = NbdgwProcess::client(
+        socket.as_os_str(),
+        [
+            OsStr::new("--server"),
+            OsStr::new(server),
+            OsStr::new("--tls-dir"),
+            tls_dir.as_os_str(),
+        ],
+    );
+    (client, socket)
+}
+
+/// The nbdgw server mode in front of `upstream`, with the test's
+/// certificates (which also make client certificates required).
+fn gateway(env: &Env, upstream: &Path) -> NbdgwProcess {
+    NbdgwProcess::in_front_of(env, upstream, &["--landlock", "false"])
+}
+
+/// qemu-img both ways through `uri`: the image read through it equals
+/// the image read directly, and a new pattern written through it is what
+/// the image then holds.
+fn qemu_img_both_ways(env: &Env, upstream: &QemuNbd, uri: &str, seed: u64) {
+    let copy = env.path("qemu-copy.img");
+    run_ok(
+        Command::new("qemu-img")
+            .args(["convert", "-f", "raw", "-O", "raw", uri])
+            .arg(&copy),
+    );
+    assert_eq!(std::fs::read(&copy).unwrap(), upstream.read_direct());
+    let source = env.random_image("qemu-new.img", SIZE, seed);
+    run_ok(
+        Command::new("qemu-img")
+            .args(["convert", "-n", "-f", "raw", "-O", "raw"])
+            .arg(&source)
+            .arg(uri),
+    );
+    assert_eq!(upstream.read_direct(), pattern(SIZE, seed));
+}
+
+/// nbdcopy (libnbd) both ways through `uri`.
+fn nbdcopy_both_ways(env: &Env, upstream: &QemuNbd, uri: &str, seed: u64) {
+    let source = env.random_image("nbdcopy-new.img", SIZE, seed);
+    run_ok(Command::new("nbdcopy").arg(&source).arg(uri));
+    assert_eq!(upstream.read_direct(), pattern(SIZE, seed));
+    let copy = env.path("nbdcopy-copy.img");
+    run_ok(Command::new("nbdcopy").arg(uri).arg(&copy));
+    assert_eq!(std::fs::read(&copy).unwrap(), pattern(SIZE, seed));
+}
+
+#[test]
+fn qemu_img_and_libnbd_through_client_mode_and_the_gateway() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", SIZE, 1);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let server = gateway(&env, &upstream.socket);
+    let (client, socket) = client_on_socket(
+        &env,
+        "client.sock",
+        &format!("localhost:{}", server.port),
+        &env.certs(),
+    );
+    let uri = unix_uri(&socket);
+
+    // qemu 10 negotiates extended headers, libnbd structured replies.
+    qemu_img_both_ways(&env, &upstream, &uri, 2);
+    client.wait_for_log("mode=Extended", 1);
+    nbdcopy_both_ways(&env, &upstream, &uri, 3);
+    client.wait_for_log("mode=Structured", 1);
+
+    let out = run_ok(Command::new("nbdinfo").arg(&uri));
+    let info = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        info.contains("without TLS"),
+        "local side is plaintext: {info}"
+    );
+    assert!(info.contains(&format!("export-size: {SIZE}")), "{info}");
+
+    // The server saw TLS, and the client certificate from the directory.
+    let log = server.log();
+    assert!(log.contains("TLS established"), "{log}");
+    assert!(log.contains("CN=test-client"), "{log}");
+    let log = client.log();
+    assert!(log.contains("TLS to the server established"), "{log}");
+    assert!(log.contains(r#"DNS ["localhost"]"#), "{log}");
+    assert!(!log.contains("WARN"), "{log}");
+}
+
+#[test]
+fn every_framing_through_client_mode_on_a_loopback_port() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", SIZE, 4);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let server = gateway(&env, &upstream.socket);
+    let port = common::free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let certs = env.certs();
+    let client = NbdgwProcess::client(
+        OsStr::new(&listen),
+        [
+            OsStr::new("--server"),
+            OsStr::new(&format!("127.0.0.1:{}", server.port)),
+            OsStr::new("--tls-dir"),
+            certs.as_os_str(),
+        ],
+    );
+    let addr = ([127, 0, 0, 1], port).into();
+    for (n, mode) in [
+        ReplyMode::Simple,
+        ReplyMode::Structured,
+        ReplyMode::Extended,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut c = RawClient::handshake(addr);
+        c.go(mode);
+        let offset = (n as u64 + 1) << 20;
+        // Larger than one TLS record and than one relay chunk.
+        let data = pattern(300 << 10, 10 + n as u64);
+        c.write(1, offset, &data);
+        let reply = c.read_reply(0);
+        assert_eq!(
+            reply.last().map(|r| (r.cookie, r.error)),
+            Some((1, 0)),
+            "{mode:?}"
+        );
+        assert_eq!(c.read(2, offset, data.len()), data, "{mode:?}");
+        c.disconnect();
+        let direct = upstream.read_direct();
+        let at = offset as usize;
+        assert_eq!(&direct[at..at + data.len()], &data[..], "{mode:?}");
+    }
+    for mode in ["Simple", "Structured", "Extended"] {
+        client.wait_for_log(&format!("mode={mode}"), 1);
+    }
+    // --server 127.0.0.1:PORT: the certificate's IP SAN is what was checked.
+    let log = client.log();
+    assert!(log.contains("server_name=IpAddress"), "{log}");
+    assert!(log.contains("TLS to the server established"), "{log}");
+}
+
+/// qemu-nbd with its own TLS (GnuTLS) on a loopback port, requiring a
+/// client certificate from the CA in `dir`.
+struct QemuNbdTls {
+    child: Child,
+    port: u16,
+}
+
+impl QemuNbdTls {
+    fn start(image: &Path, dir: &Path, extra: &[&str]) -> Self {
+        let port = common::free_port();
+        let mut child = Command::new("qemu-nbd")
+            .args(["-f", "raw", "--persistent", "--shared=8", "-b", "127.0.0.1"])
+            .arg("-p")
+            .arg(port.to_string())
+            .arg("--object")
+            .arg(format!(
+                "tls-creds-x509,id=tls0,dir={},endpoint=server,verify-peer=on",
+                dir.display()
+            ))
+            .args(["--tls-creds", "tls0"])
+            .args(extra)
+            .arg(image)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("qemu-nbd");
+        if let Err(e) = common::wait_until_listening(port, "qemu-nbd", || {
+            child.try_wait().ok().flatten().map(|s| s.to_string())
+        }) {
+            panic!("{e}");
+        }
+        QemuNbdTls { child, port }
+    }
+}
+
+impl Drop for QemuNbdTls {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn client_mode_to_qemu_nbds_own_tls() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", SIZE, 5);
+    // The same image behind a Unix socket too, to read it directly.
+    let qemu = QemuNbdTls::start(&image, &env.certs(), &[]);
+    let (client, socket) = client_on_socket(
+        &env,
+        "client.sock",
+        &format!("localhost:{}", qemu.port),
+        &env.certs(),
+    );
+    let uri = unix_uri(&socket);
+    let copy = env.path("copy.img");
+    run_ok(
+        Command::new("qemu-img")
+            .args(["convert", "-f", "raw", "-O", "raw", &uri])
+            .arg(&copy),
+    );
+    assert_eq!(std::fs::read(&copy).unwrap(), pattern(SIZE, 5));
+    let source = env.random_image("new.img", SIZE, 6);
+    run_ok(Command::new("nbdcopy").arg(&source).arg(&uri));
+    assert_eq!(std::fs::read(&image).unwrap(), pattern(SIZE, 6));
+    run_ok(Command::new("nbdcopy").arg(&uri).arg(&copy));
+    assert_eq!(std::fs::read(&copy).unwrap(), pattern(SIZE, 6));
+    let log = client.log();
+    assert!(log.contains("TLS to the server established"), "{log}");
+    assert!(!log.contains("WARN"), "{log}");
+}
+
+/// Starts nbdgw's server mode with `server` as its certificate, and
+/// `nbdgw client` trusting `client_dir`; returns qemu-img's and nbdinfo's
+/// stderr (both must fail) and the client's log.
+fn refused(env: &Env, server: &common::pki::Leaf, client_dir: &Path) -> (String, String, String) {
+    let image = env.random_image("disk.img", 1 << 20, 7);
+    let upstream = QemuNbd::start(env, &image, &[]);
+    let (cert, key) = (env.path("refused-cert.pem"), env.path("refused-key.pem"));
+    std::fs::write(&cert, &server.cert).unwrap();
+    std::fs::write(&key, &server.key).unwrap();
+    let gateway = NbdgwProcess::start([
+        OsStr::new("--tls-cert"),
+        cert.as_os_str(),
+        OsStr::new("--tls-key"),
+        key.as_os_str(),
+        OsStr::new("--upstream"),
+        upstream.socket.as_os_str(),
+        OsStr::new("--landlock"),
+        OsStr::new("false"),
+    ]);
+    let (client, socket) = client_on_socket(
+        env,
+        "refused.sock",
+        &format!("localhost:{}", gateway.port),
+        client_dir,
+    );
+    let uri = unix_uri(&socket);
+    let qemu = run(Command::new("qemu-img").args(["info", &uri]));
+    assert!(!qemu.status.success(), "qemu-img info succeeded");
+    let nbdinfo = run(Command::new("nbdinfo").arg(&uri));
+    assert!(!nbdinfo.status.success(), "nbdinfo succeeded");
+    client.wait_for_log("server unavailable", 2);
+    (
+        common::clients::text(&qemu),
+        common::clients::text(&nbdinfo),
+        client.log(),
+    )
+}
+
+#[test]
+fn a_server_certificate_for_another_name_is_refused() {
+    let env = Env::new();
+    let ca = Ca::new("name CA");
+    let dir = ca
+        .client("client", &[], &[], 2)
+        .client_dir(&env.path("client-dir"), &ca);
+    let other = ca.server_for("other.example", &["other.example"], 20);
+    let (qemu, _nbdinfo, log) = refused(&env, &other, &dir);
+    let why = r#"certificate not valid for name "localhost""#;
+    assert!(
+        qemu.contains("server reported: nbdgw client: TLS handshake with localhost:")
+            && qemu.contains(why),
+        "{qemu}"
+    );
+    assert!(log.contains("reason=\"tls\"") && log.contains(why), "{log}");
+}
+
+#[test]
+fn a_server_certificate_from_an_untrusted_ca_is_refused() {
+    let env = Env::new();
+    let (trusted, untrusted) = (Ca::new("trusted CA"), Ca::new("untrusted CA"));
+    let dir = trusted
+        .client("client", &[], &[], 2)
+        .client_dir(&env.path("client-dir"), &trusted);
+    let server = untrusted.server("localhost");
+    let (qemu, _nbdinfo, log) = refused(&env, &server, &dir);
+    assert!(
+        qemu.contains("server reported: nbdgw client: TLS handshake")
+            && qemu.contains("UnknownIssuer"),
+        "{qemu}"
+    );
+    assert!(log.contains("UnknownIssuer"), "{log}");
+}
+
+#[test]
+fn an_expired_server_certificate_is_refused() {
+    let env = Env::new();
+    let ca = Ca::new("expiry CA");
+    let dir = ca
+        .client("client", &[], &[], 2)
+        .client_dir(&env.path("client-dir"), &ca);
+    // Valid until the moment it was made: expired a second later.
+    let expired = ca.server_for("localhost", &["localhost"], 0);
+    std::thread::sleep(Duration::from_millis(1100));
+    let (qemu, _nbdinfo, log) = refused(&env, &expired, &dir);
+    assert!(qemu.contains("certificate expired"), "{qemu}");
+    assert!(log.contains("certificate expired"), "{log}");
+}
+
+#[test]
+fn unknown_export_and_a_server_without_tls() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", 1 << 20, 8);
+    let upstream = QemuNbd::start(&env, &image, &["-x", "disk0"]);
+    let server = gateway(&env, &upstream.socket);
+    let (client, socket) = client_on_socket(
+        &env,
+        "client.sock",
+        &format!("localhost:{}", server.port),
+        &env.certs(),
+    );
+    let out = run(
+        Command::new("nbdinfo").arg(format!("nbd+unix:///nope%0a?socket={}", socket.display()))
+    );
+    assert!(!out.status.success());
+    client.wait_for_log("the server refused the export", 1);
+    // The export name is escaped in the log: no raw newline.
+    assert!(
+        client.log().contains(r#"export=nope\n"#),
+        "{}",
+        client.log()
+    );
+    // The right name still works on the same client.
+    let out = run_ok(
+        Command::new("nbdinfo")
+            .arg("--size")
+            .arg(format!("nbd+unix:///disk0?socket={}", socket.display())),
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "1048576");
+
+    // A server with no TLS at all refuses STARTTLS: said to the local
+    // client and in the log.
+    let port = common::free_port();
+    let mut plain = Command::new("qemu-nbd")
+        .args(["-f", "raw", "--persistent", "-b", "127.0.0.1", "-p"])
+        .arg(port.to_string())
+        .arg(&image)
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    common::wait_until_listening(port, "qemu-nbd", || None).unwrap();
+    let (client, socket) = client_on_socket(
+        &env,
+        "plain.sock",
+        &format!("localhost:{port}"),
+        &env.certs(),
+    );
+    let out = run(Command::new("qemu-img").args(["info", &unix_uri(&socket)]));
+    let _ = plain.kill();
+    let _ = plain.wait();
+    assert!(!out.status.success());
+    let text = common::clients::text(&out);
+    assert!(text.contains("refused NBD_OPT_STARTTLS"), "{text}");
+    client.wait_for_log("refused NBD_OPT_STARTTLS", 1);
+}
+
+#[test]
+fn a_client_certificate_the_server_refuses() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", 1 << 20, 9);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let server = gateway(&env, &upstream.socket);
+    // Trusts the server's CA, but presents a certificate of its own CA,
+    // which the server does not take.
+    let own = Ca::new("stranger CA");
+    let server_ca = std::fs::read_to_string(env.certs().join("ca-cert.pem")).unwrap();
+    let dir = env.path("stranger");
+    own.client("stranger", &[], &[], 3).client_dir(&dir, &own);
+    std::fs::write(dir.join("ca-cert.pem"), server_ca).unwrap();
+    let (client, socket) = client_on_socket(
+        &env,
+        "client.sock",
+        &format!("localhost:{}", server.port),
+        &dir,
+    );
+    let out = run(Command::new("qemu-img").args(["info", &unix_uri(&socket)]));
+    assert!(!out.status.success());
+    let text = common::clients::text(&out);
+    assert!(
+        text.contains("server reported: nbdgw client: the server ended the TLS session with alert UnknownCA: it did not accept this client's certificate"),
+        "{text}\n{}",
+        client.log()
+    );
+    server.wait_for_log("TLS handshake failed", 1);
+    client.wait_for_log("received fatal alert: UnknownCA", 1);
+}
