@@ -81,12 +81,16 @@ pub async fn serve<S>(
 /// How negotiation ended.
 enum Negotiated<S> {
     Closed(&'static str),
-    Transmission {
-        local: S,
-        remote: RemoteTls,
-        framing: Framing,
-        read_only: bool,
-    },
+    /// Boxed: the TLS stream is large beside the other variant.
+    Transmission(Box<Ready<S>>),
+}
+
+/// Both ends of a session entering transmission, and how it was agreed.
+struct Ready<S> {
+    local: S,
+    remote: RemoteTls,
+    framing: Framing,
+    read_only: bool,
 }
 
 async fn run<S>(
@@ -106,12 +110,15 @@ where
     .map_err(|_| ConnError::HandshakeTimeout(settings.handshake_timeout))??;
     let (local, remote, framing, read_only) = match negotiated {
         Negotiated::Closed(reason) => return Ok(reason),
-        Negotiated::Transmission {
-            local,
-            remote,
-            framing,
-            read_only,
-        } => (local, remote, framing, read_only),
+        Negotiated::Transmission(ready) => {
+            let Ready {
+                local,
+                remote,
+                framing,
+                read_only,
+            } = *ready;
+            (local, remote, framing, read_only)
+        }
     };
     let ends = super::relay::Ends {
         client: tokio::io::split(local),
@@ -342,11 +349,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Options<'_, S> {
     }
 
     fn enter_transmission(self, tflags: u16) -> Negotiated<S> {
-        Negotiated::Transmission {
+        Negotiated::Transmission(Box::new(Ready {
             local: self.local.into_inner(),
             remote: self.remote.channel.into_inner(),
             framing: self.framing,
             read_only: tflags & TFLAG_READ_ONLY != 0,
-        }
+        }))
     }
 }

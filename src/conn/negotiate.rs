@@ -580,26 +580,23 @@ impl<'a> Negotiation<'a> {
             return Ok(Step::Next);
         }
         self.framing.acknowledged(option.option);
-        match option.option {
-            OPT_GO => {
-                let export = relayed::go_export_name(self.client.data());
-                // The spec makes INFO_EXPORT mandatory before GO's ACK; a
-                // server that omits it gets no read-only enforcement
-                // unless the policy grants read-only access.
-                let (size, tflags) = relayed.export.unwrap_or((0, 0));
-                let tflags = match self.access {
-                    Access::ReadOnly => read_only_flags(tflags),
-                    Access::ReadWrite => tflags,
-                };
-                return Ok(Step::Transmission {
-                    export,
-                    size,
-                    tflags,
-                });
-            }
-            _ => {}
+        if option.option != OPT_GO {
+            return Ok(Step::Next);
         }
-        Ok(Step::Next)
+        let export = relayed::go_export_name(self.client.data());
+        // The spec makes INFO_EXPORT mandatory before GO's ACK; a server
+        // that omits it gets no read-only enforcement unless the policy
+        // grants read-only access.
+        let (size, tflags) = relayed.export.unwrap_or((0, 0));
+        let tflags = match self.access {
+            Access::ReadOnly => read_only_flags(tflags),
+            Access::ReadWrite => tflags,
+        };
+        Ok(Step::Transmission {
+            export,
+            size,
+            tflags,
+        })
     }
 
     /// Forwards the option (renamed, if routed) and relays the
