@@ -15,7 +15,7 @@ use rustls::pki_types::ServerName;
 use thiserror::Error;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::task::JoinSet;
-use tracing::{error, info, warn};
+use tracing::{info, warn};
 
 use crate::config::{Cork, Keepalive};
 use crate::metrics::Metrics;
@@ -199,10 +199,7 @@ pub async fn run(
         let (stream, peer) = match accepted {
             Ok(accepted) => accepted,
             Err(e) => {
-                // Out of descriptors or similar: keep serving the
-                // connections there are, and try again shortly.
-                error!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
+                crate::server::accept_failed(e).await;
                 continue;
             }
         };

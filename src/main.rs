@@ -150,26 +150,36 @@ fn client(args: ClientArgs) -> Result<()> {
         metrics: Arc::new(nbdgw::metrics::Metrics::client_mode()),
     };
     report_fd_limit(args.max_connections);
-    let threads = match args.threads {
-        0 => std::thread::available_parallelism().map_or(1, usize::from),
-        n => n,
-    };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(threads)
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let runtime = runtime(worker_threads(args.threads))?;
     runtime.block_on(async move {
         let listener = LocalListener::bind(&args.listen)?;
         client::log_start(&listener, &settings, paths.layout.unwrap_or("files"));
         notify(&[NotifyState::Ready]);
-        client::run(listener, Arc::new(settings), async {
-            shutdown_signals().await;
-            notify(&[NotifyState::Stopping]);
-        })
-        .await?;
+        client::run(listener, Arc::new(settings), stopping()).await?;
         Ok(())
     })
+}
+
+/// `--threads`: 0 is one per CPU.
+fn worker_threads(threads: usize) -> usize {
+    match threads {
+        0 => std::thread::available_parallelism().map_or(1, usize::from),
+        n => n,
+    }
+}
+
+fn runtime(threads: usize) -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+/// Resolves at SIGTERM or SIGINT, once systemd has been told.
+async fn stopping() {
+    shutdown_signals().await;
+    notify(&[NotifyState::Stopping]);
 }
 
 fn init_logging(format: LogFormat) {
@@ -205,20 +215,13 @@ fn serve(args: ServeArgs) -> Result<()> {
     }
     let listeners = Listeners::open(args.listen, args.admin_listen)?;
     // Counted before the sandbox hides /sys and /proc from the runtime.
-    let threads = match args.threads {
-        0 => std::thread::available_parallelism().map_or(1, usize::from),
-        n => n,
-    };
+    let threads = worker_threads(args.threads);
     match args.landlock {
         LandlockMode::Off => info!("--landlock false: the process is not sandboxed"),
         mode => sandbox(mode, &reloader, policy.as_ref(), &config, &args)?,
     }
 
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(threads)
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let runtime = runtime(threads)?;
     runtime.block_on(async move {
         tokio::spawn(reloader.watch(reload_interval));
         if let Some(policy) = policy {
@@ -238,11 +241,7 @@ fn serve(args: ServeArgs) -> Result<()> {
             "nbdgw listening"
         );
         notify(&[NotifyState::Ready]);
-        nbdgw::run(listener, Arc::new(config), async {
-            shutdown_signals().await;
-            notify(&[NotifyState::Stopping]);
-        })
-        .await?;
+        nbdgw::run(listener, Arc::new(config), stopping()).await?;
         Ok(())
     })
 }

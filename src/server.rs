@@ -48,10 +48,7 @@ pub async fn run(
                 let (tcp, peer) = match accepted {
                     Ok(a) => a,
                     Err(e) => {
-                        // Out of descriptors or similar: keep serving the
-                        // connections we have and try again shortly.
-                        error!(error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        accept_failed(e).await;
                         continue;
                     }
                 };
@@ -76,6 +73,13 @@ pub async fn run(
     config.health.set_accepting(false);
     shut_down(connections, &control, config.shutdown_grace).await;
     Ok(())
+}
+
+/// Out of descriptors or similar, in either mode's accept loop: keep
+/// serving the connections there are, and try again shortly.
+pub(crate) async fn accept_failed(e: std::io::Error) {
+    error!(error = %e, "accept failed");
+    tokio::time::sleep(Duration::from_millis(100)).await;
 }
 
 /// SIGTERM: not ready from now on; accepting goes on until the returned

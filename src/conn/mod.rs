@@ -32,7 +32,8 @@ use crate::logsafe::escape;
 use crate::shutdown::Shutdown;
 use crate::tls::{Grant, SessionGuard};
 use error::ConnError;
-use session::{ClientTls, Link, Stats, AUDIT, CLIENT_READ_BUF};
+use error::Side;
+use session::{Link, Stats, AUDIT, CLIENT_READ_BUF};
 
 pub use client_mode::serve as serve_local;
 
@@ -224,7 +225,7 @@ async fn negotiate(
         plain::Outcome::Closed(reason) => return Ok(Negotiated::Closed(reason)),
     };
     let tls = plain::accept_tls(io, config).await?;
-    log_tls(&tls);
+    log_tls(tls.get_ref().1, error::Side::Client);
     let chain = tls.get_ref().1.peer_certificates().unwrap_or_default();
     // Anonymous clients (no client CA) have no names: a policy with rules
     // opens nothing to them.
@@ -283,17 +284,25 @@ async fn negotiate(
     })
 }
 
-fn log_tls(tls: &ClientTls) {
-    let (_, conn) = tls.get_ref();
-    let client = match conn.peer_certificates().and_then(|chain| chain.first()) {
+/// The line that says a TLS session is up, in either direction: its
+/// parameters and the peer's certificate, `client=` for a client of the
+/// server mode, `server=` for the server client mode reached.
+fn log_tls(state: &rustls::CommonState, peer: Side) {
+    let certificate = match state.peer_certificates().and_then(|chain| chain.first()) {
         Some(cert) => crate::tls::identity::describe(cert),
         None => "no certificate".to_string(),
     };
+    let shown = Some(tracing::field::display(&certificate));
+    let (client, server) = match peer {
+        Side::Client => (shown, None),
+        Side::Upstream => (None, shown),
+    };
     info!(
-        tls_version = ?conn.protocol_version(),
-        cipher_suite = ?conn.negotiated_cipher_suite().map(|s| s.suite()),
-        key_exchange = ?conn.negotiated_key_exchange_group().map(|g| g.name()),
-        %client,
+        tls_version = ?state.protocol_version(),
+        cipher_suite = ?state.negotiated_cipher_suite().map(|s| s.suite()),
+        key_exchange = ?state.negotiated_key_exchange_group().map(|g| g.name()),
+        client,
+        server,
         "TLS established"
     );
 }

@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use thiserror::Error;
 use tokio::net::TcpStream;
-use tracing::info;
 
 use super::error::{ConnError, Side};
 use super::options::OptionChannel;
@@ -108,7 +107,7 @@ async fn connect_and_secure(settings: &ClientSettings) -> Result<Remote, RemoteE
             server: server(),
             error,
         })?;
-    log_tls(&tls);
+    super::log_tls(tls.get_ref().1, Side::Upstream);
     let channel = OptionChannel::new(tls, Side::Upstream, settings.max_option_len)
         .bounded(settings.server_timeout);
     Ok(Remote {
@@ -138,21 +137,6 @@ async fn starttls(tcp: TcpStream, settings: &ClientSettings) -> Result<TcpStream
         });
     }
     Ok(plain.into_inner())
-}
-
-fn log_tls(tls: &RemoteTls) {
-    let (_, conn) = tls.get_ref();
-    let server = match conn.peer_certificates().and_then(|chain| chain.first()) {
-        Some(cert) => crate::tls::identity::describe(cert),
-        None => "no certificate".to_string(),
-    };
-    info!(
-        tls_version = ?conn.protocol_version(),
-        cipher_suite = ?conn.negotiated_cipher_suite().map(|s| s.suite()),
-        key_exchange = ?conn.negotiated_key_exchange_group().map(|g| g.name()),
-        %server,
-        "TLS to the server established"
-    );
 }
 
 /// The name of an option reply type, for logs and messages.
