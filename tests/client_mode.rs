@@ -424,3 +424,116 @@ fn a_client_certificate_the_server_refuses() {
     server.wait_for_log("TLS handshake failed", 1);
     client.wait_for_log("received fatal alert: UnknownCA", 1);
 }
+
+#[test]
+fn block_status_and_list_through_client_mode_equal_the_server_direct() {
+    let env = Env::new();
+    let base = env.path("base.img");
+    {
+        use std::io::{Seek, SeekFrom, Write};
+        let mut f = std::fs::File::create(&base).unwrap();
+        f.set_len(SIZE as u64).unwrap();
+        f.seek(SeekFrom::Start(1 << 20)).unwrap();
+        f.write_all(&pattern(512 << 10, 11)).unwrap();
+        f.seek(SeekFrom::Start(5 << 20)).unwrap();
+        f.write_all(&pattern(256 << 10, 12)).unwrap();
+    }
+    let upstream = QemuNbd::start(&env, &base, &["-x", "disk0", "-A"]);
+    let server = gateway(&env, &upstream.socket);
+    let (_client, socket) = client_on_socket(
+        &env,
+        "client.sock",
+        &format!("localhost:{}", server.port),
+        &env.certs(),
+    );
+    let through = format!("nbd+unix:///disk0?socket={}", socket.display());
+    let direct = format!("nbd+unix:///disk0?socket={}", upstream.socket.display());
+    for context in ["base:allocation", "qemu:allocation-depth"] {
+        let map = |uri: &str| {
+            let out = run_ok(
+                Command::new("nbdinfo")
+                    .arg(format!("--map={context}"))
+                    .arg(uri),
+            );
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        };
+        let (through, direct) = (map(&through), map(&direct));
+        assert_eq!(through, direct, "{context}");
+        assert!(!through.is_empty(), "{context}");
+        if context == "base:allocation" {
+            // Data, hole, data, hole: the two islands of the sparse file.
+            assert!(through.lines().count() >= 3, "{context}: {through}");
+        }
+    }
+    // LIST goes to the server and back.
+    let out = run_ok(
+        Command::new("nbdinfo")
+            .arg("--list")
+            .arg(format!("nbd+unix:///?socket={}", socket.display())),
+    );
+    let listed = String::from_utf8_lossy(&out.stdout);
+    assert!(listed.contains("export=\"disk0\""), "{listed}");
+}
+
+#[test]
+fn the_local_socket_is_replaced_when_stale_refused_when_live_and_removed_at_exit() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", 1 << 20, 13);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let server = gateway(&env, &upstream.socket);
+    let socket = env.path("client.sock");
+    // A socket nobody listens on any more, as a killed process leaves it.
+    drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
+    assert!(socket.exists());
+    let target = format!("localhost:{}", server.port);
+    let (client, socket) = client_on_socket(&env, "client.sock", &target, &env.certs());
+    let out = run_ok(Command::new("nbdinfo").arg("--size").arg(unix_uri(&socket)));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "1048576");
+
+    // A second client mode on the same, live, socket does not start.
+    let out = run(Command::new(env!("CARGO_BIN_EXE_nbdgw"))
+        .args(["client", "--listen"])
+        .arg(&socket)
+        .args(["--server", &target, "--tls-dir"])
+        .arg(env.certs()));
+    assert!(!out.status.success());
+    let text = common::clients::text(&out);
+    assert!(text.contains("another process is listening"), "{text}");
+
+    let (status, log) = client.stop();
+    assert!(status.success(), "{log}");
+    assert!(!socket.exists(), "socket left behind");
+    assert!(log.contains("stopped"), "{log}");
+}
+
+#[test]
+fn a_non_loopback_listen_address_and_a_missing_ca_refuse_to_start() {
+    let env = Env::new();
+    let out = run(Command::new(env!("CARGO_BIN_EXE_nbdgw"))
+        .args([
+            "client",
+            "--listen",
+            "0.0.0.0:10809",
+            "--server",
+            "localhost:10809",
+            "--tls-dir",
+        ])
+        .arg(env.certs()));
+    assert!(!out.status.success());
+    let text = common::clients::text(&out);
+    assert!(text.contains("loopback addresses only"), "{text}");
+
+    let empty = env.path("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let out = run(Command::new(env!("CARGO_BIN_EXE_nbdgw"))
+        .args(["client", "--listen"])
+        .arg(env.path("x.sock"))
+        .args(["--server", "localhost:10809", "--tls-dir"])
+        .arg(&empty));
+    assert!(!out.status.success());
+    let text = common::clients::text(&out);
+    assert!(
+        text.contains("no CA to check the server's certificate"),
+        "{text}"
+    );
+}
