@@ -537,3 +537,48 @@ fn a_non_loopback_listen_address_and_a_missing_ca_refuse_to_start() {
         "{text}"
     );
 }
+
+#[test]
+fn client_mode_to_nbdkit_with_tls_required() {
+    // nbdkit's memory plugin, TLS required (GnuTLS), client certificates
+    // checked against the test CA.
+    let env = Env::new();
+    let port = common::free_port();
+    let certs = env.certs();
+    let mut nbdkit = Command::new("nbdkit")
+        .args([
+            "--foreground",
+            "--exit-with-parent",
+            "-i",
+            "127.0.0.1",
+            "-p",
+        ])
+        .arg(port.to_string())
+        .args(["--tls=require", "--tls-verify-peer"])
+        .arg(format!("--tls-certificates={}", certs.display()))
+        .args(["memory", &format!("size={SIZE}")])
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("nbdkit must be installed (scripts/setup.sh)");
+    common::wait_until_listening(port, "nbdkit", || {
+        nbdkit.try_wait().ok().flatten().map(|s| s.to_string())
+    })
+    .unwrap();
+    let (client, socket) =
+        client_on_socket(&env, "client.sock", &format!("localhost:{port}"), &certs);
+    let uri = unix_uri(&socket);
+    let source = env.random_image("new.img", SIZE, 14);
+    run_ok(Command::new("nbdcopy").arg(&source).arg(&uri));
+    let copy = env.path("copy.img");
+    run_ok(
+        Command::new("qemu-img")
+            .args(["convert", "-f", "raw", "-O", "raw", &uri])
+            .arg(&copy),
+    );
+    let _ = nbdkit.kill();
+    let _ = nbdkit.wait();
+    assert_eq!(std::fs::read(&copy).unwrap(), pattern(SIZE, 14));
+    let log = client.log();
+    assert!(log.contains("TLS established"), "{log}");
+    assert!(!log.contains("WARN"), "{log}");
+}
