@@ -18,7 +18,7 @@ use tokio::task::JoinSet;
 use tracing::{info, warn};
 
 use crate::config::{Cork, Keepalive};
-use crate::metrics::Metrics;
+use crate::metrics::{Health, Metrics};
 use crate::shutdown::ShutdownControl;
 
 /// Everything one `nbdgw client` process needs, fixed at start.
@@ -44,6 +44,9 @@ pub struct ClientSettings {
     pub cork: Cork,
     pub shutdown_grace: Duration,
     pub metrics: Arc<Metrics>,
+    /// What `/healthz` and `/readyz` report: accepting, draining, and
+    /// whether the last try to reach the server failed.
+    pub health: Arc<Health>,
 }
 
 #[derive(Debug, Error)]
@@ -190,6 +193,7 @@ pub async fn run(
     let mut next_id: u64 = 0;
     let (control, phase) = ShutdownControl::new();
     let mut shutdown = std::pin::pin!(shutdown);
+    settings.health.set_accepting(true);
     loop {
         let accepted = tokio::select! {
             _ = &mut shutdown => break,
@@ -218,6 +222,8 @@ pub async fn run(
         });
     }
     drop(listener);
+    settings.health.set_draining();
+    settings.health.set_accepting(false);
     crate::server::shut_down(connections, &control, settings.shutdown_grace).await;
     Ok(())
 }

@@ -148,11 +148,25 @@ fn client(args: ClientArgs) -> Result<()> {
         cork: nbdgw::config::Cork::Deferred,
         shutdown_grace: Duration::from_secs(args.shutdown_grace),
         metrics: Arc::new(nbdgw::metrics::Metrics::client_mode()),
+        health: Arc::default(),
     };
+    let admin = args
+        .admin_listen
+        .map(|addr| {
+            std::net::TcpListener::bind(addr).with_context(|| format!("--admin-listen {addr}"))
+        })
+        .transpose()?;
     report_fd_limit(args.max_connections);
     let runtime = runtime(worker_threads(args.threads))?;
     runtime.block_on(async move {
         let listener = LocalListener::bind(&args.listen)?;
+        if let Some(admin) = admin {
+            let admin = async_listener(admin)?;
+            info!(admin = %display_addr(&admin), "admin endpoints: /healthz /readyz /metrics");
+            let limits = nbdgw::admin::AdminLimits::default();
+            let (metrics, health) = (settings.metrics.clone(), settings.health.clone());
+            tokio::spawn(nbdgw::admin::serve(admin, metrics, health, limits));
+        }
         client::log_start(&listener, &settings, paths.layout.unwrap_or("files"));
         notify(&[NotifyState::Ready]);
         client::run(listener, Arc::new(settings), stopping()).await?;

@@ -582,3 +582,57 @@ fn client_mode_to_nbdkit_with_tls_required() {
     assert!(log.contains("TLS established"), "{log}");
     assert!(!log.contains("WARN"), "{log}");
 }
+
+/// The value of the sample `name` in a metrics exposition.
+fn sample(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no sample {name} in:\n{metrics}"))
+}
+
+#[test]
+fn admin_endpoints_count_the_relayed_requests_and_readiness_follows_the_server() {
+    use common::clients::http_get;
+    let env = Env::new();
+    let image = env.random_image("disk.img", SIZE, 15);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let server = gateway(&env, &upstream.socket);
+    let admin = common::free_port();
+    let socket = env.path("client.sock");
+    let certs = env.certs();
+    let target = format!("localhost:{}", server.port);
+    let admin_addr = format!("127.0.0.1:{admin}");
+    let client = NbdgwProcess::client(
+        socket.as_os_str(),
+        [
+            OsStr::new("--server"),
+            OsStr::new(&target),
+            OsStr::new("--tls-dir"),
+            certs.as_os_str(),
+            OsStr::new("--admin-listen"),
+            OsStr::new(&admin_addr),
+        ],
+    );
+    assert_eq!(http_get(admin, "/readyz").0, 200);
+    let copy = env.path("copy.img");
+    run_ok(Command::new("nbdcopy").arg(unix_uri(&socket)).arg(&copy));
+    assert_eq!(std::fs::read(&copy).unwrap(), pattern(SIZE, 15));
+    let (code, metrics) = http_get(admin, "/metrics");
+    assert_eq!(code, 200);
+    assert!(sample(&metrics, "nbdgw_requests_total{command=\"READ\"}") >= 1.0);
+    assert!(sample(&metrics, "nbdgw_sent_bytes_total") >= SIZE as f64);
+    assert!(sample(&metrics, "nbdgw_connections_total{outcome=\"closed\"}") >= 1.0);
+    assert!(!metrics.contains("certificate_not_after"), "{metrics}");
+
+    // The server gone: the next local client is refused, and /readyz says so.
+    drop(server);
+    let out = run(Command::new("nbdinfo").arg(unix_uri(&socket)));
+    assert!(!out.status.success());
+    client.wait_for_log("server unavailable", 1);
+    let (code, body) = http_get(admin, "/readyz");
+    assert_eq!((code, body.trim()), (503, "upstream unavailable"));
+    let (_, metrics) = http_get(admin, "/metrics");
+    assert!(sample(&metrics, "nbdgw_upstream_connect_failures_total") >= 1.0);
+}

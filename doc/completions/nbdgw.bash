@@ -323,7 +323,7 @@ _nbdgw() {
             return 0
             ;;
         nbdgw__subcmd__client)
-            opts="-h --listen --server --server-name --tls-dir --tls-ca --tls-cert --tls-key --tls-min-version --server-timeout --handshake-timeout --idle-timeout --stall-timeout --tcp-keepalive --max-payload --max-option-len --max-connections --shutdown-grace --threads --log-format --help"
+            opts="-h --listen --server --server-name --tls-dir --tls-ca --tls-cert --tls-key --tls-min-version --server-timeout --handshake-timeout --idle-timeout --stall-timeout --tcp-keepalive --max-payload --max-option-len --max-connections --shutdown-grace --admin-listen --threads --log-format --help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -394,6 +394,10 @@ _nbdgw() {
                     return 0
                     ;;
                 --shutdown-grace)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --admin-listen)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

@@ -154,9 +154,13 @@ where
     let mut local = OptionChannel::new(local, Side::Client, settings.max_option_len);
     let flags = super::plain::greet(&mut local).await?;
     let remote = match remote::connect(settings).await {
-        Ok(remote) => remote,
+        Ok(remote) => {
+            settings.health.set_upstream_down(false);
+            remote
+        }
         Err(e) => {
             settings.metrics.upstream_connect_failures.inc();
+            settings.health.set_upstream_down(true);
             let error = e.to_string();
             warn!(reason = e.reason(), error = %Escaped(&error), "server unavailable");
             // The local client is the operator's own: it may hear why.
