@@ -636,3 +636,95 @@ fn admin_endpoints_count_the_relayed_requests_and_readiness_follows_the_server()
     let (_, metrics) = http_get(admin, "/metrics");
     assert!(sample(&metrics, "nbdgw_upstream_connect_failures_total") >= 1.0);
 }
+
+#[test]
+fn raw_negotiation_through_client_mode_export_name_starttls_abort_read_only() {
+    use nbdgw::proto::consts::*;
+    use std::io::Read;
+    let env = Env::new();
+    let image = env.random_image("disk.img", SIZE, 16);
+    let upstream = QemuNbd::start(&env, &image, &["-r"]);
+    let server = gateway(&env, &upstream.socket);
+    let port = common::free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let certs = env.certs();
+    let _client = NbdgwProcess::client(
+        OsStr::new(&listen),
+        [
+            OsStr::new("--server"),
+            OsStr::new(&format!("localhost:{}", server.port)),
+            OsStr::new("--tls-dir"),
+            certs.as_os_str(),
+        ],
+    );
+    let addr = ([127, 0, 0, 1], port).into();
+
+    // The old way in, with and without NO_ZEROES: the reply padded as
+    // the local client asked, whatever the server chose.
+    for (flags, reply_len) in [(FLAG_C_FIXED_NEWSTYLE, 134), (3, 10)] {
+        let mut c = RawClient::connect(addr);
+        assert_eq!(c.greeting(), FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
+        c.send(&flags.to_be_bytes());
+        c.send_option(OPT_EXPORT_NAME, b"");
+        let mut reply = vec![0u8; reply_len];
+        c.stream.read_exact(&mut reply).unwrap();
+        assert_eq!(
+            u64::from_be_bytes(reply[..8].try_into().unwrap()),
+            SIZE as u64
+        );
+        let tflags = u16::from_be_bytes([reply[8], reply[9]]);
+        assert_ne!(tflags & TFLAG_READ_ONLY, 0, "qemu-nbd -r");
+        assert!(reply[10..].iter().all(|&b| b == 0));
+        assert_eq!(c.read(1, 4096, 8192), pattern(SIZE, 16)[4096..4096 + 8192]);
+        // Read-only: the write is refused here, EPERM, and never sent.
+        c.write(2, 0, &[1; 512]);
+        let refused = c.read_reply(0);
+        assert_eq!(refused[0].error, EPERM);
+        c.disconnect();
+    }
+    assert_eq!(upstream.read_direct(), pattern(SIZE, 16));
+
+    // STARTTLS on the plaintext side, and an unknown option: refused,
+    // the connection goes on; ABORT is acknowledged and closes.
+    let mut c = RawClient::handshake(addr);
+    let r = c.option(OPT_STARTTLS, &[]);
+    assert_eq!(r[0].reply_type, REP_ERR_UNSUP);
+    assert!(r[0].message().contains("plaintext"), "{}", r[0].message());
+    let r = c.option(200, &[]);
+    assert_eq!(r[0].reply_type, REP_ERR_UNSUP);
+    let r = c.option(OPT_ABORT, &[]);
+    assert_eq!(r[0].reply_type, REP_ACK);
+    c.expect_closed();
+}
+
+#[test]
+fn a_server_that_never_greets_is_given_up_after_the_server_timeout() {
+    let env = Env::new();
+    // Accepts (the kernel does, into the backlog) and says nothing.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let socket = env.path("client.sock");
+    let certs = env.certs();
+    let client = NbdgwProcess::client(
+        socket.as_os_str(),
+        [
+            OsStr::new("--server"),
+            OsStr::new(&format!("localhost:{port}")),
+            OsStr::new("--tls-dir"),
+            certs.as_os_str(),
+            OsStr::new("--server-timeout"),
+            OsStr::new("1"),
+        ],
+    );
+    let started = std::time::Instant::now();
+    let out = run(Command::new("qemu-img").args(["info", &unix_uri(&socket)]));
+    assert!(!out.status.success());
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let text = common::clients::text(&out);
+    assert!(
+        text.contains("did not accept, greet and finish TLS within 1s (--server-timeout)"),
+        "{text}"
+    );
+    client.wait_for_log("reason=\"timeout\"", 1);
+    drop(silent);
+}
