@@ -64,8 +64,9 @@ or --tls-ca) and carry the --server host (or --server-name) as a DNS or IP \
 SAN; there is no way to turn verification off. A client certificate \
 (client-cert.pem and client-key.pem) is presented when there is one.
 
-Signals: SIGTERM or SIGINT stops accepting, lets requests in flight finish \
-within --shutdown-grace, then exits 0.
+Signals: SIGHUP re-reads the TLS files at once. SIGTERM or SIGINT stops \
+accepting, lets requests in flight finish within --shutdown-grace, then \
+exits 0.
 
 Examples:
   nbdgw client --server nbd.example:10809 --tls-dir /etc/nbdgw/client
@@ -128,6 +129,11 @@ pub struct ClientArgs {
         default_value = "1.2"
     )]
     pub tls_min_version: MinVersion,
+    /// Seconds between looks at the TLS files for changes (a new CA
+    /// bundle or client certificate is used by new connections); 0
+    /// reloads only on SIGHUP.
+    #[arg(long, env = "NBDGW_CLIENT_TLS_RELOAD_INTERVAL", default_value_t = 5)]
+    pub tls_reload_interval: u64,
     /// Seconds the server may take to accept, greet and finish TLS, and
     /// then to answer each option; a local client then hears why.
     /// Keep it below --handshake-timeout.

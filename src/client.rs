@@ -29,7 +29,8 @@ pub struct ClientSettings {
     pub port: u16,
     /// The name the server's certificate must carry (DNS or IP SAN).
     pub server_name: ServerName<'static>,
-    pub tls: Arc<rustls::ClientConfig>,
+    /// Read afresh for each remote connection: a reload may replace it.
+    pub tls: Arc<crate::reload::Swap<rustls::ClientConfig>>,
     /// Bounds reaching the server (connect, greeting, STARTTLS and TLS
     /// together), then each of its option replies.
     pub server_timeout: Duration,

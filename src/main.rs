@@ -102,7 +102,7 @@ fn certs(args: CertsArgs) -> Result<()> {
 /// socket is touched, then the local listener served.
 fn client(args: ClientArgs) -> Result<()> {
     use nbdgw::client::{self, ClientSettings, LocalListener};
-    use nbdgw::tls::client::{build_client, ClientTlsSources};
+    use nbdgw::tls::client::{ClientReloader, ClientTlsSources};
     init_logging(args.log_format);
     let (host, port) = client::parse_server(&args.server)?;
     let server_name = client::server_name(args.server_name.as_deref().unwrap_or(&host))?;
@@ -113,7 +113,8 @@ fn client(args: ClientArgs) -> Result<()> {
         key: args.tls_key.clone(),
     };
     let paths = sources.resolve().context("client TLS files")?;
-    let loaded = build_client(&paths, args.tls_min_version).context("client TLS files")?;
+    let (reloader, loaded) =
+        ClientReloader::start(paths.clone(), args.tls_min_version).context("client TLS files")?;
     let identity = loaded
         .identity
         .as_ref()
@@ -136,7 +137,7 @@ fn client(args: ClientArgs) -> Result<()> {
         host,
         port,
         server_name,
-        tls: loaded.config,
+        tls: reloader.store(),
         server_timeout: Duration::from_secs(args.server_timeout),
         handshake_timeout: Duration::from_secs(args.handshake_timeout),
         idle_timeout: seconds_or_off(args.idle_timeout),
@@ -160,6 +161,7 @@ fn client(args: ClientArgs) -> Result<()> {
     let runtime = runtime(worker_threads(args.threads))?;
     runtime.block_on(async move {
         let listener = LocalListener::bind(&args.listen)?;
+        tokio::spawn(reloader.watch(seconds_or_off(args.tls_reload_interval)));
         if let Some(admin) = admin {
             let admin = async_listener(admin)?;
             info!(admin = %display_addr(&admin), "admin endpoints: /healthz /readyz /metrics");

@@ -728,3 +728,55 @@ fn a_server_that_never_greets_is_given_up_after_the_server_timeout() {
     client.wait_for_log("reason=\"timeout\"", 1);
     drop(silent);
 }
+
+#[test]
+fn a_rotated_ca_bundle_is_used_by_new_connections() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", 1 << 20, 17);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    // The server's certificate comes from a CA the client learns of only
+    // in a rotation.
+    let (old, new) = (Ca::new("old CA"), Ca::new("new CA"));
+    let server = new.server("localhost");
+    let (cert, key) = (env.path("server-cert.pem"), env.path("server-key.pem"));
+    std::fs::write(&cert, &server.cert).unwrap();
+    std::fs::write(&key, &server.key).unwrap();
+    let gateway = NbdgwProcess::start([
+        OsStr::new("--tls-cert"),
+        cert.as_os_str(),
+        OsStr::new("--tls-key"),
+        key.as_os_str(),
+        OsStr::new("--upstream"),
+        upstream.socket.as_os_str(),
+        OsStr::new("--landlock"),
+        OsStr::new("false"),
+    ]);
+    let dir = old
+        .client("client", &[], &[], 2)
+        .client_dir(&env.path("client-dir"), &old);
+    let socket = env.path("client.sock");
+    let client = NbdgwProcess::client(
+        socket.as_os_str(),
+        [
+            OsStr::new("--server"),
+            OsStr::new(&format!("localhost:{}", gateway.port)),
+            OsStr::new("--tls-dir"),
+            dir.as_os_str(),
+            OsStr::new("--tls-reload-interval"),
+            OsStr::new("1"),
+        ],
+    );
+    let size = || run(Command::new("nbdinfo").arg("--size").arg(unix_uri(&socket)));
+    assert!(!size().status.success(), "untrusted before the rotation");
+    client.wait_for_log("UnknownIssuer", 1);
+
+    // A broken bundle is refused and the previous one kept ...
+    std::fs::write(dir.join("ca-cert.pem"), "-----BEGIN CERTIFICATE-----\n").unwrap();
+    client.wait_for_log("client TLS reload failed", 1);
+    // ... and the new bundle taken.
+    std::fs::write(dir.join("ca-cert.pem"), format!("{}{}", old.pem, new.pem)).unwrap();
+    client.wait_for_log("client TLS reloaded", 1);
+    let out = size();
+    assert!(out.status.success(), "{}", common::clients::text(&out));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "1048576");
+}

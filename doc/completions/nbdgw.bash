@@ -323,7 +323,7 @@ _nbdgw() {
             return 0
             ;;
         nbdgw__subcmd__client)
-            opts="-h --listen --server --server-name --tls-dir --tls-ca --tls-cert --tls-key --tls-min-version --server-timeout --handshake-timeout --idle-timeout --stall-timeout --tcp-keepalive --max-payload --max-option-len --max-connections --shutdown-grace --admin-listen --threads --log-format --help"
+            opts="-h --listen --server --server-name --tls-dir --tls-ca --tls-cert --tls-key --tls-min-version --tls-reload-interval --server-timeout --handshake-timeout --idle-timeout --stall-timeout --tcp-keepalive --max-payload --max-option-len --max-connections --shutdown-grace --admin-listen --threads --log-format --help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -359,6 +359,10 @@ _nbdgw() {
                     ;;
                 --tls-min-version)
                     COMPREPLY=($(compgen -W "1.2 1.3" -- "${cur}"))
+                    return 0
+                    ;;
+                --tls-reload-interval)
+                    COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
                 --server-timeout)

@@ -120,6 +120,7 @@ complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l tls-cert -d 'Clie
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l tls-key -d 'The client certificate\'s private key (PEM)' -r -F
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l tls-min-version -d 'Oldest TLS version offered to the server' -r -f -a "1.2\t'The NBD spec requires servers to support TLS 1.2'
 1.3\t''"
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l tls-reload-interval -d 'Seconds between looks at the TLS files for changes (a new CA bundle or client certificate is used by new connections); 0 reloads only on SIGHUP' -r
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l server-timeout -d 'Seconds the server may take to accept, greet and finish TLS, and then to answer each option; a local client then hears why. Keep it below --handshake-timeout' -r
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l handshake-timeout -d 'Seconds a local client has from connecting to finishing negotiation' -r
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l idle-timeout -d 'Seconds a connection may sit with no request in flight; 0 never closes it' -r

@@ -97,7 +97,7 @@ async fn connect_and_secure(settings: &ClientSettings) -> Result<Remote, RemoteE
                 error,
             })?;
     let tcp = starttls(tcp, settings).await?;
-    let connector = tokio_rustls::TlsConnector::from(settings.tls.clone());
+    let connector = tokio_rustls::TlsConnector::from(settings.tls.current());
     let tls = connector
         .connect_with(settings.server_name.clone(), tcp, |conn| {
             conn.set_buffer_limit(Some(TLS_BUFFER_LIMIT))

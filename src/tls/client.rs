@@ -14,6 +14,8 @@ use rustls::{ClientConfig, RootCertStore};
 
 use super::TlsConfigError;
 use super::{certificates, crls, private_key, provider, CertInfo, MinVersion, PemFile};
+use crate::reload::{ReloadOutcome, Swap, Trigger, Triggers};
+use tracing::{error, info};
 
 /// Where the client-side files come from: a directory, with any file
 /// overridden by its own flag.
@@ -107,24 +109,46 @@ pub struct LoadedClient {
     pub identity: Option<CertInfo>,
 }
 
-/// Reads the files and builds the configuration every remote connection
-/// uses.
+/// The bytes of every file, read in one go: what a configuration is built
+/// from, and what a poll compares to notice rotation.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ClientMaterial {
+    ca: PemFile,
+    crl: Option<PemFile>,
+    identity: Option<(PemFile, PemFile)>,
+}
+
+impl ClientMaterial {
+    /// Every file `paths` names must be there: one present at start and
+    /// gone now is an error, never a quieter configuration.
+    pub fn read(paths: &ClientTlsPaths) -> Result<Self, TlsConfigError> {
+        Ok(ClientMaterial {
+            ca: PemFile::read(&paths.ca)?,
+            crl: paths.crl.as_deref().map(PemFile::read).transpose()?,
+            identity: match &paths.identity {
+                Some((cert, key)) => Some((PemFile::read(cert)?, PemFile::read(key)?)),
+                None => None,
+            },
+        })
+    }
+}
+
+/// Builds the configuration every remote connection uses.
 pub fn build_client(
-    paths: &ClientTlsPaths,
+    material: &ClientMaterial,
     min_version: MinVersion,
 ) -> Result<LoadedClient, TlsConfigError> {
-    let ca_file = PemFile::read(&paths.ca)?;
     let ca_err = |error: String| TlsConfigError::ServerCa {
-        path: paths.ca.clone(),
+        path: material.ca.path.clone(),
         error,
     };
     let mut roots = RootCertStore::empty();
-    for ca in certificates(&ca_file, "server CA")? {
+    for ca in certificates(&material.ca, "server CA")? {
         roots.add(ca).map_err(|e| ca_err(e.to_string()))?;
     }
     let cas = roots.len();
-    let crl_list = match &paths.crl {
-        Some(path) => crls(&PemFile::read(path)?)?,
+    let crl_list = match &material.crl {
+        Some(file) => crls(file)?,
         None => Vec::new(),
     };
     let crl_count = crl_list.len();
@@ -137,21 +161,19 @@ pub fn build_client(
         .with_protocol_versions(min_version.versions())
         .map_err(|e| ca_err(e.to_string()))?
         .with_webpki_verifier(verifier);
-    let (mut config, identity) = match &paths.identity {
+    let (mut config, identity) = match &material.identity {
         Some((cert, key)) => {
-            let cert_file = PemFile::read(cert)?;
-            let key_file = PemFile::read(key)?;
-            let chain = certificates(&cert_file, "certificate")?;
+            let chain = certificates(cert, "certificate")?;
             let info =
                 CertInfo::from_der(&chain[0]).map_err(|error| TlsConfigError::Unparsable {
-                    path: cert.clone(),
+                    path: cert.path.clone(),
                     error,
                 })?;
             let config = builder
-                .with_client_auth_cert(chain, private_key(&key_file)?)
+                .with_client_auth_cert(chain, private_key(key)?)
                 .map_err(|error| TlsConfigError::Rustls {
-                    cert: cert.clone(),
-                    key: key.clone(),
+                    cert: cert.path.clone(),
+                    key: key.path.clone(),
                     error,
                 })?;
             (config, Some(info))
@@ -170,6 +192,81 @@ pub fn build_client(
     })
 }
 
+/// Rotation for the client side, as the server side has it: SIGHUP or a
+/// poll that finds the files' bytes changed builds a new configuration
+/// for new connections; a broken set keeps the previous one, and says so.
+pub struct ClientReloader {
+    paths: ClientTlsPaths,
+    min_version: MinVersion,
+    last_seen: Result<ClientMaterial, String>,
+    store: Arc<Swap<ClientConfig>>,
+}
+
+impl ClientReloader {
+    /// Reads and builds once; an error here stops the start.
+    pub fn start(
+        paths: ClientTlsPaths,
+        min_version: MinVersion,
+    ) -> Result<(Self, LoadedClient), TlsConfigError> {
+        let material = ClientMaterial::read(&paths)?;
+        let loaded = build_client(&material, min_version)?;
+        let reloader = ClientReloader {
+            paths,
+            min_version,
+            last_seen: Ok(material),
+            store: Arc::new(Swap::new(loaded.config.clone())),
+        };
+        Ok((reloader, loaded))
+    }
+
+    /// What each new remote connection reads its configuration from.
+    pub fn store(&self) -> Arc<Swap<ClientConfig>> {
+        self.store.clone()
+    }
+
+    pub fn check(&mut self, trigger: Trigger) -> ReloadOutcome {
+        let seen = ClientMaterial::read(&self.paths).map_err(|e| e.to_string());
+        if trigger == Trigger::Poll && seen == self.last_seen {
+            return ReloadOutcome::Unchanged;
+        }
+        self.last_seen = seen.clone();
+        let built = seen.and_then(|material| {
+            build_client(&material, self.min_version).map_err(|e| e.to_string())
+        });
+        match built {
+            Ok(loaded) => {
+                let identity = loaded
+                    .identity
+                    .as_ref()
+                    .map_or_else(|| "none".to_string(), |i| i.to_string());
+                info!(cas = loaded.cas, crls = loaded.crls, client_certificate = %identity, "client TLS reloaded");
+                self.store.replace(loaded.config);
+                ReloadOutcome::Reloaded
+            }
+            Err(e) => {
+                error!(
+                    error = %e,
+                    ?trigger,
+                    "client TLS reload failed; new connections keep the previous CA and certificate"
+                );
+                ReloadOutcome::Failed
+            }
+        }
+    }
+
+    /// Reloads on SIGHUP and whenever a poll every `interval` (if any)
+    /// finds the files changed, until the process ends.
+    pub async fn watch(mut self, interval: Option<std::time::Duration>) {
+        let mut triggers = Triggers::new(interval, "client certificates");
+        while let Some(trigger) = triggers.next().await {
+            if trigger == Trigger::Signal {
+                info!("SIGHUP received: reloading client TLS files");
+            }
+            self.check(trigger);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -186,9 +283,16 @@ mod tests {
         let paths = sources.resolve().unwrap();
         assert_eq!(paths.layout, Some("libnbd/qemu"));
         assert_eq!(paths.ca, out.join("ca-cert.pem"));
-        let loaded = build_client(&paths, MinVersion::Tls12).unwrap();
+        let (mut reloader, loaded) =
+            ClientReloader::start(paths.clone(), MinVersion::Tls12).unwrap();
         assert_eq!(loaded.cas, 1);
         assert!(loaded.identity.is_some());
+        assert_eq!(reloader.check(Trigger::Poll), ReloadOutcome::Unchanged);
+        std::fs::write(out.join("ca-cert.pem"), "not a certificate").unwrap();
+        assert_eq!(reloader.check(Trigger::Poll), ReloadOutcome::Failed);
+        assert_eq!(reloader.check(Trigger::Signal), ReloadOutcome::Failed);
+        crate::certs::for_test(&out, "localhost", 3);
+        assert_eq!(reloader.check(Trigger::Poll), ReloadOutcome::Reloaded);
 
         std::fs::remove_file(out.join("client-key.pem")).unwrap();
         let err = sources.resolve().unwrap_err().to_string();
