@@ -53,6 +53,26 @@ class Stats:
         self.latency = collections.defaultdict(list)
         self.acked_writes = 0
         self.mismatches = []
+        # (start, end) of each fault that may make a connect fail (the
+        # upstream down, the client's CA file being rewritten), and of
+        # each failed connect attempt with its error.
+        self.windows = []
+        self.connect_errors = []
+
+    def window(self, start, end):
+        with self.lock:
+            self.windows.append((start, end))
+
+    def connect_failed(self, start, end, error):
+        with self.lock:
+            self.connect_errors.append((start, end, error))
+
+    def unexplained_connect_errors(self, slack=1.0):
+        """Failed connects that overlap no fault window (widened by
+        `slack` seconds for the attempt already under way and the
+        restarted upstream's first moments)."""
+        return [(s, e, err) for s, e, err in self.connect_errors
+                if not any(s <= we + slack and e >= ws - slack for ws, we in self.windows)]
 
     def op(self, kind, seconds):
         with self.lock:
@@ -113,15 +133,20 @@ def connect(uri):
     return h
 
 
-def client_loop(cid, region, uri, stats, stop):
+def client_loop(cid, region, uri, stats, stop, start_together):
     rng = random.Random(cid)
     h, generation = None, 0
+    # Every client's first connect at the same instant: a host's VMs
+    # after a gateway restart.
+    start_together.wait()
     while not stop.is_set():
         if h is None:
+            attempt = time.time()
             try:
                 h = connect(uri)
-            except nbd.Error:
-                stats.error("connect (upstream down or restarting)")
+            except nbd.Error as e:
+                stats.error("connect")
+                stats.connect_failed(attempt, time.time(), short(e))
                 time.sleep(0.2)
                 continue
         blocks = rng.choice([1, 1, 1, 4, 16])
@@ -334,12 +359,17 @@ def faults(procs, certs, stats, stop, rng, every):
                 t.sendall(b"".join(request(CMD_READ, c, 0, 1 << 20) for c in range(32)))
                 threading.Timer(8, t.close).start()
             elif kind == "upstream restart":
+                began = time.time()
                 procs.restart_qemu()
+                stats.window(began, time.time())
             elif kind == "certificate rotation":
+                # Clients read the same files (the CA is kept, rewritten).
+                began = time.time()
                 subprocess.run([NBDGW, "certs", "--out", certs, "--force", "--server-name", procs.host,
                                 "--ca-cert", os.path.join(certs, "ca-cert.pem"),
                                 "--ca-key", os.path.join(certs, "ca-key.pem")],
                                check=True, stdout=subprocess.DEVNULL)
+                stats.window(began, time.time())
                 if not serves_new_certificate(procs, certs):
                     stats.error("rotation: new sessions never got the new certificate")
             else:
@@ -406,7 +436,9 @@ def main():
         uri = f"nbds://{args.host}:{port}/?tls-certificates={certs}"
         stats, stop = Stats(), threading.Event()
         span = size // args.clients // BLOCK * BLOCK
-        workers = [threading.Thread(target=client_loop, args=(c, Region(c * span, span), uri, stats, stop))
+        start_together = threading.Barrier(args.clients)
+        workers = [threading.Thread(target=client_loop,
+                                    args=(c, Region(c * span, span), uri, stats, stop, start_together))
                    for c in range(args.clients)]
         faulter = threading.Thread(target=faults, args=(procs, certs, stats, stop, random.Random(args.seed),
                                                         args.fault_every))
@@ -437,7 +469,11 @@ def main():
               f"RSS {rss_burst:.1f} MiB, descriptors {fds_burst}")
         slowest = max((max(v) for v in stats.latency.values() if v), default=0.0)
         print(f"slowest successful operation: {slowest * 1000:.0f} ms")
+        unexplained = stats.unexplained_connect_errors()
+        print(f"connect errors: {len(stats.connect_errors)}, not explained by an injected fault: "
+              f"{len(unexplained)} {unexplained[:5]}")
         ok = (not stats.mismatches and procs.gw.returncode == 0
+              and not unexplained
               and not any(k.startswith("rotation") for k in stats.errors)
               and (not args.max_op_seconds or slowest <= args.max_op_seconds)
               and max(fds_after, fds_burst) <= fds_before

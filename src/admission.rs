@@ -1,10 +1,13 @@
 //! Who gets a slot. Peers that have not yet authenticated draw from a
 //! budget of their own (`--max-handshakes`, at most
-//! `--max-handshakes-per-source` from one source, with a short queue),
-//! apart from the authenticated sessions (`--max-connections`), so a flood
-//! of silent or slow connections can delay other handshakes but never
-//! takes an established session's place, and one source cannot hold all
-//! the handshake slots. A source is a prefix, not an address
+//! `--max-handshakes-per-source` from one source), apart from the
+//! authenticated sessions (`--max-connections`), so a flood of silent or
+//! slow connections can delay other handshakes but never takes an
+//! established session's place, and one source cannot hold all the
+//! handshake slots. Connections beyond a source's share are not refused:
+//! they wait (`--handshake-queue`, `--handshake-queue-per-source`, each
+//! costing a descriptor and no buffers; see `fair` for the order), so
+//! the VMs of one host reconnecting together are all served. A source is a prefix, not an address
 //! (`--source-prefix-v6`, default /64; `--source-prefix-v4`, default /32):
 //! one IPv6 host is routinely given a whole /64, so keyed by address it
 //! could be as many sources as it cares to configure addresses. Authenticated sessions are capped per client
@@ -24,6 +27,8 @@
 //! every rule. Clients without certificates (no client CA) are one
 //! identity together.
 
+mod fair;
+
 use std::collections::HashMap;
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -32,15 +37,12 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use thiserror::Error;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, warn};
 
 use crate::config::Config;
-
-/// How long a connection may wait for a handshake slot once all are taken.
-/// Long enough to ride out a burst of reconnecting VMs; short enough that
-/// a waiting peer costs a descriptor for moments, not minutes.
-pub const HANDSHAKE_QUEUE_WAIT: Duration = Duration::from_secs(2);
+use crate::metrics::Metrics;
+use fair::{Arrival, Bounds, FairQueue};
 /// Refusals are summed up in one log line this often, so a flood cannot
 /// turn into a flood of log lines.
 const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
@@ -140,11 +142,11 @@ pub fn source_key(ip: IpAddr, v4_prefix: u8, v6_prefix: u8) -> Source {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
 pub enum Refusal {
-    #[error("--max-handshakes-per-source ({limit}) reached for {prefix}")]
+    #[error("--handshake-queue-per-source ({limit}) reached for {prefix}: its handshakes (--max-handshakes-per-source) and its waiting places are all taken")]
     SourceBusy { limit: usize, prefix: Source },
-    #[error("--max-handshakes ({0}) reached and the queue is full")]
+    #[error("--handshake-queue ({0}) full: shed as the longest waiter of the source with the most waiting")]
     QueueFull(usize),
-    #[error("no handshake slot within {0:?} (--max-handshakes reached)")]
+    #[error("no handshake slot within {0:?} (--handshake-queue-timeout)")]
     QueueTimeout(Duration),
     #[error("--max-connections ({0}) reached")]
     SessionsFull(usize),
@@ -156,8 +158,8 @@ impl Refusal {
     /// The `reason` label of a refused session: a fixed few values.
     pub fn metric_reason(&self) -> &'static str {
         match self {
-            Refusal::SourceBusy { .. } => "per_source",
-            Refusal::QueueFull(_) => "queue_full",
+            Refusal::SourceBusy { .. } => "source_queue_full",
+            Refusal::QueueFull(_) => "shed_busiest_source",
             Refusal::QueueTimeout(_) => "queue_timeout",
             Refusal::SessionsFull(_) => "max_connections",
             Refusal::IdentityFull(_) => "per_identity",
@@ -199,13 +201,11 @@ impl Identity {
 }
 
 pub struct Admission {
-    handshakes: Arc<Semaphore>,
-    max_handshakes: usize,
-    /// Connections waiting for a handshake slot; at most `max_handshakes`.
-    queued: Semaphore,
-    per_source_limit: usize,
+    /// Handshake slots and the connections waiting for one.
+    slots: Mutex<FairQueue<Source, oneshot::Sender<HandshakePermit>>>,
+    bounds: Bounds,
+    queue_timeout: Duration,
     prefixes: SourcePrefixes,
-    per_source: Mutex<HashMap<Source, usize>>,
     sessions: Arc<Semaphore>,
     max_sessions: usize,
     per_identity_limit: usize,
@@ -213,18 +213,30 @@ pub struct Admission {
     /// session, so this never holds more entries than there are sessions.
     per_identity: Arc<IdentityCounts>,
     refusals: RefusalLog,
+    metrics: Arc<Metrics>,
 }
 
-/// One connection counted against its source prefix until dropped.
-pub struct SourceClaim {
-    admission: Arc<Admission>,
+/// A connection's place at accept: a handshake slot already, or a place
+/// in its source's line.
+pub struct Place {
     source: Source,
+    state: PlaceState,
 }
 
-/// Held from accept until the client has authenticated.
+enum PlaceState {
+    Granted(HandshakePermit),
+    Waiting {
+        ticket: u64,
+        granted: oneshot::Receiver<HandshakePermit>,
+    },
+}
+
+/// Held from accept until the client has authenticated: one of its
+/// source's handshake slots, given to the next waiter in turn on drop.
 pub struct HandshakePermit {
-    _slot: OwnedSemaphorePermit,
-    _source: SourceClaim,
+    admission: Arc<Admission>,
+    /// `None` once given back (a waiter gone before its slot came).
+    source: Option<Source>,
 }
 
 /// Held for as long as an authenticated session lasts.
@@ -241,75 +253,135 @@ struct IdentityClaim {
     identity: Identity,
 }
 
-/// As `Admission::sources`: one increment or decrement at a time, never
-/// half done.
+/// As `Admission::slots`: every change is made whole under the lock.
 fn lock_counts(counts: &IdentityCounts) -> MutexGuard<'_, HashMap<Identity, usize>> {
     counts.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Admission {
     pub fn new(config: &Config) -> Arc<Self> {
+        let bounds = Bounds {
+            budget: config.max_handshakes,
+            cap: config.max_handshakes_per_source,
+            waiting: config.handshake_queue,
+            waiting_per_source: config.handshake_queue_per_source,
+        };
         Arc::new(Admission {
-            handshakes: Arc::new(Semaphore::new(config.max_handshakes)),
-            max_handshakes: config.max_handshakes,
-            queued: Semaphore::new(config.max_handshakes),
-            per_source_limit: config.max_handshakes_per_source,
+            slots: Mutex::new(FairQueue::new(bounds)),
+            bounds,
+            queue_timeout: config.handshake_queue_timeout,
             prefixes: config.source_prefixes,
-            per_source: Mutex::default(),
             sessions: Arc::new(Semaphore::new(config.max_connections)),
             max_sessions: config.max_connections,
             per_identity_limit: config.max_sessions_per_identity,
             per_identity: Arc::default(),
             refusals: RefusalLog::default(),
+            metrics: config.metrics.clone(),
         })
     }
 
-    fn sources(&self) -> MutexGuard<'_, HashMap<Source, usize>> {
-        // Each change is one increment or decrement: never half done.
-        self.per_source
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+    fn slots(&self) -> MutexGuard<'_, FairQueue<Source, oneshot::Sender<HandshakePermit>>> {
+        // Every change is made whole under the lock (no call in it can
+        // panic half way), so a poisoned one is still consistent.
+        self.slots.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// At accept, without waiting: counts the connection against its
-    /// source prefix, or refuses it.
-    pub fn claim_source(self: &Arc<Self>, peer: SocketAddr) -> Result<SourceClaim, Refusal> {
+    fn show(&self, queue: &FairQueue<Source, oneshot::Sender<HandshakePermit>>) {
+        self.metrics
+            .handshakes_in_progress
+            .set(queue.in_use() as i64);
+        self.metrics.handshakes_waiting.set(queue.waiting() as i64);
+    }
+
+    /// At accept, without waiting: a handshake slot, a place in line, or
+    /// a refusal when the source's line is full. A waiter shed to make
+    /// room is told so through its own task.
+    pub fn arrive(self: &Arc<Self>, peer: SocketAddr) -> Result<Place, Refusal> {
         let source = self.prefixes.source_of(peer.ip());
-        let mut sources = self.sources();
-        let held = sources.entry(source).or_insert(0);
-        if *held >= self.per_source_limit {
-            return Err(Refusal::SourceBusy {
-                limit: self.per_source_limit,
-                prefix: source,
-            });
-        }
-        *held += 1;
-        Ok(SourceClaim {
-            admission: self.clone(),
-            source,
-        })
-    }
-
-    /// A handshake slot, at once or after a short wait in the queue.
-    pub async fn handshake(&self, source: SourceClaim) -> Result<HandshakePermit, Refusal> {
-        let slot = match self.handshakes.clone().try_acquire_owned() {
-            Ok(slot) => slot,
-            Err(_) => {
-                let _place = self
-                    .queued
-                    .try_acquire()
-                    .map_err(|_| Refusal::QueueFull(self.max_handshakes))?;
-                let wait = self.handshakes.clone().acquire_owned();
-                tokio::time::timeout(HANDSHAKE_QUEUE_WAIT, wait)
-                    .await
-                    .map_err(|_| Refusal::QueueTimeout(HANDSHAKE_QUEUE_WAIT))?
-                    .map_err(|_| Refusal::QueueFull(self.max_handshakes))?
+        let (tx, granted) = oneshot::channel();
+        let mut slots = self.slots();
+        let arrival = slots.arrive(source, tx);
+        self.show(&slots);
+        drop(slots);
+        let state = match arrival {
+            Arrival::Go => PlaceState::Granted(HandshakePermit {
+                admission: self.clone(),
+                source: Some(source),
+            }),
+            // Dropping the shed waiter's sender wakes it with the news.
+            Arrival::Wait { ticket, shed } => {
+                drop(shed);
+                PlaceState::Waiting { ticket, granted }
+            }
+            Arrival::SourceLineFull => {
+                return Err(Refusal::SourceBusy {
+                    limit: self.bounds.waiting_per_source,
+                    prefix: source,
+                })
             }
         };
-        Ok(HandshakePermit {
-            _slot: slot,
-            _source: source,
-        })
+        Ok(Place { source, state })
+    }
+
+    /// The handshake slot: at once, or once this connection's turn comes
+    /// (within `--handshake-queue-timeout`).
+    pub async fn handshake(self: &Arc<Self>, place: Place) -> Result<HandshakePermit, Refusal> {
+        let Place { source, state } = place;
+        let (ticket, mut granted) = match state {
+            PlaceState::Granted(permit) => return Ok(permit),
+            PlaceState::Waiting { ticket, granted } => (ticket, granted),
+        };
+        self.metrics.handshake_waits.inc();
+        let since = Instant::now();
+        let result = match tokio::time::timeout(self.queue_timeout, &mut granted).await {
+            Ok(Ok(permit)) => Ok(permit),
+            Ok(Err(_)) => Err(Refusal::QueueFull(self.bounds.waiting)),
+            Err(_) => {
+                let mut slots = self.slots();
+                let gave_up = slots.cancel(source, ticket);
+                self.show(&slots);
+                drop(slots);
+                match gave_up {
+                    true => Err(Refusal::QueueTimeout(self.queue_timeout)),
+                    // Its turn came as the time ran out: take it.
+                    false => granted
+                        .try_recv()
+                        .map_err(|_| Refusal::QueueFull(self.bounds.waiting)),
+                }
+            }
+        };
+        if result.is_ok() {
+            self.metrics
+                .handshake_wait_seconds
+                .observe(since.elapsed().as_secs_f64());
+        }
+        result
+    }
+
+    /// A slot of `source` is free: to the next waiter in turn, skipping
+    /// any that went away before their turn came.
+    fn release(self: &Arc<Self>, mut source: Source) {
+        loop {
+            let mut slots = self.slots();
+            let next = slots.release(source);
+            self.show(&slots);
+            drop(slots);
+            let Some((to, waiter)) = next else {
+                return;
+            };
+            let permit = HandshakePermit {
+                admission: self.clone(),
+                source: Some(to),
+            };
+            match waiter.send(permit) {
+                Ok(()) => return,
+                // Gone: its slot is free again, without recursing in drop.
+                Err(mut permit) => {
+                    permit.source = None;
+                    source = to;
+                }
+            }
+        }
     }
 
     /// A session slot for a client that has just authenticated as
@@ -345,8 +417,10 @@ impl Admission {
         })
     }
 
-    /// Logs a refusal: each at debug, a summary at warn every ten seconds.
+    /// Counts and logs a refusal before the handshake: each at debug, a
+    /// summary at warn every ten seconds.
     pub fn log_refusal(&self, peer: SocketAddr, refusal: Refusal) {
+        self.metrics.handshake_refused(refusal.metric_reason());
         debug!(%peer, reason = %refusal, "connection refused");
         if let Some(count) = self.refusals.due() {
             warn!(
@@ -360,14 +434,10 @@ impl Admission {
     }
 }
 
-impl Drop for SourceClaim {
+impl Drop for HandshakePermit {
     fn drop(&mut self) {
-        let mut sources = self.admission.sources();
-        if let Some(held) = sources.get_mut(&self.source) {
-            *held -= 1;
-            if *held == 0 {
-                sources.remove(&self.source);
-            }
+        if let Some(source) = self.source.take() {
+            self.admission.release(source);
         }
     }
 }
@@ -409,6 +479,7 @@ mod tests {
     use super::*;
 
     fn admission(handshakes: usize, per_source: usize, sessions: usize) -> Arc<Admission> {
+        // Waiting places beyond what any test here fills.
         let tls = crate::tls::TlsStore::fixed(test_server_config());
         let mut config = Config::new("/nonexistent".into(), tls);
         config.max_handshakes = handshakes;
@@ -431,39 +502,94 @@ mod tests {
         SocketAddr::new(ip.parse().unwrap(), port)
     }
 
-    #[test]
-    fn one_source_cannot_hold_more_than_its_share() {
-        let a = admission(64, 2, 10);
-        let first = a.claim_source(peer("192.0.2.1", 1)).unwrap();
-        let second = a.claim_source(peer("192.0.2.1", 2)).unwrap();
-        assert_eq!(
-            a.claim_source(peer("192.0.2.1", 3))
-                .err()
-                .map(|r| r.to_string()),
-            Some("--max-handshakes-per-source (2) reached for 192.0.2.1/32".to_owned())
-        );
-        // The same address as IPv4-mapped IPv6 is the same source.
-        assert!(a.claim_source(peer("::ffff:192.0.2.1", 4)).is_err());
-        let other = a.claim_source(peer("192.0.2.2", 1)).unwrap();
-        drop(first);
-        let third = a.claim_source(peer("192.0.2.1", 5)).unwrap();
-        // Every claim given back leaves nothing behind.
-        drop((second, third, other));
-        assert!(a.sources().is_empty());
+    /// The slots `a` has handed out and the connections waiting.
+    fn counts(a: &Admission) -> (usize, usize) {
+        let slots = a.slots();
+        (slots.in_use(), slots.waiting())
     }
 
     #[tokio::test(start_paused = true)]
-    async fn handshakes_queue_briefly_and_sessions_have_their_own_budget() {
+    async fn one_source_beyond_its_share_waits_its_turn_and_others_go_first() {
+        let a = admission(64, 2, 10);
+        let first = a
+            .handshake(a.arrive(peer("192.0.2.1", 1)).unwrap())
+            .await
+            .unwrap();
+        let second = a
+            .handshake(a.arrive(peer("192.0.2.1", 2)).unwrap())
+            .await
+            .unwrap();
+        // The same address as IPv4-mapped IPv6 is the same source: it waits.
+        let third = a.arrive(peer("::ffff:192.0.2.1", 3)).unwrap();
+        assert_eq!(counts(&a), (2, 1));
+        // Another source is not held up.
+        let other = a
+            .handshake(a.arrive(peer("192.0.2.2", 1)).unwrap())
+            .await
+            .unwrap();
+        // A slot its source gives back is the waiter's.
+        let (third, ()) = tokio::join!(a.handshake(third), async { drop(first) });
+        let third = third.unwrap();
+        assert_eq!(counts(&a), (3, 0));
+        // Every slot given back leaves nothing behind.
+        drop((second, third, other));
+        assert_eq!(counts(&a), (0, 0));
+        assert_eq!(a.metrics.handshake_waits.get(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn waiting_is_bounded_in_time_and_in_places() {
+        let tls = crate::tls::TlsStore::fixed(test_server_config());
+        let mut config = Config::new("/nonexistent".into(), tls);
+        config.max_handshakes = 1;
+        config.handshake_queue = 3;
+        config.handshake_queue_per_source = 2;
+        let a = Admission::new(&config);
+        let held = a
+            .handshake(a.arrive(peer("192.0.2.1", 1)).unwrap())
+            .await
+            .unwrap();
+        // Its turn does not come in time.
+        let waited = a
+            .handshake(a.arrive(peer("192.0.2.1", 2)).unwrap())
+            .await
+            .err();
+        assert_eq!(
+            waited,
+            Some(Refusal::QueueTimeout(Duration::from_secs(
+                crate::config::DEFAULT_HANDSHAKE_QUEUE_TIMEOUT_SECS
+            )))
+        );
+        assert_eq!(counts(&a), (1, 0), "the one that gave up left its place");
+        // Its source's line full: refused at once, naming the prefix.
+        let a1 = a.arrive(peer("192.0.2.1", 3)).unwrap();
+        let a2 = a.arrive(peer("192.0.2.1", 4)).unwrap();
+        assert_eq!(
+            a.arrive(peer("192.0.2.1", 5)).err().map(|r| r.to_string()).as_deref(),
+            Some("--handshake-queue-per-source (2) reached for 192.0.2.1/32: its handshakes (--max-handshakes-per-source) and its waiting places are all taken")
+        );
+        // Every place taken: the busiest source's longest waiter is shed.
+        let b1 = a.arrive(peer("198.51.100.1", 1)).unwrap();
+        let c1 = a.arrive(peer("203.0.113.1", 1)).unwrap();
+        assert_eq!(a.handshake(a1).await.err(), Some(Refusal::QueueFull(3)));
+        // Turns go by source, in the order the sources lined up: a (its
+        // second), then b, then c.
+        let (a2, ()) = tokio::join!(a.handshake(a2), async { drop(held) });
+        let a2 = a2.unwrap();
+        let (b1, ()) = tokio::join!(a.handshake(b1), async { drop(a2) });
+        let b1 = b1.unwrap();
+        let (c1, ()) = tokio::join!(a.handshake(c1), async { drop(b1) });
+        drop(c1.unwrap());
+        assert_eq!(counts(&a), (0, 0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn sessions_have_their_own_budget() {
         let a = admission(1, 8, 1);
-        let source = |port| a.claim_source(peer("192.0.2.1", port)).unwrap();
-        let held = a.handshake(source(1)).await.unwrap();
-        // All handshake slots busy: one more waits, then gives up.
-        let waited = a.handshake(source(2)).await.err();
-        assert_eq!(waited, Some(Refusal::QueueTimeout(HANDSHAKE_QUEUE_WAIT)));
-        // A slot freed while waiting is taken.
-        let waiting = a.handshake(source(3));
-        let (got, ()) = tokio::join!(waiting, async { drop(held) });
-        let _permit = got.unwrap();
+        let _handshake = a
+            .handshake(a.arrive(peer("192.0.2.1", 1)).unwrap())
+            .await
+            .unwrap();
         // Sessions do not depend on handshake slots.
         let session = a.session(Identity::Anonymous).unwrap();
         assert_eq!(
@@ -571,30 +697,30 @@ mod tests {
         );
     }
 
-    #[test]
-    fn one_slash_64_is_one_source_and_another_is_not_held_up() {
+    #[tokio::test(start_paused = true)]
+    async fn one_slash_64_is_one_source_and_another_is_not_held_up() {
         let a = admission(64, 3, 10);
         // Many addresses of one /64, as one host may configure.
-        let held: Vec<_> = (1..=3u16)
+        let mut held = Vec::new();
+        for i in 1..=3u16 {
+            let place = a.arrive(peer(&format!("2001:db8:1:2::{i:x}"), 1)).unwrap();
+            held.push(a.handshake(place).await.unwrap());
+        }
+        let waiting: Vec<_> = (4..40u16)
             .map(|i| {
-                a.claim_source(peer(&format!("2001:db8:1:2::{i:x}"), 1))
+                a.arrive(peer(&format!("2001:db8:1:2:{i:x}::{i:x}"), 1))
                     .unwrap()
             })
             .collect();
-        for i in 4..40u16 {
-            let refused = a
-                .claim_source(peer(&format!("2001:db8:1:2:{i:x}::{i:x}"), 1))
-                .err()
-                .map(|r| r.to_string());
-            assert_eq!(
-                refused.as_deref(),
-                Some("--max-handshakes-per-source (3) reached for 2001:db8:1:2::/64")
-            );
-        }
-        // The neighbouring /64 is another source.
-        let other = a.claim_source(peer("2001:db8:1:3::1", 1)).unwrap();
-        drop((held, other));
-        assert!(a.sources().is_empty());
+        assert_eq!(counts(&a), (3, 36));
+        // The neighbouring /64 is another source: a slot at once.
+        let other = a
+            .handshake(a.arrive(peer("2001:db8:1:3::1", 1)).unwrap())
+            .await
+            .unwrap();
+        drop((held, other, waiting));
+        // The waiters gone, their places are given back as their turns come.
+        assert_eq!(counts(&a), (0, 0));
     }
 
     /// `a` and `b` agree in their first `len` of `width` bits.

@@ -322,13 +322,26 @@ pub struct ServeArgs {
     pub max_sessions_per_identity: Option<usize>,
     /// Connections still negotiating (before their client certificate is
     /// verified) served at once, apart from --max-connections; more wait
-    /// briefly in a short queue, then are closed.
+    /// their turn (see --handshake-queue).
     #[arg(long, env = "NBDGW_MAX_HANDSHAKES", default_value_t = config::DEFAULT_MAX_HANDSHAKES)]
     pub max_handshakes: usize,
     /// Of those, how many one source (see --source-prefix-v4 and
     /// --source-prefix-v6) may hold.
     #[arg(long, env = "NBDGW_MAX_HANDSHAKES_PER_SOURCE", default_value_t = config::DEFAULT_MAX_HANDSHAKES_PER_SOURCE)]
     pub max_handshakes_per_source: usize,
+    /// Connections that may wait for a handshake slot, all sources
+    /// together (one descriptor each, no buffers); when full, the longest
+    /// waiter of the source with the most waiting makes room.
+    #[arg(long, env = "NBDGW_HANDSHAKE_QUEUE", default_value_t = config::DEFAULT_HANDSHAKE_QUEUE)]
+    pub handshake_queue: usize,
+    /// Of those, how many one source may have waiting; more from it are
+    /// closed at accept.
+    #[arg(long, env = "NBDGW_HANDSHAKE_QUEUE_PER_SOURCE", default_value_t = config::DEFAULT_HANDSHAKE_QUEUE_PER_SOURCE)]
+    pub handshake_queue_per_source: usize,
+    /// Seconds a connection may wait for its handshake slot before it is
+    /// closed.
+    #[arg(long, env = "NBDGW_HANDSHAKE_QUEUE_TIMEOUT", default_value_t = config::DEFAULT_HANDSHAKE_QUEUE_TIMEOUT_SECS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub handshake_queue_timeout: u64,
     /// Leading bits of an IPv4 address (0 to 32) that make one source for
     /// --max-handshakes-per-source; IPv4-mapped IPv6 peers count as IPv4.
     #[arg(long, env = "NBDGW_SOURCE_PREFIX_V4", value_name = "BITS", default_value_t = config::DEFAULT_SOURCE_PREFIX_V4)]

@@ -41,6 +41,15 @@ pub struct Config {
     pub max_handshakes_per_source: usize,
     /// Which addresses are one source for `max_handshakes_per_source`.
     pub source_prefixes: SourcePrefixes,
+    /// Connections that may wait for a handshake slot, all sources
+    /// together; beyond it the longest waiter of the source with the most
+    /// waiting is shed.
+    pub handshake_queue: usize,
+    /// Of those, how many from one source; beyond it its connections are
+    /// closed at accept.
+    pub handshake_queue_per_source: usize,
+    /// How long a connection may wait for its handshake slot.
+    pub handshake_queue_timeout: Duration,
     /// From accept until transmission starts (or the connection ends).
     pub handshake_timeout: Duration,
     /// Bounds each step of talking to an upstream in negotiation: the
@@ -128,6 +137,9 @@ impl Config {
             max_handshakes: DEFAULT_MAX_HANDSHAKES,
             max_handshakes_per_source: DEFAULT_MAX_HANDSHAKES_PER_SOURCE,
             source_prefixes: SourcePrefixes::default(),
+            handshake_queue: DEFAULT_HANDSHAKE_QUEUE,
+            handshake_queue_per_source: DEFAULT_HANDSHAKE_QUEUE_PER_SOURCE,
+            handshake_queue_timeout: Duration::from_secs(DEFAULT_HANDSHAKE_QUEUE_TIMEOUT_SECS),
             handshake_timeout: Duration::from_secs(DEFAULT_HANDSHAKE_TIMEOUT_SECS),
             upstream_timeout: Duration::from_secs(DEFAULT_UPSTREAM_TIMEOUT_SECS),
             idle_timeout: None,
@@ -179,6 +191,16 @@ pub const DEFAULT_MAX_HANDSHAKES: usize = 64;
 /// A NAT gateway may front several honest clients; one address holding
 /// more than this is more likely a flood.
 pub const DEFAULT_MAX_HANDSHAKES_PER_SOURCE: usize = 8;
+/// A waiting connection costs one descriptor and no buffers, so a
+/// thousand cost little; enough for several hosts' VMs reconnecting after
+/// a gateway restart.
+pub const DEFAULT_HANDSHAKE_QUEUE: usize = 1024;
+/// One hypervisor's VMs, or a node's pods behind SNAT, reconnecting
+/// together: hundreds from one address is a legitimate burst.
+pub const DEFAULT_HANDSHAKE_QUEUE_PER_SOURCE: usize = 256;
+/// Served eight at a time, 256 handshakes from one source take about a
+/// second on loopback; ten leaves room for slow links and busy hosts.
+pub const DEFAULT_HANDSHAKE_QUEUE_TIMEOUT_SECS: u64 = 10;
 /// Long enough for a VM paused by its host or a congested link, short
 /// enough that a dead peer does not hold a slot for the 15 minutes TCP
 /// retransmission would take.

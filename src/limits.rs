@@ -15,16 +15,55 @@ pub struct FdLimit {
     pub now: Option<u64>,
 }
 
-impl FdLimit {
-    /// Whether `max_connections` connections fit under the limit.
-    pub fn fits(&self, max_connections: usize) -> bool {
-        self.now
-            .is_none_or(|limit| limit >= fds_needed(max_connections))
-    }
+/// What the bounds let be open at once. A session or a handshake costs
+/// [`FDS_PER_CONNECTION`] (a handshake may become a session before its
+/// slot is given back); a connection waiting for a handshake slot, or an
+/// admin connection, one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FdDemand {
+    /// `--max-connections`.
+    pub sessions: usize,
+    /// `--max-handshakes`.
+    pub handshakes: usize,
+    /// `--handshake-queue`.
+    pub waiting: usize,
+    /// `--admin-max-connections`, or 0 without an admin listener.
+    pub admin: usize,
 }
 
-pub fn fds_needed(max_connections: usize) -> u64 {
-    max_connections as u64 * FDS_PER_CONNECTION + FDS_SPARE
+impl FdDemand {
+    pub fn needed(&self) -> u64 {
+        (self.sessions as u64 + self.handshakes as u64) * FDS_PER_CONNECTION
+            + self.waiting as u64
+            + self.admin as u64
+            + FDS_SPARE
+    }
+
+    /// These bounds if they fit under `limit`; otherwise each lowered in
+    /// the same proportion until they do (at least one session and one
+    /// handshake), or `None` if not even that fits.
+    pub fn fitted(&self, limit: Option<u64>) -> Option<FdDemand> {
+        let Some(limit) = limit else {
+            return Some(*self);
+        };
+        let needed = self.needed();
+        if needed <= limit {
+            return Some(*self);
+        }
+        let room = u128::from(limit.checked_sub(FDS_SPARE)?);
+        let asked = u128::from(needed - FDS_SPARE);
+        let scale = |n: usize| (n as u128 * room / asked) as usize;
+        let mut fitted = FdDemand {
+            sessions: scale(self.sessions).max(1),
+            handshakes: scale(self.handshakes).max(1),
+            waiting: scale(self.waiting),
+            admin: scale(self.admin).max(usize::from(self.admin > 0)),
+        };
+        // The floors of one may overshoot by a few: the queue gives way.
+        let over = fitted.needed().saturating_sub(limit);
+        fitted.waiting = fitted.waiting.saturating_sub(over as usize);
+        (fitted.needed() <= limit).then_some(fitted)
+    }
 }
 
 /// Raises the soft RLIMIT_NOFILE to the hard limit, as servers do: the
@@ -55,20 +94,40 @@ pub fn raise_fd_limit() -> std::io::Result<FdLimit> {
 mod tests {
     use super::*;
 
+    const DEFAULTS: FdDemand = FdDemand {
+        sessions: 1024,
+        handshakes: 64,
+        waiting: 1024,
+        admin: 512,
+    };
+
     #[test]
-    fn connections_fit_under_the_limit() {
-        let limit = FdLimit {
-            before: Some(1024),
-            now: Some(1024),
-        };
-        assert!(limit.fits(320));
-        assert!(!limit.fits(1024));
-        assert!(FdLimit {
-            before: None,
-            now: None
-        }
-        .fits(1_000_000));
-        // Raising never lowers the limit.
+    fn bounds_that_do_not_fit_are_lowered_in_proportion() {
+        assert_eq!(DEFAULTS.needed(), (1024 + 64) * 3 + 1024 + 512 + 64);
+        assert_eq!(DEFAULTS.fitted(Some(1 << 20)), Some(DEFAULTS));
+        assert_eq!(DEFAULTS.fitted(None), Some(DEFAULTS));
+        let fitted = DEFAULTS.fitted(Some(1024)).unwrap();
+        assert!(fitted.needed() <= 1024, "{fitted:?}");
+        // Each in about the same proportion (960 of 4800 descriptors).
+        assert_eq!(
+            fitted,
+            FdDemand {
+                sessions: 204,
+                handshakes: 12,
+                waiting: 204,
+                admin: 102
+            }
+        );
+        // Nothing left beyond the spare: no bound can hold.
+        assert_eq!(DEFAULTS.fitted(Some(64)), None);
+        assert_eq!(DEFAULTS.fitted(Some(10)), None);
+        // Just enough for one of each.
+        let least = DEFAULTS.fitted(Some(64 + 6 + 1)).unwrap();
+        assert_eq!((least.sessions, least.handshakes, least.admin), (1, 1, 1));
+    }
+
+    #[test]
+    fn raising_never_lowers_the_limit() {
         let raised = raise_fd_limit().unwrap();
         assert!(raised.now.unwrap_or(u64::MAX) >= raised.before.unwrap_or(u64::MAX));
     }

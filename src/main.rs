@@ -132,6 +132,8 @@ fn client(args: ClientArgs) -> Result<()> {
         idle: Duration::from_secs(args.tcp_keepalive),
         ..Keepalive::default()
     });
+    let mut max_connections = args.max_connections;
+    fit_client_fd_limit(&mut max_connections, args.admin_listen.is_some())?;
     let settings = ClientSettings {
         server: args.server.clone(),
         host,
@@ -145,7 +147,7 @@ fn client(args: ClientArgs) -> Result<()> {
         keepalive,
         max_payload: args.max_payload,
         max_option_len: args.max_option_len,
-        max_connections: args.max_connections,
+        max_connections,
         cork: nbdgw::config::Cork::Deferred,
         shutdown_grace: Duration::from_secs(args.shutdown_grace),
         metrics: Arc::new(nbdgw::metrics::Metrics::client_mode()),
@@ -157,7 +159,6 @@ fn client(args: ClientArgs) -> Result<()> {
             std::net::TcpListener::bind(addr).with_context(|| format!("--admin-listen {addr}"))
         })
         .transpose()?;
-    report_fd_limit(args.max_connections);
     let runtime = runtime(worker_threads(args.threads))?;
     runtime.block_on(async move {
         let listener = LocalListener::bind(&args.listen)?;
@@ -213,18 +214,15 @@ fn init_logging(format: LogFormat) {
 
 fn serve(args: ServeArgs) -> Result<()> {
     init_logging(args.log_format);
-    let (reloader, policy, config) = configure(&args)?;
+    let (reloader, policy, mut config) = configure(&args)?;
     let reload_interval = seconds_or_off(args.tls_reload_interval);
-
-    // The admin listener's connections (one descriptor each) are budgeted
-    // on top of the data plane's, so a full admin cap leaves every
-    // descriptor --max-connections counts on.
-    let admin_share = match args.admin_listen {
-        Some(_) => (args.admin_max_connections as usize)
-            .div_ceil(nbdgw::limits::FDS_PER_CONNECTION as usize),
-        None => 0,
-    };
-    report_fd_limit(args.max_connections + args.max_handshakes + admin_share);
+    let mut admin_limits = admin_limits(&args);
+    fit_fd_limit(
+        &mut config,
+        &mut admin_limits,
+        &args,
+        reloader.requires_client_certificates(),
+    )?;
     report_sndbuf(args.upstream_sndbuf, &config.metrics);
     if config.exports.is_none() && !nbdgw::upstream::looks_like_socket(&config.upstream) {
         warn!(upstream = %config.upstream.display(), "upstream socket does not exist yet; clients will get an error until it does");
@@ -245,7 +243,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         }
         debug_probe::after_start();
         if let Some(admin) = listeners.admin {
-            start_admin(async_listener(admin)?, &config, admin_limits(&args));
+            start_admin(async_listener(admin)?, &config, admin_limits);
         }
         let listener = async_listener(listeners.nbd)?;
         info!(
@@ -599,6 +597,9 @@ fn gateway_config(args: &ServeArgs, upstream: PathBuf, tls: Arc<TlsStore>) -> Co
     config.max_connections = args.max_connections;
     config.max_handshakes = args.max_handshakes;
     config.max_handshakes_per_source = args.max_handshakes_per_source;
+    config.handshake_queue = args.handshake_queue;
+    config.handshake_queue_per_source = args.handshake_queue_per_source;
+    config.handshake_queue_timeout = Duration::from_secs(args.handshake_queue_timeout);
     config.handshake_timeout = Duration::from_secs(args.handshake_timeout);
     config.upstream_timeout = Duration::from_secs(args.upstream_timeout);
     config.idle_timeout = seconds_or_off(args.idle_timeout);
@@ -623,23 +624,115 @@ fn seconds_or_off(secs: u64) -> Option<Duration> {
     (secs > 0).then(|| Duration::from_secs(secs))
 }
 
-/// Raises the descriptor limit and warns when it still cannot hold
-/// `--max-connections` (3 descriptors each).
-fn report_fd_limit(max_connections: usize) {
-    use nbdgw::limits::{fds_needed, raise_fd_limit};
-    match raise_fd_limit() {
-        Ok(limit) if !limit.fits(max_connections) => warn!(
-            limit = limit.now,
-            needed = fds_needed(max_connections),
-            max_connections,
-            "the file descriptor limit (RLIMIT_NOFILE, e.g. LimitNOFILE= in systemd) is too low for --max-connections; connections beyond it will fail at accept"
-        ),
-        Ok(limit) if limit.before != limit.now => {
-            info!(from = limit.before, to = limit.now, "raised the file descriptor limit")
-        }
-        Ok(_) => {}
-        Err(e) => warn!(error = %e, "cannot raise the file descriptor limit"),
+/// The descriptor limit, raised to the hard limit where it can be.
+fn raised_fd_limit() -> nbdgw::limits::FdLimit {
+    use nbdgw::limits::{raise_fd_limit, FdLimit};
+    let limit = raise_fd_limit().unwrap_or_else(|e| {
+        warn!(error = %e, "cannot raise the file descriptor limit");
+        let now = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
+        FdLimit { before: now, now }
+    });
+    if limit.before != limit.now {
+        info!(
+            from = limit.before,
+            to = limit.now,
+            "raised the file descriptor limit"
+        );
     }
+    limit
+}
+
+/// `nbdgw client`'s share of the same: its local connections (each a
+/// local socket and a server socket, counted as a session) and the admin
+/// listener's, lowered to fit with a warning.
+fn fit_client_fd_limit(max_connections: &mut usize, admin: bool) -> Result<()> {
+    use nbdgw::limits::FdDemand;
+    let limit = raised_fd_limit();
+    let asked = FdDemand {
+        sessions: *max_connections,
+        handshakes: 0,
+        waiting: 0,
+        admin: match admin {
+            true => nbdgw::config::DEFAULT_ADMIN_MAX_CONNECTIONS as usize,
+            false => 0,
+        },
+    };
+    let Some(fitted) = asked.fitted(limit.now) else {
+        bail!(
+            "the file descriptor limit (RLIMIT_NOFILE) is {}: too low for even one connection; raise it (LimitNOFILE= in systemd, ulimit -n)",
+            limit.now.unwrap_or_default()
+        );
+    };
+    if fitted.sessions < *max_connections {
+        warn!(
+            limit = limit.now,
+            max_connections = fitted.sessions,
+            "the file descriptor limit is too low for --max-connections {}; lowered it to fit",
+            *max_connections
+        );
+        *max_connections = fitted.sessions;
+    }
+    Ok(())
+}
+
+/// Raises the descriptor limit, then makes the bounds fit under it: every
+/// session and handshake slot, every waiting place and the admin
+/// listener's connections, each budgeted on top of the others so a full
+/// admin cap or queue leaves every descriptor the sessions count on.
+/// Bounds that do not fit are lowered in proportion, with a warning, so
+/// nbdgw never takes a connection it then fails at accept (EMFILE) or at
+/// its upstream connect; a limit too low for one of each stops start-up.
+fn fit_fd_limit(
+    config: &mut Config,
+    admin: &mut nbdgw::admin::AdminLimits,
+    args: &ServeArgs,
+    client_certificates: bool,
+) -> Result<()> {
+    use nbdgw::limits::FdDemand;
+    let limit = raised_fd_limit();
+    let asked = FdDemand {
+        sessions: config.max_connections,
+        handshakes: config.max_handshakes,
+        waiting: config.handshake_queue,
+        admin: match args.admin_listen {
+            Some(_) => admin.max_connections as usize,
+            None => 0,
+        },
+    };
+    let Some(fitted) = asked.fitted(limit.now) else {
+        bail!(
+            "the file descriptor limit (RLIMIT_NOFILE) is {}: too low for even one connection; raise it (LimitNOFILE= in systemd, ulimit -n)",
+            limit.now.unwrap_or_default()
+        );
+    };
+    if fitted == asked {
+        return Ok(());
+    }
+    warn!(
+        limit = limit.now,
+        needed = asked.needed(),
+        max_connections = fitted.sessions,
+        max_handshakes = fitted.handshakes,
+        handshake_queue = fitted.waiting,
+        admin_max_connections = fitted.admin,
+        "the file descriptor limit (RLIMIT_NOFILE, e.g. LimitNOFILE= in systemd) is too low for the configured bounds; lowered them in proportion to fit (was --max-connections {}, --max-handshakes {}, --handshake-queue {}, --admin-max-connections {})",
+        asked.sessions, asked.handshakes, asked.waiting, asked.admin,
+    );
+    config.max_connections = fitted.sessions;
+    config.max_handshakes = fitted.handshakes;
+    config.max_handshakes_per_source = config.max_handshakes_per_source.min(fitted.handshakes);
+    config.handshake_queue = fitted.waiting;
+    config.handshake_queue_per_source = config.handshake_queue_per_source.min(fitted.waiting);
+    // The default share follows --max-connections down; a share given
+    // is kept (the session budget caps it in any case).
+    if args.max_sessions_per_identity.is_none() {
+        config.max_sessions_per_identity =
+            nbdgw::config::default_sessions_per_identity(fitted.sessions, client_certificates);
+    }
+    if fitted.admin > 0 {
+        admin.max_connections = u32::try_from(fitted.admin).unwrap_or(u32::MAX);
+    }
+    Ok(())
 }
 
 /// Logs the upstream send buffer the kernel grants, and warns once when

@@ -72,6 +72,11 @@ pub struct Metrics {
     /// Authenticated clients refused a session, by which limit: a fixed
     /// few reasons, never the identity.
     pub sessions_refused: Family<SessionRefusal, Counter>,
+    pub handshakes_in_progress: Gauge,
+    pub handshakes_waiting: Gauge,
+    pub handshake_waits: Counter,
+    pub handshake_wait_seconds: Histogram,
+    pub handshakes_refused: Family<SessionRefusal, Counter>,
     pub policy_reloads: Counter,
     pub policy_reload_failures: Counter,
     pub admin_connections_open: Gauge,
@@ -116,6 +121,13 @@ impl Metrics {
             upstream_sndbuf: Gauge::default(),
             exports_refused: Counter::default(),
             sessions_refused: Family::default(),
+            handshakes_in_progress: Gauge::default(),
+            handshakes_waiting: Gauge::default(),
+            handshake_waits: Counter::default(),
+            // 1 ms to about 16 s, past the longest --handshake-queue-timeout
+            // anyone should need.
+            handshake_wait_seconds: Histogram::new(exponential_buckets(1e-3, 2.0, 15)),
+            handshakes_refused: Family::default(),
             policy_reloads: Counter::default(),
             policy_reload_failures: Counter::default(),
             admin_connections_open: Gauge::default(),
@@ -159,6 +171,31 @@ impl Metrics {
             "sessions_refused",
             "Authenticated clients refused a session, by reason (max_connections, per_identity)",
             m.sessions_refused.clone(),
+        );
+        r.register(
+            "handshakes_in_progress",
+            "Handshake slots (--max-handshakes) held now",
+            m.handshakes_in_progress.clone(),
+        );
+        r.register(
+            "handshakes_waiting",
+            "Connections waiting now for a handshake slot",
+            m.handshakes_waiting.clone(),
+        );
+        r.register(
+            "handshake_waits",
+            "Connections that had to wait for a handshake slot",
+            m.handshake_waits.clone(),
+        );
+        r.register(
+            "handshake_wait_seconds",
+            "How long connections that waited for a handshake slot waited, for those that got one",
+            m.handshake_wait_seconds.clone(),
+        );
+        r.register(
+            "handshakes_refused",
+            "Connections closed before their handshake, by reason (source_queue_full: its source's line full; shed_busiest_source: made room as the longest waiter of the busiest source; queue_timeout)",
+            m.handshakes_refused.clone(),
         );
         r.register(
             "kernel_tls_sessions",
@@ -309,6 +346,14 @@ impl Metrics {
     /// A session refused for `reason`, one of `Refusal::metric_reason`'s.
     pub fn session_refused(&self, reason: &'static str) {
         self.sessions_refused
+            .get_or_create(&SessionRefusal { reason })
+            .inc();
+    }
+
+    /// A connection closed before its handshake for `reason`, one of
+    /// `Refusal::metric_reason`'s.
+    pub fn handshake_refused(&self, reason: &'static str) {
+        self.handshakes_refused
             .get_or_create(&SessionRefusal { reason })
             .inc();
     }

@@ -52,8 +52,8 @@ pub async fn run(
                         continue;
                     }
                 };
-                let source = match admission.claim_source(peer) {
-                    Ok(source) => source,
+                let place = match admission.arrive(peer) {
+                    Ok(place) => place,
                     Err(refusal) => {
                         config.metrics.connection("refused");
                         admission.log_refusal(peer, refusal);
@@ -61,7 +61,7 @@ pub async fn run(
                     }
                 };
                 next_id += 1;
-                let conn = crate::conn::Accepted { tcp, peer, id: next_id, source };
+                let conn = crate::conn::Accepted { tcp, peer, id: next_id, place };
                 let (config, admission, phase) = (config.clone(), admission.clone(), phase.clone());
                 connections.spawn(async move {
                     crate::conn::serve(conn, &config, &admission, phase).await;

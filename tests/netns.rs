@@ -11,6 +11,7 @@ mod common;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::peers::{connect_from, greeted};
 use common::process::NbdgwProcess;
 use common::{Env, QemuNbd};
 
@@ -177,13 +178,17 @@ fn keepalive_drops_a_client_that_powered_off() {
 
 /// One host of one IPv6 /64 (200 of its addresses, as in issue 20) opens
 /// slow handshakes; the per-source cap must count the /64, not each
-/// address, or the host takes every handshake slot and the queue, and a
-/// client from another prefix waits its 2 s and is cut. One namespace of
-/// the test's own: every address on its loopback, nbdgw among them.
+/// address, or the host takes every handshake slot, and a client from
+/// another prefix waits its turn behind it (it waited 2 s and was cut
+/// before the fix). Beyond the cap its connections wait, greeted by
+/// nothing, and beyond its line's bound they are closed, the log naming
+/// the /64. One namespace of the test's own: every address on its
+/// loopback, nbdgw among them.
 #[test]
 fn one_slash_64_holds_at_most_the_per_source_cap() {
     const ATTACKERS: u16 = 200;
     const PER_SOURCE: usize = 8; // the default --max-handshakes-per-source
+    const LINE: usize = 100; // --handshake-queue-per-source, below ATTACKERS
     let tag = std::process::id() % 100_000;
     let Some(ns) = Namespace::new(&format!("nbdgw-p{tag}")) else {
         eprintln!("SKIPPED: cannot create network namespaces here (not root?)");
@@ -212,29 +217,34 @@ fn one_slash_64_holds_at_most_the_per_source_cap() {
         .arg("--tls-cert")
         .arg(certs.join("server-cert.pem"))
         .arg("--tls-key")
-        .arg(certs.join("server-key.pem"));
+        .arg(certs.join("server-key.pem"))
+        .arg("--handshake-queue-per-source")
+        .arg(LINE.to_string());
     let gw = NbdgwProcess::spawn(gateway, server.port());
     gw.wait_for_log("nbdgw listening", 1);
 
     let path = format!("/run/netns/{}", ns.name);
     std::thread::spawn(move || {
         enter_namespace(&path);
-        // Silent connections: each holds a handshake slot (or a place in
-        // the queue) until --handshake-timeout, unless refused at accept.
+        // Silent connections: each holds a handshake slot (greeted) or a
+        // place in line (not greeted) until --handshake-timeout, unless
+        // closed at accept.
         let held: Vec<std::net::TcpStream> = (0..ATTACKERS)
             .map(|i| {
                 let ip: std::net::Ipv6Addr =
                     format!("2001:db8:1:2::{:x}", 0x1000 + i).parse().unwrap();
-                connect_from(ip.into(), server)
+                connect_from(ip.into(), server).expect("connect")
             })
             .collect();
         // Time for nbdgw to accept them all and close what it refuses.
         std::thread::sleep(Duration::from_millis(500));
-        let open = held.iter().filter(|s| still_open(s)).count();
-        assert!(
-            open <= PER_SOURCE,
-            "{open} connections of one /64 still held after 500 ms"
+        let greeted = held.iter().filter(|s| greeted(s)).count();
+        assert_eq!(
+            greeted, PER_SOURCE,
+            "handshakes of one /64 under way after 500 ms"
         );
+        let open = held.iter().filter(|s| still_open(s)).count();
+        assert_eq!(open, PER_SOURCE + LINE, "connections of one /64 kept");
         // While they hold their slots, a client of another /64 gets in
         // (refused at once, or after the queue's 2 s, before the fix).
         let started = Instant::now();
@@ -252,7 +262,7 @@ fn one_slash_64_holds_at_most_the_per_source_cap() {
     .expect("the namespace's clients");
     assert!(
         gw.log()
-            .contains("--max-handshakes-per-source (8) reached for 2001:db8:1:2::/64"),
+            .contains("--handshake-queue-per-source (100) reached for 2001:db8:1:2::/64"),
         "the refusal names the prefix:\n{}",
         gw.log()
     );
@@ -305,18 +315,6 @@ fn enter_namespace(path: &str) {
     // thread's network namespace.
     let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
     assert_eq!(rc, 0, "setns: {}", std::io::Error::last_os_error());
-}
-
-fn connect_from(from: std::net::IpAddr, to: std::net::SocketAddr) -> std::net::TcpStream {
-    let socket =
-        socket2::Socket::new(socket2::Domain::IPV6, socket2::Type::STREAM, None).expect("socket");
-    socket
-        .bind(&std::net::SocketAddr::new(from, 0).into())
-        .expect("bind to the attacker's address");
-    socket
-        .connect_timeout(&to.into(), Duration::from_secs(5))
-        .expect("connect");
-    socket.into()
 }
 
 /// Not closed by nbdgw: reads find no EOF (a greeting, if any, is read

@@ -7,10 +7,11 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::Read;
+use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
+use common::peers::{connect_from, slow_client_hello};
 use common::process::{NbdgwProcess, UpstreamCounter};
 use common::raw::{go_data, RawClient};
 use common::{run_ok, Env, Gateway, QemuNbd};
@@ -54,15 +55,6 @@ impl Setup {
     }
 }
 
-/// A TCP connection to `to` from the loopback address `from`, so that
-/// tests can play several source addresses.
-fn connect_from(from: [u8; 4], to: SocketAddr) -> std::io::Result<TcpStream> {
-    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
-    socket.bind(&SocketAddr::from((from, 0)).into())?;
-    socket.connect(&to.into())?;
-    Ok(socket.into())
-}
-
 #[test]
 fn silent_connections_and_a_slow_handshaker_do_not_lock_out_real_clients() {
     let env = Env::new();
@@ -82,31 +74,11 @@ fn silent_connections_and_a_slow_handshaker_do_not_lock_out_real_clients() {
     ]);
     // Hundreds of connections that never say a word, from one address.
     let silent: Vec<TcpStream> = (0..300)
-        .filter_map(|_| connect_from([127, 0, 0, 2], gw.addr()).ok())
+        .filter_map(|_| connect_from([127, 0, 0, 2].into(), gw.addr()).ok())
         .collect();
     assert!(silent.len() >= 250, "only {} connected", silent.len());
     // And one that starts TLS and then sends its ClientHello a byte at a time.
-    let slow = std::thread::spawn({
-        let addr = gw.addr();
-        move || {
-            let mut tcp = connect_from([127, 0, 0, 3], addr).unwrap();
-            let mut greeting = [0u8; 18];
-            tcp.read_exact(&mut greeting).unwrap();
-            let mut starttls = 3u32.to_be_bytes().to_vec();
-            starttls.extend_from_slice(&IHAVEOPT.to_be_bytes());
-            starttls.extend_from_slice(&OPT_STARTTLS.to_be_bytes());
-            starttls.extend_from_slice(&0u32.to_be_bytes());
-            tcp.write_all(&starttls).unwrap();
-            let mut ack = [0u8; 20];
-            tcp.read_exact(&mut ack).unwrap();
-            for byte in [0x16u8, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00] {
-                std::thread::sleep(Duration::from_millis(400));
-                if tcp.write_all(&[byte]).is_err() {
-                    break;
-                }
-            }
-        }
-    });
+    let slow = slow_client_hello([127, 0, 0, 3].into(), gw.addr());
     std::thread::sleep(Duration::from_millis(300));
 
     let copy = env.path("copy.img");
@@ -121,7 +93,11 @@ fn silent_connections_and_a_slow_handshaker_do_not_lock_out_real_clients() {
         String::from_utf8_lossy(&info.stderr)
     );
     assert!(started.elapsed() < Duration::from_secs(5));
-    gw.wait_for_log("--max-handshakes-per-source (8) reached", 1);
+    // 8 hold slots, 256 wait their turn, the rest are closed at accept.
+    gw.wait_for_log(
+        "--handshake-queue-per-source (256) reached for 127.0.0.2/32",
+        1,
+    );
     drop(silent);
     slow.join().unwrap();
 }
@@ -302,6 +278,35 @@ fn at_shutdown_requests_in_flight_finish_and_new_ones_get_eshutdown() {
     let log = gw.log();
     assert!(status.success(), "{log}");
     assert!(log.contains("reason=\"nbdgw shutting down"), "{log}");
+}
+
+/// The race issue 20 found behind its shutdown scenario: the last reply
+/// in flight leaves during the grace and the client sends its next
+/// request at once. That request was never read (the connection closed
+/// as "nothing left in flight"; libnbd failed it with ENOTCONN); now it
+/// is answered with ESHUTDOWN, then close_notify.
+#[test]
+fn a_request_sent_as_the_last_reply_leaves_is_answered_before_the_close() {
+    let held = HeldUpstream::new();
+    let mut gw = held.gateway("30");
+    let mut c = held.read_in_flight(&gw);
+    gw.signal("TERM");
+    gw.wait_for_log("SIGTERM received", 1);
+    held.relay.hold_replies(false);
+    let data = common::raw::assemble(&c.read_reply(65536), 1, 0, 65536);
+    assert!(
+        data == held.image[..65536],
+        "the read in flight came back wrong"
+    );
+    c.send_request(0, CMD_READ, 3, 4096, 4096, &[]);
+    let refused = c.read_chunk(0);
+    assert_eq!((refused.cookie, refused.error_code()), (3, ESHUTDOWN));
+    let mut buf = [0u8; 1];
+    assert_eq!(c.stream.read(&mut buf).expect("close_notify"), 0);
+    let status = gw
+        .wait_exit(Duration::from_secs(5))
+        .expect("exits once drained");
+    assert!(status.success(), "{}", gw.log());
 }
 
 #[test]

@@ -20,13 +20,14 @@ mod session;
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Instant;
 
 use tokio::io::BufReader;
 use tokio::net::TcpStream;
 use tracing::{info, warn, Instrument};
 
-use crate::admission::{Admission, HandshakePermit, SessionPermit, SourceClaim};
+use crate::admission::{Admission, HandshakePermit, Place, SessionPermit};
 use crate::config::{Config, Cork};
 use crate::logsafe::escape;
 use crate::shutdown::Shutdown;
@@ -37,26 +38,32 @@ use session::{Link, Stats, AUDIT, CLIENT_READ_BUF};
 
 pub use client_mode::serve as serve_local;
 
-/// A connection the accept loop took, counted against its source address.
+/// A connection the accept loop took, with its place in the handshake
+/// budget (a slot, or a place in its source's line).
 pub struct Accepted {
     pub tcp: TcpStream,
     pub peer: SocketAddr,
     pub id: u64,
-    pub source: SourceClaim,
+    pub place: Place,
 }
 
 /// Serves one accepted connection to its end and logs how it ended.
-pub async fn serve(conn: Accepted, config: &Config, admission: &Admission, shutdown: Shutdown) {
+pub async fn serve(
+    conn: Accepted,
+    config: &Config,
+    admission: &Arc<Admission>,
+    shutdown: Shutdown,
+) {
     let Accepted {
         tcp,
         peer,
         id,
-        source,
+        place,
     } = conn;
     let span = tracing::info_span!("conn", id, %peer);
     async move {
         let metrics = &config.metrics;
-        let handshake = match admission.handshake(source).await {
+        let handshake = match admission.handshake(place).await {
             Ok(permit) => permit,
             Err(refusal) => {
                 metrics.connection("refused");

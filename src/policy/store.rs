@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
 use thiserror::Error;
-use tracing::{error, info};
+use tracing::{debug, error, info};
 
 use super::{Policy, PolicyError};
 use crate::reload::{ReloadOutcome, Swap, Trigger, Triggers};
@@ -27,6 +27,10 @@ pub enum PolicyLoadError {
     Invalid { path: String, error: PolicyError },
 }
 
+/// A version of the file as a poll read it: its bytes, or why it could not
+/// be read.
+type Seen = Result<Vec<u8>, std::io::ErrorKind>;
+
 pub struct PolicyReloader {
     path: PathBuf,
     store: Arc<PolicyStore>,
@@ -34,9 +38,18 @@ pub struct PolicyReloader {
     in_force: Vec<u8>,
     /// The last refusal, so a file that stays bad is reported once.
     last_refusal: Option<String>,
+    /// What the previous poll read when it differed from `in_force`: a
+    /// poll acts only on a change two polls in a row agree on, so a file
+    /// caught half-written by an editor is never judged. A truncated
+    /// policy is often valid and narrower; applied, it would leave the
+    /// complete file refused as wider until a restart.
+    settling: Option<Seen>,
+    /// The version last refused, so a file that stays bad is judged (and
+    /// counted in the metrics) once, not at every poll.
+    refused: Option<Seen>,
     /// Reloads done and refused, for the metrics.
     reloaded: Counter,
-    refused: Counter,
+    refusals: Counter,
     /// The established sessions a narrowing reload ends when their access
     /// is narrowed (`--policy-revoke-closes`); `None`: they keep it.
     sessions: Option<Arc<Sessions>>,
@@ -52,8 +65,10 @@ impl PolicyReloader {
             path,
             in_force: bytes,
             last_refusal: None,
+            settling: None,
+            refused: None,
             reloaded: Counter::default(),
-            refused: Counter::default(),
+            refusals: Counter::default(),
             sessions: None,
         })
     }
@@ -68,7 +83,7 @@ impl PolicyReloader {
     /// Counts reloads into these (the metrics' counters).
     pub fn count_into(&mut self, reloaded: Counter, refused: Counter) {
         self.reloaded = reloaded;
-        self.refused = refused;
+        self.refusals = refused;
     }
 
     pub fn store(&self) -> Arc<PolicyStore> {
@@ -84,10 +99,29 @@ impl PolicyReloader {
             path: self.path.display().to_string(),
             error,
         });
-        if matches!(&result, Ok(bytes) if *bytes == self.in_force) && trigger == Trigger::Poll {
-            self.last_refusal = None;
-            return ReloadOutcome::Unchanged;
+        let seen: Seen = match &result {
+            Ok(bytes) => Ok(bytes.clone()),
+            Err(PolicyLoadError::Read { error, .. }) => Err(error.kind()),
+            Err(PolicyLoadError::Invalid { .. }) => Err(std::io::ErrorKind::InvalidData),
+        };
+        if trigger == Trigger::Poll {
+            if matches!(&result, Ok(bytes) if *bytes == self.in_force) {
+                self.last_refusal = None;
+                self.settling = None;
+                self.refused = None;
+                return ReloadOutcome::Unchanged;
+            }
+            if self.refused.as_ref() == Some(&seen) {
+                self.settling = None;
+                return ReloadOutcome::Unchanged;
+            }
+            if self.settling.as_ref() != Some(&seen) {
+                debug!(path = %self.path.display(), "the policy file changed; judged at the next poll if it stays so");
+                self.settling = Some(seen);
+                return ReloadOutcome::Unchanged;
+            }
         }
+        self.settling = None;
         let checked = result.and_then(|bytes| {
             let policy = parse(&self.path, &bytes)?;
             policy
@@ -100,6 +134,7 @@ impl PolicyReloader {
         });
         match checked {
             Ok((bytes, policy)) => {
+                self.refused = None;
                 let policy = Arc::new(policy);
                 // Replaced first, then the sessions judged: one recording
                 // its grant meanwhile is judged by the new policy there.
@@ -125,7 +160,8 @@ impl PolicyReloader {
                     error!(error = %text, "access policy reload refused; the running policy stays in force");
                 }
                 self.last_refusal = Some(text);
-                self.refused.inc();
+                self.refused = Some(seen);
+                self.refusals.inc();
                 ReloadOutcome::Failed
             }
         }
@@ -195,6 +231,8 @@ mod tests {
         assert_eq!(reloader.check(Trigger::Poll), ReloadOutcome::Unchanged);
 
         std::fs::write(&path, RO).unwrap();
+        // Judged once two polls agree on it.
+        assert_eq!(reloader.check(Trigger::Poll), ReloadOutcome::Unchanged);
         assert_eq!(reloader.check(Trigger::Poll), ReloadOutcome::Reloaded);
         assert_eq!(
             store.current().decide(&a(), "x"),
@@ -203,6 +241,7 @@ mod tests {
 
         for bad in [RW, "[[rule]]\nexports = 3", ""] {
             std::fs::write(&path, bad).unwrap();
+            assert_eq!(reloader.check(Trigger::Poll), ReloadOutcome::Unchanged);
             let outcome = reloader.check(Trigger::Poll);
             if bad.is_empty() {
                 // No rules at all is the narrowest policy there is.
@@ -211,6 +250,8 @@ mod tests {
                 continue;
             }
             assert_eq!(outcome, ReloadOutcome::Failed, "{bad}");
+            // A file that stays bad is judged, and counted, once.
+            assert_eq!(reloader.check(Trigger::Poll), ReloadOutcome::Unchanged);
             assert_eq!(
                 store.current().decide(&a(), "x"),
                 Some(super::super::Access::ReadOnly)
@@ -219,6 +260,37 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         assert_eq!(reloader.check(Trigger::Signal), ReloadOutcome::Failed);
         assert_eq!(store.current().decide(&a(), "x"), None);
+    }
+
+    /// An editor rewriting the file in place: a poll that reads it half
+    /// written (here cut after its first rule, a valid and narrower
+    /// policy) must not apply it, or the complete file that follows would
+    /// be refused as wider and the narrowing stay until a restart.
+    #[test]
+    fn a_file_caught_half_written_is_not_applied() {
+        let two = format!(
+            "{RO}[[rule]]\nexports = [\"*\"]\nallow = {{ cn = [\"b\"] }}\naccess = \"read-only\"\n"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("policy.toml");
+        std::fs::write(&path, &two).unwrap();
+        let mut reloader = PolicyReloader::start(path.clone()).unwrap();
+        let store = reloader.store();
+        let b = crate::tls::CertInfo::with_names("b", &[], &[]);
+        // The poll lands between the editor's truncate and its last write.
+        std::fs::write(&path, RO).unwrap();
+        assert_eq!(reloader.check(Trigger::Poll), ReloadOutcome::Unchanged);
+        std::fs::write(&path, &two).unwrap();
+        assert_eq!(reloader.check(Trigger::Poll), ReloadOutcome::Unchanged);
+        assert_eq!(reloader.check(Trigger::Poll), ReloadOutcome::Unchanged);
+        assert_eq!(
+            store.current().decide(&b, "x"),
+            Some(super::super::Access::ReadOnly)
+        );
+        // SIGHUP is the operator saying the file is complete: judged now.
+        std::fs::write(&path, RO).unwrap();
+        assert_eq!(reloader.check(Trigger::Signal), ReloadOutcome::Reloaded);
+        assert_eq!(store.current().decide(&b, "x"), None);
     }
 
     #[test]

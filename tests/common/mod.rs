@@ -5,6 +5,7 @@
 pub mod clients;
 pub mod fake_upstream;
 pub mod gnutls_client;
+pub mod peers;
 pub mod pki;
 pub mod process;
 pub mod raw;

@@ -20,6 +20,14 @@ use crate::proto::transmission::{check_error_payload, parse_reply, reply_header_
 /// error code and a message of at most 4 KiB, block-status descriptors.
 /// 8 KiB covers them all.
 const REPLY_FIELDS_ALLOWANCE: u64 = 8192;
+/// At shutdown, how long a connection with nothing left in flight stays
+/// open for requests already on their way: a client that sent one just
+/// as the last reply left gets ESHUTDOWN for it, not a close with a
+/// request unanswered (libnbd then fails it with ENOTCONN). Each such
+/// request starts the wait again; the grace period bounds the whole.
+/// A few round trips of a slow link; an idle session still closes in a
+/// blink.
+const SHUTDOWN_LINGER: std::time::Duration = std::time::Duration::from_millis(250);
 
 pub struct Replies<'a, U> {
     upstream: BufReader<U>,
@@ -67,7 +75,21 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
     ) -> Result<&'static str, ConnError> {
         loop {
             if let (Some(reason), true) = (self.draining, self.flight.is_empty()) {
-                return Ok(reason);
+                if reason == CLIENT_DISCONNECTED || !self.local_open {
+                    return Ok(reason);
+                }
+                // Shutting down: what was written goes out now; then wait
+                // briefly for requests already sent (refused by the request
+                // side with ESHUTDOWN) or the client's DISC.
+                writer.end_burst().await?;
+                self.flight.replies_written();
+                match tokio::time::timeout(SHUTDOWN_LINGER, self.local.recv()).await {
+                    Err(_) => return Ok(reason),
+                    Ok(m) => {
+                        self.handle_local(m, writer).await?;
+                        continue;
+                    }
+                }
             }
             let next = match self.next_ready().await? {
                 Some(next) => next,
@@ -78,15 +100,7 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
                 }
             };
             match next {
-                Next::Local(Some(Local::Reply { cookie, bytes })) => {
-                    writer.append(&bytes).await?;
-                    self.finish(cookie, writer).await?;
-                }
-                Next::Local(Some(Local::Drain(reason))) => self.draining = Some(reason),
-                Next::Local(None) => {
-                    self.local_open = false;
-                    self.draining = self.draining.or(Some(CLIENT_DISCONNECTED));
-                }
+                Next::Local(m) => self.handle_local(m, writer).await?,
                 Next::UpstreamEof => {
                     // What the upstream did answer still reaches the client.
                     writer.end_burst().await?;
@@ -95,6 +109,33 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
                 Next::Upstream => self.relay_one(writer).await?,
             }
         }
+    }
+
+    /// A message from the request side: a reply nbdgw made, a drain, or
+    /// (`None`) the request side ended.
+    async fn handle_local<W: AsyncWrite + Unpin>(
+        &mut self,
+        message: Option<Local>,
+        writer: &mut ReplyWriter<'_, W>,
+    ) -> Result<(), ConnError> {
+        match message {
+            Some(Local::Reply { cookie, bytes }) => {
+                writer.append(&bytes).await?;
+                self.finish(cookie, writer).await?;
+            }
+            // A DISC while shutting down ends the wait above.
+            Some(Local::Drain(reason)) => {
+                self.draining = match self.draining {
+                    Some(CLIENT_DISCONNECTED) => Some(CLIENT_DISCONNECTED),
+                    _ => Some(reason),
+                }
+            }
+            None => {
+                self.local_open = false;
+                self.draining = self.draining.or(Some(CLIENT_DISCONNECTED));
+            }
+        }
+        Ok(())
     }
 
     /// The upstream closed: fine only once the client's DISC has drained.
