@@ -624,6 +624,13 @@ fn seconds_or_off(secs: u64) -> Option<Duration> {
     (secs > 0).then(|| Duration::from_secs(secs))
 }
 
+fn fd_limit_too_low(limit: Option<u64>) -> String {
+    format!(
+        "the file descriptor limit (RLIMIT_NOFILE) is {}: too low for even one connection; raise it (LimitNOFILE= in systemd, ulimit -n)",
+        limit.unwrap_or_default()
+    )
+}
+
 /// The descriptor limit, raised to the hard limit where it can be.
 fn raised_fd_limit() -> nbdgw::limits::FdLimit {
     use nbdgw::limits::{raise_fd_limit, FdLimit};
@@ -658,10 +665,7 @@ fn fit_client_fd_limit(max_connections: &mut usize, admin: bool) -> Result<()> {
         },
     };
     let Some(fitted) = asked.fitted(limit.now) else {
-        bail!(
-            "the file descriptor limit (RLIMIT_NOFILE) is {}: too low for even one connection; raise it (LimitNOFILE= in systemd, ulimit -n)",
-            limit.now.unwrap_or_default()
-        );
+        bail!(fd_limit_too_low(limit.now));
     };
     if fitted.sessions < *max_connections {
         warn!(
@@ -700,10 +704,7 @@ fn fit_fd_limit(
         },
     };
     let Some(fitted) = asked.fitted(limit.now) else {
-        bail!(
-            "the file descriptor limit (RLIMIT_NOFILE) is {}: too low for even one connection; raise it (LimitNOFILE= in systemd, ulimit -n)",
-            limit.now.unwrap_or_default()
-        );
+        bail!(fd_limit_too_low(limit.now));
     };
     if fitted == asked {
         return Ok(());

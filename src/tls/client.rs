@@ -14,7 +14,7 @@ use rustls::{ClientConfig, RootCertStore};
 
 use super::TlsConfigError;
 use super::{certificates, crls, private_key, provider, CertInfo, MinVersion, PemFile};
-use crate::reload::{ReloadOutcome, Swap, Trigger, Triggers};
+use crate::reload::{LastSeen, ReloadOutcome, Swap, Trigger, Triggers};
 use tracing::{error, info};
 
 /// Where the client-side files come from: a directory, with any file
@@ -198,7 +198,7 @@ pub fn build_client(
 pub struct ClientReloader {
     paths: ClientTlsPaths,
     min_version: MinVersion,
-    last_seen: Result<ClientMaterial, String>,
+    last_seen: LastSeen<ClientMaterial>,
     store: Arc<Swap<ClientConfig>>,
 }
 
@@ -213,7 +213,7 @@ impl ClientReloader {
         let reloader = ClientReloader {
             paths,
             min_version,
-            last_seen: Ok(material),
+            last_seen: LastSeen::new(material),
             store: Arc::new(Swap::new(loaded.config.clone())),
         };
         Ok((reloader, loaded))
@@ -225,11 +225,10 @@ impl ClientReloader {
     }
 
     pub fn check(&mut self, trigger: Trigger) -> ReloadOutcome {
-        let seen = ClientMaterial::read(&self.paths).map_err(|e| e.to_string());
-        if trigger == Trigger::Poll && seen == self.last_seen {
+        let read = ClientMaterial::read(&self.paths).map_err(|e| e.to_string());
+        let Some(seen) = self.last_seen.changed(trigger, read) else {
             return ReloadOutcome::Unchanged;
-        }
-        self.last_seen = seen.clone();
+        };
         let built = seen.and_then(|material| {
             build_client(&material, self.min_version).map_err(|e| e.to_string())
         });
