@@ -139,6 +139,20 @@ pub struct ClientArgs {
     /// Keep it below --handshake-timeout.
     #[arg(long, env = "NBDGW_CLIENT_SERVER_TIMEOUT", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     pub server_timeout: u64,
+    /// Keep local connections when the server's connection drops:
+    /// reconnect, open the same export (its size and flags checked
+    /// unchanged) and send the requests in flight again, in order.
+    #[arg(long, env = "NBDGW_CLIENT_RECONNECT")]
+    pub reconnect: bool,
+    /// Seconds --reconnect keeps trying after a drop before the requests
+    /// in flight fail with EIO and the local connection closes.
+    #[arg(long, env = "NBDGW_CLIENT_RECONNECT_TIMEOUT", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub reconnect_timeout: u64,
+    /// Bytes of requests in flight (write payloads included) --reconnect
+    /// keeps per connection until they are answered; beyond it new
+    /// requests wait. One request is always let through.
+    #[arg(long, env = "NBDGW_CLIENT_REPLAY_BUFFER", value_name = "BYTES", default_value_t = 64 * 1024 * 1024)]
+    pub replay_buffer: usize,
     /// Seconds a local client has from connecting to finishing negotiation.
     #[arg(long, env = "NBDGW_CLIENT_HANDSHAKE_TIMEOUT", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     pub handshake_timeout: u64,

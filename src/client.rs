@@ -44,10 +44,22 @@ pub struct ClientSettings {
     pub max_connections: usize,
     pub cork: Cork,
     pub shutdown_grace: Duration,
+    /// `--reconnect`: keep local connections across a drop of the
+    /// server's; `None` closes them with it.
+    pub reconnect: Option<Reconnect>,
     pub metrics: Arc<Metrics>,
     /// What `/healthz` and `/readyz` report: accepting, draining, and
     /// whether the last try to reach the server failed.
     pub health: Arc<Health>,
+}
+
+/// How `--reconnect` behaves.
+#[derive(Debug, Clone, Copy)]
+pub struct Reconnect {
+    /// How long to keep trying after a drop (`--reconnect-timeout`).
+    pub timeout: Duration,
+    /// Bytes of requests kept for sending again (`--replay-buffer`).
+    pub replay_buffer: usize,
 }
 
 #[derive(Debug, Error)]
@@ -217,8 +229,8 @@ pub async fn run(
         let (id, settings, phase) = (next_id, settings.clone(), phase.clone());
         connections.spawn(async move {
             match stream {
-                Stream::Unix(s) => crate::conn::serve_local(s, id, peer, &settings, phase).await,
-                Stream::Tcp(s) => crate::conn::serve_local(s, id, peer, &settings, phase).await,
+                Stream::Unix(s) => crate::conn::serve_local(s, id, peer, settings, phase).await,
+                Stream::Tcp(s) => crate::conn::serve_local(s, id, peer, settings, phase).await,
             }
         });
     }

@@ -150,6 +150,10 @@ fn client(args: ClientArgs) -> Result<()> {
         max_connections,
         cork: nbdgw::config::Cork::Deferred,
         shutdown_grace: Duration::from_secs(args.shutdown_grace),
+        reconnect: args.reconnect.then(|| client::Reconnect {
+            timeout: Duration::from_secs(args.reconnect_timeout),
+            replay_buffer: args.replay_buffer,
+        }),
         metrics: Arc::new(nbdgw::metrics::Metrics::client_mode()),
         health: Arc::default(),
     };

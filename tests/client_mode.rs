@@ -780,3 +780,106 @@ fn a_rotated_ca_bundle_is_used_by_new_connections() {
     assert!(out.status.success(), "{}", common::clients::text(&out));
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "1048576");
 }
+
+/// The server mode on a port of the test's choosing, so that a restart
+/// comes back where `nbdgw client` reconnects to.
+fn gateway_at(env: &Env, upstream: &Path, port: u16) -> NbdgwProcess {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_nbdgw"));
+    cmd.arg("--tls-dir")
+        .arg(env.certs())
+        .arg("--upstream")
+        .arg(upstream)
+        .args(["--landlock", "false", "--listen"])
+        .arg(format!("127.0.0.1:{port}"));
+    let process = NbdgwProcess::spawn(cmd, port);
+    process.wait_for_log("nbdgw listening", 1);
+    process
+}
+
+/// `nbdgw client --reconnect` on a loopback port, towards `server_port`.
+fn reconnecting_client(env: &Env, server_port: u16, extra: &[&str]) -> (NbdgwProcess, u16) {
+    let port = common::free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let server = format!("localhost:{server_port}");
+    let certs = env.certs();
+    let mut args = vec![
+        OsStr::new("--server"),
+        OsStr::new(&server),
+        OsStr::new("--tls-dir"),
+        certs.as_os_str(),
+        OsStr::new("--reconnect"),
+    ];
+    args.extend(extra.iter().map(OsStr::new));
+    (NbdgwProcess::client(OsStr::new(&listen), args), port)
+}
+
+#[test]
+fn reconnect_sends_the_writes_in_flight_again_after_a_gateway_restart() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", SIZE, 18);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let counter =
+        common::process::UpstreamCounter::start(&upstream.socket, &env.path("counted.sock"));
+    let server_port = common::free_port();
+    let mut gateway = Some(gateway_at(&env, &counter.socket, server_port));
+    let (client, port) = reconnecting_client(&env, server_port, &["--reconnect-timeout", "20"]);
+
+    // Without drops, the reconnecting stream is just a stream.
+    let local_uri = format!("nbd://127.0.0.1:{port}/");
+    qemu_img_both_ways(&env, &upstream, &local_uri, 19);
+    nbdcopy_both_ways(&env, &upstream, &local_uri, 20);
+
+    let modes = [
+        ReplyMode::Simple,
+        ReplyMode::Structured,
+        ReplyMode::Extended,
+    ];
+    for (round, mode) in modes.into_iter().enumerate() {
+        let mut c = RawClient::handshake(([127, 0, 0, 1], port).into());
+        c.go(mode);
+        // The server side executes the writes, but its replies are held:
+        // the requests are in flight when the gateway dies.
+        counter.hold_replies(true);
+        let writes: Vec<(u64, Vec<u8>)> = (1..=4u64)
+            .map(|k| (k << 20, pattern(256 << 10, 100 + k + 10 * round as u64)))
+            .collect();
+        for (cookie, (offset, data)) in writes.iter().enumerate() {
+            c.write(cookie as u64 + 1, *offset, data);
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        drop(gateway.take());
+        counter.hold_replies(false);
+        gateway = Some(gateway_at(&env, &counter.socket, server_port));
+        let mut answered: Vec<u64> = (0..4)
+            .map(|_| {
+                let reply = c.read_reply(0);
+                let last = reply.last().unwrap();
+                assert_eq!(last.error, 0, "{mode:?}: {}", client.log());
+                last.cookie
+            })
+            .collect();
+        answered.sort();
+        assert_eq!(answered, [1, 2, 3, 4], "{mode:?}");
+        client.wait_for_log("reconnected to the server", round + 1);
+        for (cookie, (offset, data)) in writes.iter().enumerate() {
+            assert_eq!(
+                &c.read(10 + cookie as u64, *offset, data.len()),
+                data,
+                "{mode:?}"
+            );
+        }
+        c.disconnect();
+        let direct = upstream.read_direct();
+        for (offset, data) in &writes {
+            let at = *offset as usize;
+            assert_eq!(&direct[at..at + data.len()], &data[..], "{mode:?}");
+        }
+    }
+    let log = client.log();
+    assert!(
+        log.contains("connection to the server lost; reconnecting"),
+        "{log}"
+    );
+    assert!(log.contains("requests_sent_again=4"), "{log}");
+    assert!(!log.contains("giving up"), "{log}");
+}

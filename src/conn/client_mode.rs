@@ -6,6 +6,7 @@
 //! phases differ from the server mode; nothing here parses or relays on
 //! its own.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -13,6 +14,7 @@ use tracing::{debug, info, warn, Instrument};
 
 use super::error::{ConnError, Side};
 use super::options::{OptionChannel, ShutdownAnswer};
+use super::reconnect::{Opened, Reconnecting, Reopen};
 use super::relayed::{self, Batch, Framing};
 use super::remote::{self, Remote, RemoteTls};
 use super::session::{Limits, Stats, Transmit};
@@ -50,13 +52,14 @@ pub async fn serve<S>(
     local: S,
     id: u64,
     peer: String,
-    settings: &ClientSettings,
+    shared: Arc<ClientSettings>,
     shutdown: Shutdown,
 ) where
     S: AsyncRead + AsyncWrite + Unpin,
 {
     let span = tracing::info_span!("conn", id, peer = %peer);
     async move {
+        let settings = &*shared;
         let metrics = &settings.metrics;
         info!("accepted");
         metrics.connections_open.inc();
@@ -64,7 +67,7 @@ pub async fn serve<S>(
         let stats = Stats::new(metrics.clone());
         let mut cut = shutdown.clone();
         let result = tokio::select! {
-            result = run(local, settings, shutdown, &stats) => result,
+            result = run(local, &shared, shutdown, &stats) => result,
             () = cut.cut() => Err(ConnError::GraceOver),
         };
         metrics.connections_open.dec();
@@ -89,43 +92,37 @@ enum Negotiated<S> {
 struct Ready<S> {
     local: S,
     remote: RemoteTls,
-    framing: Framing,
+    opened: Opened,
     read_only: bool,
 }
 
 async fn run<S>(
     local: S,
-    settings: &ClientSettings,
+    shared: &Arc<ClientSettings>,
     shutdown: Shutdown,
     stats: &Stats,
 ) -> Result<&'static str, ConnError>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
+    let settings = &**shared;
     let negotiated = tokio::time::timeout(
         settings.handshake_timeout,
         negotiate(local, settings, &shutdown),
     )
     .await
     .map_err(|_| ConnError::HandshakeTimeout(settings.handshake_timeout))??;
-    let (local, remote, framing, read_only) = match negotiated {
+    let ready = match negotiated {
         Negotiated::Closed(reason) => return Ok(reason),
-        Negotiated::Transmission(ready) => {
-            let Ready {
-                local,
-                remote,
-                framing,
-                read_only,
-            } = *ready;
-            (local, remote, framing, read_only)
-        }
+        Negotiated::Transmission(ready) => *ready,
     };
-    let ends = super::relay::Ends {
-        client: tokio::io::split(local),
-        upstream: tokio::io::split(remote),
-        mode: framing.mode(),
+    let Ready {
+        local,
+        remote,
+        opened,
         read_only,
-    };
+    } = ready;
+    let mode = opened.framing.mode();
     let transmit = Transmit {
         limits: Limits {
             max_payload: settings.max_payload,
@@ -138,7 +135,29 @@ where
     };
     // No cork handle: the local side is a Unix socket or loopback TCP;
     // towards the network each request leaves in full TLS records.
-    super::relay::run(ends, None, &transmit, None).await
+    let client = tokio::io::split(local);
+    match settings.reconnect {
+        None => {
+            let ends = super::relay::Ends {
+                client,
+                upstream: tokio::io::split(remote),
+                mode,
+                read_only,
+            };
+            super::relay::run(ends, None, &transmit, None).await
+        }
+        Some(_) => {
+            // The same relay, over a server stream that outlives drops.
+            let upstream = Reconnecting::new(remote, shared.clone(), opened, mode);
+            let ends = super::relay::Ends {
+                client,
+                upstream: tokio::io::split(upstream),
+                mode,
+                read_only,
+            };
+            super::relay::run(ends, None, &transmit, None).await
+        }
+    }
 }
 
 /// The greeting towards the local client, the remote server reached, then
@@ -224,7 +243,9 @@ where
         match step {
             Step::Next => {}
             Step::Closed(reason) => return Ok(Negotiated::Closed(reason)),
-            Step::Transmission(tflags) => return Ok(options.enter_transmission(tflags)),
+            Step::Transmission(reopen, export) => {
+                return Ok(options.enter_transmission(reopen, export))
+            }
         }
     }
 }
@@ -232,8 +253,8 @@ where
 enum Step {
     Next,
     Closed(&'static str),
-    /// The export's transmission flags.
-    Transmission(u16),
+    /// How the export was opened, and its size and flags.
+    Transmission(Reopen, (u64, u16)),
 }
 
 /// The option relay of one connection.
@@ -283,7 +304,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Options<'_, S> {
         };
         relayed::answer_export_name(&mut self.local, export, self.flags).await?;
         self.log_negotiated(self.local.data(), export);
-        Ok(Step::Transmission(export.1))
+        let reopen = Reopen::ExportName(self.local.data().to_vec());
+        Ok(Step::Transmission(reopen, export))
     }
 
     /// Forwards the option unchanged and relays every reply to it, with
@@ -337,7 +359,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Options<'_, S> {
         };
         let name = relayed::split_name(self.local.data());
         self.log_negotiated(name, export);
-        Ok(Step::Transmission(export.1))
+        Ok(Step::Transmission(
+            Reopen::Go(self.local.data().to_vec()),
+            export,
+        ))
     }
 
     fn log_negotiated(&self, export: &[u8], (size, tflags): (u64, u16)) {
@@ -352,12 +377,16 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Options<'_, S> {
         );
     }
 
-    fn enter_transmission(self, tflags: u16) -> Negotiated<S> {
+    fn enter_transmission(self, reopen: Reopen, export: (u64, u16)) -> Negotiated<S> {
         Negotiated::Transmission(Box::new(Ready {
             local: self.local.into_inner(),
             remote: self.remote.channel.into_inner(),
-            framing: self.framing,
-            read_only: tflags & TFLAG_READ_ONLY != 0,
+            opened: Opened {
+                reopen,
+                framing: self.framing,
+                export,
+            },
+            read_only: export.1 & TFLAG_READ_ONLY != 0,
         }))
     }
 }

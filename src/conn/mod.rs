@@ -13,6 +13,7 @@ mod kernel_tls;
 mod negotiate;
 mod options;
 mod plain;
+mod reconnect;
 mod relay;
 mod relayed;
 mod remote;
