@@ -883,3 +883,56 @@ fn reconnect_sends_the_writes_in_flight_again_after_a_gateway_restart() {
     assert!(log.contains("requests_sent_again=4"), "{log}");
     assert!(!log.contains("giving up"), "{log}");
 }
+
+#[test]
+fn reconnect_refuses_a_changed_export_and_gives_up_after_the_timeout() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", SIZE, 21);
+    let mut upstream = QemuNbd::start(&env, &image, &[]);
+    let server_port = common::free_port();
+    let gateway = gateway_at(&env, &upstream.socket, server_port);
+    let (client, port) = reconnecting_client(&env, server_port, &["--reconnect-timeout", "3"]);
+    let addr = ([127, 0, 0, 1], port).into();
+
+    // The disk behind the server is replaced by one of another size: the
+    // reconnect sees it and closes instead of serving it.
+    let mut c = RawClient::handshake(addr);
+    c.go(ReplyMode::Structured);
+    assert_eq!(c.read(1, 0, 4096), pattern(SIZE, 21)[..4096]);
+    upstream.kill();
+    let other = env.random_image("other.img", SIZE / 2, 22);
+    let _other = QemuNbd::start_at(upstream.socket.clone(), &other, &[]);
+    client.wait_for_log("giving up on the server", 1);
+    let log = client.log();
+    assert!(
+        log.contains(&format!("the export changed: size {} and flags", SIZE / 2)),
+        "{log}"
+    );
+    c.expect_closed();
+
+    // The server gone for longer than --reconnect-timeout: a request in
+    // flight gets EIO, then the connection closes.
+    let mut c = RawClient::handshake(addr);
+    c.go(ReplyMode::Structured);
+    drop(gateway);
+    c.send_request(0, nbdgw::proto::consts::CMD_READ, 7, 0, 4096, &[]);
+    let started = std::time::Instant::now();
+    let reply = c.read_reply(0);
+    assert_eq!(reply.last().unwrap().cookie, 7);
+    assert_eq!(
+        reply.last().unwrap().error_code(),
+        nbdgw::proto::consts::EIO
+    );
+    assert!(
+        reply
+            .last()
+            .unwrap()
+            .error_message()
+            .contains("no connection within --reconnect-timeout"),
+        "{}",
+        reply.last().unwrap().error_message()
+    );
+    assert!(started.elapsed() < Duration::from_secs(10));
+    c.expect_closed();
+    client.wait_for_log("giving up on the server", 2);
+}

@@ -145,6 +145,11 @@ pub struct Reconnecting {
     /// Requests part of whose reply has gone up.
     answered_in_part: HashSet<u64>,
     scratch: Vec<u8>,
+    /// A write waits for the reconnect: once given up, what it brings
+    /// gets its EIO before the end is read.
+    writer_blocked: bool,
+    /// Why it gave up, for the EIO replies.
+    failed: String,
 }
 
 impl Reconnecting {
@@ -174,6 +179,8 @@ impl Reconnecting {
             out_at: 0,
             answered_in_part: HashSet::new(),
             scratch: vec![0; READ_CHUNK],
+            writer_blocked: false,
+            failed: String::new(),
         }
     }
 
@@ -246,22 +253,20 @@ impl Reconnecting {
             in_flight = self.kept.len(),
             "giving up on the server; the requests in flight fail with EIO and the local connection closes"
         );
-        let message = format!("nbdgw client: {why}");
+        self.failed = format!("nbdgw client: {why}");
+        self.fail_kept();
+        self.link = Link::Failed;
+    }
+
+    fn fail_kept(&mut self) {
         for kept in std::mem::take(&mut self.kept) {
             if let Some(request) = self.table.remove(kept.cookie) {
-                encode_error_reply(
-                    self.mode,
-                    kept.cookie,
-                    &request,
-                    EIO,
-                    &message,
-                    &mut self.out,
-                );
+                let (mode, cookie) = (self.mode, kept.cookie);
+                encode_error_reply(mode, cookie, &request, EIO, &self.failed, &mut self.out);
                 self.settings.metrics.error(EIO);
             }
         }
         self.held = 0;
-        self.link = Link::Failed;
     }
 
     fn forget(&mut self, cookie: u64) {
@@ -397,6 +402,11 @@ impl AsyncRead for Reconnecting {
                 return Poll::Ready(Ok(()));
             }
             if let Link::Failed = this.link {
+                // The write side is polled in the same task: its request
+                // gets its EIO first, and then the end.
+                if this.writer_blocked {
+                    return Poll::Pending;
+                }
                 return Poll::Ready(Ok(()));
             }
             match this.drive(cx) {
@@ -443,8 +453,22 @@ impl AsyncWrite for Reconnecting {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         loop {
-            if let Err(e) = std::task::ready!(this.drive(cx)) {
-                return Poll::Ready(Err(e));
+            if let Link::Failed = this.link {
+                // Nothing will be sent any more: each request is answered
+                // EIO at once, so the local client hears of it.
+                this.writer_blocked = false;
+                this.record(buf)?;
+                this.fail_kept();
+                cx.waker().wake_by_ref();
+                return Poll::Ready(Ok(buf.len()));
+            }
+            match this.drive(cx) {
+                Poll::Pending => {
+                    this.writer_blocked = true;
+                    return Poll::Pending;
+                }
+                Poll::Ready(Err(_)) => continue,
+                Poll::Ready(Ok(())) => this.writer_blocked = false,
             }
             // A new request waits while the kept ones fill the buffer (one
             // is always let through, however large).
@@ -470,8 +494,9 @@ impl AsyncWrite for Reconnecting {
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         loop {
-            if let Err(e) = std::task::ready!(this.drive(cx)) {
-                return Poll::Ready(Err(e));
+            if std::task::ready!(this.drive(cx)).is_err() {
+                // Given up: the writes were answered, nothing to flush.
+                return Poll::Ready(Ok(()));
             }
             let Link::Up(conn) = &mut this.link else {
                 continue;
@@ -550,11 +575,16 @@ async fn reopen(settings: &ClientSettings, opened: &Opened) -> Result<RemoteTls,
             .read_reply(code, &mut reply)
             .await
             .map_err(|e| failed(&e))?;
-        if header.reply_type != REP_ACK {
-            return Err(Attempt::Changed(format!(
-                "the server refused the reply framing agreed before ({})",
-                remote::reply_name(header.reply_type)
-            )));
+        let refused = format!(
+            "the server refused the reply framing agreed before ({})",
+            remote::reply_name(header.reply_type)
+        );
+        match header.reply_type {
+            REP_ACK => {}
+            // A server (a gateway whose own server is still starting)
+            // that says it is shutting down may say yes in a moment.
+            REP_ERR_SHUTDOWN => return Err(Attempt::Failed(refused)),
+            _ => return Err(Attempt::Changed(refused)),
         }
     }
     let export = match &opened.reopen {
