@@ -936,3 +936,58 @@ fn reconnect_refuses_a_changed_export_and_gives_up_after_the_timeout() {
     c.expect_closed();
     client.wait_for_log("giving up on the server", 2);
 }
+
+#[test]
+fn reconnect_carries_a_copy_through_repeated_restarts_of_the_gateway_and_qemu_nbd() {
+    const BIG: usize = 128 << 20;
+    let env = Env::new();
+    let image = env.random_image("disk.img", BIG, 23);
+    let mut upstream = QemuNbd::start(&env, &image, &[]);
+    let server_port = common::free_port();
+    let mut gateway = Some(gateway_at(&env, &upstream.socket, server_port));
+    let (client, port) = reconnecting_client(&env, server_port, &["--reconnect-timeout", "20"]);
+    let uri = format!("nbd://127.0.0.1:{port}/");
+
+    // One request at a time, so the copy lasts through the restarts.
+    let source = env.random_image("source.img", BIG, 24);
+    let copy = {
+        let (source, uri) = (source.clone(), uri.clone());
+        std::thread::spawn(move || {
+            run(Command::new("nbdcopy")
+                .args(["--connections=1", "--requests=1", "--request-size=65536"])
+                .arg(&source)
+                .arg(&uri))
+        })
+    };
+    for round in 0..4 {
+        std::thread::sleep(Duration::from_millis(300));
+        if copy.is_finished() {
+            break;
+        }
+        if round % 2 == 0 {
+            drop(gateway.take());
+            std::thread::sleep(Duration::from_millis(200));
+            gateway = Some(gateway_at(&env, &upstream.socket, server_port));
+        } else {
+            upstream.restart();
+        }
+    }
+    let out = copy.join().unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        common::clients::text(&out),
+        client.log()
+    );
+    assert_eq!(upstream.read_direct(), pattern(BIG, 24), "{}", client.log());
+    let log = client.log();
+    let reconnects = log.matches("reconnected to the server").count();
+    // At least one gateway restart and one qemu-nbd restart (4 when the
+    // copy lasts through all of them, as it usually does).
+    assert!(reconnects >= 2, "the copy outran the restarts:\n{log}");
+    assert!(!log.contains("giving up"), "{log}");
+    // And reads back through the same client.
+    let back = env.path("back.img");
+    run_ok(Command::new("nbdcopy").arg(&uri).arg(&back));
+    assert_eq!(std::fs::read(&back).unwrap(), pattern(BIG, 24));
+}
