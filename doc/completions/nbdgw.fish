@@ -125,6 +125,8 @@ complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l tls-min-version -
 1.3\t''"
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l tls-reload-interval -d 'Seconds between looks at the TLS files for changes (a new CA bundle or client certificate is used by new connections); 0 reloads only on SIGHUP' -r
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l server-timeout -d 'Seconds the server may take to accept, greet and finish TLS, and then to answer each option; a local client then hears why. Keep it below --handshake-timeout' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l reconnect-timeout -d 'Seconds --reconnect keeps trying after a drop before the requests in flight fail with EIO and the local connection closes' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l replay-buffer -d 'Bytes of requests in flight (write payloads included) --reconnect keeps per connection until they are answered; beyond it new requests wait. One request is always let through' -r
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l handshake-timeout -d 'Seconds a local client has from connecting to finishing negotiation' -r
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l idle-timeout -d 'Seconds a connection may sit with no request in flight; 0 never closes it' -r
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l stall-timeout -d 'Seconds a started request payload or an unread reply may make no progress before the connection is closed; also the server connection\'s TCP_USER_TIMEOUT. 0: never' -r
@@ -137,6 +139,7 @@ complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l admin-listen -d '
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l threads -d 'Worker threads; 0 means one per CPU' -r
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l log-format -d 'Log format; the filter comes from RUST_LOG (default info)' -r -f -a "text\t''
 json\t''"
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l reconnect -d 'Keep local connections when the server\'s connection drops: reconnect, open the same export (its size and flags checked unchanged) and send the requests in flight again, in order'
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -s h -l help -d 'Print help (see more with \'--help\')'
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and not __fish_seen_subcommand_from certs policy client help" -f -a "certs" -d 'Make a CA, a server certificate and client certificates in the layout qemu, nbdkit and libnbd read'
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and not __fish_seen_subcommand_from certs policy client help" -f -a "policy" -d 'Validate a --policy file, or show what it grants one certificate, before a rollout'
