@@ -63,6 +63,8 @@ pub struct Opened {
 
 /// Reads from the server go through this much at a time.
 const READ_CHUNK: usize = 64 * 1024;
+/// Message buffers larger than this are freed once delivered.
+const KEPT_CAPACITY: usize = 1024 * 1024;
 /// Backoff between tries: from the first to the longest.
 const FIRST_DELAY: Duration = Duration::from_millis(100);
 const LONGEST_DELAY: Duration = Duration::from_secs(2);
@@ -371,7 +373,15 @@ impl Reconnecting {
 
     /// A whole reply message: up it goes, and a last one frees its request.
     fn whole(&mut self, frame: ReplyFrame) {
-        self.out.append(&mut self.message);
+        if self.out_at == self.out.len() {
+            // Nothing waiting to go up: the message becomes the output
+            // as it is, without a copy.
+            self.out.clear();
+            self.out_at = 0;
+            std::mem::swap(&mut self.out, &mut self.message);
+        } else {
+            self.out.append(&mut self.message);
+        }
         self.need = Need::Magic;
         if frame.done {
             self.table.remove(frame.cookie);
@@ -398,6 +408,14 @@ impl AsyncRead for Reconnecting {
                 if this.out_at == this.out.len() {
                     this.out.clear();
                     this.out_at = 0;
+                    // A large read's buffer is not kept for an idle
+                    // connection's life.
+                    if this.out.capacity() > KEPT_CAPACITY {
+                        this.out = Vec::new();
+                    }
+                    if this.message.capacity() > KEPT_CAPACITY {
+                        this.message = Vec::new();
+                    }
                 }
                 return Poll::Ready(Ok(()));
             }
