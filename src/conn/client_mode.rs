@@ -22,6 +22,7 @@ use crate::client::ClientSettings;
 use crate::logsafe::{escape_bytes, Escaped};
 use crate::proto::consts::*;
 use crate::proto::handshake::{ClientFlags, OptionHeader};
+use crate::proto::transmission::ReplyMode;
 use crate::shutdown::Shutdown;
 
 /// What the local client hears when the server fails mid-option: a TLS
@@ -133,31 +134,36 @@ where
         shutdown,
         stats,
     };
-    // No cork handle: the local side is a Unix socket or loopback TCP;
-    // towards the network each request leaves in full TLS records.
-    let client = tokio::io::split(local);
     match settings.reconnect {
-        None => {
-            let ends = super::relay::Ends {
-                client,
-                upstream: tokio::io::split(remote),
-                mode,
-                read_only,
-            };
-            super::relay::run(ends, None, &transmit, None).await
-        }
+        None => relay_to(local, remote, (mode, read_only), &transmit).await,
         Some(_) => {
             // The same relay, over a server stream that outlives drops.
             let upstream = Reconnecting::new(remote, shared.clone(), opened, mode);
-            let ends = super::relay::Ends {
-                client,
-                upstream: tokio::io::split(upstream),
-                mode,
-                read_only,
-            };
-            super::relay::run(ends, None, &transmit, None).await
+            relay_to(local, upstream, (mode, read_only), &transmit).await
         }
     }
+}
+
+/// The transmission relay between the local client and `upstream`. No
+/// cork handle: the local side is a Unix socket or loopback TCP; towards
+/// the network each request leaves in full TLS records.
+async fn relay_to<S, U>(
+    local: S,
+    upstream: U,
+    (mode, read_only): (ReplyMode, bool),
+    transmit: &Transmit<'_>,
+) -> Result<&'static str, ConnError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+    U: AsyncRead + AsyncWrite + Unpin,
+{
+    let ends = super::relay::Ends {
+        client: tokio::io::split(local),
+        upstream: tokio::io::split(upstream),
+        mode,
+        read_only,
+    };
+    super::relay::run(ends, None, transmit, None).await
 }
 
 /// The greeting towards the local client, the remote server reached, then
