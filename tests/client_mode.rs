@@ -991,3 +991,44 @@ fn reconnect_carries_a_copy_through_repeated_restarts_of_the_gateway_and_qemu_nb
     run_ok(Command::new("nbdcopy").arg(&uri).arg(&back));
     assert_eq!(std::fs::read(&back).unwrap(), pattern(BIG, 24));
 }
+
+#[test]
+fn reconnect_ends_a_reply_cut_between_chunks_with_eio_and_goes_on() {
+    use common::fake_upstream::{chunk, good_read, scripted, Answer, Asked};
+    use nbdgw::proto::consts::*;
+    let env = Env::new();
+    // The first connection answers a read with half its data in a chunk
+    // that is not the last, then dies; later ones answer properly.
+    fn script(connection: usize, read: Asked) -> Answer {
+        if connection > 0 {
+            return good_read(read).into();
+        }
+        let half = read.length / 2;
+        let mut bytes = chunk(0, REPLY_TYPE_OFFSET_DATA, read.cookie, 8 + half);
+        bytes.extend_from_slice(&read.offset.to_be_bytes());
+        bytes.extend(std::iter::repeat_n(7u8, half as usize));
+        Answer { bytes, close: true }
+    }
+    let upstream = scripted(&env.path("fake.sock"), SIZE as u64, script);
+    let server = gateway(&env, &upstream.socket);
+    let (client, port) = reconnecting_client(&env, server.port, &[]);
+    let mut c = RawClient::handshake(([127, 0, 0, 1], port).into());
+    c.go(ReplyMode::Structured);
+    c.send_request(0, CMD_READ, 1, 0, 4096, &[]);
+    let reply = c.read_reply(0);
+    assert_eq!(reply.len(), 2, "half the data, then the end");
+    assert_eq!(reply[0].payload.len(), 8 + 2048);
+    assert!(!reply[0].done());
+    assert_eq!(reply[1].error_code(), EIO);
+    assert!(
+        reply[1]
+            .error_message()
+            .contains("lost in the middle of this reply"),
+        "{}",
+        reply[1].error_message()
+    );
+    // The connection goes on, over the new server connection.
+    assert_eq!(c.read(2, 8192, 4096), vec![7u8; 4096]);
+    client.wait_for_log("reconnected to the server", 1);
+    c.disconnect();
+}
