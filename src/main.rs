@@ -132,6 +132,13 @@ fn client(args: ClientArgs) -> Result<()> {
         idle: Duration::from_secs(args.tcp_keepalive),
         ..Keepalive::default()
     });
+    if args.server_timeout >= args.handshake_timeout {
+        warn!(
+            server_timeout = args.server_timeout,
+            handshake_timeout = args.handshake_timeout,
+            "--server-timeout is not below --handshake-timeout: a local client waiting on a slow server is cut before it hears why"
+        );
+    }
     let mut max_connections = args.max_connections;
     fit_client_fd_limit(&mut max_connections, args.admin_listen.is_some())?;
     let settings = ClientSettings {
