@@ -954,7 +954,7 @@ fn reconnect_carries_a_copy_through_repeated_restarts_of_the_gateway_and_qemu_nb
         let (source, uri) = (source.clone(), uri.clone());
         std::thread::spawn(move || {
             run(Command::new("nbdcopy")
-                .args(["--connections=1", "--requests=1", "--request-size=65536"])
+                .args(["--connections=1", "--requests=1", "--request-size=16384"])
                 .arg(&source)
                 .arg(&uri))
         })
