@@ -161,7 +161,7 @@ impl Reconnecting {
         opened: Opened,
         mode: ReplyMode,
     ) -> Self {
-        let max_reply = u64::from(settings.max_payload).max(u64::from(DEFAULT_MAX_PAYLOAD)) + 8192;
+        let max_reply = super::relay::max_reply(settings.max_payload);
         Reconnecting {
             link: Link::Up(Box::new(remote)),
             settings,
@@ -216,7 +216,6 @@ impl Reconnecting {
 
     /// The connection dropped: start over, with what is kept.
     fn lost(&mut self, why: &str) {
-        self.settings.metrics.upstream_connect_failures.inc();
         warn!(
             error = %Escaped(why),
             in_flight = self.kept.len(),

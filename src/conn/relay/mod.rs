@@ -22,6 +22,7 @@ use crate::conn::session::Transmit;
 use crate::proto::transmission::ReplyMode;
 use flight::Flight;
 use local::{Local, SHUTTING_DOWN};
+pub use replies::max_reply;
 use replies::Replies;
 use requests::Requests;
 use writer::ReplyWriter;

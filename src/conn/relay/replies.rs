@@ -20,6 +20,11 @@ use crate::proto::transmission::{check_error_payload, parse_reply, reply_header_
 /// error code and a message of at most 4 KiB, block-status descriptors.
 /// 8 KiB covers them all.
 const REPLY_FIELDS_ALLOWANCE: u64 = 8192;
+
+/// The longest reply payload accepted from the upstream, for `--max-payload`.
+pub fn max_reply(max_payload: u32) -> u64 {
+    u64::from(max_payload).max(u64::from(DEFAULT_MAX_PAYLOAD)) + REPLY_FIELDS_ALLOWANCE
+}
 /// At shutdown, how long a connection with nothing left in flight stays
 /// open for requests already on their way: a client that sent one just
 /// as the last reply left gets ESHUTDOWN for it, not a close with a
@@ -61,8 +66,7 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
             local,
             local_open: true,
             mode,
-            max_reply: u64::from(max_payload).max(u64::from(DEFAULT_MAX_PAYLOAD))
-                + REPLY_FIELDS_ALLOWANCE,
+            max_reply: max_reply(max_payload),
             draining: None,
         }
     }
