@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what nbdgw's demo and tests need on a Debian machine:
 # qemu-utils (qemu-nbd, qemu-img, qemu-io), libnbd-bin (nbdinfo, nbdcopy),
-# python3-libnbd (the soak's clients, for Debian's /usr/bin/python3) and
+# python3-libnbd (the soak's clients, for Debian's /usr/bin/python3),
+# nbdkit (a GnuTLS server for the client mode's tests) and
 # iproute2 (ip netns, for the test of a client that powers off), curl (the
 # admin endpoints' tests) and systemd (systemd-socket-activate and
 # systemd-analyze, for the units' tests), gcc, pkg-config and
@@ -18,7 +19,7 @@ sudo=""
 packages=(qemu-utils libnbd-bin)
 demo_only=false
 [ "${1:-}" = "--demo" ] && demo_only=true
-$demo_only || packages+=(python3-libnbd iproute2 curl systemd gcc pkg-config libgnutls28-dev)
+$demo_only || packages+=(python3-libnbd nbdkit iproute2 curl systemd gcc pkg-config libgnutls28-dev)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -45,6 +45,20 @@ pub struct AdminLimits {
     pub max_header_bytes: usize,
 }
 
+impl Default for AdminLimits {
+    /// The flags' defaults, for `nbdgw client`, which has no flags for them.
+    fn default() -> Self {
+        use crate::config::*;
+        AdminLimits {
+            max_connections: DEFAULT_ADMIN_MAX_CONNECTIONS,
+            header_timeout: Duration::from_secs(DEFAULT_ADMIN_HEADER_TIMEOUT_SECS),
+            keepalive_requests: DEFAULT_ADMIN_KEEPALIVE_REQUESTS,
+            keepalive_timeout: Duration::from_secs(DEFAULT_ADMIN_KEEPALIVE_TIMEOUT_SECS),
+            max_header_bytes: DEFAULT_ADMIN_MAX_HEADER_BYTES as usize,
+        }
+    }
+}
+
 /// The endpoints read no header at all; a probe sends a handful.
 const MAX_HEADERS: usize = 32;
 

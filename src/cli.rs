@@ -51,6 +51,147 @@ pub enum Command {
     /// Validate a --policy file, or show what it grants one certificate,
     /// before a rollout.
     Policy(PolicyArgs),
+    /// Client mode: serve plaintext NBD on a Unix socket or loopback port
+    /// to local clients (the kernel's nbd-client, clients without TLS),
+    /// and relay each to a remote NBD server over STARTTLS and verified
+    /// TLS.
+    Client(ClientArgs),
+}
+
+const CLIENT_AFTER_HELP: &str = "\
+The server's certificate must chain to the CA (ca-cert.pem in --tls-dir, \
+or --tls-ca) and carry the --server host (or --server-name) as a DNS or IP \
+SAN; there is no way to turn verification off. A client certificate \
+(client-cert.pem and client-key.pem) is presented when there is one.
+
+Signals: SIGHUP re-reads the TLS files at once. SIGTERM or SIGINT stops \
+accepting, lets requests in flight finish within --shutdown-grace, then \
+exits 0.
+
+Examples:
+  nbdgw client --server nbd.example:10809 --tls-dir /etc/nbdgw/client
+  nbd-client -unix /run/nbdgw-client.sock /dev/nbd0 -N disk0
+  qemu-img info 'nbd+unix:///disk0?socket=/run/nbdgw-client.sock'";
+
+/// `nbdgw client`'s flags; their variables are NBDGW_CLIENT_*, so that a
+/// server's environment never configures a client by accident.
+#[derive(Args, Debug)]
+#[command(after_long_help = CLIENT_AFTER_HELP)]
+pub struct ClientArgs {
+    /// Where local clients connect: a Unix socket path, or a loopback
+    /// HOST:PORT (the local side is plaintext, so no other address is
+    /// accepted).
+    #[arg(
+        long,
+        env = "NBDGW_CLIENT_LISTEN",
+        value_name = "PATH|HOST:PORT",
+        default_value = "/run/nbdgw-client.sock"
+    )]
+    pub listen: crate::client::LocalAddr,
+    /// The remote NBD server (TLS with STARTTLS), e.g. nbd.example:10809
+    /// or [2001:db8::1]:10809.
+    #[arg(long, env = "NBDGW_CLIENT_SERVER", value_name = "HOST:PORT")]
+    pub server: String,
+    /// The name the server's certificate must carry (a DNS or IP SAN);
+    /// default: the host of --server.
+    #[arg(long, env = "NBDGW_CLIENT_SERVER_NAME", value_name = "NAME")]
+    pub server_name: Option<String>,
+    /// Directory with the CA and the client certificate: the layout of
+    /// libnbd and qemu (ca-cert.pem, client-cert.pem, client-key.pem,
+    /// optionally ca-crl.pem) or a Kubernetes TLS Secret (ca.crt, tls.crt,
+    /// tls.key). Files named by the other --tls-* flags take precedence.
+    #[arg(long, env = "NBDGW_CLIENT_TLS_DIR", value_name = "DIR")]
+    pub tls_dir: Option<PathBuf>,
+    /// CA bundle (PEM) the server's certificate must chain to.
+    #[arg(long, env = "NBDGW_CLIENT_TLS_CA", value_name = "FILE")]
+    pub tls_ca: Option<PathBuf>,
+    /// Client certificate chain (PEM) to present.
+    #[arg(
+        long,
+        env = "NBDGW_CLIENT_TLS_CERT",
+        value_name = "FILE",
+        requires = "tls_key"
+    )]
+    pub tls_cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM).
+    #[arg(
+        long,
+        env = "NBDGW_CLIENT_TLS_KEY",
+        value_name = "FILE",
+        requires = "tls_cert"
+    )]
+    pub tls_key: Option<PathBuf>,
+    /// Oldest TLS version offered to the server.
+    #[arg(
+        long,
+        env = "NBDGW_CLIENT_TLS_MIN_VERSION",
+        value_enum,
+        default_value = "1.2"
+    )]
+    pub tls_min_version: MinVersion,
+    /// Seconds between looks at the TLS files for changes (a new CA
+    /// bundle or client certificate is used by new connections); 0
+    /// reloads only on SIGHUP.
+    #[arg(long, env = "NBDGW_CLIENT_TLS_RELOAD_INTERVAL", default_value_t = 5)]
+    pub tls_reload_interval: u64,
+    /// Seconds the server may take to accept, greet and finish TLS, and
+    /// then to answer each option; a local client then hears why.
+    /// Keep it below --handshake-timeout.
+    #[arg(long, env = "NBDGW_CLIENT_SERVER_TIMEOUT", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    pub server_timeout: u64,
+    /// Keep local connections when the server's connection drops:
+    /// reconnect, open the same export (its size and flags checked
+    /// unchanged) and send the requests in flight again, in order.
+    #[arg(long, env = "NBDGW_CLIENT_RECONNECT")]
+    pub reconnect: bool,
+    /// Seconds --reconnect keeps trying after a drop before the requests
+    /// in flight fail with EIO and the local connection closes.
+    #[arg(long, env = "NBDGW_CLIENT_RECONNECT_TIMEOUT", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub reconnect_timeout: u64,
+    /// Bytes of requests in flight (write payloads included) --reconnect
+    /// keeps per connection until they are answered; beyond it new
+    /// requests wait. One request is always let through.
+    #[arg(long, env = "NBDGW_CLIENT_REPLAY_BUFFER", value_name = "BYTES", default_value_t = 64 * 1024 * 1024)]
+    pub replay_buffer: usize,
+    /// Seconds a local client has from connecting to finishing negotiation.
+    #[arg(long, env = "NBDGW_CLIENT_HANDSHAKE_TIMEOUT", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub handshake_timeout: u64,
+    /// Seconds a connection may sit with no request in flight; 0 never
+    /// closes it.
+    #[arg(long, env = "NBDGW_CLIENT_IDLE_TIMEOUT", default_value_t = 0)]
+    pub idle_timeout: u64,
+    /// Seconds a started request payload or an unread reply may make no
+    /// progress before the connection is closed; also the server
+    /// connection's TCP_USER_TIMEOUT. 0: never.
+    #[arg(long, env = "NBDGW_CLIENT_STALL_TIMEOUT", default_value_t = config::DEFAULT_STALL_TIMEOUT_SECS)]
+    pub stall_timeout: u64,
+    /// Seconds of silence before TCP keepalive probes the server; 0 turns
+    /// keepalive off.
+    #[arg(long, env = "NBDGW_CLIENT_TCP_KEEPALIVE", value_name = "IDLE", default_value_t = config::DEFAULT_KEEPALIVE_IDLE_SECS)]
+    pub tcp_keepalive: u64,
+    /// Largest request payload and read length in bytes.
+    #[arg(long, env = "NBDGW_CLIENT_MAX_PAYLOAD", default_value_t = crate::proto::consts::DEFAULT_MAX_PAYLOAD)]
+    pub max_payload: u32,
+    /// Largest option data (and option reply) in bytes.
+    #[arg(long, env = "NBDGW_CLIENT_MAX_OPTION_LEN", default_value_t = config::DEFAULT_MAX_OPTION_LEN)]
+    pub max_option_len: u32,
+    /// Most local connections served at once; more are closed at accept.
+    #[arg(long, env = "NBDGW_CLIENT_MAX_CONNECTIONS", default_value_t = config::DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
+    /// Seconds open connections may finish after SIGTERM or SIGINT.
+    #[arg(long, env = "NBDGW_CLIENT_SHUTDOWN_GRACE", default_value_t = config::DEFAULT_SHUTDOWN_GRACE_SECS)]
+    pub shutdown_grace: u64,
+    /// Plain-HTTP admin endpoints (/healthz, /readyz, /metrics) on this
+    /// address, as the server mode's; off by default. /readyz fails
+    /// while the last try to reach the server failed.
+    #[arg(long, env = "NBDGW_CLIENT_ADMIN_LISTEN", value_name = "HOST:PORT")]
+    pub admin_listen: Option<SocketAddr>,
+    /// Worker threads; 0 means one per CPU.
+    #[arg(long, env = "NBDGW_CLIENT_THREADS", default_value_t = 0)]
+    pub threads: usize,
+    /// Log format; the filter comes from RUST_LOG (default info).
+    #[arg(long, env = "NBDGW_CLIENT_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
 }
 
 #[derive(Args, Debug)]

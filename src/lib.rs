@@ -10,6 +10,7 @@ pub mod admin;
 mod admission;
 pub mod certs;
 pub mod cli;
+pub mod client;
 pub mod config;
 mod conn;
 pub mod exports;

@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use tokio::net::TcpListener;
 use tracing::{info, warn};
 
-use nbdgw::cli::{CertsArgs, Command, LogFormat, PolicyCommand, ServeArgs};
+use nbdgw::cli::{CertsArgs, ClientArgs, Command, LogFormat, PolicyCommand, ServeArgs};
 use nbdgw::config::{Config, Keepalive};
 use nbdgw::listeners::Listeners;
 use nbdgw::sandbox::{Enforcement, LandlockMode, SocketRule};
@@ -28,6 +28,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Some(Command::Certs(args)) => certs(args),
         Some(Command::Policy(args)) => return policy(args.command),
+        Some(Command::Client(args)) => client(args),
         None => serve(cli.serve),
     };
     match result {
@@ -97,6 +98,118 @@ fn certs(args: CertsArgs) -> Result<()> {
     Ok(())
 }
 
+/// `nbdgw client`: the files read and the settings fixed before any
+/// socket is touched, then the local listener served.
+fn client(args: ClientArgs) -> Result<()> {
+    use nbdgw::client::{self, ClientSettings, LocalListener};
+    use nbdgw::tls::client::{ClientReloader, ClientTlsSources};
+    init_logging(args.log_format);
+    let (host, port) = client::parse_server(&args.server)?;
+    let server_name = client::server_name(args.server_name.as_deref().unwrap_or(&host))?;
+    let sources = ClientTlsSources {
+        dir: args.tls_dir.clone(),
+        ca: args.tls_ca.clone(),
+        cert: args.tls_cert.clone(),
+        key: args.tls_key.clone(),
+    };
+    let paths = sources.resolve().context("client TLS files")?;
+    let (reloader, loaded) =
+        ClientReloader::start(paths.clone(), args.tls_min_version).context("client TLS files")?;
+    let identity = loaded
+        .identity
+        .as_ref()
+        .map_or_else(|| "none".to_string(), |i| i.to_string());
+    info!(
+        layout = paths.layout.unwrap_or("files"),
+        ca = %paths.ca.display(),
+        cas = loaded.cas,
+        crls = loaded.crls,
+        client_certificate = %identity,
+        server_name = ?server_name,
+        "client TLS loaded"
+    );
+    let keepalive = (args.tcp_keepalive > 0).then(|| Keepalive {
+        idle: Duration::from_secs(args.tcp_keepalive),
+        ..Keepalive::default()
+    });
+    if args.server_timeout >= args.handshake_timeout {
+        warn!(
+            server_timeout = args.server_timeout,
+            handshake_timeout = args.handshake_timeout,
+            "--server-timeout is not below --handshake-timeout: a local client waiting on a slow server is cut before it hears why"
+        );
+    }
+    let mut max_connections = args.max_connections;
+    fit_client_fd_limit(&mut max_connections, args.admin_listen.is_some())?;
+    let settings = ClientSettings {
+        server: args.server.clone(),
+        host,
+        port,
+        server_name,
+        tls: reloader.store(),
+        server_timeout: Duration::from_secs(args.server_timeout),
+        handshake_timeout: Duration::from_secs(args.handshake_timeout),
+        idle_timeout: seconds_or_off(args.idle_timeout),
+        stall_timeout: seconds_or_off(args.stall_timeout),
+        keepalive,
+        max_payload: args.max_payload,
+        max_option_len: args.max_option_len,
+        max_connections,
+        cork: nbdgw::config::Cork::Deferred,
+        shutdown_grace: Duration::from_secs(args.shutdown_grace),
+        reconnect: args.reconnect.then(|| client::Reconnect {
+            timeout: Duration::from_secs(args.reconnect_timeout),
+            replay_buffer: args.replay_buffer,
+        }),
+        metrics: Arc::new(nbdgw::metrics::Metrics::client_mode()),
+        health: Arc::default(),
+    };
+    let admin = args
+        .admin_listen
+        .map(|addr| {
+            std::net::TcpListener::bind(addr).with_context(|| format!("--admin-listen {addr}"))
+        })
+        .transpose()?;
+    let runtime = runtime(worker_threads(args.threads))?;
+    runtime.block_on(async move {
+        let listener = LocalListener::bind(&args.listen)?;
+        tokio::spawn(reloader.watch(seconds_or_off(args.tls_reload_interval)));
+        if let Some(admin) = admin {
+            let admin = async_listener(admin)?;
+            info!(admin = %display_addr(&admin), "admin endpoints: /healthz /readyz /metrics");
+            let limits = nbdgw::admin::AdminLimits::default();
+            let (metrics, health) = (settings.metrics.clone(), settings.health.clone());
+            tokio::spawn(nbdgw::admin::serve(admin, metrics, health, limits));
+        }
+        client::log_start(&listener, &settings, paths.layout.unwrap_or("files"));
+        notify(&[NotifyState::Ready]);
+        client::run(listener, Arc::new(settings), stopping()).await?;
+        Ok(())
+    })
+}
+
+/// `--threads`: 0 is one per CPU.
+fn worker_threads(threads: usize) -> usize {
+    match threads {
+        0 => std::thread::available_parallelism().map_or(1, usize::from),
+        n => n,
+    }
+}
+
+fn runtime(threads: usize) -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+/// Resolves at SIGTERM or SIGINT, once systemd has been told.
+async fn stopping() {
+    shutdown_signals().await;
+    notify(&[NotifyState::Stopping]);
+}
+
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -127,20 +240,13 @@ fn serve(args: ServeArgs) -> Result<()> {
     }
     let listeners = Listeners::open(args.listen, args.admin_listen)?;
     // Counted before the sandbox hides /sys and /proc from the runtime.
-    let threads = match args.threads {
-        0 => std::thread::available_parallelism().map_or(1, usize::from),
-        n => n,
-    };
+    let threads = worker_threads(args.threads);
     match args.landlock {
         LandlockMode::Off => info!("--landlock false: the process is not sandboxed"),
         mode => sandbox(mode, &reloader, policy.as_ref(), &config, &args)?,
     }
 
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(threads)
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let runtime = runtime(threads)?;
     runtime.block_on(async move {
         tokio::spawn(reloader.watch(reload_interval));
         if let Some(policy) = policy {
@@ -160,11 +266,7 @@ fn serve(args: ServeArgs) -> Result<()> {
             "nbdgw listening"
         );
         notify(&[NotifyState::Ready]);
-        nbdgw::run(listener, Arc::new(config), async {
-            shutdown_signals().await;
-            notify(&[NotifyState::Stopping]);
-        })
-        .await?;
+        nbdgw::run(listener, Arc::new(config), stopping()).await?;
         Ok(())
     })
 }
@@ -566,6 +668,61 @@ fn seconds_or_off(secs: u64) -> Option<Duration> {
     (secs > 0).then(|| Duration::from_secs(secs))
 }
 
+fn fd_limit_too_low(limit: Option<u64>) -> String {
+    format!(
+        "the file descriptor limit (RLIMIT_NOFILE) is {}: too low for even one connection; raise it (LimitNOFILE= in systemd, ulimit -n)",
+        limit.unwrap_or_default()
+    )
+}
+
+/// The descriptor limit, raised to the hard limit where it can be.
+fn raised_fd_limit() -> nbdgw::limits::FdLimit {
+    use nbdgw::limits::{raise_fd_limit, FdLimit};
+    let limit = raise_fd_limit().unwrap_or_else(|e| {
+        warn!(error = %e, "cannot raise the file descriptor limit");
+        let now = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
+        FdLimit { before: now, now }
+    });
+    if limit.before != limit.now {
+        info!(
+            from = limit.before,
+            to = limit.now,
+            "raised the file descriptor limit"
+        );
+    }
+    limit
+}
+
+/// `nbdgw client`'s share of the same: its local connections (each a
+/// local socket and a server socket, counted as a session) and the admin
+/// listener's, lowered to fit with a warning.
+fn fit_client_fd_limit(max_connections: &mut usize, admin: bool) -> Result<()> {
+    use nbdgw::limits::FdDemand;
+    let limit = raised_fd_limit();
+    let asked = FdDemand {
+        sessions: *max_connections,
+        handshakes: 0,
+        waiting: 0,
+        admin: match admin {
+            true => nbdgw::config::DEFAULT_ADMIN_MAX_CONNECTIONS as usize,
+            false => 0,
+        },
+    };
+    let Some(fitted) = asked.fitted(limit.now) else {
+        bail!(fd_limit_too_low(limit.now));
+    };
+    if fitted.sessions < *max_connections {
+        warn!(
+            limit = limit.now,
+            max_connections = fitted.sessions,
+            "the file descriptor limit is too low for --max-connections {}; lowered it to fit",
+            *max_connections
+        );
+        *max_connections = fitted.sessions;
+    }
+    Ok(())
+}
+
 /// Raises the descriptor limit, then makes the bounds fit under it: every
 /// session and handshake slot, every waiting place and the admin
 /// listener's connections, each budgeted on top of the others so a full
@@ -579,19 +736,8 @@ fn fit_fd_limit(
     args: &ServeArgs,
     client_certificates: bool,
 ) -> Result<()> {
-    use nbdgw::limits::{raise_fd_limit, FdDemand, FdLimit};
-    let limit = raise_fd_limit().unwrap_or_else(|e| {
-        warn!(error = %e, "cannot raise the file descriptor limit");
-        let now = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
-        FdLimit { before: now, now }
-    });
-    if limit.before != limit.now {
-        info!(
-            from = limit.before,
-            to = limit.now,
-            "raised the file descriptor limit"
-        );
-    }
+    use nbdgw::limits::FdDemand;
+    let limit = raised_fd_limit();
     let asked = FdDemand {
         sessions: config.max_connections,
         handshakes: config.max_handshakes,
@@ -602,10 +748,7 @@ fn fit_fd_limit(
         },
     };
     let Some(fitted) = asked.fitted(limit.now) else {
-        bail!(
-            "the file descriptor limit (RLIMIT_NOFILE) is {}: too low for even one connection; raise it (LimitNOFILE= in systemd, ulimit -n)",
-            limit.now.unwrap_or_default()
-        );
+        bail!(fd_limit_too_low(limit.now));
     };
     if fitted == asked {
         return Ok(());

@@ -93,6 +93,17 @@ impl Metrics {
     /// The registry, with the TLS store's reload counters and expiry
     /// gauges (which the store keeps current) among the rest.
     pub fn new(tls: &crate::tls::TlsStore) -> Self {
+        Self::with_tls(Some(tls))
+    }
+
+    /// The registry of `nbdgw client`, which serves no certificate: the
+    /// same families, without the served certificate's reload counters
+    /// and expiry gauges.
+    pub fn client_mode() -> Self {
+        Self::with_tls(None)
+    }
+
+    fn with_tls(tls: Option<&crate::tls::TlsStore>) -> Self {
         let mut registry = Registry::with_prefix("nbdgw");
         let metrics = Metrics {
             connections_open: Gauge::default(),
@@ -249,7 +260,7 @@ impl Metrics {
         );
     }
 
-    fn register_requests(&self, r: &mut Registry, tls: &crate::tls::TlsStore) {
+    fn register_requests(&self, r: &mut Registry, tls: Option<&crate::tls::TlsStore>) {
         let m = self;
         r.register("requests", "Requests by command", m.requests.clone());
         r.register(
@@ -272,6 +283,19 @@ impl Metrics {
             "SO_SNDBUF the kernel grants upstream sockets",
             m.upstream_sndbuf.clone(),
         );
+        if let Some(tls) = tls {
+            Self::register_tls(r, tls);
+        }
+        let build = Family::<Build, Gauge>::default();
+        build
+            .get_or_create(&Build {
+                version: env!("CARGO_PKG_VERSION"),
+            })
+            .set(1);
+        r.register("build_info", "The running build", build);
+    }
+
+    fn register_tls(r: &mut Registry, tls: &crate::tls::TlsStore) {
         r.register(
             "tls_reloads",
             "TLS reloads that replaced the configuration",
@@ -292,13 +316,6 @@ impl Metrics {
             "Earliest expiry in the client CA bundle, Unix time (0: none)",
             tls.client_ca_not_after.clone(),
         );
-        let build = Family::<Build, Gauge>::default();
-        build
-            .get_or_create(&Build {
-                version: env!("CARGO_PKG_VERSION"),
-            })
-            .set(1);
-        r.register("build_info", "The running build", build);
     }
 
     /// The text exposition format.

@@ -37,6 +37,30 @@ impl<T> Swap<T> {
     }
 }
 
+/// The files' contents as the last reload read them (or why they could
+/// not be read), so that a poll acts only on a change.
+pub struct LastSeen<M>(Result<M, String>);
+
+impl<M: Clone + PartialEq> LastSeen<M> {
+    pub fn new(material: M) -> Self {
+        LastSeen(Ok(material))
+    }
+
+    /// `read` if the reload should go on: always for SIGHUP, for a poll
+    /// only when it differs from what was seen last.
+    pub fn changed(
+        &mut self,
+        trigger: Trigger,
+        read: Result<M, String>,
+    ) -> Option<Result<M, String>> {
+        if trigger == Trigger::Poll && read == self.0 {
+            return None;
+        }
+        self.0 = read.clone();
+        Some(read)
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Trigger {
     /// The periodic look at the files: acts only when their bytes changed.

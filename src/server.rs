@@ -48,10 +48,7 @@ pub async fn run(
                 let (tcp, peer) = match accepted {
                     Ok(a) => a,
                     Err(e) => {
-                        // Out of descriptors or similar: keep serving the
-                        // connections we have and try again shortly.
-                        error!(error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        accept_failed(e).await;
                         continue;
                     }
                 };
@@ -79,6 +76,13 @@ pub async fn run(
     Ok(())
 }
 
+/// Out of descriptors or similar, in either mode's accept loop: keep
+/// serving the connections there are, and try again shortly.
+pub(crate) async fn accept_failed(e: std::io::Error) {
+    error!(error = %e, "accept failed");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+}
+
 /// SIGTERM: not ready from now on; accepting goes on until the returned
 /// time, if there is a drain delay.
 fn drain_deadline(config: &Config) -> Option<tokio::time::Instant> {
@@ -95,7 +99,11 @@ fn drain_deadline(config: &Config) -> Option<tokio::time::Instant> {
 
 /// Draining, then after the grace period the cut, each announced to the
 /// connections, which end themselves and log it.
-async fn shut_down(mut connections: JoinSet<()>, control: &ShutdownControl, grace: Duration) {
+pub(crate) async fn shut_down(
+    mut connections: JoinSet<()>,
+    control: &ShutdownControl,
+    grace: Duration,
+) {
     control.enter(Phase::Draining);
     info!(
         open = connections.len(),

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use socket2::{Domain, SockRef, Socket, Type};
 use thiserror::Error;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 use crate::config::Config;
@@ -79,15 +79,26 @@ async fn greet(mut stream: UnixStream, config: &Config) -> Result<Upstream, Upst
         // the kernel grants.
         let _ = SockRef::from(&stream).set_send_buffer_size(config.upstream_sndbuf);
     }
+    let pads_export_name = newstyle_greeting(&mut stream).await?;
+    Ok(Upstream {
+        stream,
+        pads_export_name,
+    })
+}
+
+/// The client's half of the fixed-newstyle greeting on any stream (a Unix
+/// socket here, the remote server's TCP connection in client mode):
+/// reads the server's greeting, answers with our flags, and returns
+/// whether the server will pad an EXPORT_NAME reply with zeroes.
+pub async fn newstyle_greeting<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+) -> Result<bool, UpstreamError> {
     let mut greeting = [0u8; GREETING_LEN];
     stream.read_exact(&mut greeting).await?;
     let server_flags = parse_upstream_greeting(&greeting)?;
     let client_flags = upstream_client_flags(server_flags);
     stream.write_all(&client_flags.to_be_bytes()).await?;
-    Ok(Upstream {
-        stream,
-        pads_export_name: client_flags & crate::proto::consts::FLAG_C_NO_ZEROES == 0,
-    })
+    Ok(client_flags & crate::proto::consts::FLAG_C_NO_ZEROES == 0)
 }
 
 /// What the kernel makes of a requested Unix-socket send buffer.

@@ -92,6 +92,7 @@ complete -c nbdgw -n "__fish_nbdgw_needs_command" -s h -l help -d 'Print help (s
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -s V -l version -d 'Print version'
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -f -a "certs" -d 'Make a CA, a server certificate and client certificates in the layout qemu, nbdkit and libnbd read'
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -f -a "policy" -d 'Validate a --policy file, or show what it grants one certificate, before a rollout'
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -f -a "client" -d 'Client mode: serve plaintext NBD on a Unix socket or loopback port to local clients (the kernel\'s nbd-client, clients without TLS), and relay each to a remote NBD server over STARTTLS and verified TLS'
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand certs" -l out -d 'Directory to write into (created if missing)' -r -F
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand certs" -l server-name -d 'DNS name or IP address for the server certificate (repeatable; default localhost and 127.0.0.1)' -r
@@ -115,8 +116,36 @@ complete -c nbdgw -n "__fish_nbdgw_using_subcommand policy; and __fish_seen_subc
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand policy; and __fish_seen_subcommand_from help" -f -a "check" -d 'Parse the policy file as nbdgw would at start. Exit status 0 when it is valid; otherwise 1, with FILE:LINE:COLUMN and the problem on stderr'
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand policy; and __fish_seen_subcommand_from help" -f -a "explain" -d 'Show which rule decides whether the client certificate may open the export, and with what access. Exit status 0 when a rule grants it, 1 when none does, 2 on an error. The --allow-* flags, which nbdgw checks first, are not consulted'
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand policy; and __fish_seen_subcommand_from help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
-complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and not __fish_seen_subcommand_from certs policy help" -f -a "certs" -d 'Make a CA, a server certificate and client certificates in the layout qemu, nbdkit and libnbd read'
-complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and not __fish_seen_subcommand_from certs policy help" -f -a "policy" -d 'Validate a --policy file, or show what it grants one certificate, before a rollout'
-complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and not __fish_seen_subcommand_from certs policy help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l listen -d 'Where local clients connect: a Unix socket path, or a loopback HOST:PORT (the local side is plaintext, so no other address is accepted)' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l server -d 'The remote NBD server (TLS with STARTTLS), e.g. nbd.example:10809 or [2001:db8::1]:10809' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l server-name -d 'The name the server\'s certificate must carry (a DNS or IP SAN); default: the host of --server' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l tls-dir -d 'Directory with the CA and the client certificate: the layout of libnbd and qemu (ca-cert.pem, client-cert.pem, client-key.pem, optionally ca-crl.pem) or a Kubernetes TLS Secret (ca.crt, tls.crt, tls.key). Files named by the other --tls-* flags take precedence' -r -F
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l tls-ca -d 'CA bundle (PEM) the server\'s certificate must chain to' -r -F
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l tls-cert -d 'Client certificate chain (PEM) to present' -r -F
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l tls-key -d 'The client certificate\'s private key (PEM)' -r -F
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l tls-min-version -d 'Oldest TLS version offered to the server' -r -f -a "1.2\t'The NBD spec requires servers to support TLS 1.2'
+1.3\t''"
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l tls-reload-interval -d 'Seconds between looks at the TLS files for changes (a new CA bundle or client certificate is used by new connections); 0 reloads only on SIGHUP' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l server-timeout -d 'Seconds the server may take to accept, greet and finish TLS, and then to answer each option; a local client then hears why. Keep it below --handshake-timeout' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l reconnect-timeout -d 'Seconds --reconnect keeps trying after a drop before the requests in flight fail with EIO and the local connection closes' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l replay-buffer -d 'Bytes of requests in flight (write payloads included) --reconnect keeps per connection until they are answered; beyond it new requests wait. One request is always let through' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l handshake-timeout -d 'Seconds a local client has from connecting to finishing negotiation' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l idle-timeout -d 'Seconds a connection may sit with no request in flight; 0 never closes it' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l stall-timeout -d 'Seconds a started request payload or an unread reply may make no progress before the connection is closed; also the server connection\'s TCP_USER_TIMEOUT. 0: never' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l tcp-keepalive -d 'Seconds of silence before TCP keepalive probes the server; 0 turns keepalive off' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l max-payload -d 'Largest request payload and read length in bytes' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l max-option-len -d 'Largest option data (and option reply) in bytes' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l max-connections -d 'Most local connections served at once; more are closed at accept' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l shutdown-grace -d 'Seconds open connections may finish after SIGTERM or SIGINT' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l admin-listen -d 'Plain-HTTP admin endpoints (/healthz, /readyz, /metrics) on this address, as the server mode\'s; off by default. /readyz fails while the last try to reach the server failed' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l threads -d 'Worker threads; 0 means one per CPU' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l log-format -d 'Log format; the filter comes from RUST_LOG (default info)' -r -f -a "text\t''
+json\t''"
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l reconnect -d 'Keep local connections when the server\'s connection drops: reconnect, open the same export (its size and flags checked unchanged) and send the requests in flight again, in order'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -s h -l help -d 'Print help (see more with \'--help\')'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and not __fish_seen_subcommand_from certs policy client help" -f -a "certs" -d 'Make a CA, a server certificate and client certificates in the layout qemu, nbdkit and libnbd read'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and not __fish_seen_subcommand_from certs policy client help" -f -a "policy" -d 'Validate a --policy file, or show what it grants one certificate, before a rollout'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and not __fish_seen_subcommand_from certs policy client help" -f -a "client" -d 'Client mode: serve plaintext NBD on a Unix socket or loopback port to local clients (the kernel\'s nbd-client, clients without TLS), and relay each to a remote NBD server over STARTTLS and verified TLS'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and not __fish_seen_subcommand_from certs policy client help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and __fish_seen_subcommand_from policy" -f -a "check" -d 'Parse the policy file as nbdgw would at start. Exit status 0 when it is valid; otherwise 1, with FILE:LINE:COLUMN and the problem on stderr'
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and __fish_seen_subcommand_from policy" -f -a "explain" -d 'Show which rule decides whether the client certificate may open the export, and with what access. Exit status 0 when a rule grants it, 1 when none does, 2 on an error. The --allow-* flags, which nbdgw checks first, are not consulted'

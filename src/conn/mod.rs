@@ -7,12 +7,16 @@
 //! `options`) → `relay` (transmission). `kernel_tls` may hand the session
 //! from rustls to the kernel between the handshake and the options.
 
+mod client_mode;
 mod error;
 mod kernel_tls;
 mod negotiate;
 mod options;
 mod plain;
+mod reconnect;
 mod relay;
+mod relayed;
+mod remote;
 mod session;
 
 use std::future::Future;
@@ -30,7 +34,10 @@ use crate::logsafe::escape;
 use crate::shutdown::Shutdown;
 use crate::tls::{Grant, SessionGuard};
 use error::ConnError;
-use session::{ClientTls, Link, Stats, AUDIT, CLIENT_READ_BUF};
+use error::Side;
+use session::{Link, Stats, AUDIT, CLIENT_READ_BUF};
+
+pub use client_mode::serve as serve_local;
 
 /// A connection the accept loop took, with its place in the handshake
 /// budget (a slot, or a place in its source's line).
@@ -201,7 +208,21 @@ async fn run(
             // source has proven itself; again when the session ends, so
             // a host whose VMs stay connected for days stays proven.
             link.admission.prove(peer, &who);
-            let relayed = relay::run(session, cork_handle, link, registered.as_ref());
+            let session::Session {
+                tls,
+                upstream,
+                mode,
+                read_only,
+                ..
+            } = *session;
+            let ends = relay::Ends {
+                client: tokio::io::split(tls),
+                upstream: upstream.into_split(),
+                mode,
+                read_only,
+            };
+            let transmit = link.transmit();
+            let relayed = relay::run(ends, cork_handle, &transmit, registered.as_ref());
             let ended = until_ended(registered.as_ref(), relayed).await;
             link.admission.prove(peer, &who);
             ended
@@ -222,7 +243,7 @@ async fn negotiate(
         plain::Outcome::Closed(reason) => return Ok(Negotiated::Closed(reason)),
     };
     let tls = plain::accept_tls(io, config).await?;
-    log_tls(&tls);
+    log_tls(tls.get_ref().1, error::Side::Client);
     let chain = tls.get_ref().1.peer_certificates().unwrap_or_default();
     // Anonymous clients (no client CA) have no names: a policy with rules
     // opens nothing to them.
@@ -282,17 +303,25 @@ async fn negotiate(
     })
 }
 
-fn log_tls(tls: &ClientTls) {
-    let (_, conn) = tls.get_ref();
-    let client = match conn.peer_certificates().and_then(|chain| chain.first()) {
+/// The line that says a TLS session is up, in either direction: its
+/// parameters and the peer's certificate, `client=` for a client of the
+/// server mode, `server=` for the server client mode reached.
+fn log_tls(state: &rustls::CommonState, peer: Side) {
+    let certificate = match state.peer_certificates().and_then(|chain| chain.first()) {
         Some(cert) => crate::tls::identity::describe(cert),
         None => "no certificate".to_string(),
     };
+    let shown = Some(tracing::field::display(&certificate));
+    let (client, server) = match peer {
+        Side::Client => (shown, None),
+        Side::Upstream => (None, shown),
+    };
     info!(
-        tls_version = ?conn.protocol_version(),
-        cipher_suite = ?conn.negotiated_cipher_suite().map(|s| s.suite()),
-        key_exchange = ?conn.negotiated_key_exchange_group().map(|g| g.name()),
-        %client,
+        tls_version = ?state.protocol_version(),
+        cipher_suite = ?state.negotiated_cipher_suite().map(|s| s.suite()),
+        key_exchange = ?state.negotiated_key_exchange_group().map(|g| g.name()),
+        client,
+        server,
         "TLS established"
     );
 }
@@ -318,8 +347,18 @@ async fn until_ended<T>(
 /// Keepalive notices a client that vanished without a FIN or RST while
 /// idle; TCP_USER_TIMEOUT one that vanished with our data unacknowledged.
 fn set_liveness_checks(tcp: &TcpStream, config: &Config) {
+    set_keepalive(tcp, config.keepalive, config.stall_timeout);
+}
+
+/// The liveness checks of either direction's TCP peer: keepalive, and the
+/// stall timeout as TCP_USER_TIMEOUT.
+fn set_keepalive(
+    tcp: &TcpStream,
+    keepalive: Option<crate::config::Keepalive>,
+    stall_timeout: Option<std::time::Duration>,
+) {
     let socket = socket2::SockRef::from(tcp);
-    if let Some(keepalive) = config.keepalive {
+    if let Some(keepalive) = keepalive {
         let params = socket2::TcpKeepalive::new()
             .with_time(keepalive.idle)
             .with_interval(keepalive.interval)
@@ -328,7 +367,7 @@ fn set_liveness_checks(tcp: &TcpStream, config: &Config) {
             warn!(error = %e, "cannot set TCP keepalive");
         }
     }
-    if let Some(stall) = config.stall_timeout {
+    if let Some(stall) = stall_timeout {
         if let Err(e) = socket.set_tcp_user_timeout(Some(stall)) {
             warn!(error = %e, "cannot set TCP_USER_TIMEOUT");
         }

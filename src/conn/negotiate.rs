@@ -9,6 +9,7 @@ use tracing::{debug, info, warn};
 
 use super::error::{ConnError, Side};
 use super::options::{OptionChannel, ShutdownAnswer};
+use super::relayed::{self, Batch, Framing, Relayed};
 use super::session::{Audit, ClientStream, Session, AUDIT};
 use crate::config::Config;
 use crate::exports::{DirSocket, Export};
@@ -16,13 +17,10 @@ use crate::logsafe::{escape, escape_bytes, Escaped};
 use crate::policy::{Access, Policy, RuleRef};
 use crate::proto::consts::*;
 use crate::proto::handshake::{
-    clamp_block_size, encode_export_name_reply, encode_info_name, encode_option_reply,
-    encode_server_entry, force_read_only, is_info_name, parse_export_name_reply, parse_info_export,
+    encode_info_name, encode_option_reply, encode_server_entry, force_read_only, is_info_name,
     read_only_flags, split_export_name, with_export_name, ClientFlags, OptionHeader,
 };
 use crate::proto::name::{export_name, NameError};
-use crate::proto::transmission::ReplyMode;
-use crate::proto::ProtoError;
 use crate::shutdown::Shutdown;
 use crate::tls::CertInfo;
 use crate::upstream::{self, UpstreamError};
@@ -38,9 +36,6 @@ pub enum Outcome {
 /// Upstream option replies come in bursts (INFO, INFO, ACK): read through
 /// a buffer, each burst is one read instead of two per reply.
 const UPSTREAM_NEGOTIATION_BUF: usize = 4096;
-/// Option replies to the client are gathered into one TLS write per
-/// option, up to this much (a long LIST goes out in pieces).
-const CLIENT_REPLY_BATCH: usize = 16 * 1024;
 
 /// What a client hears when the single `--upstream` cannot be reached
 /// (why, with its path, is in the log only).
@@ -83,7 +78,7 @@ pub async fn relay_options(
         let step = match option.option {
             OPT_STARTTLS => negotiation.starttls_again().await?,
             OPT_ABORT => negotiation.abort(&option).await?,
-            OPT_EXPORT_NAME => negotiation.export_name(&option).await?,
+            OPT_EXPORT_NAME => negotiation.export_name().await?,
             OPT_LIST => negotiation.list(&option).await?,
             OPT_INFO | OPT_GO | OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
                 negotiation.naming_an_export(&option).await?
@@ -133,12 +128,9 @@ struct Negotiation<'a> {
     /// that of the export the last option named.
     upstream: Option<Attached>,
     client_flags: ClientFlags,
-    structured: bool,
-    extended: bool,
+    framing: Framing,
     /// Upstream replies to the current option not yet sent to the client.
-    batch: Vec<u8>,
-    /// Whether any reply to the current option has reached the client.
-    answered: bool,
+    batch: Batch,
     /// The current option as the upstream must see it, when it names an
     /// export the upstream knows by another name.
     renamed: Option<Renamed>,
@@ -207,12 +199,6 @@ impl Attached {
     }
 }
 
-/// The final reply to a relayed option, and the export it announced.
-struct Relayed {
-    reply_type: u32,
-    export: Option<(u64, u16)>,
-}
-
 impl<'a> Negotiation<'a> {
     fn new(
         client: Client,
@@ -224,10 +210,8 @@ impl<'a> Negotiation<'a> {
             client,
             upstream: None,
             client_flags,
-            structured: false,
-            extended: false,
-            batch: Vec::new(),
-            answered: false,
+            framing: Framing::default(),
+            batch: Batch::default(),
             renamed: None,
             access: Access::ReadWrite,
             rule: None,
@@ -260,19 +244,12 @@ impl<'a> Negotiation<'a> {
     }
 
     async fn unsupported(&mut self, option: &OptionHeader) -> Result<Step, ConnError> {
-        debug!(code = option.option, "refused unknown option");
-        let message = format!(
-            "nbdgw does not relay option {}: its effect on framing is unknown",
-            option.option
-        );
-        self.client
-            .send_reply(option.option, REP_ERR_UNSUP, &message)
-            .await?;
+        relayed::refuse_unsupported(&mut self.client, option).await?;
         Ok(Step::Next)
     }
 
     /// The old way in: no error reply exists, so a refusal closes.
-    async fn export_name(&mut self, option: &OptionHeader) -> Result<Step, ConnError> {
+    async fn export_name(&mut self) -> Result<Step, ConnError> {
         // Judged before the policy, so that the name it judges is the
         // name the upstream is asked for, byte for byte.
         let export = match export_name(self.client.data()) {
@@ -318,25 +295,21 @@ impl<'a> Negotiation<'a> {
             .renamed
             .as_ref()
             .map_or(self.client.data(), |r| &r.data);
-        upstream.channel.send_option(option.option, data).await?;
-        let mut reply = [0u8; 10];
-        let when = "in an EXPORT_NAME reply";
-        if let Err(e) = upstream.channel.read_exact(&mut reply, when).await {
-            // Closing is the only way a server can refuse EXPORT_NAME.
-            warn!(export = %Escaped(&export), error = %e, "upstream refused NBD_OPT_EXPORT_NAME");
-            return Ok(Step::Closed("upstream refused the export"));
-        }
-        if upstream.pads_export_name {
-            let mut zeroes = [0u8; EXPORT_NAME_PADDING];
-            upstream.channel.read_exact(&mut zeroes, when).await?;
-        }
-        let (size, mut tflags) = parse_export_name_reply(&reply);
+        let answered =
+            relayed::export_name_exchange(&mut upstream.channel, upstream.pads_export_name, data)
+                .await?;
+        let (size, mut tflags) = match answered {
+            Ok(export) => export,
+            Err(e) => {
+                // Closing is the only way a server can refuse EXPORT_NAME.
+                warn!(export = %Escaped(&export), error = %e, "upstream refused NBD_OPT_EXPORT_NAME");
+                return Ok(Step::Closed("upstream refused the export"));
+            }
+        };
         if self.access == Access::ReadOnly {
             tflags = read_only_flags(tflags);
         }
-        self.client
-            .send(&encode_export_name_reply(size, tflags, self.client_flags))
-            .await?;
+        relayed::answer_export_name(&mut self.client, (size, tflags), self.client_flags).await?;
         Ok(Step::Transmission {
             export,
             size,
@@ -498,12 +471,7 @@ impl<'a> Negotiation<'a> {
                 Ok(attached) => attached,
                 Err(e) => return Ok(Err(e.to_string())),
             };
-        let replay = if self.extended {
-            Some(OPT_EXTENDED_HEADERS)
-        } else {
-            self.structured.then_some(OPT_STRUCTURED_REPLY)
-        };
-        if let Some(code) = replay {
+        if let Some(code) = self.framing.replay() {
             attached.channel.send_option(code, &[]).await?;
             let mut scratch = Vec::new();
             let reply = attached.channel.read_reply(code, &mut scratch).await?;
@@ -580,7 +548,7 @@ impl<'a> Negotiation<'a> {
             let message = "nbdgw: extended headers are not offered before an export is chosen";
             return self.refuse(option, REP_ERR_UNSUP, message).await;
         }
-        if self.structured || self.extended {
+        if self.framing.any() {
             return self
                 .refuse(
                     option,
@@ -589,7 +557,7 @@ impl<'a> Negotiation<'a> {
                 )
                 .await;
         }
-        self.structured = true;
+        self.framing.structured = true;
         self.refuse(option, REP_ACK, "").await
     }
 
@@ -602,19 +570,7 @@ impl<'a> Negotiation<'a> {
                 .refuse(option, REP_ERR_INVALID, "name an export first")
                 .await;
         }
-        let relayed = match self.relay_replies(option).await {
-            Ok(relayed) => relayed,
-            Err(e) if e.is_upstream() && !self.answered => {
-                // The error itself ends the connection and is logged then.
-                let message = "nbdgw: upstream NBD server failed";
-                let _ = self
-                    .client
-                    .send_reply(option.option, REP_ERR_SHUTDOWN, message)
-                    .await;
-                return Err(e);
-            }
-            Err(e) => return Err(e),
-        };
+        let relayed = self.relay_replies(option).await?;
         debug!(
             option = option_name(option.option),
             reply = format_args!("{:#x}", relayed.reply_type),
@@ -623,37 +579,29 @@ impl<'a> Negotiation<'a> {
         if relayed.reply_type != REP_ACK {
             return Ok(Step::Next);
         }
-        match option.option {
-            OPT_STRUCTURED_REPLY => self.structured = true,
-            OPT_EXTENDED_HEADERS => self.extended = true,
-            OPT_GO => {
-                let export = split_export_name(self.client.data())
-                    .map(|(name, _)| String::from_utf8_lossy(name).into_owned())
-                    .unwrap_or_default();
-                // The spec makes INFO_EXPORT mandatory before GO's ACK; a
-                // server that omits it gets no read-only enforcement
-                // unless the policy grants read-only access.
-                let (size, tflags) = relayed.export.unwrap_or((0, 0));
-                let tflags = match self.access {
-                    Access::ReadOnly => read_only_flags(tflags),
-                    Access::ReadWrite => tflags,
-                };
-                return Ok(Step::Transmission {
-                    export,
-                    size,
-                    tflags,
-                });
-            }
-            _ => {}
+        self.framing.acknowledged(option.option);
+        if option.option != OPT_GO {
+            return Ok(Step::Next);
         }
-        Ok(Step::Next)
+        let export = relayed::go_export_name(self.client.data());
+        // The spec makes INFO_EXPORT mandatory before GO's ACK; a server
+        // that omits it gets no read-only enforcement unless the policy
+        // grants read-only access.
+        let (size, tflags) = relayed.export.unwrap_or((0, 0));
+        let tflags = match self.access {
+            Access::ReadOnly => read_only_flags(tflags),
+            Access::ReadWrite => tflags,
+        };
+        Ok(Step::Transmission {
+            export,
+            size,
+            tflags,
+        })
     }
 
-    /// Relays the upstream's replies to `option` up to the final one,
-    /// gathered so that each burst reaches the client as one TLS write.
+    /// Forwards the option (renamed, if routed) and relays the
+    /// upstream's replies to it, edited as `ReplyEdits` says.
     async fn relay_replies(&mut self, option: &OptionHeader) -> Result<Relayed, ConnError> {
-        self.answered = false;
-        self.batch.clear();
         let Some(upstream) = self.upstream.as_mut() else {
             return Err(ConnError::closed(
                 Side::Upstream,
@@ -672,27 +620,15 @@ impl<'a> Negotiation<'a> {
             identity: &self.identity,
             max_payload: self.config.max_payload,
         };
-        let mut export = None;
-        loop {
-            let start = self.batch.len();
-            let reply = upstream
-                .channel
-                .read_reply(option.option, &mut self.batch)
-                .await?;
-            let edited = edits.apply((option.option, reply.reply_type), &mut self.batch, start);
-            export = edited.or(export);
-            if reply.is_final() || self.batch.len() >= CLIENT_REPLY_BATCH {
-                self.client.send(&self.batch).await?;
-                self.batch.clear();
-                self.answered = true;
-            }
-            if reply.is_final() {
-                return Ok(Relayed {
-                    reply_type: reply.reply_type,
-                    export,
-                });
-            }
-        }
+        relayed::relay_or_answer(
+            &mut self.client,
+            &mut upstream.channel,
+            option.option,
+            &mut self.batch,
+            |reply_type, batch, start| edits.apply((option.option, reply_type), batch, start),
+            "nbdgw: upstream NBD server failed",
+        )
+        .await
     }
 
     fn enter_transmission(
@@ -710,20 +646,8 @@ impl<'a> Negotiation<'a> {
         // A server sends nothing in transmission before a request, so
         // nothing read ahead can be left behind in the negotiation buffer.
         let mut channel = upstream.channel;
-        if !channel.get_mut().buffer().is_empty() {
-            return Err(ConnError::Proto {
-                side: Side::Upstream,
-                error: ProtoError::Malformed(
-                    "data after the end of negotiation, before any request",
-                ),
-            });
-        }
-        // Extended headers take precedence over structured replies.
-        let mode = match (self.extended, self.structured) {
-            (true, _) => ReplyMode::Extended,
-            (false, true) => ReplyMode::Structured,
-            (false, false) => ReplyMode::Simple,
-        };
+        relayed::check_nothing_ahead(channel.get_mut().buffer().len())?;
+        let mode = self.framing.mode();
         let read_only = tflags & TFLAG_READ_ONLY != 0;
         let audit = self.audit(export);
         info!(
@@ -809,13 +733,7 @@ impl ReplyEdits<'_> {
                     force_read_only(body);
                 }
                 // A compliant client then never sends more than nbdgw takes.
-                if clamp_block_size(body, self.max_payload) {
-                    debug!(
-                        max_payload = self.max_payload,
-                        "lowered the upstream's maximum block size to --max-payload"
-                    );
-                }
-                parse_info_export(body)
+                relayed::info_export(body, self.max_payload)
             }
             REP_SERVER if !listed(self.policy, self.identity, body) => {
                 batch.truncate(start);
@@ -835,22 +753,4 @@ fn listed(policy: &Policy, identity: &CertInfo, body: &[u8]) -> bool {
     export_name(name).is_ok_and(|name| policy.is_open() || policy.decide(identity, name).is_some())
 }
 
-/// Without an upstream (or a session slot), every option gets an error
-/// that names the cause, so clients report it instead of hanging.
-pub async fn refuse_all(mut client: Client, message: &str) -> Result<&'static str, ConnError> {
-    loop {
-        let option = client.read_option().await?;
-        match option.option {
-            OPT_EXPORT_NAME => return Ok("refused NBD_OPT_EXPORT_NAME: no reply is possible"),
-            OPT_ABORT => {
-                client.acknowledge_abort().await?;
-                return Ok("client sent NBD_OPT_ABORT after a refusal");
-            }
-            _ => {
-                client
-                    .send_reply(option.option, REP_ERR_SHUTDOWN, message)
-                    .await?
-            }
-        }
-    }
-}
+pub use super::relayed::refuse_all;

@@ -67,8 +67,11 @@ pub async fn negotiate(
     }
 }
 
-/// The server greeting, then the client's flags.
-async fn greet(client: &mut OptionChannel<ClientIo>) -> Result<ClientFlags, ConnError> {
+/// The server greeting, then the client's flags: the same towards a TLS
+/// client before STARTTLS and towards a local client in client mode.
+pub async fn greet<S: AsyncRead + AsyncWrite + Unpin>(
+    client: &mut OptionChannel<S>,
+) -> Result<ClientFlags, ConnError> {
     client
         .get_mut()
         .write_all(&server_greeting())
@@ -102,7 +105,7 @@ pub async fn accept_tls(io: ClientIo, config: &Config) -> Result<ClientTls, Conn
 
 /// A short label for why a handshake failed (the alert nbdgw sent, in
 /// effect), and whether it was the client's certificate.
-fn failure_reason(error: &std::io::Error) -> (String, bool) {
+pub fn failure_reason(error: &std::io::Error) -> (String, bool) {
     use rustls::{CertificateError, Error};
     let Some(tls) = error.get_ref().and_then(|e| e.downcast_ref::<Error>()) else {
         return ("io".into(), false);

@@ -157,16 +157,55 @@ impl Stats {
     }
 }
 
+/// What transmission needs of the configuration, the same in both
+/// directions (server mode and client mode).
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub max_payload: u32,
+    pub idle_timeout: Option<Duration>,
+    pub stall_timeout: Option<Duration>,
+    pub cork: crate::config::Cork,
+}
+
+impl Limits {
+    pub fn of(config: &Config) -> Self {
+        Limits {
+            max_payload: config.max_payload,
+            idle_timeout: config.idle_timeout,
+            stall_timeout: config.stall_timeout,
+            cork: config.cork,
+        }
+    }
+}
+
+/// What the relay of one session shares besides its streams, whichever
+/// way the session points.
+pub struct Transmit<'a> {
+    pub limits: Limits,
+    pub shutdown: Shutdown,
+    pub stats: &'a Stats,
+}
+
+impl Link<'_> {
+    pub fn transmit(&self) -> Transmit<'_> {
+        Transmit {
+            limits: Limits::of(self.config),
+            shutdown: self.shutdown.clone(),
+            stats: self.stats,
+        }
+    }
+}
+
 /// `io` under the stall timeout: an error if it makes no progress in time.
 /// Most reads and writes finish at the first poll (the data or the buffer
 /// space is there), so the timer is armed only for those that wait: a
 /// timer per request would cost every request a trip to the timer wheel.
 pub async fn within_stall<T>(
-    config: &Config,
+    stall_timeout: Option<Duration>,
     doing: &'static str,
     io: impl Future<Output = Result<T, ConnError>>,
 ) -> Result<T, ConnError> {
-    let Some(limit) = config.stall_timeout else {
+    let Some(limit) = stall_timeout else {
         return io.await;
     };
     let mut io = pin!(io);

@@ -120,7 +120,7 @@ pub struct PemFile {
 }
 
 impl PemFile {
-    fn read(path: &Path) -> Result<Self, TlsConfigError> {
+    pub(crate) fn read(path: &Path) -> Result<Self, TlsConfigError> {
         let bytes = std::fs::read(path).map_err(|error| TlsConfigError::Read {
             path: path.to_owned(),
             error,

@@ -2,6 +2,7 @@
 //! client-certificate policy, and the configuration new connections use,
 //! which a reload may replace at any time.
 
+pub mod client;
 pub mod identity;
 pub mod kernel;
 pub mod key_update;
@@ -61,6 +62,14 @@ pub enum TlsConfigError {
     ClientCa { path: PathBuf, error: String },
     #[error("a CRL ({0}) needs a client CA to check against (--tls-client-ca)")]
     CrlWithoutCa(PathBuf),
+    #[error("no CA to check the server's certificate against: {0} holds neither ca-cert.pem (libnbd and qemu layout) nor ca.crt (Kubernetes layout); pass --tls-ca")]
+    NoServerCa(PathBuf),
+    #[error("no CA to check the server's certificate against: pass --tls-dir or --tls-ca")]
+    NoServerCaGiven,
+    #[error("server CA {path}: {error}")]
+    ServerCa { path: PathBuf, error: String },
+    #[error("client certificate {0} has no key beside it (client-key.pem, tls.key or --tls-key)")]
+    ClientKeyMissing(PathBuf),
     #[error("--allow-cn, --allow-dns and --allow-uri need a client CA (--tls-client-ca, or ca-cert.pem / ca.crt in --tls-dir)")]
     AllowWithoutCa,
 }
@@ -143,18 +152,7 @@ impl Loaded {
 /// Builds the server configuration from one consistent set of files.
 pub fn build(material: &Material, policy: &TlsPolicy) -> Result<Loaded, TlsConfigError> {
     let chain = certificates(&material.cert, "certificate")?;
-    let private_key =
-        PrivateKeyDer::from_pem_slice(&material.key.bytes).map_err(|error| match error {
-            rustls::pki_types::pem::Error::NoItemsFound => TlsConfigError::Empty {
-                what: "private key",
-                path: material.key.path.clone(),
-            },
-            error => TlsConfigError::Pem {
-                what: "private key",
-                path: material.key.path.clone(),
-                error,
-            },
-        })?;
+    let private_key = private_key(&material.key)?;
     let served = CertInfo::from_der(&chain[0]).map_err(|error| TlsConfigError::Unparsable {
         path: material.cert.path.clone(),
         error,
@@ -274,6 +272,21 @@ fn crls(file: &PemFile) -> Result<Vec<CertificateRevocationListDer<'static>>, Tl
         });
     }
     Ok(crls)
+}
+
+/// The first private key in `file`, in whichever PEM form it is.
+fn private_key(file: &PemFile) -> Result<PrivateKeyDer<'static>, TlsConfigError> {
+    PrivateKeyDer::from_pem_slice(&file.bytes).map_err(|error| match error {
+        rustls::pki_types::pem::Error::NoItemsFound => TlsConfigError::Empty {
+            what: "private key",
+            path: file.path.clone(),
+        },
+        error => TlsConfigError::Pem {
+            what: "private key",
+            path: file.path.clone(),
+            error,
+        },
+    })
 }
 
 fn certificates(

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use rustls::ServerConfig;
 use tracing::{error, info, warn};
 
+use crate::reload::{LastSeen, Swap, Triggers};
 pub use crate::reload::{ReloadOutcome, Trigger};
-use crate::reload::{Swap, Triggers};
 
 use super::{
     build, CertInfo, Guards, Loaded, Material, Sessions, TlsConfigError, TlsPaths, TlsPolicy,
@@ -80,7 +80,7 @@ pub struct Reloader {
     store: Arc<TlsStore>,
     /// What the last look at the files found, good or bad, so a file that
     /// stays broken is reported once, not on every poll.
-    last_seen: Result<Material, String>,
+    last_seen: LastSeen<Material>,
     served: CertInfo,
 }
 
@@ -107,7 +107,7 @@ impl Reloader {
                 store.note_expiry(&loaded);
                 store
             },
-            last_seen: Ok(material),
+            last_seen: LastSeen::new(material),
             served: loaded.served,
         })
     }
@@ -128,11 +128,10 @@ impl Reloader {
     }
 
     pub fn check(&mut self, trigger: Trigger) -> ReloadOutcome {
-        let seen = Material::read(&self.paths).map_err(|e| e.to_string());
-        if trigger == Trigger::Poll && seen == self.last_seen {
+        let read = Material::read(&self.paths).map_err(|e| e.to_string());
+        let Some(seen) = self.last_seen.changed(trigger, read) else {
             return ReloadOutcome::Unchanged;
-        }
-        self.last_seen = seen.clone();
+        };
         let built = seen.and_then(|material| {
             let loaded = build(&material, &self.policy).map_err(|e| e.to_string())?;
             self.keeps_the_guards(&loaded)?;

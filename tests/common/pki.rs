@@ -45,6 +45,20 @@ impl Ca {
             .unwrap()
     }
 
+    /// A server certificate for `names` (DNS names or IP addresses),
+    /// valid from yesterday for `days` days: 0 makes one that has expired
+    /// by the time a client checks it, a second later.
+    pub fn server_for(&self, cn: &str, names: &[&str], days: u32) -> Leaf {
+        let names: Vec<String> = names.iter().map(|s| s.to_string()).collect();
+        self.authority
+            .leaf(&LeafSpec {
+                names: &names,
+                serial: Some(1),
+                ..LeafSpec::server(cn, days)
+            })
+            .unwrap()
+    }
+
     /// A client certificate; `serial` is what a CRL names to revoke it.
     pub fn client(&self, cn: &str, dns: &[&str], uris: &[&str], serial: u64) -> Leaf {
         let owned = |xs: &[&str]| xs.iter().map(|s| s.to_string()).collect::<Vec<_>>();

@@ -68,6 +68,37 @@ impl NbdgwProcess {
         process
     }
 
+    /// Starts `nbdgw client --listen LISTEN ARGS` and waits until it
+    /// listens (its log says so); `port` is 0 for a Unix socket.
+    #[allow(dead_code)]
+    pub fn client<I, S>(listen: &OsStr, args: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_nbdgw"));
+        cmd.arg("client").arg("--listen").arg(listen).args(args);
+        let port = listen
+            .to_str()
+            .and_then(|s| s.parse::<std::net::SocketAddr>().ok())
+            .map_or(0, |a| a.port());
+        let mut process = Self::spawn(cmd, port);
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while process.count_in_log("nbdgw client listening") == 0 {
+            if let Some(status) = process.child.try_wait().unwrap() {
+                std::thread::sleep(Duration::from_millis(100));
+                panic!("nbdgw client exited ({status}):\n{}", process.log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "nbdgw client did not start:\n{}",
+                process.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        process
+    }
+
     /// Runs `cmd` (nbdgw, or a wrapper such as `ip netns exec … nbdgw`)
     /// with its log collected; does not wait for it to listen.
     pub fn spawn(mut cmd: Command, port: u16) -> Self {

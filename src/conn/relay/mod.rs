@@ -14,13 +14,15 @@ mod writer;
 
 use std::pin::pin;
 
-use tokio::io::BufReader;
+use tokio::io::{AsyncRead, AsyncWrite, BufReader};
 use tokio::sync::mpsc;
 
 use crate::conn::error::ConnError;
-use crate::conn::session::{Link, Session};
+use crate::conn::session::Transmit;
+use crate::proto::transmission::ReplyMode;
 use flight::Flight;
 use local::{Local, SHUTTING_DOWN};
+pub use replies::max_reply;
 use replies::Replies;
 use requests::Requests;
 use writer::ReplyWriter;
@@ -31,31 +33,51 @@ const UPSTREAM_READ_BUF: usize = 64 * 1024;
 /// Replies nbdgw makes itself, queued for the reply side.
 const LOCAL_QUEUE: usize = 64;
 
+/// The two halves of each end of a session in transmission, and how it
+/// was negotiated: the same relay serves a TLS client and a Unix-socket
+/// upstream (server mode) and a plaintext local client and a TLS remote
+/// server (client mode).
+pub struct Ends<CR, CW, UR, UW> {
+    pub client: (CR, CW),
+    pub upstream: (UR, UW),
+    pub mode: ReplyMode,
+    pub read_only: bool,
+}
+
 /// Relays until the client disconnects, a drain completes, or a side
 /// fails. Returns why the connection ended.
-pub async fn run(
-    session: Box<Session>,
+pub async fn run<CR, CW, UR, UW>(
+    ends: Ends<CR, CW, UR, UW>,
     cork: Option<socket2::Socket>,
-    link: &Link<'_>,
+    link: &Transmit<'_>,
     registered: Option<&crate::tls::SessionGuard>,
-) -> Result<&'static str, ConnError> {
-    let Session {
-        tls,
-        upstream,
+) -> Result<&'static str, ConnError>
+where
+    CR: AsyncRead + Unpin,
+    CW: AsyncWrite + Unpin,
+    UR: AsyncRead + Unpin,
+    UW: AsyncWrite + Unpin,
+{
+    let Ends {
+        client: (client_rd, client_wr),
+        upstream: (up_rd, up_wr),
         mode,
         read_only,
-        ..
-    } = *session;
-    let (client_rd, client_wr) = tokio::io::split(tls);
-    let (up_rd, up_wr) = upstream.into_split();
+    } = ends;
     let flight = Flight::new();
     let (local_tx, local_rx) = mpsc::channel(LOCAL_QUEUE);
     let drain = local_tx.clone();
-    let requests = Requests::new(client_rd, up_wr, &flight, local_tx, (mode, read_only), link)
-        .ended_by(registered);
+    let requests = Requests::new(
+        (client_rd, up_wr),
+        &flight,
+        local_tx,
+        (mode, read_only),
+        link,
+    )
+    .ended_by(registered);
     let upstream = BufReader::with_capacity(UPSTREAM_READ_BUF, up_rd);
-    let replies = Replies::new(upstream, &flight, local_rx, mode, link.config.max_payload);
-    let mut writer = ReplyWriter::new(client_wr, cork, link.config, link.stats);
+    let replies = Replies::new(upstream, &flight, local_rx, mode, link.limits.max_payload);
+    let mut writer = ReplyWriter::new(client_wr, cork, &link.limits, link.stats);
     let result = {
         let mut requests = pin!(requests.run());
         let mut replies = pin!(replies.run(&mut writer));

@@ -6,8 +6,7 @@ use std::future::poll_fn;
 use std::pin::Pin;
 use std::task::Poll;
 
-use tokio::io::{AsyncBufRead, AsyncReadExt, BufReader};
-use tokio::net::unix::OwnedReadHalf;
+use tokio::io::{AsyncBufRead, AsyncRead, AsyncReadExt, AsyncWrite, BufReader};
 use tokio::sync::mpsc;
 
 use super::flight::Flight;
@@ -21,6 +20,11 @@ use crate::proto::transmission::{check_error_payload, parse_reply, reply_header_
 /// error code and a message of at most 4 KiB, block-status descriptors.
 /// 8 KiB covers them all.
 const REPLY_FIELDS_ALLOWANCE: u64 = 8192;
+
+/// The longest reply payload accepted from the upstream, for `--max-payload`.
+pub fn max_reply(max_payload: u32) -> u64 {
+    u64::from(max_payload).max(u64::from(DEFAULT_MAX_PAYLOAD)) + REPLY_FIELDS_ALLOWANCE
+}
 /// At shutdown, how long a connection with nothing left in flight stays
 /// open for requests already on their way: a client that sent one just
 /// as the last reply left gets ESHUTDOWN for it, not a close with a
@@ -32,8 +36,8 @@ const REPLY_FIELDS_ALLOWANCE: u64 = 8192;
 /// still closes in a blink.
 const SHUTDOWN_LINGER: std::time::Duration = std::time::Duration::from_millis(250);
 
-pub struct Replies<'a> {
-    upstream: BufReader<OwnedReadHalf>,
+pub struct Replies<'a, U> {
+    upstream: BufReader<U>,
     flight: &'a Flight,
     local: mpsc::Receiver<Local>,
     local_open: bool,
@@ -52,9 +56,9 @@ enum Next {
     UpstreamEof,
 }
 
-impl<'a> Replies<'a> {
+impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
     pub fn new(
-        upstream: BufReader<OwnedReadHalf>,
+        upstream: BufReader<U>,
         flight: &'a Flight,
         local: mpsc::Receiver<Local>,
         mode: ReplyMode,
@@ -66,8 +70,7 @@ impl<'a> Replies<'a> {
             local,
             local_open: true,
             mode,
-            max_reply: u64::from(max_payload).max(u64::from(DEFAULT_MAX_PAYLOAD))
-                + REPLY_FIELDS_ALLOWANCE,
+            max_reply: max_reply(max_payload),
             draining: None,
             linger_until: None,
         }
@@ -75,7 +78,10 @@ impl<'a> Replies<'a> {
 
     /// Relays replies until a drain is complete (returns why the
     /// connection ends) or something fails.
-    pub async fn run(mut self, writer: &mut ReplyWriter<'_>) -> Result<&'static str, ConnError> {
+    pub async fn run<W: AsyncWrite + Unpin>(
+        mut self,
+        writer: &mut ReplyWriter<'_, W>,
+    ) -> Result<&'static str, ConnError> {
         loop {
             if let (Some(reason), true) = (self.draining, self.flight.is_empty()) {
                 if reason == CLIENT_DISCONNECTED || !self.local_open {
@@ -119,10 +125,10 @@ impl<'a> Replies<'a> {
 
     /// A message from the request side: a reply nbdgw made, a drain, or
     /// (`None`) the request side ended.
-    async fn handle_local(
+    async fn handle_local<W: AsyncWrite + Unpin>(
         &mut self,
         message: Option<Local>,
-        writer: &mut ReplyWriter<'_>,
+        writer: &mut ReplyWriter<'_, W>,
     ) -> Result<(), ConnError> {
         match message {
             Some(Local::Reply { cookie, bytes }) => {
@@ -196,7 +202,10 @@ impl<'a> Replies<'a> {
 
     /// One reply message: header (its magic tells how long), then its
     /// payload straight into the writer.
-    async fn relay_one(&mut self, writer: &mut ReplyWriter<'_>) -> Result<(), ConnError> {
+    async fn relay_one<W: AsyncWrite + Unpin>(
+        &mut self,
+        writer: &mut ReplyWriter<'_, W>,
+    ) -> Result<(), ConnError> {
         let eof = || ConnError::io(Side::Upstream, "in the middle of a reply");
         let mut header = [0u8; EXTENDED_REPLY_LEN];
         self.upstream
@@ -246,7 +255,11 @@ impl<'a> Replies<'a> {
     }
 
     /// A request's last reply is in the writer.
-    async fn finish(&self, cookie: u64, writer: &mut ReplyWriter<'_>) -> Result<(), ConnError> {
+    async fn finish<W: AsyncWrite + Unpin>(
+        &self,
+        cookie: u64,
+        writer: &mut ReplyWriter<'_, W>,
+    ) -> Result<(), ConnError> {
         if let Some((command, took)) = self.flight.complete(cookie) {
             writer.metrics().answered(command_name(command), took);
         }

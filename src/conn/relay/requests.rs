@@ -5,16 +5,14 @@
 use std::pin::pin;
 use std::time::Instant;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf};
-use tokio::net::unix::OwnedWriteHalf;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tracing::debug;
 
 use super::flight::Flight;
 use super::local::{Local, CLIENT_DISCONNECTED};
-use crate::config::Config;
 use crate::conn::error::{ConnError, Side};
-use crate::conn::session::{within_stall, ClientStream, Link};
+use crate::conn::session::{within_stall, Limits, Transmit};
 use crate::proto::consts::*;
 use crate::proto::transmission::{encode_error_reply, InFlight, ReplyMode, Request};
 use crate::proto::ProtoError;
@@ -25,14 +23,17 @@ use crate::shutdown::Shutdown;
 /// size) leaves in one piece instead of 256 KiB and a 28-byte tail.
 const REQUEST_CHUNK: usize = 256 * 1024 + EXTENDED_REQUEST_LEN;
 
-pub struct Requests<'a> {
-    client: ReadHalf<ClientStream>,
-    upstream: OwnedWriteHalf,
+/// Generic over the halves: the server mode reads a TLS client and writes
+/// a Unix socket, the client mode reads a plaintext local client and
+/// writes TLS to the remote server.
+pub struct Requests<'a, C, U> {
+    client: C,
+    upstream: U,
     flight: &'a Flight,
     local: mpsc::Sender<Local>,
     mode: ReplyMode,
     read_only: bool,
-    link: &'a Link<'a>,
+    link: &'a Transmit<'a>,
     shutdown: Shutdown,
     /// Header and the first part of the payload, then further pieces.
     buf: Vec<u8>,
@@ -40,14 +41,13 @@ pub struct Requests<'a> {
     registered: Option<&'a crate::tls::SessionGuard>,
 }
 
-impl<'a> Requests<'a> {
+impl<'a, C: AsyncRead + Unpin, U: AsyncWrite + Unpin> Requests<'a, C, U> {
     pub fn new(
-        client: ReadHalf<ClientStream>,
-        upstream: OwnedWriteHalf,
+        (client, upstream): (C, U),
         flight: &'a Flight,
         local: mpsc::Sender<Local>,
         (mode, read_only): (ReplyMode, bool),
-        link: &'a Link<'a>,
+        link: &'a Transmit<'a>,
     ) -> Self {
         Requests {
             client,
@@ -70,8 +70,8 @@ impl<'a> Requests<'a> {
         self
     }
 
-    fn config(&self) -> &'a Config {
-        self.link.config
+    fn limits(&self) -> &Limits {
+        &self.link.limits
     }
 
     /// Relays requests until the client disconnects (Ok) or fails.
@@ -84,7 +84,7 @@ impl<'a> Requests<'a> {
             let request =
                 Request::parse(self.mode, header).map_err(ConnError::proto(Side::Client))?;
             let payload = request.payload_len(self.mode);
-            let max_payload = u64::from(self.config().max_payload);
+            let max_payload = u64::from(self.limits().max_payload);
             ProtoError::check_limit("request payload", payload, max_payload)
                 .map_err(ConnError::proto(Side::Client))?;
             self.link
@@ -122,7 +122,7 @@ impl<'a> Requests<'a> {
             // The spec asks for EPERM; qemu-nbd itself would answer EINVAL.
             Some((EPERM, "nbdgw: the export is read-only"))
         } else if request.command == CMD_READ
-            && request.length > u64::from(self.config().max_payload)
+            && request.length > u64::from(self.limits().max_payload)
         {
             Some((EINVAL, "nbdgw: read length exceeds --max-payload"))
         } else {
@@ -191,13 +191,17 @@ impl<'a> Requests<'a> {
         const WHEN: &str = "in the middle of a request payload";
         let room = (REQUEST_CHUNK - self.buf.len()) as u64;
         let (client, buf) = (&mut self.client, &mut self.buf);
-        let read = within_stall(self.link.config, "sending a request payload", async {
-            client
-                .take(remaining.min(room))
-                .read_buf(buf)
-                .await
-                .map_err(ConnError::io(Side::Client, WHEN))
-        })
+        let read = within_stall(
+            self.link.limits.stall_timeout,
+            "sending a request payload",
+            async {
+                client
+                    .take(remaining.min(room))
+                    .read_buf(buf)
+                    .await
+                    .map_err(ConnError::io(Side::Client, WHEN))
+            },
+        )
         .await?;
         if read == 0 {
             return Err(ConnError::closed(Side::Client, WHEN));
@@ -218,13 +222,17 @@ impl<'a> Requests<'a> {
     }
 
     async fn send_upstream(&mut self) -> Result<(), ConnError> {
+        let when = "while a request was forwarded";
         self.upstream
             .write_all(&self.buf)
             .await
-            .map_err(ConnError::io(
-                Side::Upstream,
-                "while a request was forwarded",
-            ))?;
+            .map_err(ConnError::io(Side::Upstream, when))?;
+        // A Unix socket has nothing to flush; a TLS stream towards the
+        // remote (client mode) holds records until flushed.
+        self.upstream
+            .flush()
+            .await
+            .map_err(ConnError::io(Side::Upstream, when))?;
         self.buf.clear();
         Ok(())
     }
@@ -246,7 +254,7 @@ impl<'a> Requests<'a> {
     /// reply had been written.
     async fn read_header(&mut self, header: &mut [u8]) -> Result<(), ConnError> {
         let when = "without sending NBD_CMD_DISC";
-        let Some(idle) = self.config().idle_timeout else {
+        let Some(idle) = self.limits().idle_timeout else {
             let read = self.client.read_exact(header).await;
             return read.map(|_| ()).map_err(ConnError::io(Side::Client, when));
         };

@@ -6,41 +6,43 @@
 //! nothing more is waiting; a burst that fits one write needs no cork,
 //! since with TCP_NODELAY its segments are full but the last.
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, WriteHalf};
+use std::time::Duration;
 
-use crate::config::{Config, Cork};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::config::Cork;
 use crate::conn::error::{ConnError, Side};
-use crate::conn::session::{within_stall, ClientStream, Stats, GOODBYE_TIMEOUT, REPLY_CHUNK};
+use crate::conn::session::{within_stall, Limits, Stats, GOODBYE_TIMEOUT, REPLY_CHUNK};
 
 /// Bursts up to this size go out in one write without TCP_CORK.
 const UNCORKED_BURST_MAX: usize = 64 * 1024;
 
-pub struct ReplyWriter<'a> {
-    client: WriteHalf<ClientStream>,
+pub struct ReplyWriter<'a, W> {
+    client: W,
     out: Vec<u8>,
     /// A second handle on the client socket, for TCP_CORK; none with
     /// `Cork::Off`.
     cork: Option<socket2::Socket>,
     corked: bool,
     policy: Cork,
-    config: &'a Config,
+    stall_timeout: Option<Duration>,
     stats: &'a Stats,
 }
 
-impl<'a> ReplyWriter<'a> {
+impl<'a, W: AsyncWrite + Unpin> ReplyWriter<'a, W> {
     pub fn new(
-        client: WriteHalf<ClientStream>,
+        client: W,
         cork: Option<socket2::Socket>,
-        config: &'a Config,
+        limits: &Limits,
         stats: &'a Stats,
     ) -> Self {
         ReplyWriter {
             client,
             out: Vec::with_capacity(REPLY_CHUNK),
-            cork: cork.filter(|_| config.cork != Cork::Off),
+            cork: cork.filter(|_| limits.cork != Cork::Off),
             corked: false,
-            policy: config.cork,
-            config,
+            policy: limits.cork,
+            stall_timeout: limits.stall_timeout,
             stats,
         }
     }
@@ -146,7 +148,7 @@ impl<'a> ReplyWriter<'a> {
             self.set_cork(true);
         }
         let (client, out) = (&mut self.client, &self.out);
-        within_stall(self.config, "reading replies", async {
+        within_stall(self.stall_timeout, "reading replies", async {
             let write = ConnError::io(Side::Client, "while replies were sent");
             client.write_all(out).await.map_err(write)?;
             let flush = ConnError::io(Side::Client, "while replies were sent");

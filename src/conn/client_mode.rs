@@ -1,0 +1,398 @@
+//! One local connection of `nbdgw client`: the plaintext fixed-newstyle
+//! server side towards the local client (the greeting the server mode
+//! sends before STARTTLS), the remote server reached with TLS (`remote`),
+//! the local client's options relayed through the shared option relay
+//! (`relayed`), then the shared transmission relay (`relay`). Only these
+//! phases differ from the server mode; nothing here parses or relays on
+//! its own.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::io::{AsyncRead, AsyncWrite};
+use tracing::{debug, info, warn, Instrument};
+
+use super::error::{ConnError, Side};
+use super::options::{OptionChannel, ShutdownAnswer};
+use super::reconnect::{Opened, Reconnecting, Reopen};
+use super::relayed::{self, Batch, Framing};
+use super::remote::{self, Remote, RemoteTls};
+use super::session::{Limits, Stats, Transmit};
+use crate::client::ClientSettings;
+use crate::logsafe::{escape_bytes, Escaped};
+use crate::proto::consts::*;
+use crate::proto::handshake::{ClientFlags, OptionHeader};
+use crate::proto::transmission::ReplyMode;
+use crate::shutdown::Shutdown;
+
+/// What the local client hears when the server fails mid-option: a TLS
+/// alert after the handshake (in TLS 1.3 the server judges the client's
+/// certificate after the client has finished) says the certificate was
+/// refused; anything else is the error as logged.
+fn server_failure(error: &ConnError) -> String {
+    let alert = match error {
+        ConnError::Io { error, .. } => error
+            .get_ref()
+            .and_then(|e| e.downcast_ref::<rustls::Error>())
+            .and_then(|e| match e {
+                rustls::Error::AlertReceived(alert) => Some(*alert),
+                _ => None,
+            }),
+        _ => None,
+    };
+    match alert {
+        Some(alert) => format!(
+            "the server ended the TLS session with alert {alert:?}: it did not accept this client's certificate"
+        ),
+        None => format!("the server failed: {error}"),
+    }
+}
+
+/// Serves one local connection to its end and logs how it ended.
+pub async fn serve<S>(
+    local: S,
+    id: u64,
+    peer: String,
+    shared: Arc<ClientSettings>,
+    shutdown: Shutdown,
+) where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let span = tracing::info_span!("conn", id, peer = %peer);
+    async move {
+        let settings = &*shared;
+        let metrics = &settings.metrics;
+        info!("accepted");
+        metrics.connections_open.inc();
+        let started = Instant::now();
+        let stats = Stats::new(metrics.clone());
+        let mut cut = shutdown.clone();
+        let result = tokio::select! {
+            result = run(local, &shared, shutdown, &stats) => result,
+            () = cut.cut() => Err(ConnError::GraceOver),
+        };
+        metrics.connections_open.dec();
+        metrics.connection(match &result {
+            Err(e) if !e.is_routine() => "error",
+            _ => "closed",
+        });
+        super::log_close(result, &stats, started);
+    }
+    .instrument(span)
+    .await
+}
+
+/// How negotiation ended.
+enum Negotiated<S> {
+    Closed(&'static str),
+    /// Boxed: the TLS stream is large beside the other variant.
+    Transmission(Box<Ready<S>>),
+}
+
+/// Both ends of a session entering transmission, and how it was agreed.
+struct Ready<S> {
+    local: S,
+    remote: RemoteTls,
+    opened: Opened,
+    read_only: bool,
+}
+
+async fn run<S>(
+    local: S,
+    shared: &Arc<ClientSettings>,
+    shutdown: Shutdown,
+    stats: &Stats,
+) -> Result<&'static str, ConnError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let settings = &**shared;
+    let negotiated = tokio::time::timeout(
+        settings.handshake_timeout,
+        negotiate(local, settings, &shutdown),
+    )
+    .await
+    .map_err(|_| ConnError::HandshakeTimeout(settings.handshake_timeout))??;
+    let ready = match negotiated {
+        Negotiated::Closed(reason) => return Ok(reason),
+        Negotiated::Transmission(ready) => *ready,
+    };
+    let Ready {
+        local,
+        remote,
+        opened,
+        read_only,
+    } = ready;
+    let mode = opened.framing.mode();
+    let transmit = Transmit {
+        limits: Limits {
+            max_payload: settings.max_payload,
+            idle_timeout: settings.idle_timeout,
+            stall_timeout: settings.stall_timeout,
+            cork: settings.cork,
+        },
+        shutdown,
+        stats,
+    };
+    match settings.reconnect {
+        None => relay_to(local, remote, (mode, read_only), &transmit).await,
+        Some(_) => {
+            // The same relay, over a server stream that outlives drops.
+            let upstream = Reconnecting::new(remote, shared.clone(), opened, mode);
+            relay_to(local, upstream, (mode, read_only), &transmit).await
+        }
+    }
+}
+
+/// The transmission relay between the local client and `upstream`. No
+/// cork handle: the local side is a Unix socket or loopback TCP; towards
+/// the network each request leaves in full TLS records.
+async fn relay_to<S, U>(
+    local: S,
+    upstream: U,
+    (mode, read_only): (ReplyMode, bool),
+    transmit: &Transmit<'_>,
+) -> Result<&'static str, ConnError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+    U: AsyncRead + AsyncWrite + Unpin,
+{
+    let ends = super::relay::Ends {
+        client: tokio::io::split(local),
+        upstream: tokio::io::split(upstream),
+        mode,
+        read_only,
+    };
+    super::relay::run(ends, None, transmit, None).await
+}
+
+/// The greeting towards the local client, the remote server reached, then
+/// the local client's options relayed.
+async fn negotiate<S>(
+    local: S,
+    settings: &ClientSettings,
+    shutdown: &Shutdown,
+) -> Result<Negotiated<S>, ConnError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let mut local = OptionChannel::new(local, Side::Client, settings.max_option_len);
+    let flags = super::plain::greet(&mut local).await?;
+    let remote = match remote::connect(settings).await {
+        Ok(remote) => {
+            settings.health.set_upstream_down(false);
+            remote
+        }
+        Err(e) => {
+            settings.metrics.upstream_connect_failures.inc();
+            settings.health.set_upstream_down(true);
+            let error = e.to_string();
+            warn!(reason = e.reason(), error = %Escaped(&error), "server unavailable");
+            // The local client is the operator's own: it may hear why.
+            let message = format!("nbdgw client: {error}");
+            return relayed::refuse_all(local, &message)
+                .await
+                .map(Negotiated::Closed);
+        }
+    };
+    let mut options = Options {
+        local,
+        remote,
+        flags,
+        framing: Framing::default(),
+        batch: Batch::default(),
+        settings,
+    };
+    loop {
+        let option = options.local.read_option().await?;
+        match options.local.refuse_for_shutdown(&option, shutdown).await? {
+            ShutdownAnswer::Serve => {}
+            ShutdownAnswer::Refused => continue,
+            ShutdownAnswer::End(reason) => return Ok(Negotiated::Closed(reason)),
+        }
+        options.batch.answered = false;
+        let step = match option.option {
+            OPT_STARTTLS => options.starttls().await,
+            OPT_ABORT => options.abort().await,
+            // No error reply exists for EXPORT_NAME: a failure closes.
+            OPT_EXPORT_NAME => Ok(options.export_name().await?),
+            OPT_LIST
+            | OPT_INFO
+            | OPT_GO
+            | OPT_LIST_META_CONTEXT
+            | OPT_SET_META_CONTEXT
+            | OPT_STRUCTURED_REPLY
+            | OPT_EXTENDED_HEADERS => options.relayed(&option).await,
+            _ => relayed::refuse_unsupported(&mut options.local, &option)
+                .await
+                .map(|()| Step::Next),
+        };
+        let step = match step {
+            Ok(step) => step,
+            Err(e) if e.is_upstream() && !options.batch.answered => {
+                // The local client hears why, on this option and every
+                // later one (qemu goes on to its next option after an
+                // error to one that only asks for a framing), not just a
+                // closed socket.
+                warn!(error = %Escaped(&e.to_string()), "the server failed during negotiation");
+                let message = format!("nbdgw client: {}", server_failure(&e));
+                options
+                    .local
+                    .send_reply(option.option, REP_ERR_SHUTDOWN, &message)
+                    .await?;
+                return relayed::refuse_all(options.local, &message)
+                    .await
+                    .map(Negotiated::Closed);
+            }
+            Err(e) => return Err(e),
+        };
+        match step {
+            Step::Next => {}
+            Step::Closed(reason) => return Ok(Negotiated::Closed(reason)),
+            Step::Transmission(reopen, export) => {
+                return Ok(options.enter_transmission(reopen, export))
+            }
+        }
+    }
+}
+
+enum Step {
+    Next,
+    Closed(&'static str),
+    /// How the export was opened, and its size and flags.
+    Transmission(Reopen, (u64, u16)),
+}
+
+/// The option relay of one connection.
+struct Options<'a, S> {
+    local: OptionChannel<S>,
+    remote: Remote,
+    flags: ClientFlags,
+    framing: Framing,
+    batch: Batch,
+    settings: &'a ClientSettings,
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> Options<'_, S> {
+    /// TLS is this side's job towards the server; the local side is
+    /// plaintext, which the spec's answer for "no TLS here" says.
+    async fn starttls(&mut self) -> Result<Step, ConnError> {
+        let message = "nbdgw client: the local side is plaintext; TLS is used towards the server";
+        self.local
+            .send_reply(OPT_STARTTLS, REP_ERR_UNSUP, message)
+            .await?;
+        Ok(Step::Next)
+    }
+
+    async fn abort(&mut self) -> Result<Step, ConnError> {
+        // A soft disconnect for the server too; the ACK does not wait on it.
+        let _ = self.remote.channel.send_option(OPT_ABORT, &[]).await;
+        self.remote.channel.goodbye().await;
+        self.local.acknowledge_abort().await?;
+        Ok(Step::Closed("client sent NBD_OPT_ABORT"))
+    }
+
+    /// The old way in: a server refuses it by closing, and so must we.
+    async fn export_name(&mut self) -> Result<Step, ConnError> {
+        let data = self.local.data();
+        let answered = relayed::export_name_exchange(
+            &mut self.remote.channel,
+            self.remote.pads_export_name,
+            data,
+        )
+        .await?;
+        let export = match answered {
+            Ok(export) => export,
+            Err(e) => {
+                warn!(export = %escape_bytes(self.local.data()), error = %e, "the server refused NBD_OPT_EXPORT_NAME");
+                return Ok(Step::Closed("the server refused the export"));
+            }
+        };
+        relayed::answer_export_name(&mut self.local, export, self.flags).await?;
+        self.log_negotiated(self.local.data(), export);
+        let reopen = Reopen::ExportName(self.local.data().to_vec());
+        Ok(Step::Transmission(reopen, export))
+    }
+
+    /// Forwards the option unchanged and relays every reply to it, with
+    /// the maximum block size lowered to `--max-payload`.
+    async fn relayed(&mut self, option: &OptionHeader) -> Result<Step, ConnError> {
+        self.remote
+            .channel
+            .send_option(option.option, self.local.data())
+            .await?;
+        let max_payload = self.settings.max_payload;
+        let relayed = relayed::relay_replies(
+            &mut self.local,
+            &mut self.remote.channel,
+            option.option,
+            &mut self.batch,
+            |reply_type, batch, start| match reply_type {
+                REP_INFO => {
+                    relayed::info_export(&mut batch[start + OPTION_REPLY_HEADER_LEN..], max_payload)
+                }
+                _ => None,
+            },
+        )
+        .await?;
+        debug!(
+            option = option_name(option.option),
+            reply = format_args!("{:#x}", relayed.reply_type),
+            "relayed"
+        );
+        if relayed.reply_type != REP_ACK {
+            if matches!(option.option, OPT_GO | OPT_INFO) {
+                // Why a disk cannot be opened belongs in the log, with the
+                // server's own words (escaped: they are the server's).
+                warn!(
+                    option = option_name(option.option),
+                    export = %Escaped(&relayed::go_export_name(self.local.data())),
+                    reply = remote::reply_name(relayed.reply_type),
+                    message = %escape_bytes(&relayed.message),
+                    "the server refused the export"
+                );
+            }
+            return Ok(Step::Next);
+        }
+        self.framing.acknowledged(option.option);
+        if option.option != OPT_GO {
+            return Ok(Step::Next);
+        }
+        // The spec makes INFO_EXPORT mandatory before GO's ACK.
+        let Some(export) = relayed.export else {
+            warn!("the server acknowledged NBD_OPT_GO without NBD_INFO_EXPORT");
+            return Ok(Step::Closed("the server sent no export information"));
+        };
+        let name = relayed::split_name(self.local.data());
+        self.log_negotiated(name, export);
+        Ok(Step::Transmission(
+            Reopen::Go(self.local.data().to_vec()),
+            export,
+        ))
+    }
+
+    fn log_negotiated(&self, export: &[u8], (size, tflags): (u64, u16)) {
+        info!(
+            export = %escape_bytes(export),
+            server = %Escaped(&self.settings.server),
+            mode = ?self.framing.mode(),
+            size,
+            transmission_flags = format_args!("{tflags:#x}"),
+            read_only = tflags & TFLAG_READ_ONLY != 0,
+            "negotiated"
+        );
+    }
+
+    fn enter_transmission(self, reopen: Reopen, export: (u64, u16)) -> Negotiated<S> {
+        Negotiated::Transmission(Box::new(Ready {
+            local: self.local.into_inner(),
+            remote: self.remote.channel.into_inner(),
+            opened: Opened {
+                reopen,
+                framing: self.framing,
+                export,
+            },
+            read_only: export.1 & TFLAG_READ_ONLY != 0,
+        }))
+    }
+}

@@ -1,0 +1,158 @@
+//! Client mode's side towards the remote server: TCP, the fixed-newstyle
+//! greeting as a client, NBD_OPT_STARTTLS, and a verified TLS handshake
+//! (the server's certificate against the CA, its name against the SANs).
+//! What follows the handshake is the shared option relay (`relayed`).
+
+use std::io;
+use std::time::Duration;
+
+use thiserror::Error;
+use tokio::net::TcpStream;
+
+use super::error::{ConnError, Side};
+use super::options::OptionChannel;
+use super::session::TLS_BUFFER_LIMIT;
+use crate::client::ClientSettings;
+use crate::logsafe::escape_bytes;
+use crate::proto::consts::*;
+use crate::upstream::{newstyle_greeting, UpstreamError};
+
+/// The remote server's connection once TLS is up.
+pub type RemoteTls = tokio_rustls::client::TlsStream<TcpStream>;
+
+/// Why the remote server could not be reached with TLS. Every variant
+/// names the server; texts the server sent are escaped.
+#[derive(Debug, Error)]
+pub enum RemoteError {
+    #[error("cannot connect to {server}: {error}")]
+    Connect { server: String, error: io::Error },
+    #[error("{server} did not accept, greet and finish TLS within {after:?} (--server-timeout)")]
+    Timeout { server: String, after: Duration },
+    #[error("{server}: {error}")]
+    Greeting {
+        server: String,
+        error: UpstreamError,
+    },
+    #[error("{server} refused NBD_OPT_STARTTLS ({reply}): {message}")]
+    StartTlsRefused {
+        server: String,
+        reply: &'static str,
+        message: String,
+    },
+    #[error("{server}: NBD_OPT_STARTTLS: {error}")]
+    StartTls { server: String, error: ConnError },
+    #[error("TLS handshake with {server} failed: {error}")]
+    Tls { server: String, error: io::Error },
+}
+
+impl RemoteError {
+    /// A short label for the metrics.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            RemoteError::Connect { .. } => "connect",
+            RemoteError::Timeout { .. } => "timeout",
+            RemoteError::Greeting { .. } => "greeting",
+            RemoteError::StartTlsRefused { .. } | RemoteError::StartTls { .. } => "starttls",
+            RemoteError::Tls { .. } => "tls",
+        }
+    }
+}
+
+/// The remote server, greeted and under TLS, ready for options.
+pub struct Remote {
+    pub channel: OptionChannel<RemoteTls>,
+    /// Whether the server pads an EXPORT_NAME reply with zeroes.
+    pub pads_export_name: bool,
+}
+
+/// Connects to the server and brings the connection to the options
+/// after TLS, all within `--server-timeout`.
+pub async fn connect(settings: &ClientSettings) -> Result<Remote, RemoteError> {
+    let after = settings.server_timeout;
+    tokio::time::timeout(after, connect_and_secure(settings))
+        .await
+        .map_err(|_| RemoteError::Timeout {
+            server: settings.server.clone(),
+            after,
+        })?
+}
+
+async fn connect_and_secure(settings: &ClientSettings) -> Result<Remote, RemoteError> {
+    let server = || settings.server.clone();
+    let mut tcp = TcpStream::connect((settings.host.as_str(), settings.port))
+        .await
+        .map_err(|error| RemoteError::Connect {
+            server: server(),
+            error,
+        })?;
+    // As on the server side: TLS 1.3 lets the client speak last, and
+    // Nagle would hold a request behind our unacknowledged data.
+    let _ = tcp.set_nodelay(true);
+    super::set_keepalive(&tcp, settings.keepalive, settings.stall_timeout);
+    let pads_export_name =
+        newstyle_greeting(&mut tcp)
+            .await
+            .map_err(|error| RemoteError::Greeting {
+                server: server(),
+                error,
+            })?;
+    let tcp = starttls(tcp, settings).await?;
+    let connector = tokio_rustls::TlsConnector::from(settings.tls.current());
+    let tls = connector
+        .connect_with(settings.server_name.clone(), tcp, |conn| {
+            conn.set_buffer_limit(Some(TLS_BUFFER_LIMIT))
+        })
+        .await
+        .map_err(|error| RemoteError::Tls {
+            server: server(),
+            error,
+        })?;
+    super::log_tls(tls.get_ref().1, Side::Upstream);
+    let channel = OptionChannel::new(tls, Side::Upstream, settings.max_option_len)
+        .bounded(settings.server_timeout);
+    Ok(Remote {
+        channel,
+        pads_export_name,
+    })
+}
+
+/// NBD_OPT_STARTTLS in plaintext; the server's ACK hands the socket to TLS.
+async fn starttls(tcp: TcpStream, settings: &ClientSettings) -> Result<TcpStream, RemoteError> {
+    let failed = |error| RemoteError::StartTls {
+        server: settings.server.clone(),
+        error,
+    };
+    let mut plain = OptionChannel::new(tcp, Side::Upstream, settings.max_option_len);
+    plain.send_option(OPT_STARTTLS, &[]).await.map_err(failed)?;
+    let mut reply = Vec::new();
+    let header = plain
+        .read_reply(OPT_STARTTLS, &mut reply)
+        .await
+        .map_err(failed)?;
+    if header.reply_type != REP_ACK {
+        return Err(RemoteError::StartTlsRefused {
+            server: settings.server.clone(),
+            reply: reply_name(header.reply_type),
+            message: escape_bytes(&reply[OPTION_REPLY_HEADER_LEN..]),
+        });
+    }
+    Ok(plain.into_inner())
+}
+
+/// The name of an option reply type, for logs and messages.
+pub fn reply_name(reply_type: u32) -> &'static str {
+    match reply_type {
+        REP_ACK => "NBD_REP_ACK",
+        REP_ERR_UNSUP => "NBD_REP_ERR_UNSUP",
+        REP_ERR_POLICY => "NBD_REP_ERR_POLICY",
+        REP_ERR_INVALID => "NBD_REP_ERR_INVALID",
+        REP_ERR_PLATFORM => "NBD_REP_ERR_PLATFORM",
+        REP_ERR_TLS_REQD => "NBD_REP_ERR_TLS_REQD",
+        REP_ERR_UNKNOWN => "NBD_REP_ERR_UNKNOWN",
+        REP_ERR_SHUTDOWN => "NBD_REP_ERR_SHUTDOWN",
+        REP_ERR_BLOCK_SIZE_REQD => "NBD_REP_ERR_BLOCK_SIZE_REQD",
+        REP_ERR_TOO_BIG => "NBD_REP_ERR_TOO_BIG",
+        REP_ERR_EXT_HEADER_REQD => "NBD_REP_ERR_EXT_HEADER_REQD",
+        _ => "an unknown reply",
+    }
+}
