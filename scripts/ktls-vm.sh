@@ -6,7 +6,7 @@
 # the test binaries, qemu-nbd, qemu-img and libnbd inside are the ones
 # built and installed here.
 #
-#   scripts/ktls-vm.sh                 # kernel_tls key_update raw_protocol real_clients reliability routing
+#   scripts/ktls-vm.sh                 # kernel_tls key_update raw_protocol real_clients reliability routing kernel_nbd
 #   scripts/ktls-vm.sh real_clients    # or the named test binaries
 #   scripts/ktls-vm.sh --run FILE      # or a script of your own, as root in the VM
 #
@@ -103,14 +103,15 @@ vmlinuz=$kroot/boot/vmlinuz-$version
 [ -e "$vmlinuz" ] || vmlinuz=$moddir/$version/vmlinuz
 [ -e "$vmlinuz" ] || { echo "ktls-vm: no vmlinuz in $kernel_pkg" >&2; exit 1; }
 
-# initramfs: busybox, the modules for 9p, TLS and its ciphers, and an init
+# initramfs: busybox, the modules for 9p, TLS and its ciphers, the block
+# drivers (nbd, for tests/kernel_nbd.rs), and an init
 # that mounts this machine's root, runs the script, and powers off.
 initrd=$(mktemp -d)
 io=$(mktemp -d)
 trap 'rm -rf "$initrd" "$io"' EXIT
 mkdir -p "$initrd/bin" "$initrd/lib/modules/$version/kernel"
 cp "$cache/busybox/bin/busybox" "$initrd/bin/"
-for dir in crypto arch/x86/crypto lib/crypto net/tls net/9p fs/9p fs/netfs fs/fscache drivers/virtio; do
+for dir in crypto arch/x86/crypto lib/crypto net/tls net/9p fs/9p fs/netfs fs/fscache drivers/virtio drivers/block; do
     [ -d "$moddir/$version/kernel/$dir" ] || continue
     mkdir -p "$initrd/lib/modules/$version/kernel/$dir"
     cp -r "$moddir/$version/kernel/$dir/." "$initrd/lib/modules/$version/kernel/$dir/"
@@ -130,7 +131,7 @@ cat > "$initrd/init" <<'EOF'
 /bin/busybox mkdir -p /sbin /usr/bin /usr/sbin /proc /sys /dev /mnt
 /bin/busybox --install -s
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
-for m in virtio_pci 9pnet_virtio 9p tls; do
+for m in virtio_pci 9pnet_virtio 9p tls nbd; do
     grep -qs "/$m.ko\$" /lib/modules/*/modules.builtin || modprobe $m || echo "ktls-vm: modprobe $m failed"
 done
 # The ciphers' modules, those that this kernel has (names vary by version).
@@ -161,7 +162,7 @@ echo "$root" > "$io/repo"
 if [ "${1:-}" = "--run" ]; then
     cp "$2" "$io/run.sh"
 else
-    [ $# -gt 0 ] || set -- kernel_tls key_update raw_protocol real_clients reliability routing
+    [ $# -gt 0 ] || set -- kernel_tls key_update raw_protocol real_clients reliability routing kernel_nbd
     args=()
     for t in "$@"; do args+=(--test "$t"); done
     cargo test --locked --no-run --lib "${args[@]}" 2>&1 |

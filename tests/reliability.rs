@@ -311,7 +311,9 @@ fn a_read_issued_during_the_shutdown_grace_is_answered_with_eshutdown() {
     held.hold_replies(true);
     to_probe.write_all(b"\n").unwrap();
     expect("issued", &mut line);
-    gw.wait_for_log("SIGTERM received", 1);
+    // Logged once the connections are told to drain (the "SIGTERM
+    // received" line comes before that).
+    gw.wait_for_log("shutting down: no longer accepting", 1);
     held.hold_replies(false);
     to_probe.write_all(b"\n").unwrap();
     line.clear();

@@ -248,7 +248,9 @@ impl HeldUpstream {
         let gw = self.gateway("30");
         let mut c = self.read_in_flight(&gw);
         gw.signal("TERM");
-        gw.wait_for_log("SIGTERM received", 1);
+        // Logged once the connections are told to drain (the "SIGTERM
+        // received" line comes before that).
+        gw.wait_for_log("shutting down: no longer accepting", 1);
         self.relay.hold_replies(false);
         let data = common::raw::assemble(&c.read_reply(65536), 1, 0, 65536);
         assert!(
@@ -275,7 +277,9 @@ fn at_shutdown_requests_in_flight_finish_and_new_ones_get_eshutdown() {
     let mut gw = held.gateway("30");
     let mut c = held.read_in_flight(&gw);
     gw.signal("TERM");
-    gw.wait_for_log("SIGTERM received", 1);
+    // Logged once the connections are told to drain (the "SIGTERM
+    // received" line comes before that).
+    gw.wait_for_log("shutting down: no longer accepting", 1);
     c.send_request(0, CMD_READ, 2, 0, 4096, &[]);
     let refused = c.read_chunk(0);
     assert_eq!((refused.cookie, refused.error_code()), (2, ESHUTDOWN));
