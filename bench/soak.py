@@ -10,6 +10,13 @@ restarted, the server certificate is rotated, and SIGHUP comes in storms.
 
     bench/soak.py --seconds 60                 # what CI runs
     bench/soak.py --seconds 14400 --clients 64 # a long run by hand
+    bench/soak.py --through-client --seconds 60
+
+--through-client puts `nbdgw client --reconnect` between the clients and
+the gateway (they speak plaintext NBD to its Unix socket) and adds a fault:
+the gateway killed (SIGKILL) and started again. Then no client may see
+any error at all: every restart is shorter than --reconnect-timeout, so
+client mode must hide each one, sending the requests in flight again.
 
 Prints operations, acknowledged writes, mismatches (must be 0), errors by
 kind, faults injected, latency percentiles, nbdgw's peak RSS, and its
@@ -242,27 +249,51 @@ def request(command, cookie, offset, length):
 
 
 class Processes:
-    def __init__(self, work, image, certs, host, port, netns):
+    def __init__(self, work, image, certs, host, port, netns, through_client=False):
         self.work, self.image, self.certs = work, image, certs
-        self.host, self.port = host, port
+        self.host, self.port, self.netns = host, port, netns
         self.sock = os.path.join(work, "nbd.sock")
         self.qemu = None
         self.start_qemu()
         self.log = open(os.path.join(work, "nbdgw.log"), "w")
+        self.start_gateway()
+        self.client = None
+        if through_client:
+            self.client_sock = os.path.join(work, "client.sock")
+            self.client_log = open(os.path.join(work, "client.log"), "w")
+            self.client = subprocess.Popen(
+                [NBDGW, "client", "--listen", self.client_sock, "--server", f"{host}:{port}",
+                 "--tls-dir", certs, "--reconnect", "--reconnect-timeout", "30"],
+                stderr=self.client_log, env={**os.environ, "RUST_LOG": "info"})
+            deadline = time.time() + 10
+            while not os.path.exists(self.client_sock):
+                if time.time() > deadline:
+                    sys.exit("soak: nbdgw client did not start")
+                time.sleep(0.05)
+
+    def start_gateway(self):
         # `ip netns exec` execs nbdgw in place: the pid is nbdgw's.
-        inside = ["ip", "netns", "exec", netns] if netns else []
+        inside = ["ip", "netns", "exec", self.netns] if self.netns else []
         self.gw = subprocess.Popen(
-            [*inside, NBDGW, "--listen", f"{host}:{port}", "--upstream", self.sock, "--tls-dir", certs,
-             "--tls-reload-interval", "1", "--stall-timeout", "3", "--handshake-timeout", "5"],
+            [*inside, NBDGW, "--listen", f"{self.host}:{self.port}", "--upstream", self.sock,
+             "--tls-dir", self.certs, "--tls-reload-interval", "1", "--stall-timeout", "3",
+             "--handshake-timeout", "5"],
             stderr=self.log, env={**os.environ, "RUST_LOG": "info"})
         deadline = time.time() + 10
         while time.time() < deadline:
             try:
-                socket.create_connection((host, port)).close()
+                socket.create_connection((self.host, self.port)).close()
                 return
             except OSError:
                 time.sleep(0.05)
         sys.exit("soak: nbdgw did not start")
+
+    def restart_gateway(self):
+        """SIGKILL, as a crash or a node's eviction would: no drain."""
+        self.gw.kill()
+        self.gw.wait()
+        time.sleep(0.3)
+        self.start_gateway()
 
     def start_qemu(self):
         if os.path.exists(self.sock):
@@ -280,6 +311,12 @@ class Processes:
         self.start_qemu()
 
     def stop(self):
+        if self.client is not None:
+            self.client.send_signal(signal.SIGTERM)
+            try:
+                self.client.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                self.client.kill()
         self.gw.send_signal(signal.SIGTERM)
         try:
             self.gw.wait(timeout=40)
@@ -345,6 +382,8 @@ def rss_mib(pid, field="VmRSS"):
 def faults(procs, certs, stats, stop, rng, every):
     """One fault every `every` seconds, in turn."""
     kinds = ["vanish mid-write", "stop reading", "upstream restart", "certificate rotation", "SIGHUP storm"]
+    if procs.client is not None:
+        kinds.insert(1, "gateway restart")
     i = 0
     while not stop.wait(every):
         kind = kinds[i % len(kinds)]
@@ -358,6 +397,10 @@ def faults(procs, certs, stats, stop, rng, every):
                 t = raw_tls(procs.host, procs.port, certs)
                 t.sendall(b"".join(request(CMD_READ, c, 0, 1 << 20) for c in range(32)))
                 threading.Timer(8, t.close).start()
+            elif kind == "gateway restart":
+                began = time.time()
+                procs.restart_gateway()
+                stats.window(began, time.time())
             elif kind == "upstream restart":
                 began = time.time()
                 procs.restart_qemu()
@@ -415,6 +458,8 @@ def main():
     ap.add_argument("--failed-handshakes", type=int, default=10000)
     ap.add_argument("--host", default="127.0.0.1", help="address nbdgw listens on and clients dial")
     ap.add_argument("--gateway-netns", help="run nbdgw in this network namespace")
+    ap.add_argument("--through-client", action="store_true",
+                    help="clients go through `nbdgw client --reconnect`, and the gateway is restarted too")
     ap.add_argument("--max-op-seconds", type=float, default=0,
                     help="fail if a successful operation took longer (0: no limit)")
     args = ap.parse_args()
@@ -429,11 +474,15 @@ def main():
         subprocess.run([NBDGW, "certs", "--out", certs, "--keep-ca-key", "--server-name", args.host],
                        check=True, stdout=subprocess.DEVNULL)
         port = args.port or free_port()
-        procs = Processes(work, image, certs, args.host, port, args.gateway_netns)
-        pid = procs.gw.pid
+        procs = Processes(work, image, certs, args.host, port, args.gateway_netns, args.through_client)
+        # Through client mode the gateway is restarted: the process whose
+        # descriptors and memory are watched is client mode's.
+        pid = procs.client.pid if procs.client else procs.gw.pid
         time.sleep(0.5)
         fds_before, rss_idle = fds(pid), rss_mib(pid)
         uri = f"nbds://{args.host}:{port}/?tls-certificates={certs}"
+        if procs.client:
+            uri = f"nbd+unix:///?socket={procs.client_sock}"
         stats, stop = Stats(), threading.Event()
         span = size // args.clients // BLOCK * BLOCK
         start_together = threading.Barrier(args.clients)
@@ -448,9 +497,12 @@ def main():
         started, peak = time.time(), rss_idle
         while time.time() - started < args.seconds:
             time.sleep(0.5)
-            if procs.gw.poll() is not None:
+            if procs.gw.poll() is not None and not (procs.client and stats.faults["gateway restart"]):
                 stop.set()
                 sys.exit(f"soak: nbdgw died with {procs.gw.returncode}")
+            if procs.client and procs.client.poll() is not None:
+                stop.set()
+                sys.exit(f"soak: nbdgw client died with {procs.client.returncode}")
             peak = max(peak, rss_mib(pid))
         stop.set()
         for w in workers:
@@ -472,14 +524,27 @@ def main():
         unexplained = stats.unexplained_connect_errors()
         print(f"connect errors: {len(stats.connect_errors)}, not explained by an injected fault: "
               f"{len(unexplained)} {unexplained[:5]}")
-        ok = (not stats.mismatches and procs.gw.returncode == 0
-              and not unexplained
-              and not any(k.startswith("rotation") for k in stats.errors)
-              and (not args.max_op_seconds or slowest <= args.max_op_seconds)
-              and max(fds_after, fds_burst) <= fds_before
-              and max(rss_after, rss_burst) <= rss_idle + RSS_MARGIN_MIB
-              and failures["unexpectedly admitted"] == 0)
-        print("soak:", "PASSED" if ok else "FAILED")
+        # Through client mode every restart is shorter than its reconnect
+        # timeout: a client must see no error at all (the faults' own raw
+        # clients, which go to the gateway directly, aside).
+        seen = {k: v for k, v in stats.errors.items() if not k.startswith("fault ")}
+        if procs.client:
+            print(f"errors seen through client mode: {seen}")
+        checks = {
+            "no mismatch": not stats.mismatches,
+            "nbdgw exited 0": procs.gw.returncode == 0,
+            "no unexplained connect error": not unexplained,
+            "nothing seen through client mode": not (procs.client and seen),
+            "nbdgw client exited 0": not (procs.client and procs.client.returncode != 0),
+            "rotations served": not any(k.startswith("rotation") for k in stats.errors),
+            "no slow operation": not args.max_op_seconds or slowest <= args.max_op_seconds,
+            "descriptors back": max(fds_after, fds_burst) <= fds_before,
+            "memory back": max(rss_after, rss_burst) <= rss_idle + RSS_MARGIN_MIB,
+            "strangers refused": failures["unexpectedly admitted"] == 0,
+        }
+        ok = all(checks.values())
+        failed = [name for name, passed in checks.items() if not passed]
+        print("soak:", "PASSED" if ok else f"FAILED ({', '.join(failed)})")
         sys.exit(0 if ok else 1)
 
 

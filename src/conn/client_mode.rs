@@ -14,7 +14,7 @@ use tracing::{debug, info, warn, Instrument};
 
 use super::error::{ConnError, Side};
 use super::options::{OptionChannel, ShutdownAnswer};
-use super::reconnect::{Opened, Reconnecting, Reopen};
+use super::reconnect::{MetaContexts, Opened, Reconnecting, Reopen};
 use super::relayed::{self, Batch, Framing};
 use super::remote::{self, Remote, RemoteTls};
 use super::session::{Limits, Stats, Transmit};
@@ -201,6 +201,7 @@ where
         flags,
         framing: Framing::default(),
         batch: Batch::default(),
+        meta: None,
         settings,
     };
     loop {
@@ -270,6 +271,9 @@ struct Options<'a, S> {
     flags: ClientFlags,
     framing: Framing,
     batch: Batch,
+    /// The last NBD_OPT_SET_META_CONTEXT the server acknowledged, with
+    /// the contexts it chose, for `--reconnect` to agree on again.
+    meta: Option<MetaContexts>,
     settings: &'a ClientSettings,
 }
 
@@ -322,6 +326,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Options<'_, S> {
             .send_option(option.option, self.local.data())
             .await?;
         let max_payload = self.settings.max_payload;
+        let mut contexts = Vec::new();
         let relayed = relayed::relay_replies(
             &mut self.local,
             &mut self.remote.channel,
@@ -331,10 +336,20 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Options<'_, S> {
                 REP_INFO => {
                     relayed::info_export(&mut batch[start + OPTION_REPLY_HEADER_LEN..], max_payload)
                 }
+                REP_META_CONTEXT => {
+                    contexts.push(batch[start + OPTION_REPLY_HEADER_LEN..].to_vec());
+                    None
+                }
                 _ => None,
             },
         )
         .await?;
+        if option.option == OPT_SET_META_CONTEXT && relayed.reply_type == REP_ACK {
+            self.meta = Some(MetaContexts {
+                request: self.local.data().to_vec(),
+                chosen: contexts,
+            });
+        }
         debug!(
             option = option_name(option.option),
             reply = format_args!("{:#x}", relayed.reply_type),
@@ -390,6 +405,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Options<'_, S> {
             opened: Opened {
                 reopen,
                 framing: self.framing,
+                meta: self.meta,
                 export,
             },
             read_only: export.1 & TFLAG_READ_ONLY != 0,

@@ -52,11 +52,22 @@ pub enum Reopen {
     ExportName(Vec<u8>),
 }
 
+/// The metadata contexts the local client set (its last acknowledged
+/// NBD_OPT_SET_META_CONTEXT) and the server's NBD_REP_META_CONTEXT
+/// replies to it (each a context id and name): block status replies name
+/// contexts by those ids, so a new connection must be given the same.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetaContexts {
+    pub request: Vec<u8>,
+    pub chosen: Vec<Vec<u8>>,
+}
+
 /// What a new connection must agree to again.
 #[derive(Debug, Clone)]
 pub struct Opened {
     pub reopen: Reopen,
     pub framing: Framing,
+    pub meta: Option<MetaContexts>,
     /// The export's size and transmission flags as first announced.
     pub export: (u64, u16),
 }
@@ -602,6 +613,44 @@ async fn reopen(settings: &ClientSettings, opened: &Opened) -> Result<RemoteTls,
             // that says it is shutting down may say yes in a moment.
             REP_ERR_SHUTDOWN => return Err(Attempt::Failed(refused)),
             _ => return Err(Attempt::Changed(refused)),
+        }
+    }
+    if let Some(meta) = &opened.meta {
+        channel
+            .send_option(OPT_SET_META_CONTEXT, &meta.request)
+            .await
+            .map_err(|e| failed(&e))?;
+        let mut chosen = Vec::new();
+        loop {
+            let mut reply = Vec::new();
+            let header = channel
+                .read_reply(OPT_SET_META_CONTEXT, &mut reply)
+                .await
+                .map_err(|e| failed(&e))?;
+            if header.reply_type == REP_META_CONTEXT {
+                chosen.push(reply[OPTION_REPLY_HEADER_LEN..].to_vec());
+            }
+            if header.is_final() {
+                match header.reply_type {
+                    REP_ACK => break,
+                    REP_ERR_SHUTDOWN => {
+                        return Err(Attempt::Failed(
+                            "the server is shutting down (NBD_OPT_SET_META_CONTEXT)".into(),
+                        ))
+                    }
+                    other => {
+                        return Err(Attempt::Changed(format!(
+                            "the server refused the metadata contexts agreed before ({})",
+                            remote::reply_name(other)
+                        )))
+                    }
+                }
+            }
+        }
+        if chosen != meta.chosen {
+            return Err(Attempt::Changed(
+                "the server chose other metadata contexts (or ids) than before".into(),
+            ));
         }
     }
     let export = match &opened.reopen {
