@@ -32,6 +32,9 @@ pub const BLOCK_SIZE: u64 = 64 * 1024;
 pub const DEFAULT_CACHE_SIZE: u64 = 256 * 1024 * 1024;
 /// `--read-ahead` when not given: the length of one read-ahead request.
 pub const DEFAULT_READ_AHEAD: u32 = 1024 * 1024;
+/// `--read-ahead-depth` when not given: one request filling while the
+/// client reads what the other brought.
+pub const DEFAULT_READ_AHEAD_DEPTH: u32 = 2;
 /// Distinct export generations remembered at once. With `--immutable` on
 /// a single `--upstream`, a client chooses export names; past this many,
 /// exports with no block cached are forgotten, and new ones go uncached.
@@ -89,6 +92,7 @@ pub struct Events {
     /// Bytes added (positive) or removed.
     pub bytes_delta: i64,
     pub inserted: u64,
+    pub inserted_bytes: u64,
 }
 
 /// The pure core: the block map and its eviction.
@@ -329,6 +333,7 @@ impl BlockMap {
         self.bytes += len;
         events.bytes_delta += len as i64;
         events.inserted += 1;
+        events.inserted_bytes += len;
         self.index.insert(key, slot);
         if let Some(state) = self.export_of(key.0) {
             state.blocks += 1;
@@ -490,7 +495,7 @@ impl Handle {
             .cache
             .lock()
             .insert(self.generation, offset, data, prefetched);
-        self.count(events, prefetched);
+        self.count(events, prefetched, data.len() as u64);
     }
 
     /// A hole the upstream reported.
@@ -499,13 +504,16 @@ impl Handle {
             .cache
             .lock()
             .insert_zeros(self.generation, offset, length, prefetched);
-        self.count(events, prefetched);
+        self.count(events, prefetched, length);
     }
 
-    fn count(&self, events: Events, prefetched: bool) {
+    /// Read-ahead counts what it fetched: kept (`read_ahead_bytes`), or
+    /// not kept because it was cached already or evicted at once.
+    fn count(&self, events: Events, prefetched: bool, fetched: u64) {
         if prefetched {
-            let bytes = u64::try_from(events.bytes_delta.max(0)).unwrap_or(0);
-            self.cache.metrics.read_ahead_bytes.inc_by(bytes);
+            let kept = events.inserted_bytes;
+            self.cache.metrics.read_ahead_bytes.inc_by(kept);
+            self.read_ahead_wasted(fetched.saturating_sub(kept));
         }
         self.cache.count(events);
     }

@@ -125,6 +125,8 @@ where
         upstream: tokio::io::split(remote),
         mode: framing.mode(),
         read_only,
+        // The read cache is the gateway's, for exports it serves.
+        cache: None,
     };
     let transmit = Transmit {
         limits: Limits {

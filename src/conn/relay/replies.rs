@@ -9,12 +9,16 @@ use std::task::Poll;
 use tokio::io::{AsyncBufRead, AsyncRead, AsyncReadExt, AsyncWrite, BufReader};
 use tokio::sync::mpsc;
 
+use super::cache::ReplyLayer;
 use super::flight::Flight;
 use super::local::{Local, CLIENT_DISCONNECTED};
 use super::writer::ReplyWriter;
 use crate::conn::error::{ConnError, Side};
 use crate::proto::consts::*;
-use crate::proto::transmission::{check_error_payload, parse_reply, reply_header_len, ReplyMode};
+use crate::proto::transmission::{
+    check_error_payload, parse_reply, reply_header_len, InFlight, ReplyFrame, ReplyMode,
+};
+use crate::proto::{be_u32, be_u64};
 
 /// Beyond its payload, a reply chunk carries its own fields: an offset, an
 /// error code and a message of at most 4 KiB, block-status descriptors.
@@ -31,6 +35,10 @@ pub struct Replies<'a, U> {
     max_reply: u64,
     /// Set by DISC or shutdown: finish what is in flight, then close.
     draining: Option<&'static str>,
+    /// The read cache, on an immutable export: read data fills it.
+    cache: Option<ReplyLayer<'a>>,
+    /// Read reply payload on its way into the cache (and the client).
+    scratch: Vec<u8>,
 }
 
 enum Next {
@@ -56,7 +64,14 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
             max_reply: u64::from(max_payload).max(u64::from(DEFAULT_MAX_PAYLOAD))
                 + REPLY_FIELDS_ALLOWANCE,
             draining: None,
+            cache: None,
+            scratch: Vec::new(),
         }
+    }
+
+    pub fn cached(mut self, cache: Option<ReplyLayer<'a>>) -> Self {
+        self.cache = cache;
+        self
     }
 
     /// Relays replies until a drain is complete (returns why the
@@ -80,6 +95,17 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
             match next {
                 Next::Local(Some(Local::Reply { cookie, bytes })) => {
                     writer.append(&bytes).await?;
+                    self.finish(cookie, writer).await?;
+                }
+                Next::Local(Some(Local::Data {
+                    cookie,
+                    header,
+                    data,
+                })) => {
+                    writer.append(&header).await?;
+                    for block in &data {
+                        writer.append(block).await?;
+                    }
                     self.finish(cookie, writer).await?;
                 }
                 Next::Local(Some(Local::Drain(reason))) => self.draining = Some(reason),
@@ -173,7 +199,16 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
             self.max_reply,
         )
         .map_err(ConnError::proto(Side::Upstream))?;
-        writer.append(&header[..header_len]).await?;
+        // parse_reply found the cookie in flight.
+        let req = self.flight.lock().table.get(frame.cookie);
+        // A reply to nbdgw's own read-ahead fills the cache and stops here.
+        let ours = self
+            .cache
+            .as_ref()
+            .is_some_and(|c| c.ahead.is_ours(frame.cookie));
+        if !ours {
+            writer.append(&header[..header_len]).await?;
+        }
         if frame.is_error_chunk() {
             // Small (a message of at most 4 KiB): read whole and checked,
             // so a message longer than its chunk never reaches the client.
@@ -183,20 +218,77 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
                 .await
                 .map_err(eof())?;
             check_error_payload(frame.kind, &payload).map_err(ConnError::proto(Side::Upstream))?;
-            writer.metrics().error(u32::from_be_bytes([
-                payload[0], payload[1], payload[2], payload[3],
-            ]));
-            writer.append(&payload).await?;
+            if !ours {
+                writer.metrics().error(u32::from_be_bytes([
+                    payload[0], payload[1], payload[2], payload[3],
+                ]));
+                writer.append(&payload).await?;
+            }
+        } else if let (Some(req), true) = (
+            req.filter(|r| r.command == CMD_READ),
+            self.cache.is_some() && frame.payload_len > 0,
+        ) {
+            self.read_into_cache(&frame, &req, ours).await?;
+            if !ours {
+                writer.append(&self.scratch).await?;
+            }
         } else {
             writer
                 .append_from(&mut self.upstream, frame.payload_len)
                 .await?;
         }
-        if frame.simple_error != 0 {
+        if frame.simple_error != 0 && !ours {
             writer.metrics().error(frame.simple_error);
         }
         if frame.done {
-            self.finish(frame.cookie, writer).await?;
+            match (ours, &self.cache) {
+                (true, Some(cache)) => {
+                    // Before completing, so that a client request reusing
+                    // the cookie is never taken for read-ahead.
+                    cache.ahead.done(frame.cookie);
+                    self.flight.complete(frame.cookie);
+                }
+                _ => self.finish(frame.cookie, writer).await?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads a reply payload on a cached session into `scratch`, and gives
+    /// what it says of the export's bytes to the cache: a simple reply's
+    /// data, an OFFSET_DATA chunk, an OFFSET_HOLE chunk.
+    async fn read_into_cache(
+        &mut self,
+        frame: &ReplyFrame,
+        req: &InFlight,
+        ours: bool,
+    ) -> Result<(), ConnError> {
+        let eof = || ConnError::io(Side::Upstream, "in the middle of a reply");
+        // Bounded by parse_reply: at most the longest reply accepted.
+        self.scratch.clear();
+        self.scratch.resize(frame.payload_len as usize, 0);
+        self.upstream
+            .read_exact(&mut self.scratch)
+            .await
+            .map_err(eof())?;
+        let Some(cache) = &self.cache else {
+            return Ok(());
+        };
+        let payload = &self.scratch[..];
+        let offset = || payload.get(..8).map(|b| be_u64(b, 0));
+        match frame.kind {
+            0 if frame.simple_error == 0 => cache.data(req, req.offset, payload, ours),
+            REPLY_TYPE_OFFSET_DATA => {
+                if let Some(offset) = offset() {
+                    cache.data(req, offset, &payload[8..], ours);
+                }
+            }
+            REPLY_TYPE_OFFSET_HOLE => {
+                if let (Some(offset), Some(len)) = (offset(), payload.get(8..12)) {
+                    cache.hole(req, offset, be_u32(len, 0).into(), ours);
+                }
+            }
+            _ => {}
         }
         Ok(())
     }

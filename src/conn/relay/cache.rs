@@ -1,0 +1,348 @@
+//! The read cache as a layer of the relay, for a session on an immutable
+//! export: the request side asks it to answer a READ (a hit never reaches
+//! the upstream) and to plan read-ahead; the reply side gives it the
+//! upstream's read data, and recognises the replies to read-ahead, which
+//! fill the cache and never reach the client.
+//!
+//! Read-ahead requests go upstream on the session's own connection under
+//! cookies nbdgw picks that are not in flight (`Flight::try_claim`); a
+//! client that then reuses one waits, as for any cookie in flight, so
+//! replies stay unambiguous.
+
+use std::sync::{Mutex, PoisonError};
+
+use crate::cache::Handle;
+use crate::proto::consts::*;
+use crate::proto::transmission::{encode_read_reply_header, InFlight, ReplyMode, Request};
+
+use super::flight::Flight;
+use super::local::Local;
+
+/// Reads longer than this always go to the upstream (and fill the cache
+/// on the way back): a hit is queued for the reply side with its blocks,
+/// and the queue holds `LOCAL_QUEUE` of them, so this bounds what a
+/// client that does not read its replies keeps alive.
+pub const MAX_HIT: u64 = 2 * 1024 * 1024;
+/// Cookies for read-ahead start here and count up, skipping any the
+/// client has in flight: a client may use any value, so this is only
+/// where a clash is least likely, not a reserved range.
+const FIRST_READ_AHEAD_COOKIE: u64 = 0xcac4_e000_0000_0000;
+
+/// What the session was configured with.
+#[derive(Clone)]
+pub struct Cached {
+    pub handle: Handle,
+    /// Bytes per read-ahead request; 0: none.
+    pub read_ahead: u32,
+    /// Read-ahead requests in flight at most.
+    pub depth: u32,
+}
+
+/// Read-ahead requests in flight: the request side adds, the reply side
+/// takes away. At most `depth` (64) entries.
+#[derive(Default)]
+pub struct Ahead {
+    cookies: Mutex<Vec<u64>>,
+}
+
+impl Ahead {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<u64>> {
+        self.cookies.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_ours(&self, cookie: u64) -> bool {
+        self.lock().contains(&cookie)
+    }
+
+    /// The read-ahead's last reply has come.
+    pub fn done(&self, cookie: u64) {
+        self.lock().retain(|&c| c != cookie);
+    }
+}
+
+/// Where a connection's reads have been going: a run of reads each
+/// starting where the one before ended is sequential.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Sequential {
+    /// Where the next read of a run would start.
+    next: u64,
+    /// Reads in the current run.
+    reads: u32,
+    /// Where read-ahead has reached in this run.
+    frontier: u64,
+}
+
+impl Sequential {
+    /// Notes a read; the ranges to fetch ahead now, if any: whole blocks
+    /// from where read-ahead (or the read) has reached, up to `depth`
+    /// requests of `chunk` bytes ahead of the read's end, `room` of them
+    /// at most, within the export's `size`. `cached` says which ranges
+    /// need no fetching.
+    pub fn observe(
+        &mut self,
+        (offset, length): (u64, u64),
+        (size, block, chunk): (u64, u64, u64),
+        (depth, room): (u64, usize),
+        cached: impl Fn(u64, u64) -> bool,
+    ) -> Vec<(u64, u64)> {
+        let end = offset.saturating_add(length);
+        if offset == self.next && self.reads > 0 {
+            self.reads = self.reads.saturating_add(1);
+        } else {
+            *self = Sequential {
+                next: end,
+                reads: 1,
+                frontier: 0,
+            };
+        }
+        self.next = end;
+        let mut plan = Vec::new();
+        // Two reads in a row make a run; one read is no pattern.
+        if self.reads < 2 || chunk == 0 || block == 0 {
+            return plan;
+        }
+        let limit = end.saturating_add(depth.saturating_mul(chunk)).min(size);
+        let mut start = self.frontier.max(end / block * block);
+        // Each turn moves `start` forward by at least a block, and at most
+        // depth turns fetch: bounded by depth twice over.
+        for _ in 0..depth * 2 {
+            if plan.len() >= room || start >= limit {
+                break;
+            }
+            let len = chunk.min(size - start);
+            if !cached(start, len) {
+                plan.push((start, len));
+            }
+            start += len;
+            self.frontier = start;
+        }
+        plan
+    }
+}
+
+/// The request side's part.
+pub struct RequestLayer<'a> {
+    cached: Cached,
+    ahead: &'a Ahead,
+    sequential: Sequential,
+    next_cookie: u64,
+    block: u64,
+}
+
+impl<'a> RequestLayer<'a> {
+    pub fn new(cached: Cached, ahead: &'a Ahead) -> Self {
+        let block = cached.handle.block_size();
+        // Read-ahead in whole blocks: what is fetched is what is kept.
+        let chunk = u64::from(cached.read_ahead) / block * block;
+        let cached = Cached {
+            read_ahead: u32::try_from(chunk).unwrap_or(0),
+            ..cached
+        };
+        RequestLayer {
+            cached,
+            ahead,
+            sequential: Sequential::default(),
+            next_cookie: FIRST_READ_AHEAD_COOKIE,
+            block,
+        }
+    }
+
+    /// The reply to a READ, if every byte of it is cached.
+    pub fn answer(&self, mode: ReplyMode, request: &Request) -> Option<Local> {
+        if request.command != CMD_READ || request.length > MAX_HIT {
+            return None;
+        }
+        let data = self.cached.handle.read(request.offset, request.length)?;
+        let mut header = Vec::with_capacity(40);
+        encode_read_reply_header(
+            mode,
+            request.cookie,
+            request.offset,
+            request.length,
+            &mut header,
+        );
+        Some(Local::Data {
+            cookie: request.cookie,
+            header,
+            data,
+        })
+    }
+
+    /// The read-ahead requests to send upstream after this client
+    /// request, each already claimed in the flight table.
+    pub fn read_ahead(&mut self, request: &Request, flight: &Flight) -> Vec<Request> {
+        if request.command != CMD_READ {
+            return Vec::new();
+        }
+        let depth = u64::from(self.cached.depth);
+        let room = (self.cached.depth as usize).saturating_sub(self.ahead.len());
+        let handle = &self.cached.handle;
+        let plan = self.sequential.observe(
+            (request.offset, request.length),
+            (
+                handle.size(),
+                self.block,
+                u64::from(self.cached.read_ahead),
+            ),
+            (depth, room),
+            |offset, length| handle.contains(offset, length),
+        );
+        let mut requests = Vec::with_capacity(plan.len());
+        for (offset, length) in plan {
+            let in_flight = InFlight {
+                command: CMD_READ,
+                offset,
+                length,
+            };
+            // A free cookie is found within a few tries: at most the
+            // client's requests in flight and ours are taken.
+            let cookie = loop {
+                let cookie = self.next_cookie;
+                self.next_cookie = self.next_cookie.wrapping_add(1);
+                if flight.try_claim(cookie, in_flight) {
+                    break cookie;
+                }
+            };
+            self.ahead.lock().push(cookie);
+            requests.push(Request {
+                flags: 0,
+                command: CMD_READ,
+                cookie,
+                offset,
+                length,
+            });
+        }
+        requests
+    }
+}
+
+/// The reply side's part.
+pub struct ReplyLayer<'a> {
+    pub handle: Handle,
+    pub ahead: &'a Ahead,
+}
+
+impl ReplyLayer<'_> {
+    /// Data the upstream sent for `req`: `data` is the export's bytes at
+    /// `offset`, kept only if it lies within what was asked (an upstream
+    /// that strays is relayed, never believed).
+    pub fn data(&self, req: &InFlight, offset: u64, data: &[u8], ours: bool) {
+        if within(req, offset, data.len() as u64) {
+            self.handle.fill(offset, data, ours);
+        } else if ours {
+            self.handle.read_ahead_wasted(data.len() as u64);
+        }
+    }
+
+    /// A hole the upstream reported: zeros.
+    pub fn hole(&self, req: &InFlight, offset: u64, length: u64, ours: bool) {
+        if within(req, offset, length) {
+            self.handle.fill_zeros(offset, length, ours);
+        }
+    }
+}
+
+fn within(req: &InFlight, offset: u64, length: u64) -> bool {
+    req.command == CMD_READ
+        && offset >= req.offset
+        && offset
+            .checked_add(length)
+            .is_some_and(|end| end <= req.offset.saturating_add(req.length))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const K: u64 = 1024;
+
+    fn run(reads: &[(u64, u64)], room: usize) -> Vec<Vec<(u64, u64)>> {
+        let mut s = Sequential::default();
+        reads
+            .iter()
+            .map(|&r| s.observe(r, (1 << 20, 64 * K, 256 * K), (2, room), |_, _| false))
+            .collect()
+    }
+
+    #[test]
+    fn a_single_read_or_random_reads_fetch_nothing_ahead() {
+        assert!(run(&[(0, 4 * K)], 2)[0].is_empty());
+        let random = run(&[(0, 4 * K), (100 * K, 4 * K), (8 * K, 4 * K)], 2);
+        assert!(random.iter().all(Vec::is_empty));
+    }
+
+    #[test]
+    fn a_run_fetches_whole_blocks_ahead_up_to_the_depth() {
+        let plans = run(&[(0, 4 * K), (4 * K, 4 * K), (8 * K, 4 * K)], 2);
+        assert!(plans[0].is_empty());
+        // From the block the read ended in, two chunks.
+        assert_eq!(plans[1], [(0, 256 * K), (256 * K, 256 * K)]);
+        // Kept `depth` chunks ahead of the read's end, no more.
+        assert_eq!(plans[2], [(512 * K, 256 * K)]);
+        let plans = run(&[(0, 4 * K), (4 * K, 4 * K), (8 * K, 4 * K), (12 * K, 4 * K)], 2);
+        assert!(plans[3].is_empty());
+        // No room (requests in flight): nothing.
+        assert!(run(&[(0, 4 * K), (4 * K, 4 * K)], 0)[1].is_empty());
+    }
+
+    #[test]
+    fn read_ahead_follows_the_run_and_stops_at_the_end() {
+        let mut s = Sequential::default();
+        let mut fetched = Vec::new();
+        let mut offset = 0;
+        while offset < 1 << 20 {
+            let plan = s.observe(
+                (offset, 64 * K),
+                (1 << 20, 64 * K, 256 * K),
+                (2, 2),
+                |_, _| false,
+            );
+            fetched.extend(plan);
+            offset += 64 * K;
+        }
+        // Every byte past the run's second read once, in order, never
+        // past the end.
+        let mut at = 128 * K;
+        for (o, l) in &fetched {
+            assert_eq!(*o, at);
+            at += l;
+        }
+        assert_eq!(at, 1 << 20);
+    }
+
+    #[test]
+    fn cached_ranges_are_not_fetched() {
+        let mut s = Sequential::default();
+        s.observe((0, 4 * K), (1 << 20, 64 * K, 256 * K), (2, 2), |_, _| true);
+        let plan = s.observe(
+            (4 * K, 4 * K),
+            (1 << 20, 64 * K, 256 * K),
+            (2, 2),
+            |o, _| o == 0,
+        );
+        assert_eq!(plan, [(256 * K, 256 * K), (512 * K, 256 * K)]);
+    }
+
+    #[test]
+    fn only_data_within_the_request_is_believed() {
+        let req = InFlight {
+            command: CMD_READ,
+            offset: 4096,
+            length: 4096,
+        };
+        assert!(within(&req, 4096, 4096));
+        assert!(within(&req, 6000, 100));
+        assert!(!within(&req, 0, 4096));
+        assert!(!within(&req, 8000, 200));
+        assert!(!within(&req, u64::MAX, 2));
+        let write = InFlight {
+            command: CMD_WRITE,
+            ..req
+        };
+        assert!(!within(&write, 4096, 4096));
+    }
+}
