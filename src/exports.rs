@@ -513,10 +513,14 @@ mod tests {
         for name in ["golden", "base/x", "base/golden"] {
             assert!(immutable.matches(name), "{name}");
         }
-        for name in ["", "golden2", "golde", "base", "base/x/y", "other/x", "x/golden"] {
+        for name in [
+            "", "golden2", "golde", "base", "base/x/y", "other/x", "x/golden",
+        ] {
             assert!(!immutable.matches(name), "{name}");
         }
-        assert!(Immutable::new(true, vec![]).unwrap().matches("anything/at/all"));
+        assert!(Immutable::new(true, vec![])
+            .unwrap()
+            .matches("anything/at/all"));
         assert!(!Immutable::default().any());
         assert!(!Immutable::default().matches(""));
         assert!(Immutable::new(false, vec!["a\nb".into()]).is_err());

@@ -512,8 +512,7 @@ fn export_table(args: &ServeArgs) -> Result<Option<nbdgw::exports::ExportTable>>
 
 /// The immutable exports, and the read cache they share when it is on.
 fn read_cache(args: &ServeArgs, config: &mut Config) -> Result<()> {
-    let immutable =
-        nbdgw::exports::Immutable::new(args.immutable, args.immutable_exports.clone())?;
+    let immutable = nbdgw::exports::Immutable::new(args.immutable, args.immutable_exports.clone())?;
     if args.read_ahead > args.max_payload {
         bail!("--read-ahead must not exceed --max-payload");
     }

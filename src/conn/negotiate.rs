@@ -714,7 +714,10 @@ impl<'a> Negotiation<'a> {
                 upstream_name: export.to_string(),
             },
         };
-        cache.open(&key, size, tflags)
+        // What the upstream offers only to clients of some framing says
+        // nothing of the export: clients of every framing share blocks.
+        let flags = tflags & !(TFLAG_SEND_DF | TFLAG_BLOCK_STAT_PAYLOAD);
+        cache.open(&key, size, flags)
     }
 
     /// What the audit trail says of the session entering transmission on

@@ -9,6 +9,7 @@
 //! client that then reuses one waits, as for any cookie in flight, so
 //! replies stay unambiguous.
 
+use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
 
 use crate::cache::Handle;
@@ -38,29 +39,44 @@ pub struct Cached {
     pub depth: u32,
 }
 
-/// Read-ahead requests in flight: the request side adds, the reply side
-/// takes away. At most `depth` (64) entries.
+/// Why nbdgw sent a read of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    /// Read-ahead: fills the cache, answers no one.
+    ReadAhead,
+    /// A client's read that missed, widened to whole blocks: fills the
+    /// cache, and its data answers the client's request.
+    Fill(Request),
+}
+
+/// nbdgw's own reads in flight, by cookie: the request side adds, the
+/// reply side takes away. At most `depth` read-aheads, and one fill per
+/// client read in flight.
 #[derive(Default)]
 pub struct Ahead {
-    cookies: Mutex<Vec<u64>>,
+    cookies: Mutex<HashMap<u64, Purpose>>,
 }
 
 impl Ahead {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<u64>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Purpose>> {
         self.cookies.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn len(&self) -> usize {
-        self.lock().len()
+    fn read_aheads(&self) -> usize {
+        let cookies = self.lock();
+        cookies
+            .values()
+            .filter(|p| **p == Purpose::ReadAhead)
+            .count()
     }
 
-    pub fn is_ours(&self, cookie: u64) -> bool {
-        self.lock().contains(&cookie)
+    pub fn purpose(&self, cookie: u64) -> Option<Purpose> {
+        self.lock().get(&cookie).copied()
     }
 
-    /// The read-ahead's last reply has come.
+    /// The read's last reply has come.
     pub fn done(&self, cookie: u64) {
-        self.lock().retain(|&c| c != cookie);
+        self.lock().remove(&cookie);
     }
 }
 
@@ -179,44 +195,71 @@ impl<'a> RequestLayer<'a> {
             return Vec::new();
         }
         let depth = u64::from(self.cached.depth);
-        let room = (self.cached.depth as usize).saturating_sub(self.ahead.len());
+        let room = (self.cached.depth as usize).saturating_sub(self.ahead.read_aheads());
         let handle = &self.cached.handle;
         let plan = self.sequential.observe(
             (request.offset, request.length),
-            (
-                handle.size(),
-                self.block,
-                u64::from(self.cached.read_ahead),
-            ),
+            (handle.size(), self.block, u64::from(self.cached.read_ahead)),
             (depth, room),
             |offset, length| handle.contains(offset, length),
         );
-        let mut requests = Vec::with_capacity(plan.len());
-        for (offset, length) in plan {
-            let in_flight = InFlight {
-                command: CMD_READ,
-                offset,
-                length,
-            };
-            // A free cookie is found within a few tries: at most the
-            // client's requests in flight and ours are taken.
-            let cookie = loop {
-                let cookie = self.next_cookie;
-                self.next_cookie = self.next_cookie.wrapping_add(1);
-                if flight.try_claim(cookie, in_flight) {
-                    break cookie;
-                }
-            };
-            self.ahead.lock().push(cookie);
-            requests.push(Request {
-                flags: 0,
-                command: CMD_READ,
-                cookie,
-                offset,
-                length,
-            });
+        plan.into_iter()
+            .map(|range| self.own_read(range, Purpose::ReadAhead, flight))
+            .collect()
+    }
+
+    /// For a READ that missed: the read of the whole blocks around it to
+    /// send upstream instead, whose reply fills the cache and answers the
+    /// client. `None` (forward the request as it is) for a read too long
+    /// to answer from the cache, or not within the export.
+    pub fn fill(&mut self, request: &Request, flight: &Flight) -> Option<Request> {
+        let size = self.cached.handle.size();
+        let end = request.offset.checked_add(request.length)?;
+        if request.command != CMD_READ
+            || request.length == 0
+            || request.length > MAX_HIT
+            || end > size
+        {
+            return None;
         }
-        requests
+        let start = request.offset / self.block * self.block;
+        let end = end
+            .div_ceil(self.block)
+            .saturating_mul(self.block)
+            .min(size);
+        Some(self.own_read((start, end - start), Purpose::Fill(*request), flight))
+    }
+
+    /// A READ of nbdgw's own, claimed in the flight table under a cookie
+    /// no request in flight has.
+    fn own_read(
+        &mut self,
+        (offset, length): (u64, u64),
+        purpose: Purpose,
+        flight: &Flight,
+    ) -> Request {
+        let in_flight = InFlight {
+            command: CMD_READ,
+            offset,
+            length,
+        };
+        // A free cookie is found within a few tries: at most the client's
+        // requests in flight and ours are taken.
+        let cookie = loop {
+            let cookie = self.next_cookie;
+            self.next_cookie = self.next_cookie.wrapping_add(1);
+            if flight.try_claim(cookie, in_flight) {
+                break cookie;
+            }
+        };
+        self.ahead.lock().insert(cookie, purpose);
+        Request {
+            flags: 0,
+            command: CMD_READ,
+            cookie,
+            offset,
+            length,
+        }
     }
 }
 
@@ -243,6 +286,77 @@ impl ReplyLayer<'_> {
         if within(req, offset, length) {
             self.handle.fill_zeros(offset, length, ours);
         }
+    }
+}
+
+/// A fill read's reply as it comes: the whole blocks' bytes, how many of
+/// them the upstream has covered (data or hole), and its error if any.
+pub struct Filling {
+    base: u64,
+    buf: Vec<u8>,
+    covered: u64,
+    error: Option<u32>,
+}
+
+impl Filling {
+    /// For the fill read `req` (at most `MAX_HIT` and two blocks long).
+    pub fn new(req: &InFlight) -> Self {
+        Filling {
+            base: req.offset,
+            buf: vec![0; req.length as usize],
+            covered: 0,
+            error: None,
+        }
+    }
+
+    pub fn data(&mut self, offset: u64, data: &[u8]) {
+        if self.place(offset, data.len() as u64) {
+            let at = (offset - self.base) as usize;
+            self.buf[at..at + data.len()].copy_from_slice(data);
+        }
+    }
+
+    /// Zeros, as the buffer already holds.
+    pub fn hole(&mut self, offset: u64, length: u64) {
+        self.place(offset, length);
+    }
+
+    pub fn error(&mut self, error: u32) {
+        self.error = self.error.or(Some(error));
+    }
+
+    fn place(&mut self, offset: u64, length: u64) -> bool {
+        let req = InFlight {
+            command: CMD_READ,
+            offset: self.base,
+            length: self.buf.len() as u64,
+        };
+        if within(&req, offset, length) {
+            self.covered += length;
+            true
+        } else {
+            // Data outside what was asked: the reply cannot be trusted.
+            self.error(EIO);
+            false
+        }
+    }
+
+    /// The reply to the client's `request`, or the error to answer it
+    /// with; the whole blocks go to the cache on success.
+    pub fn finish(self, request: &Request, cache: &ReplyLayer<'_>) -> Result<Vec<u8>, u32> {
+        if let Some(error) = self.error {
+            return Err(error);
+        }
+        // A successful read covers every byte exactly once.
+        if self.covered != self.buf.len() as u64 {
+            return Err(EIO);
+        }
+        cache.handle.fill(self.base, &self.buf, false);
+        let at = (request.offset - self.base) as usize;
+        let mut data = self.buf;
+        data.truncate(at + request.length as usize);
+        data.drain(..at);
+        Ok(data)
     }
 }
 
@@ -283,7 +397,10 @@ mod tests {
         assert_eq!(plans[1], [(0, 256 * K), (256 * K, 256 * K)]);
         // Kept `depth` chunks ahead of the read's end, no more.
         assert_eq!(plans[2], [(512 * K, 256 * K)]);
-        let plans = run(&[(0, 4 * K), (4 * K, 4 * K), (8 * K, 4 * K), (12 * K, 4 * K)], 2);
+        let plans = run(
+            &[(0, 4 * K), (4 * K, 4 * K), (8 * K, 4 * K), (12 * K, 4 * K)],
+            2,
+        );
         assert!(plans[3].is_empty());
         // No room (requests in flight): nothing.
         assert!(run(&[(0, 4 * K), (4 * K, 4 * K)], 0)[1].is_empty());

@@ -2,6 +2,7 @@
 //! through the reply writer, keeps filling while more is already waiting,
 //! and ends the burst when nothing is.
 
+use std::collections::HashMap;
 use std::future::poll_fn;
 use std::pin::Pin;
 use std::task::Poll;
@@ -9,14 +10,15 @@ use std::task::Poll;
 use tokio::io::{AsyncBufRead, AsyncRead, AsyncReadExt, AsyncWrite, BufReader};
 use tokio::sync::mpsc;
 
-use super::cache::ReplyLayer;
+use super::cache::{Filling, Purpose, ReplyLayer};
 use super::flight::Flight;
 use super::local::{Local, CLIENT_DISCONNECTED};
 use super::writer::ReplyWriter;
 use crate::conn::error::{ConnError, Side};
 use crate::proto::consts::*;
 use crate::proto::transmission::{
-    check_error_payload, parse_reply, reply_header_len, InFlight, ReplyFrame, ReplyMode,
+    check_error_payload, encode_error_reply, encode_read_reply_header, parse_reply,
+    reply_header_len, InFlight, ReplyFrame, ReplyMode, Request,
 };
 use crate::proto::{be_u32, be_u64};
 
@@ -39,6 +41,9 @@ pub struct Replies<'a, U> {
     cache: Option<ReplyLayer<'a>>,
     /// Read reply payload on its way into the cache (and the client).
     scratch: Vec<u8>,
+    /// Fill reads whose replies have begun, by nbdgw's cookie: one at a
+    /// time from an upstream that sends each reply's chunks together.
+    fills: HashMap<u64, Filling>,
 }
 
 enum Next {
@@ -66,6 +71,7 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
             draining: None,
             cache: None,
             scratch: Vec::new(),
+            fills: HashMap::new(),
         }
     }
 
@@ -201,11 +207,13 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
         .map_err(ConnError::proto(Side::Upstream))?;
         // parse_reply found the cookie in flight.
         let req = self.flight.lock().table.get(frame.cookie);
-        // A reply to nbdgw's own read-ahead fills the cache and stops here.
-        let ours = self
+        // A reply to nbdgw's own read fills the cache, and reaches the
+        // client only as the answer to the read it was widened from.
+        let purpose = self
             .cache
             .as_ref()
-            .is_some_and(|c| c.ahead.is_ours(frame.cookie));
+            .and_then(|c| c.ahead.purpose(frame.cookie));
+        let ours = purpose.is_some();
         if !ours {
             writer.append(&header[..header_len]).await?;
         }
@@ -218,17 +226,22 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
                 .await
                 .map_err(eof())?;
             check_error_payload(frame.kind, &payload).map_err(ConnError::proto(Side::Upstream))?;
-            if !ours {
-                writer.metrics().error(u32::from_be_bytes([
-                    payload[0], payload[1], payload[2], payload[3],
-                ]));
-                writer.append(&payload).await?;
-            }
+            let error = u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]);
+            match ours {
+                true => self
+                    .filling(frame.cookie, req.as_ref())
+                    .map(|f| f.error(error)),
+                false => {
+                    writer.metrics().error(error);
+                    writer.append(&payload).await?;
+                    None
+                }
+            };
         } else if let (Some(req), true) = (
             req.filter(|r| r.command == CMD_READ),
             self.cache.is_some() && frame.payload_len > 0,
         ) {
-            self.read_into_cache(&frame, &req, ours).await?;
+            self.read_into_cache(&frame, &req, purpose).await?;
             if !ours {
                 writer.append(&self.scratch).await?;
             }
@@ -237,21 +250,84 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
                 .append_from(&mut self.upstream, frame.payload_len)
                 .await?;
         }
-        if frame.simple_error != 0 && !ours {
-            writer.metrics().error(frame.simple_error);
+        if frame.simple_error != 0 {
+            match ours {
+                true => self
+                    .filling(frame.cookie, req.as_ref())
+                    .map(|f| f.error(frame.simple_error)),
+                false => Some(writer.metrics().error(frame.simple_error)),
+            };
         }
         if frame.done {
-            match (ours, &self.cache) {
-                (true, Some(cache)) => {
-                    // Before completing, so that a client request reusing
-                    // the cookie is never taken for read-ahead.
-                    cache.ahead.done(frame.cookie);
-                    self.flight.complete(frame.cookie);
-                }
-                _ => self.finish(frame.cookie, writer).await?,
+            let Some(purpose) = purpose else {
+                return self.finish(frame.cookie, writer).await;
+            };
+            if let Some(cache) = &self.cache {
+                // Before completing, so that a client request reusing the
+                // cookie is never taken for one of nbdgw's.
+                cache.ahead.done(frame.cookie);
+            }
+            self.flight.complete(frame.cookie);
+            if let Purpose::Fill(request) = purpose {
+                let filling = self.fills.remove(&frame.cookie);
+                self.answer_fill(&request, filling, writer).await?;
             }
         }
         Ok(())
+    }
+
+    /// The fill read `cookie` (of `req`) as its reply has come so far.
+    fn filling(&mut self, cookie: u64, req: Option<&InFlight>) -> Option<&mut Filling> {
+        let req = req?;
+        Some(
+            self.fills
+                .entry(cookie)
+                .or_insert_with(|| Filling::new(req)),
+        )
+    }
+
+    /// Answers the client's read a fill read was made for: its bytes from
+    /// the fill, or the upstream's error.
+    async fn answer_fill<W: AsyncWrite + Unpin>(
+        &mut self,
+        request: &Request,
+        filling: Option<Filling>,
+        writer: &mut ReplyWriter<'_, W>,
+    ) -> Result<(), ConnError> {
+        let answer = match (filling, &self.cache) {
+            (Some(filling), Some(cache)) => filling.finish(request, cache),
+            // A reply with no data, hole or error for a read.
+            _ => Err(EIO),
+        };
+        let mut header = Vec::with_capacity(64);
+        match answer {
+            Ok(data) => {
+                encode_read_reply_header(
+                    self.mode,
+                    request.cookie,
+                    request.offset,
+                    request.length,
+                    &mut header,
+                );
+                writer.append(&header).await?;
+                writer.append(&data).await?;
+            }
+            Err(error) => {
+                let in_flight = InFlight::from(request);
+                let message = "nbdgw: the upstream failed the read";
+                encode_error_reply(
+                    self.mode,
+                    request.cookie,
+                    &in_flight,
+                    error,
+                    message,
+                    &mut header,
+                );
+                writer.metrics().error(error);
+                writer.append(&header).await?;
+            }
+        }
+        self.finish(request.cookie, writer).await
     }
 
     /// Reads a reply payload on a cached session into `scratch`, and gives
@@ -261,7 +337,7 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
         &mut self,
         frame: &ReplyFrame,
         req: &InFlight,
-        ours: bool,
+        purpose: Option<Purpose>,
     ) -> Result<(), ConnError> {
         let eof = || ConnError::io(Side::Upstream, "in the middle of a reply");
         // Bounded by parse_reply: at most the longest reply accepted.
@@ -276,6 +352,26 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
         };
         let payload = &self.scratch[..];
         let offset = || payload.get(..8).map(|b| be_u64(b, 0));
+        if let Some(Purpose::Fill(_)) = purpose {
+            let filling = self
+                .fills
+                .entry(frame.cookie)
+                .or_insert_with(|| Filling::new(req));
+            match frame.kind {
+                0 if frame.simple_error == 0 => filling.data(req.offset, payload),
+                REPLY_TYPE_OFFSET_DATA => match offset() {
+                    Some(offset) => filling.data(offset, &payload[8..]),
+                    None => filling.error(EIO),
+                },
+                REPLY_TYPE_OFFSET_HOLE => match (offset(), payload.get(8..12)) {
+                    (Some(offset), Some(len)) => filling.hole(offset, be_u32(len, 0).into()),
+                    _ => filling.error(EIO),
+                },
+                _ => filling.error(EIO),
+            }
+            return Ok(());
+        }
+        let ours = purpose.is_some();
         match frame.kind {
             0 if frame.simple_error == 0 => cache.data(req, req.offset, payload, ours),
             REPLY_TYPE_OFFSET_DATA => {

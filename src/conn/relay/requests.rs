@@ -118,14 +118,17 @@ impl<'a, C: AsyncRead + Unpin, U: AsyncWrite + Unpin> Requests<'a, C, U> {
                     if let Some(why) = self.registered.and_then(|g| g.signalled()) {
                         return Err(ConnError::ended(why));
                     }
-                    let hit = self.cache.as_ref().and_then(|c| c.answer(self.mode, &request));
+                    let hit = self
+                        .cache
+                        .as_ref()
+                        .and_then(|c| c.answer(self.mode, &request));
                     match hit {
                         Some(reply) => {
                             if self.local.send(reply).await.is_err() {
                                 return Ok(());
                             }
                         }
-                        None => self.forward(header, payload).await?,
+                        None => self.miss(&request, header, payload).await?,
                     }
                     self.read_ahead(&request).await?;
                 }
@@ -147,6 +150,28 @@ impl<'a, C: AsyncRead + Unpin, U: AsyncWrite + Unpin> Requests<'a, C, U> {
         } else {
             None
         }
+    }
+
+    /// A request the cache did not answer: a READ of a cached session goes
+    /// upstream widened to whole blocks (see `RequestLayer::fill`), all
+    /// else as it came.
+    async fn miss(
+        &mut self,
+        request: &Request,
+        header: &[u8],
+        payload: u64,
+    ) -> Result<(), ConnError> {
+        let flight = self.flight;
+        let fill = match (&mut self.cache, payload) {
+            (Some(cache), 0) => cache.fill(request, flight),
+            _ => None,
+        };
+        let Some(fill) = fill else {
+            return self.forward(header, payload).await;
+        };
+        self.buf.clear();
+        fill.encode(self.mode, &mut self.buf);
+        self.send_upstream().await
     }
 
     /// Sends the read-ahead the cache layer plans after `request`, in one
