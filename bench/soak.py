@@ -10,6 +10,15 @@ restarted, the server certificate is rotated, and SIGHUP comes in storms.
 
     bench/soak.py --seconds 60                 # what CI runs
     bench/soak.py --seconds 14400 --clients 64 # a long run by hand
+    bench/soak.py --immutable --seconds 60     # the read cache
+
+With --immutable the export is declared immutable (nbdgw --immutable,
+with --cache-size smaller than the image so blocks are evicted, and
+read-ahead): clients only read, small random reads and sequential runs,
+every byte compared with the image; writes must be refused. The faults
+include restarting qemu-nbd on an image of another size (and content),
+whose blocks the cache must drop: each client checks against the image
+of the size its connection reports.
 
 Prints operations, acknowledged writes, mismatches (must be 0), errors by
 kind, faults injected, latency percentiles, nbdgw's peak RSS, and its
@@ -172,6 +181,98 @@ def client_loop(cid, region, uri, stats, stop):
             pass
 
 
+def immutable_loop(cid, images, uri, stats, stop):
+    """Reads only: small random reads (a boot) and sequential runs (a
+    read-ahead's pattern), each compared with the image of the size the
+    connection reports; now and then a write, which must be refused."""
+    rng = random.Random(cid)
+    h, expected, run = None, None, None
+    while not stop.is_set():
+        if h is None:
+            try:
+                h = connect(uri)
+                expected = images.get(h.get_size())
+                if expected is None:
+                    stats.error(f"connect: unknown size {h.get_size()}")
+                if not h.is_read_only():
+                    with stats.lock:
+                        stats.mismatches.append((cid, "immutable export not advertised read-only"))
+            except nbd.Error:
+                stats.error("connect (upstream down or restarting)")
+                h = None
+                time.sleep(0.2)
+                continue
+            if expected is None:
+                h.shutdown()
+                h = None
+                time.sleep(0.2)
+                continue
+        size = len(expected)
+        kind = rng.choices(["read", "sequential", "write"], [60, 38, 2])[0]
+        if kind == "sequential":
+            if run is None or run >= size or rng.random() < 1 / 128:
+                run = rng.randrange(size // BLOCK) * BLOCK
+            length = min(rng.choice([4096, 4096, 16384, 65536, 131072]), size - run)
+            offset, run = run, run + length
+        else:
+            length = rng.choice([512, 4096, 4096, 4096, 16384, 65536])
+            offset = rng.randrange((size - length) // 512) * 512
+        t = time.perf_counter()
+        try:
+            if kind == "write":
+                try:
+                    h.pwrite(b"x" * 4096, offset)
+                    with stats.lock:
+                        stats.mismatches.append((cid, f"a write to the immutable export at {offset} succeeded"))
+                except nbd.Error:
+                    stats.op("refused write", time.perf_counter() - t)
+                continue
+            got = h.pread(length, offset)
+            if got != expected[offset:offset + length]:
+                with stats.lock:
+                    stats.mismatches.append((cid, (offset, length)))
+            stats.op("read", time.perf_counter() - t)
+        except nbd.Error as e:
+            stats.error(f"{kind}: {short(e)}")
+            try:
+                h.shutdown()
+            except nbd.Error:
+                pass
+            h = None
+    if h is not None:
+        try:
+            h.shutdown()
+        except nbd.Error:
+            pass
+
+
+def immutable_images(work, size, seed):
+    """Two images of different sizes and content, each with a hole."""
+    images, paths = {}, []
+    for i, length in enumerate([size, size - (1 << 20)]):
+        data = bytearray(random.Random(seed + i).randbytes(length))
+        hole = slice(length // 4, length // 4 + (2 << 20))
+        data[hole] = bytes(hole.stop - hole.start)
+        path = os.path.join(work, f"golden{i}.img")
+        with open(path, "wb") as f:
+            f.write(data[:hole.start])
+            f.seek(hole.stop)
+            f.write(data[hole.stop:])
+        images[length] = bytes(data)
+        paths.append(path)
+    return images, paths
+
+
+def cache_metrics(port):
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError as e:
+        return f"(metrics unavailable: {e})"
+    return "\n".join(line for line in text.splitlines() if line.startswith("nbdgw_cache"))
+
+
 def short(error):
     text = str(error)
     for known in ("Connection reset", "server reported", "Broken pipe", "ESHUTDOWN",
@@ -217,8 +318,10 @@ def request(command, cookie, offset, length):
 
 
 class Processes:
-    def __init__(self, work, image, certs, host, port, netns):
+    def __init__(self, work, image, certs, host, port, netns, gw_extra=(), images=None):
         self.work, self.image, self.certs = work, image, certs
+        # --immutable: the images an upstream resize switches between.
+        self.images, self.current = images or [image], 0
         self.host, self.port = host, port
         self.sock = os.path.join(work, "nbd.sock")
         self.qemu = None
@@ -228,7 +331,8 @@ class Processes:
         inside = ["ip", "netns", "exec", netns] if netns else []
         self.gw = subprocess.Popen(
             [*inside, NBDGW, "--listen", f"{host}:{port}", "--upstream", self.sock, "--tls-dir", certs,
-             "--tls-reload-interval", "1", "--stall-timeout", "3", "--handshake-timeout", "5"],
+             "--tls-reload-interval", "1", "--stall-timeout", "3", "--handshake-timeout", "5",
+             *gw_extra],
             stderr=self.log, env={**os.environ, "RUST_LOG": "info"})
         deadline = time.time() + 10
         while time.time() < deadline:
@@ -248,10 +352,13 @@ class Processes:
         while not os.path.exists(self.sock):
             time.sleep(0.01)
 
-    def restart_qemu(self):
+    def restart_qemu(self, other_image=False):
         self.qemu.kill()
         self.qemu.wait()
         time.sleep(0.3)
+        if other_image:
+            self.current = (self.current + 1) % len(self.images)
+            self.image = self.images[self.current]
         self.start_qemu()
 
     def stop(self):
@@ -320,6 +427,8 @@ def rss_mib(pid, field="VmRSS"):
 def faults(procs, certs, stats, stop, rng, every):
     """One fault every `every` seconds, in turn."""
     kinds = ["vanish mid-write", "stop reading", "upstream restart", "certificate rotation", "SIGHUP storm"]
+    if len(procs.images) > 1:
+        kinds.insert(3, "upstream resize")
     i = 0
     while not stop.wait(every):
         kind = kinds[i % len(kinds)]
@@ -335,6 +444,8 @@ def faults(procs, certs, stats, stop, rng, every):
                 threading.Timer(8, t.close).start()
             elif kind == "upstream restart":
                 procs.restart_qemu()
+            elif kind == "upstream resize":
+                procs.restart_qemu(other_image=True)
             elif kind == "certificate rotation":
                 subprocess.run([NBDGW, "certs", "--out", certs, "--force", "--server-name", procs.host,
                                 "--ca-cert", os.path.join(certs, "ca-cert.pem"),
@@ -378,7 +489,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--clients", type=int, default=64)
-    ap.add_argument("--size-mib", type=int, default=256)
+    ap.add_argument("--size-mib", type=int, default=None, help="export size (default 256, 64 with --immutable)")
+    ap.add_argument("--immutable", action="store_true", help="reads only, through nbdgw's read cache")
+    ap.add_argument("--cache-mib", type=int, default=16, help="--cache-size with --immutable")
+    ap.add_argument("--read-ahead-kib", type=int, default=1024, help="--read-ahead with --immutable")
     ap.add_argument("--fault-every", type=float, default=4)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--seed", type=int, default=1)
@@ -388,6 +502,8 @@ def main():
     ap.add_argument("--max-op-seconds", type=float, default=0,
                     help="fail if a successful operation took longer (0: no limit)")
     args = ap.parse_args()
+    if args.size_mib is None:
+        args.size_mib = 64 if args.immutable else 256
     if not os.access(NBDGW, os.X_OK):
         sys.exit(f"soak: build nbdgw first (cargo build): {NBDGW}")
     with tempfile.TemporaryDirectory() as work:
@@ -395,19 +511,33 @@ def main():
         size = args.size_mib << 20
         with open(image, "wb") as f:
             f.truncate(size)
+        images, gw_extra, paths, margin = None, [], None, RSS_MARGIN_MIB
+        if args.immutable:
+            images, paths = immutable_images(work, size, args.seed)
+            image = paths[0]
+            admin = free_port()
+            gw_extra = ["--immutable", "--cache-size", str(args.cache_mib << 20),
+                        "--read-ahead", str(args.read_ahead_kib << 10),
+                        "--admin-listen", f"127.0.0.1:{admin}"]
+            # The cache keeps what it holds once the clients are gone.
+            margin += args.cache_mib * 2
         certs = os.path.join(work, "certs")
         subprocess.run([NBDGW, "certs", "--out", certs, "--keep-ca-key", "--server-name", args.host],
                        check=True, stdout=subprocess.DEVNULL)
         port = args.port or free_port()
-        procs = Processes(work, image, certs, args.host, port, args.gateway_netns)
+        procs = Processes(work, image, certs, args.host, port, args.gateway_netns, gw_extra, paths)
         pid = procs.gw.pid
         time.sleep(0.5)
         fds_before, rss_idle = fds(pid), rss_mib(pid)
         uri = f"nbds://{args.host}:{port}/?tls-certificates={certs}"
         stats, stop = Stats(), threading.Event()
         span = size // args.clients // BLOCK * BLOCK
-        workers = [threading.Thread(target=client_loop, args=(c, Region(c * span, span), uri, stats, stop))
-                   for c in range(args.clients)]
+        if args.immutable:
+            workers = [threading.Thread(target=immutable_loop, args=(c, images, uri, stats, stop))
+                       for c in range(args.clients)]
+        else:
+            workers = [threading.Thread(target=client_loop, args=(c, Region(c * span, span), uri, stats, stop))
+                       for c in range(args.clients)]
         faulter = threading.Thread(target=faults, args=(procs, certs, stats, stop, random.Random(args.seed),
                                                         args.fault_every))
         for w in workers:
@@ -426,11 +556,13 @@ def main():
         faulter.join()
         # The stalled readers are closed by the stall timeout; then every
         # connection nbdgw held is gone.
-        fds_after, rss_after = settle(pid, fds_before, rss_idle)
+        fds_after, rss_after = settle(pid, fds_before, rss_idle + margin - RSS_MARGIN_MIB)
+        if args.immutable:
+            print(cache_metrics(admin))
         stranger = os.path.join(work, "stranger")
         subprocess.run([NBDGW, "certs", "--out", stranger], check=True, stdout=subprocess.DEVNULL)
         failures = failed_handshakes(args.host, port, certs, args.failed_handshakes, stranger)
-        fds_burst, rss_burst = settle(pid, fds_before, rss_idle)
+        fds_burst, rss_burst = settle(pid, fds_before, rss_idle + margin - RSS_MARGIN_MIB)
         procs.stop()
         report(args, stats, peak, rss_idle, rss_after, fds_before, fds_after)
         print(f"after {args.failed_handshakes} failed handshakes {dict(failures)}: "
@@ -441,7 +573,7 @@ def main():
               and not any(k.startswith("rotation") for k in stats.errors)
               and (not args.max_op_seconds or slowest <= args.max_op_seconds)
               and max(fds_after, fds_burst) <= fds_before
-              and max(rss_after, rss_burst) <= rss_idle + RSS_MARGIN_MIB
+              and max(rss_after, rss_burst) <= rss_idle + margin
               and failures["unexpectedly admitted"] == 0)
         print("soak:", "PASSED" if ok else "FAILED")
         sys.exit(0 if ok else 1)
