@@ -19,6 +19,9 @@ _nbdgw() {
             nbdgw,certs)
                 cmd="nbdgw__subcmd__certs"
                 ;;
+            nbdgw,client)
+                cmd="nbdgw__subcmd__client"
+                ;;
             nbdgw,help)
                 cmd="nbdgw__subcmd__help"
                 ;;
@@ -27,6 +30,9 @@ _nbdgw() {
                 ;;
             nbdgw__subcmd__help,certs)
                 cmd="nbdgw__subcmd__help__subcmd__certs"
+                ;;
+            nbdgw__subcmd__help,client)
+                cmd="nbdgw__subcmd__help__subcmd__client"
                 ;;
             nbdgw__subcmd__help,help)
                 cmd="nbdgw__subcmd__help__subcmd__help"
@@ -65,7 +71,7 @@ _nbdgw() {
 
     case "${cmd}" in
         nbdgw)
-            opts="-h -V --listen --tls-cert --tls-key --tls-dir --tls-client-ca --tls-crl --allow-cn --allow-dns --allow-uri --tls-crl-allow-expired --tls-revoke-closes --tls-min-version --tls-reload-interval --upstream --export --export-dir --export-dir-owner --policy --policy-revoke-closes --upstream-sndbuf --max-connections --max-sessions-per-identity --max-handshakes --max-handshakes-per-source --source-prefix-v4 --source-prefix-v6 --handshake-timeout --upstream-timeout --idle-timeout --stall-timeout --tcp-keepalive --tcp-keepalive-interval --tcp-keepalive-count --max-payload --max-option-len --max-refused-options --admin-listen --admin-max-connections --admin-header-timeout --admin-keepalive-requests --admin-keepalive-timeout --admin-max-header-bytes --drain-delay --shutdown-grace --cork --ktls --ktls-key-limit --threads --landlock --log-format --help --version certs policy help"
+            opts="-h -V --listen --tls-cert --tls-key --tls-dir --tls-client-ca --tls-crl --allow-cn --allow-dns --allow-uri --tls-crl-allow-expired --tls-revoke-closes --tls-min-version --tls-reload-interval --upstream --export --export-dir --export-dir-owner --immutable-export --immutable --cache-size --read-ahead --read-ahead-depth --policy --policy-revoke-closes --upstream-sndbuf --max-connections --max-sessions-per-identity --max-handshakes --max-handshakes-per-source --source-prefix-v4 --source-prefix-v6 --handshake-timeout --upstream-timeout --idle-timeout --stall-timeout --tcp-keepalive --tcp-keepalive-interval --tcp-keepalive-count --max-payload --max-option-len --max-refused-options --admin-listen --admin-max-connections --admin-header-timeout --admin-keepalive-requests --admin-keepalive-timeout --admin-max-header-bytes --drain-delay --shutdown-grace --cork --ktls --ktls-key-limit --threads --landlock --log-format --help --version certs policy client help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 1 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -132,6 +138,22 @@ _nbdgw() {
                     return 0
                     ;;
                 --export-dir-owner)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --immutable-export)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --cache-size)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --read-ahead)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --read-ahead-depth)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
@@ -316,8 +338,98 @@ _nbdgw() {
             COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
             return 0
             ;;
+        nbdgw__subcmd__client)
+            opts="-h --listen --server --server-name --tls-dir --tls-ca --tls-cert --tls-key --tls-min-version --server-timeout --handshake-timeout --idle-timeout --stall-timeout --tcp-keepalive --max-payload --max-option-len --max-connections --shutdown-grace --threads --log-format --help"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                --listen)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --server)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --server-name)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --tls-dir)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --tls-ca)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --tls-cert)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --tls-key)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --tls-min-version)
+                    COMPREPLY=($(compgen -W "1.2 1.3" -- "${cur}"))
+                    return 0
+                    ;;
+                --server-timeout)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --handshake-timeout)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --idle-timeout)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --stall-timeout)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --tcp-keepalive)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --max-payload)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --max-option-len)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --max-connections)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --shutdown-grace)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --threads)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --log-format)
+                    COMPREPLY=($(compgen -W "text json" -- "${cur}"))
+                    return 0
+                    ;;
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
         nbdgw__subcmd__help)
-            opts="certs policy help"
+            opts="certs policy client help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -331,6 +443,20 @@ _nbdgw() {
             return 0
             ;;
         nbdgw__subcmd__help__subcmd__certs)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        nbdgw__subcmd__help__subcmd__client)
             opts=""
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )

@@ -1,6 +1,6 @@
 # Print an optspec for argparse to handle cmd's options that are independent of any subcommand.
 function __fish_nbdgw_global_optspecs
-    string join \n listen= tls-cert= tls-key= tls-dir= tls-client-ca= tls-crl= allow-cn= allow-dns= allow-uri= tls-crl-allow-expired tls-revoke-closes= tls-min-version= tls-reload-interval= upstream= export= export-dir= export-dir-owner= policy= policy-revoke-closes= upstream-sndbuf= max-connections= max-sessions-per-identity= max-handshakes= max-handshakes-per-source= source-prefix-v4= source-prefix-v6= handshake-timeout= upstream-timeout= idle-timeout= stall-timeout= tcp-keepalive= tcp-keepalive-interval= tcp-keepalive-count= max-payload= max-option-len= max-refused-options= admin-listen= admin-max-connections= admin-header-timeout= admin-keepalive-requests= admin-keepalive-timeout= admin-max-header-bytes= drain-delay= shutdown-grace= cork= ktls= ktls-key-limit= threads= landlock= log-format= h/help V/version
+    string join \n listen= tls-cert= tls-key= tls-dir= tls-client-ca= tls-crl= allow-cn= allow-dns= allow-uri= tls-crl-allow-expired tls-revoke-closes= tls-min-version= tls-reload-interval= upstream= export= export-dir= export-dir-owner= immutable-export= immutable cache-size= read-ahead= read-ahead-depth= policy= policy-revoke-closes= upstream-sndbuf= max-connections= max-sessions-per-identity= max-handshakes= max-handshakes-per-source= source-prefix-v4= source-prefix-v6= handshake-timeout= upstream-timeout= idle-timeout= stall-timeout= tcp-keepalive= tcp-keepalive-interval= tcp-keepalive-count= max-payload= max-option-len= max-refused-options= admin-listen= admin-max-connections= admin-header-timeout= admin-keepalive-requests= admin-keepalive-timeout= admin-max-header-bytes= drain-delay= shutdown-grace= cork= ktls= ktls-key-limit= threads= landlock= log-format= h/help V/version
 end
 
 function __fish_nbdgw_needs_command
@@ -42,6 +42,10 @@ complete -c nbdgw -n "__fish_nbdgw_needs_command" -l upstream -d 'Unix socket of
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l export -d 'A named export instead of --upstream: clients asking for NAME are relayed to the server on the Unix socket PATH, which is asked for UPSTREAM_NAME (default ""). Repeatable, or comma-separated' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l export-dir -d 'Every Unix socket NAME.sock in this directory is the export NAME, and TENANT/NAME.sock in a subdirectory the export TENANT/NAME; picked up and dropped as sockets appear and disappear' -r -F
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l export-dir-owner -d 'Whose sockets --export-dir serves: any; same (a socket owned by its directory\'s owner, whose server, by SO_PEERCRED, runs as that uid); or a numeric uid (directory, socket and server all that uid). Symbolic links are never followed, whatever this says' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l immutable-export -d 'Declares the export NAME immutable: its data never changes while nbdgw runs (a golden image). It is read-only for every identity, and its reads go through the shared read cache (--cache-size). A `*` component matches any one component (`golden/*`). Repeatable, or comma-separated. Never the default' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l cache-size -d 'Bytes of memory the read cache of immutable exports may hold, in 64 KiB blocks shared by every connection; 0 turns it off (the exports stay read-only)' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l read-ahead -d 'Bytes one read-ahead request fetches into the cache once a connection reads an immutable export sequentially (rounded down to whole 64 KiB blocks, at most --max-payload); 0 turns read-ahead off' -r
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l read-ahead-depth -d 'Read-ahead requests one connection may have in flight at once' -r
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l policy -d 'TOML file saying which client identities may open which exports, read-write or read-only; reloaded like the TLS files, and a reload may only narrow it. Without it every admitted client may open every export read-write. Needs client certificates (a client CA)' -r -F
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l policy-revoke-closes -d 'End established sessions whose access a policy reload withdraws or reduces to read-only, for their identity and export (true or false); false leaves them their access until they end' -r -f -a "true\t''
 false\t''"
@@ -83,10 +87,12 @@ required\t'Refuse to start unless every restriction is enforced'"
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l log-format -d 'Log format; the filter comes from RUST_LOG (default info)' -r -f -a "text\t''
 json\t''"
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -l tls-crl-allow-expired -d 'Admit clients whose CRL is past its nextUpdate. Without it such a client is refused until a fresh CRL is in place'
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -l immutable -d 'With --upstream: every export it serves is immutable (see --immutable-export)'
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -s h -l help -d 'Print help (see more with \'--help\')'
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -s V -l version -d 'Print version'
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -f -a "certs" -d 'Make a CA, a server certificate and client certificates in the layout qemu, nbdkit and libnbd read'
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -f -a "policy" -d 'Validate a --policy file, or show what it grants one certificate, before a rollout'
+complete -c nbdgw -n "__fish_nbdgw_needs_command" -f -a "client" -d 'Client mode: serve plaintext NBD on a Unix socket or loopback port to local clients (the kernel\'s nbd-client, clients without TLS), and relay each to a remote NBD server over STARTTLS and verified TLS'
 complete -c nbdgw -n "__fish_nbdgw_needs_command" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand certs" -l out -d 'Directory to write into (created if missing)' -r -F
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand certs" -l server-name -d 'DNS name or IP address for the server certificate (repeatable; default localhost and 127.0.0.1)' -r
@@ -110,8 +116,31 @@ complete -c nbdgw -n "__fish_nbdgw_using_subcommand policy; and __fish_seen_subc
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand policy; and __fish_seen_subcommand_from help" -f -a "check" -d 'Parse the policy file as nbdgw would at start. Exit status 0 when it is valid; otherwise 1, with FILE:LINE:COLUMN and the problem on stderr'
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand policy; and __fish_seen_subcommand_from help" -f -a "explain" -d 'Show which rule decides whether the client certificate may open the export, and with what access. Exit status 0 when a rule grants it, 1 when none does, 2 on an error. The --allow-* flags, which nbdgw checks first, are not consulted'
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand policy; and __fish_seen_subcommand_from help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
-complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and not __fish_seen_subcommand_from certs policy help" -f -a "certs" -d 'Make a CA, a server certificate and client certificates in the layout qemu, nbdkit and libnbd read'
-complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and not __fish_seen_subcommand_from certs policy help" -f -a "policy" -d 'Validate a --policy file, or show what it grants one certificate, before a rollout'
-complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and not __fish_seen_subcommand_from certs policy help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l listen -d 'Where local clients connect: a Unix socket path, or a loopback HOST:PORT (the local side is plaintext, so no other address is accepted)' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l server -d 'The remote NBD server (TLS with STARTTLS), e.g. nbd.example:10809 or [2001:db8::1]:10809' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l server-name -d 'The name the server\'s certificate must carry (a DNS or IP SAN); default: the host of --server' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l tls-dir -d 'Directory with the CA and the client certificate: the layout of libnbd and qemu (ca-cert.pem, client-cert.pem, client-key.pem, optionally ca-crl.pem) or a Kubernetes TLS Secret (ca.crt, tls.crt, tls.key). Files named by the other --tls-* flags take precedence' -r -F
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l tls-ca -d 'CA bundle (PEM) the server\'s certificate must chain to' -r -F
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l tls-cert -d 'Client certificate chain (PEM) to present' -r -F
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l tls-key -d 'The client certificate\'s private key (PEM)' -r -F
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l tls-min-version -d 'Oldest TLS version offered to the server' -r -f -a "1.2\t'The NBD spec requires servers to support TLS 1.2'
+1.3\t''"
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l server-timeout -d 'Seconds the server may take to accept, greet and finish TLS, and then to answer each option; a local client then hears why. Keep it below --handshake-timeout' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l handshake-timeout -d 'Seconds a local client has from connecting to finishing negotiation' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l idle-timeout -d 'Seconds a connection may sit with no request in flight; 0 never closes it' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l stall-timeout -d 'Seconds a started request payload or an unread reply may make no progress before the connection is closed; also the server connection\'s TCP_USER_TIMEOUT. 0: never' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l tcp-keepalive -d 'Seconds of silence before TCP keepalive probes the server; 0 turns keepalive off' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l max-payload -d 'Largest request payload and read length in bytes' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l max-option-len -d 'Largest option data (and option reply) in bytes' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l max-connections -d 'Most local connections served at once; more are closed at accept' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l shutdown-grace -d 'Seconds open connections may finish after SIGTERM or SIGINT' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l threads -d 'Worker threads; 0 means one per CPU' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l log-format -d 'Log format; the filter comes from RUST_LOG (default info)' -r -f -a "text\t''
+json\t''"
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -s h -l help -d 'Print help (see more with \'--help\')'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and not __fish_seen_subcommand_from certs policy client help" -f -a "certs" -d 'Make a CA, a server certificate and client certificates in the layout qemu, nbdkit and libnbd read'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and not __fish_seen_subcommand_from certs policy client help" -f -a "policy" -d 'Validate a --policy file, or show what it grants one certificate, before a rollout'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and not __fish_seen_subcommand_from certs policy client help" -f -a "client" -d 'Client mode: serve plaintext NBD on a Unix socket or loopback port to local clients (the kernel\'s nbd-client, clients without TLS), and relay each to a remote NBD server over STARTTLS and verified TLS'
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and not __fish_seen_subcommand_from certs policy client help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and __fish_seen_subcommand_from policy" -f -a "check" -d 'Parse the policy file as nbdgw would at start. Exit status 0 when it is valid; otherwise 1, with FILE:LINE:COLUMN and the problem on stderr'
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand help; and __fish_seen_subcommand_from policy" -f -a "explain" -d 'Show which rule decides whether the client certificate may open the export, and with what access. Exit status 0 when a rule grants it, 1 when none does, 2 on an error. The --allow-* flags, which nbdgw checks first, are not consulted'
