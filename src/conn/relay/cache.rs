@@ -341,9 +341,9 @@ impl Filling {
         }
     }
 
-    /// The reply to the client's `request`, or the error to answer it
-    /// with; the whole blocks go to the cache on success.
-    pub fn finish(self, request: &Request, cache: &ReplyLayer<'_>) -> Result<Vec<u8>, u32> {
+    /// The data to answer the client's `request` with, or the error; on
+    /// success the whole blocks go to `keep` (the cache) first.
+    pub fn finish(self, request: &Request, keep: impl FnOnce(u64, &[u8])) -> Result<Vec<u8>, u32> {
         if let Some(error) = self.error {
             return Err(error);
         }
@@ -351,8 +351,9 @@ impl Filling {
         if self.covered != self.buf.len() as u64 {
             return Err(EIO);
         }
-        cache.handle.fill(self.base, &self.buf, false);
-        let at = (request.offset - self.base) as usize;
+        keep(self.base, &self.buf);
+        // The fill read was widened from the request, so it holds it.
+        let at = request.offset.saturating_sub(self.base) as usize;
         let mut data = self.buf;
         data.truncate(at + request.length as usize);
         data.drain(..at);
@@ -442,6 +443,58 @@ mod tests {
             |o, _| o == 0,
         );
         assert_eq!(plan, [(256 * K, 256 * K), (512 * K, 256 * K)]);
+    }
+
+    fn fill_of(offset: u64, length: u64) -> Filling {
+        Filling::new(&InFlight {
+            command: CMD_READ,
+            offset,
+            length,
+        })
+    }
+
+    fn client_read(offset: u64, length: u64) -> Request {
+        Request {
+            command: CMD_READ,
+            cookie: 9,
+            offset,
+            length,
+            flags: 0,
+        }
+    }
+
+    #[test]
+    fn a_fill_answers_the_client_from_data_and_holes() {
+        let mut f = fill_of(64 * K, 128 * K);
+        f.data(64 * K, &[7; 64 * 1024]);
+        f.hole(128 * K, 64 * K);
+        let mut kept = None;
+        let data = f
+            .finish(&client_read(120 * K, 16 * K), |at, b| {
+                kept = Some((at, b.len()))
+            })
+            .unwrap();
+        assert_eq!(kept, Some((64 * K, 128 * 1024)));
+        assert_eq!(&data[..8 * 1024], &[7; 8 * 1024]);
+        assert_eq!(&data[8 * 1024..], &[0; 8 * 1024]);
+    }
+
+    #[test]
+    fn a_fill_that_failed_or_fell_short_is_an_error_and_caches_nothing() {
+        let never = |_: u64, _: &[u8]| panic!("cached a failed read");
+        let read = client_read(64 * K, 4 * K);
+        let mut short = fill_of(64 * K, 64 * K);
+        short.data(64 * K, &[1; 4096]);
+        assert_eq!(short.finish(&read, never), Err(EIO));
+        let mut failed = fill_of(64 * K, 64 * K);
+        failed.data(64 * K, &[1; 64 * 1024]);
+        failed.error(ENOSPC);
+        failed.error(EINVAL);
+        assert_eq!(failed.finish(&read, never), Err(ENOSPC));
+        let mut stray = fill_of(64 * K, 64 * K);
+        stray.data(64 * K, &[1; 64 * 1024]);
+        stray.data(0, &[1; 4096]);
+        assert_eq!(stray.finish(&read, never), Err(EIO));
     }
 
     #[test]

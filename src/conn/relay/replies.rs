@@ -227,16 +227,14 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
                 .map_err(eof())?;
             check_error_payload(frame.kind, &payload).map_err(ConnError::proto(Side::Upstream))?;
             let error = u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]);
-            match ours {
-                true => self
-                    .filling(frame.cookie, req.as_ref())
-                    .map(|f| f.error(error)),
-                false => {
-                    writer.metrics().error(error);
-                    writer.append(&payload).await?;
-                    None
+            if ours {
+                if let Some(filling) = self.filling(frame.cookie, req.as_ref()) {
+                    filling.error(error);
                 }
-            };
+            } else {
+                writer.metrics().error(error);
+                writer.append(&payload).await?;
+            }
         } else if let (Some(req), true) = (
             req.filter(|r| r.command == CMD_READ),
             self.cache.is_some() && frame.payload_len > 0,
@@ -251,12 +249,11 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
                 .await?;
         }
         if frame.simple_error != 0 {
-            match ours {
-                true => self
-                    .filling(frame.cookie, req.as_ref())
-                    .map(|f| f.error(frame.simple_error)),
-                false => Some(writer.metrics().error(frame.simple_error)),
-            };
+            if !ours {
+                writer.metrics().error(frame.simple_error);
+            } else if let Some(filling) = self.filling(frame.cookie, req.as_ref()) {
+                filling.error(frame.simple_error);
+            }
         }
         if frame.done {
             let Some(purpose) = purpose else {
@@ -295,7 +292,9 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
         writer: &mut ReplyWriter<'_, W>,
     ) -> Result<(), ConnError> {
         let answer = match (filling, &self.cache) {
-            (Some(filling), Some(cache)) => filling.finish(request, cache),
+            (Some(filling), Some(cache)) => {
+                filling.finish(request, |at, blocks| cache.handle.fill(at, blocks, false))
+            }
             // A reply with no data, hole or error for a read.
             _ => Err(EIO),
         };
