@@ -243,14 +243,20 @@ impl BlockMap {
         (Some(covered), events)
     }
 
-    /// Whether every block a read touches is cached, without counting a
-    /// use (read-ahead asks this before fetching).
-    pub fn contains(&self, generation: Generation, offset: u64, length: u64) -> bool {
-        let Some(size) = self.live.get(&generation).map(|l| l.size) else {
-            return false;
+    /// The part of a read from its first block not cached to its last,
+    /// without counting a use (read-ahead asks this before fetching);
+    /// `None` when every block is cached. Outside the export: all of it.
+    pub fn missing(&self, generation: Generation, offset: u64, length: u64) -> Option<(u64, u64)> {
+        let size = self.live.get(&generation).map(|l| l.size)?;
+        let Some(span) = self.span(size, offset, length) else {
+            return Some((offset, length));
         };
-        self.span(size, offset, length)
-            .is_some_and(|mut span| span.all(|block| self.index.contains_key(&(generation, block))))
+        let absent = |block: &u64| !self.index.contains_key(&(generation, *block));
+        let first = span.clone().find(absent)?;
+        let last = span.rev().find(absent).unwrap_or(first);
+        let start = (first * self.block_size).max(offset);
+        let end = ((last + 1) * self.block_size).min(offset + length);
+        Some((start, end - start))
     }
 
     /// Caches the whole blocks inside `data`, which is the export's bytes
@@ -485,8 +491,8 @@ impl Handle {
         covered
     }
 
-    pub fn contains(&self, offset: u64, length: u64) -> bool {
-        self.cache.lock().contains(self.generation, offset, length)
+    pub fn missing(&self, offset: u64, length: u64) -> Option<(u64, u64)> {
+        self.cache.lock().missing(self.generation, offset, length)
     }
 
     /// The upstream's data for `offset`.
@@ -569,6 +575,11 @@ mod tests {
         assert!(map.lookup(g, 10 * 1024, 101).0.is_none());
         assert!(map.lookup(g, 1024, 0).0.is_none());
         assert!(map.lookup(g, u64::MAX, 2).0.is_none());
+        // What read-ahead would still have to fetch.
+        assert_eq!(map.missing(g, 1024, 2048), None);
+        assert_eq!(map.missing(g, 0, 4096), Some((0, 4096)));
+        assert_eq!(map.missing(g, 1024, 4096), Some((3072, 2048)));
+        assert_eq!(map.missing(g, 2048, 1024), None);
     }
 
     #[test]

@@ -96,14 +96,14 @@ impl Sequential {
     /// Notes a read; the ranges to fetch ahead now, if any: whole blocks
     /// from where read-ahead (or the read) has reached, up to `depth`
     /// requests of `chunk` bytes ahead of the read's end, `room` of them
-    /// at most, within the export's `size`. `cached` says which ranges
-    /// need no fetching.
+    /// at most, within the export's `size`. `missing` narrows a range to
+    /// the part still to fetch (`None`: all cached).
     pub fn observe(
         &mut self,
         (offset, length): (u64, u64),
         (size, block, chunk): (u64, u64, u64),
         (depth, room): (u64, usize),
-        cached: impl Fn(u64, u64) -> bool,
+        missing: impl Fn(u64, u64) -> Option<(u64, u64)>,
     ) -> Vec<(u64, u64)> {
         let end = offset.saturating_add(length);
         if offset == self.next && self.reads > 0 {
@@ -130,8 +130,8 @@ impl Sequential {
                 break;
             }
             let len = chunk.min(size - start);
-            if !cached(start, len) {
-                plan.push((start, len));
+            if let Some(range) = missing(start, len) {
+                plan.push(range);
             }
             start += len;
             self.frontier = start;
@@ -201,7 +201,7 @@ impl<'a> RequestLayer<'a> {
             (request.offset, request.length),
             (handle.size(), self.block, u64::from(self.cached.read_ahead)),
             (depth, room),
-            |offset, length| handle.contains(offset, length),
+            |offset, length| handle.missing(offset, length),
         );
         plan.into_iter()
             .map(|range| self.own_read(range, Purpose::ReadAhead, flight))
@@ -379,7 +379,11 @@ mod tests {
         let mut s = Sequential::default();
         reads
             .iter()
-            .map(|&r| s.observe(r, (1 << 20, 64 * K, 256 * K), (2, room), |_, _| false))
+            .map(|&r| {
+                s.observe(r, (1 << 20, 64 * K, 256 * K), (2, room), |o, l| {
+                    Some((o, l))
+                })
+            })
             .collect()
     }
 
@@ -417,7 +421,7 @@ mod tests {
                 (offset, 64 * K),
                 (1 << 20, 64 * K, 256 * K),
                 (2, 2),
-                |_, _| false,
+                |o, l| Some((o, l)),
             );
             fetched.extend(plan);
             offset += 64 * K;
@@ -435,14 +439,15 @@ mod tests {
     #[test]
     fn cached_ranges_are_not_fetched() {
         let mut s = Sequential::default();
-        s.observe((0, 4 * K), (1 << 20, 64 * K, 256 * K), (2, 2), |_, _| true);
+        s.observe((0, 4 * K), (1 << 20, 64 * K, 256 * K), (2, 2), |_, _| None);
+        // The first chunk is cached, the second from its second block on.
         let plan = s.observe(
             (4 * K, 4 * K),
             (1 << 20, 64 * K, 256 * K),
             (2, 2),
-            |o, _| o == 0,
+            |o, l| (o > 0).then_some((o + 64 * K, l - 64 * K)),
         );
-        assert_eq!(plan, [(256 * K, 256 * K), (512 * K, 256 * K)]);
+        assert_eq!(plan, [(320 * K, 192 * K), (576 * K, 192 * K)]);
     }
 
     fn fill_of(offset: u64, length: u64) -> Filling {
