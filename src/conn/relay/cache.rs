@@ -90,6 +90,10 @@ pub struct Sequential {
     reads: u32,
     /// Where read-ahead has reached in this run.
     frontier: u64,
+    /// The length of this run's next read-ahead: it starts at two blocks
+    /// and doubles each time the run goes on, up to `--read-ahead`, so
+    /// that a short run fetches little it will not read.
+    window: u64,
 }
 
 impl Sequential {
@@ -113,6 +117,7 @@ impl Sequential {
                 next: end,
                 reads: 1,
                 frontier: 0,
+                window: 0,
             };
         }
         self.next = end;
@@ -121,7 +126,11 @@ impl Sequential {
         if self.reads < 2 || chunk == 0 || block == 0 {
             return plan;
         }
-        let limit = end.saturating_add(depth.saturating_mul(chunk)).min(size);
+        let window = match self.window {
+            0 => block.saturating_mul(2).min(chunk),
+            window => window,
+        };
+        let limit = end.saturating_add(depth.saturating_mul(window)).min(size);
         let mut start = self.frontier.max(end / block * block);
         // Each turn moves `start` forward by at least a block, and at most
         // depth turns fetch: bounded by depth twice over.
@@ -129,12 +138,15 @@ impl Sequential {
             if plan.len() >= room || start >= limit {
                 break;
             }
-            let len = chunk.min(size - start);
+            let len = window.min(size - start);
             if let Some(range) = missing(start, len) {
                 plan.push(range);
             }
             start += len;
             self.frontier = start;
+        }
+        if !plan.is_empty() {
+            self.window = window.saturating_mul(2).min(chunk);
         }
         plan
     }
@@ -398,10 +410,11 @@ mod tests {
     fn a_run_fetches_whole_blocks_ahead_up_to_the_depth() {
         let plans = run(&[(0, 4 * K), (4 * K, 4 * K), (8 * K, 4 * K)], 2);
         assert!(plans[0].is_empty());
-        // From the block the read ended in, two chunks.
-        assert_eq!(plans[1], [(0, 256 * K), (256 * K, 256 * K)]);
-        // Kept `depth` chunks ahead of the read's end, no more.
-        assert_eq!(plans[2], [(512 * K, 256 * K)]);
+        // From the block the read ended in, two windows of two blocks.
+        assert_eq!(plans[1], [(0, 128 * K), (128 * K, 128 * K)]);
+        // The window doubles up to the chunk, `depth` windows ahead of
+        // the read's end, no more.
+        assert_eq!(plans[2], [(256 * K, 256 * K), (512 * K, 256 * K)]);
         let plans = run(
             &[(0, 4 * K), (4 * K, 4 * K), (8 * K, 4 * K), (12 * K, 4 * K)],
             2,
@@ -440,14 +453,15 @@ mod tests {
     fn cached_ranges_are_not_fetched() {
         let mut s = Sequential::default();
         s.observe((0, 4 * K), (1 << 20, 64 * K, 256 * K), (2, 2), |_, _| None);
-        // The first chunk is cached, the second from its second block on.
+        // The first window is cached, the others from their second block
+        // on (windows of two blocks, as a run begins).
         let plan = s.observe(
             (4 * K, 4 * K),
             (1 << 20, 64 * K, 256 * K),
             (2, 2),
             |o, l| (o > 0).then_some((o + 64 * K, l - 64 * K)),
         );
-        assert_eq!(plan, [(320 * K, 192 * K), (576 * K, 192 * K)]);
+        assert_eq!(plan, [(192 * K, 64 * K), (320 * K, 64 * K)]);
     }
 
     fn fill_of(offset: u64, length: u64) -> Filling {
