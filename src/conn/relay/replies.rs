@@ -27,6 +27,12 @@ use crate::proto::{be_u32, be_u64};
 /// 8 KiB covers them all.
 const REPLY_FIELDS_ALLOWANCE: u64 = 8192;
 
+/// Read replies on a cached session longer than this are relayed as they
+/// come, uncached: a client's long reads would otherwise keep a buffer as
+/// long as `--max-payload` on its connection. Fill reads (at most
+/// `MAX_HIT` and a block either side) always fit.
+const TEE_MAX: u64 = super::cache::MAX_HIT + 2 * crate::cache::BLOCK_SIZE + 8;
+
 pub struct Replies<'a, U> {
     upstream: BufReader<U>,
     flight: &'a Flight,
@@ -237,11 +243,16 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
             }
         } else if let (Some(req), true) = (
             req.filter(|r| r.command == CMD_READ),
-            self.cache.is_some() && frame.payload_len > 0,
+            self.cache.is_some() && frame.payload_len > 0 && (ours || frame.payload_len <= TEE_MAX),
         ) {
             self.read_into_cache(&frame, &req, purpose).await?;
             if !ours {
                 writer.append(&self.scratch).await?;
+            }
+            // A long read-ahead reply must not leave its buffer behind on
+            // every idle connection.
+            if self.scratch.capacity() > TEE_MAX as usize {
+                self.scratch = Vec::new();
             }
         } else {
             writer
