@@ -446,3 +446,64 @@ fn metric(text: &str, name: &str) -> u64 {
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no {name} in {text}"))
 }
+
+/// An upstream that fails a read, and one that answers with data and a
+/// hole: a failed fill reaches the client as the error and caches
+/// nothing; data and hole are both cached.
+#[test]
+fn a_failed_fill_is_the_clients_error_and_caches_nothing() {
+    use common::fake_upstream::{self, chunk, good_read, Answer, Asked};
+    fn script(_: usize, read: Asked) -> Answer {
+        let Asked { cookie, offset, .. } = read;
+        match offset {
+            0 => {
+                let message = b"disk on fire";
+                let mut c = chunk(
+                    REPLY_FLAG_DONE,
+                    REPLY_TYPE_ERROR,
+                    cookie,
+                    6 + message.len() as u32,
+                );
+                c.extend_from_slice(&EIO.to_be_bytes());
+                c.extend_from_slice(&(message.len() as u16).to_be_bytes());
+                c.extend_from_slice(message);
+                c.into()
+            }
+            65536 => {
+                // Data for the first half of the block, a hole after.
+                let mut c = chunk(0, REPLY_TYPE_OFFSET_DATA, cookie, 8 + 32768);
+                c.extend_from_slice(&offset.to_be_bytes());
+                c.extend(std::iter::repeat_n(9u8, 32768));
+                c.extend(chunk(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_HOLE, cookie, 12));
+                c.extend_from_slice(&(offset + 32768).to_be_bytes());
+                c.extend_from_slice(&32768u32.to_be_bytes());
+                c.into()
+            }
+            _ => good_read(read).into(),
+        }
+    }
+    let env = Env::new();
+    let fake = fake_upstream::scripted(&env.path("fake.sock"), 1 << 20, script);
+    let mut config = env.config(&fake.socket);
+    config.immutable = Arc::new(Immutable::new(true, vec![]).unwrap());
+    config.cache = Some(ReadCache::new(1 << 20, config.metrics.cache.clone()));
+    config.read_ahead = 0;
+    let metrics = config.metrics.clone();
+    let gateway = Gateway::start(config);
+    let mut c = RawClient::tls(gateway.addr, &env.certs());
+    c.go(ReplyMode::Structured);
+    for cookie in [1, 2] {
+        c.send_request(0, CMD_READ, cookie, 100, 4096, &[]);
+        let reply = c.read_reply(4096);
+        assert_eq!(reply.last().unwrap().error_code(), EIO);
+    }
+    assert_eq!(metrics.cache.hits.get(), 0);
+    assert_eq!(metrics.cache.cached_bytes.get(), 0);
+    assert_eq!(c.read(3, 65536 + 100, 4096), [9; 4096]);
+    let hits = metrics.cache.hits.get();
+    assert_eq!(c.read(4, 65536 + 30000, 4096)[..2768], [9; 2768]);
+    assert_eq!(c.read(5, 65536 + 40000, 4096), [0; 4096]);
+    assert_eq!(metrics.cache.hits.get(), hits + 2);
+    assert_eq!(c.read(6, 200_000, 4096), [7; 4096]);
+    c.disconnect();
+}

@@ -234,7 +234,7 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
             check_error_payload(frame.kind, &payload).map_err(ConnError::proto(Side::Upstream))?;
             let error = u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]);
             if ours {
-                if let Some(filling) = self.filling(frame.cookie, req.as_ref()) {
+                if let Some(filling) = self.filling(frame.cookie, req.as_ref(), purpose) {
                     filling.error(error);
                 }
             } else {
@@ -262,7 +262,7 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
         if frame.simple_error != 0 {
             if !ours {
                 writer.metrics().error(frame.simple_error);
-            } else if let Some(filling) = self.filling(frame.cookie, req.as_ref()) {
+            } else if let Some(filling) = self.filling(frame.cookie, req.as_ref(), purpose) {
                 filling.error(frame.simple_error);
             }
         }
@@ -276,17 +276,25 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
                 cache.ahead.done(frame.cookie);
             }
             self.flight.complete(frame.cookie);
+            let filling = self.fills.remove(&frame.cookie);
             if let Purpose::Fill(request) = purpose {
-                let filling = self.fills.remove(&frame.cookie);
                 self.answer_fill(&request, filling, writer).await?;
             }
         }
         Ok(())
     }
 
-    /// The fill read `cookie` (of `req`) as its reply has come so far.
-    fn filling(&mut self, cookie: u64, req: Option<&InFlight>) -> Option<&mut Filling> {
-        let req = req?;
+    /// The fill read `cookie` (of `req`) as its reply has come so far;
+    /// `None` for a read-ahead, which answers no one.
+    fn filling(
+        &mut self,
+        cookie: u64,
+        req: Option<&InFlight>,
+        purpose: Option<Purpose>,
+    ) -> Option<&mut Filling> {
+        let (Some(req), Some(Purpose::Fill(_))) = (req, purpose) else {
+            return None;
+        };
         Some(
             self.fills
                 .entry(cookie)
