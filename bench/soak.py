@@ -43,7 +43,8 @@ import time
 import nbd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NBDGW = os.path.join(ROOT, "target", "debug", "nbdgw")
+# NBDGW=target/release/nbdgw to soak an optimised build.
+NBDGW = os.environ.get("NBDGW", os.path.join(ROOT, "target", "debug", "nbdgw"))
 IHAVEOPT = 0x49484156454F5054
 REQUEST_MAGIC = 0x25609513
 OPT_STARTTLS, OPT_GO, OPT_STRUCTURED_REPLY = 5, 7, 8
