@@ -494,6 +494,7 @@ def main():
     ap.add_argument("--immutable", action="store_true", help="reads only, through nbdgw's read cache")
     ap.add_argument("--cache-mib", type=int, default=16, help="--cache-size with --immutable")
     ap.add_argument("--read-ahead-kib", type=int, default=1024, help="--read-ahead with --immutable")
+    ap.add_argument("--cache-block-kib", type=int, default=64, help="--cache-block-size with --immutable")
     ap.add_argument("--fault-every", type=float, default=4)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--seed", type=int, default=1)
@@ -519,6 +520,7 @@ def main():
             admin = free_port()
             gw_extra = ["--immutable", "--cache-size", str(args.cache_mib << 20),
                         "--read-ahead", str(args.read_ahead_kib << 10),
+                        "--cache-block-size", str(args.cache_block_kib << 10),
                         "--admin-listen", f"127.0.0.1:{admin}"]
             # The cache keeps what it holds once the clients are gone.
             margin += args.cache_mib * 2

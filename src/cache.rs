@@ -28,6 +28,19 @@ use crate::metrics::CacheMetrics;
 /// Block size: large enough that a boot's scattered 4 KiB reads pull in
 /// their neighbours, small enough that a 256 MiB cache holds 4096 blocks.
 pub const BLOCK_SIZE: u64 = 64 * 1024;
+/// `--cache-block-size`: a power of two from 4 KiB to `BLOCK_SIZE` (the
+/// largest, which holes' shared zeros cover).
+pub fn parse_block_size(text: &str) -> Result<u64, String> {
+    let size: u64 = text.parse().map_err(|e| format!("{e}"))?;
+    if size.is_power_of_two() && (4096..=BLOCK_SIZE).contains(&size) {
+        Ok(size)
+    } else {
+        Err(format!(
+            "{size} is not a power of two from 4096 to {BLOCK_SIZE}"
+        ))
+    }
+}
+
 /// `--cache-size` when not given.
 pub const DEFAULT_CACHE_SIZE: u64 = 256 * 1024 * 1024;
 /// `--read-ahead` when not given: the length of one read-ahead request.
@@ -646,6 +659,15 @@ mod tests {
         let g = map.open(&key("a"), 1 << 20, 0).0.unwrap();
         map.insert_zeros(g, 0, 4096, false);
         assert_eq!(concat(map.lookup(g, 10, 4000).0.unwrap()), vec![0; 4000]);
+    }
+
+    #[test]
+    fn block_sizes_are_powers_of_two_up_to_the_zeros() {
+        assert_eq!(parse_block_size("4096"), Ok(4096));
+        assert_eq!(parse_block_size("65536"), Ok(65536));
+        for bad in ["0", "2048", "5000", "131072", "x", "-1"] {
+            assert!(parse_block_size(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

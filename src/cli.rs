@@ -303,13 +303,20 @@ pub struct ServeArgs {
     #[arg(long, env = "NBDGW_IMMUTABLE", requires = "upstream")]
     pub immutable: bool,
     /// Bytes of memory the read cache of immutable exports may hold, in
-    /// 64 KiB blocks shared by every connection; 0 turns it off (the
-    /// exports stay read-only).
+    /// blocks (--cache-block-size) shared by every connection; 0 turns it
+    /// off (the exports stay read-only).
     #[arg(long, env = "NBDGW_CACHE_SIZE", value_name = "BYTES", default_value_t = crate::cache::DEFAULT_CACHE_SIZE)]
     pub cache_size: u64,
+    /// Bytes per read cache block (a power of two, 4096 to 65536): a
+    /// read that misses fetches the whole blocks around it. Larger blocks
+    /// bring a boot's neighbouring reads in with one upstream read;
+    /// smaller ones fetch less for scattered reads of a working set
+    /// larger than the cache.
+    #[arg(long, env = "NBDGW_CACHE_BLOCK_SIZE", value_name = "BYTES", default_value_t = crate::cache::BLOCK_SIZE, value_parser = crate::cache::parse_block_size)]
+    pub cache_block_size: u64,
     /// Bytes one read-ahead request fetches into the cache once a
     /// connection reads an immutable export sequentially (rounded down to
-    /// whole 64 KiB blocks, at most --max-payload); 0 turns read-ahead off.
+    /// whole blocks, at most --max-payload); 0 turns read-ahead off.
     #[arg(long, env = "NBDGW_READ_AHEAD", value_name = "BYTES", default_value_t = crate::cache::DEFAULT_READ_AHEAD)]
     pub read_ahead: u32,
     /// Read-ahead requests one connection may have in flight at once.

@@ -519,12 +519,14 @@ fn read_cache(args: &ServeArgs, config: &mut Config) -> Result<()> {
     config.read_ahead = args.read_ahead;
     config.read_ahead_depth = args.read_ahead_depth;
     if immutable.any() && args.cache_size > 0 {
-        config.cache = Some(nbdgw::cache::ReadCache::new(
+        config.cache = Some(nbdgw::cache::ReadCache::with_block_size(
             args.cache_size,
+            args.cache_block_size,
             config.metrics.cache.clone(),
         ));
         info!(
             cache_size = args.cache_size,
+            cache_block_size = args.cache_block_size,
             read_ahead = args.read_ahead,
             read_ahead_depth = args.read_ahead_depth,
             "read cache on for immutable exports"

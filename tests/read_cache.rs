@@ -37,6 +37,10 @@ struct Site {
 /// of the relay with `--immutable` (when `immutable`), the cache of
 /// `cache_size` bytes and `read_ahead`.
 fn site(immutable: bool, cache_size: u64, read_ahead: u32) -> Site {
+    site_with_blocks(immutable, cache_size, read_ahead, nbdgw::cache::BLOCK_SIZE)
+}
+
+fn site_with_blocks(immutable: bool, cache_size: u64, read_ahead: u32, block: u64) -> Site {
     let env = Env::new();
     let path = env.random_image("golden.img", SIZE, 22);
     let image = std::fs::read(&path).unwrap();
@@ -45,7 +49,11 @@ fn site(immutable: bool, cache_size: u64, read_ahead: u32) -> Site {
     let mut config = env.config(&counter.socket);
     config.immutable = Arc::new(Immutable::new(immutable, vec![]).unwrap());
     if immutable && cache_size > 0 {
-        config.cache = Some(ReadCache::new(cache_size, config.metrics.cache.clone()));
+        config.cache = Some(ReadCache::with_block_size(
+            cache_size,
+            block,
+            config.metrics.cache.clone(),
+        ));
     }
     config.read_ahead = read_ahead;
     let metrics = config.metrics.clone();
@@ -207,7 +215,16 @@ fn a_hit_is_one_reply_in_the_clients_framing() {
 
 #[test]
 fn a_second_reader_of_the_same_blocks_does_not_reach_the_upstream() {
-    let s = site(true, 64 << 20, 0);
+    second_reader(nbdgw::cache::BLOCK_SIZE);
+}
+
+#[test]
+fn with_small_blocks_too() {
+    second_reader(4096);
+}
+
+fn second_reader(block: u64) {
+    let s = site_with_blocks(true, 64 << 20, 0, block);
     let (mut first, _) = s.client(ReplyMode::Structured);
     for i in 0..16 {
         s.check_read(&mut first, i + 1, i as usize * 65536, 65536);
