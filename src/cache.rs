@@ -122,6 +122,10 @@ pub struct BlockMap {
     live: HashMap<Generation, Live>,
     next_generation: Generation,
     bytes: u64,
+    /// Blocks some connection's read-ahead is fetching: not fetched
+    /// again by another's. At most every connection's read-ahead depth
+    /// in windows of blocks.
+    pending: std::collections::HashSet<(Generation, u64)>,
 }
 
 /// The blocks that cover a read, as slices in order.
@@ -143,6 +147,7 @@ impl BlockMap {
             live: HashMap::new(),
             next_generation: 1,
             bytes: 0,
+            pending: std::collections::HashSet::new(),
         }
     }
 
@@ -264,12 +269,32 @@ impl BlockMap {
         let Some(span) = self.span(size, offset, length) else {
             return Some((offset, length));
         };
-        let absent = |block: &u64| !self.index.contains_key(&(generation, *block));
+        let absent = |block: &u64| {
+            let key = (generation, *block);
+            !self.index.contains_key(&key) && !self.pending.contains(&key)
+        };
         let first = span.clone().find(absent)?;
         let last = span.rev().find(absent).unwrap_or(first);
         let start = (first * self.block_size).max(offset);
         let end = ((last + 1) * self.block_size).min(offset + length);
         Some((start, end - start))
+    }
+
+    /// Marks (or, with `on` false, unmarks) the blocks of a read-ahead
+    /// range as being fetched.
+    pub fn set_pending(&mut self, generation: Generation, offset: u64, length: u64, on: bool) {
+        let Some(size) = self.live.get(&generation).map(|l| l.size) else {
+            return;
+        };
+        let Some(span) = self.span(size, offset, length) else {
+            return;
+        };
+        for block in span {
+            match on {
+                true => self.pending.insert((generation, block)),
+                false => self.pending.remove(&(generation, block)),
+            };
+        }
     }
 
     /// Caches the whole blocks inside `data`, which is the export's bytes
@@ -409,6 +434,7 @@ impl BlockMap {
 
     fn drop_generation(&mut self, generation: Generation) -> Events {
         let mut events = Events::default();
+        self.pending.retain(|(g, _)| *g != generation);
         for at in 0..self.slots.len() {
             if self.slots[at]
                 .as_ref()
@@ -508,6 +534,13 @@ impl Handle {
         self.cache.lock().missing(self.generation, offset, length)
     }
 
+    /// Read-ahead of this range is on its way (`on`), or over.
+    pub fn set_pending(&self, offset: u64, length: u64, on: bool) {
+        self.cache
+            .lock()
+            .set_pending(self.generation, offset, length, on);
+    }
+
     /// The upstream's data for `offset`.
     pub fn fill(&self, offset: u64, data: &[u8], prefetched: bool) {
         let events = self
@@ -593,6 +626,11 @@ mod tests {
         assert_eq!(map.missing(g, 0, 4096), Some((0, 4096)));
         assert_eq!(map.missing(g, 1024, 4096), Some((3072, 2048)));
         assert_eq!(map.missing(g, 2048, 1024), None);
+        // Blocks another connection is fetching need not be fetched.
+        map.set_pending(g, 3072, 2048, true);
+        assert_eq!(map.missing(g, 1024, 6144), Some((5120, 2048)));
+        map.set_pending(g, 3072, 2048, false);
+        assert_eq!(map.missing(g, 1024, 6144), Some((3072, 4096)));
     }
 
     #[test]

@@ -42,8 +42,8 @@ pub struct Cached {
 /// Why nbdgw sent a read of its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Purpose {
-    /// Read-ahead: fills the cache, answers no one.
-    ReadAhead,
+    /// Read-ahead of this range: fills the cache, answers no one.
+    ReadAhead { offset: u64, length: u64 },
     /// A client's read that missed, widened to whole blocks: fills the
     /// cache, and its data answers the client's request.
     Fill(Request),
@@ -55,9 +55,33 @@ pub enum Purpose {
 #[derive(Default)]
 pub struct Ahead {
     cookies: Mutex<HashMap<u64, Purpose>>,
+    /// Where read-ahead ranges are marked as being fetched.
+    handle: Option<Handle>,
+}
+
+impl Drop for Ahead {
+    /// The session ended with read-ahead in flight: other connections may
+    /// fetch those blocks again.
+    fn drop(&mut self) {
+        let Some(handle) = &self.handle else {
+            return;
+        };
+        for purpose in self.lock().values() {
+            if let Purpose::ReadAhead { offset, length } = *purpose {
+                handle.set_pending(offset, length, false);
+            }
+        }
+    }
 }
 
 impl Ahead {
+    pub fn new(handle: Option<Handle>) -> Self {
+        Ahead {
+            cookies: Mutex::default(),
+            handle,
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Purpose>> {
         self.cookies.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -66,7 +90,7 @@ impl Ahead {
         let cookies = self.lock();
         cookies
             .values()
-            .filter(|p| **p == Purpose::ReadAhead)
+            .filter(|p| matches!(p, Purpose::ReadAhead { .. }))
             .count()
     }
 
@@ -74,9 +98,14 @@ impl Ahead {
         self.lock().get(&cookie).copied()
     }
 
-    /// The read's last reply has come.
+    /// The read's last reply has come: its blocks are cached (or the
+    /// read failed) and no longer being fetched.
     pub fn done(&self, cookie: u64) {
-        self.lock().remove(&cookie);
+        let purpose = self.lock().remove(&cookie);
+        if let (Some(Purpose::ReadAhead { offset, length }), Some(handle)) = (purpose, &self.handle)
+        {
+            handle.set_pending(offset, length, false);
+        }
     }
 }
 
@@ -122,8 +151,9 @@ impl Sequential {
         }
         self.next = end;
         let mut plan = Vec::new();
-        // Two reads in a row make a run; one read is no pattern.
-        if self.reads < 2 || chunk == 0 || block == 0 {
+        // Three reads in a row make a run: a boot's short runs of two
+        // reads would fetch ahead what nobody reads.
+        if self.reads < 3 || chunk == 0 || block == 0 {
             return plan;
         }
         let window = match self.window {
@@ -216,7 +246,11 @@ impl<'a> RequestLayer<'a> {
             |offset, length| handle.missing(offset, length),
         );
         plan.into_iter()
-            .map(|range| self.own_read(range, Purpose::ReadAhead, flight))
+            .map(|(offset, length)| {
+                self.cached.handle.set_pending(offset, length, true);
+                let purpose = Purpose::ReadAhead { offset, length };
+                self.own_read((offset, length), purpose, flight)
+            })
             .collect()
     }
 
@@ -408,20 +442,18 @@ mod tests {
 
     #[test]
     fn a_run_fetches_whole_blocks_ahead_up_to_the_depth() {
-        let plans = run(&[(0, 4 * K), (4 * K, 4 * K), (8 * K, 4 * K)], 2);
-        assert!(plans[0].is_empty());
+        let reads: Vec<_> = (0..5).map(|i| (i * 4 * K, 4 * K)).collect();
+        let plans = run(&reads, 2);
+        // Two reads in a row are not yet a run.
+        assert!(plans[0].is_empty() && plans[1].is_empty());
         // From the block the read ended in, two windows of two blocks.
-        assert_eq!(plans[1], [(0, 128 * K), (128 * K, 128 * K)]);
+        assert_eq!(plans[2], [(0, 128 * K), (128 * K, 128 * K)]);
         // The window doubles up to the chunk, `depth` windows ahead of
         // the read's end, no more.
-        assert_eq!(plans[2], [(256 * K, 256 * K), (512 * K, 256 * K)]);
-        let plans = run(
-            &[(0, 4 * K), (4 * K, 4 * K), (8 * K, 4 * K), (12 * K, 4 * K)],
-            2,
-        );
-        assert!(plans[3].is_empty());
+        assert_eq!(plans[3], [(256 * K, 256 * K), (512 * K, 256 * K)]);
+        assert!(plans[4].is_empty());
         // No room (requests in flight): nothing.
-        assert!(run(&[(0, 4 * K), (4 * K, 4 * K)], 0)[1].is_empty());
+        assert!(run(&reads[..3], 0)[2].is_empty());
     }
 
     #[test]
@@ -439,9 +471,9 @@ mod tests {
             fetched.extend(plan);
             offset += 64 * K;
         }
-        // Every byte past the run's second read once, in order, never
+        // Every byte past the run's third read once, in order, never
         // past the end.
-        let mut at = 128 * K;
+        let mut at = 192 * K;
         for (o, l) in &fetched {
             assert_eq!(*o, at);
             at += l;
@@ -452,11 +484,13 @@ mod tests {
     #[test]
     fn cached_ranges_are_not_fetched() {
         let mut s = Sequential::default();
-        s.observe((0, 4 * K), (1 << 20, 64 * K, 256 * K), (2, 2), |_, _| None);
+        for read in [(0, 4 * K), (4 * K, 4 * K)] {
+            s.observe(read, (1 << 20, 64 * K, 256 * K), (2, 2), |_, _| None);
+        }
         // The first window is cached, the others from their second block
         // on (windows of two blocks, as a run begins).
         let plan = s.observe(
-            (4 * K, 4 * K),
+            (8 * K, 4 * K),
             (1 << 20, 64 * K, 256 * K),
             (2, 2),
             |o, l| (o > 0).then_some((o + 64 * K, l - 64 * K)),

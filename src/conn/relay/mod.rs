@@ -70,7 +70,7 @@ where
         cache,
     } = ends;
     let flight = Flight::new();
-    let ahead = Ahead::default();
+    let ahead = Ahead::new(cache.as_ref().map(|c| c.handle.clone()));
     let reply_cache = cache.as_ref().map(|c| ReplyLayer {
         handle: c.handle.clone(),
         ahead: &ahead,
