@@ -358,13 +358,21 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
         purpose: Option<Purpose>,
     ) -> Result<(), ConnError> {
         let eof = || ConnError::io(Side::Upstream, "in the middle of a reply");
-        // Bounded by parse_reply: at most the longest reply accepted.
+        // Bounded by parse_reply: at most the longest reply accepted. Read
+        // into spare capacity, which is not zeroed first.
         self.scratch.clear();
-        self.scratch.resize(frame.payload_len as usize, 0);
-        self.upstream
-            .read_exact(&mut self.scratch)
+        self.scratch.reserve(frame.payload_len as usize);
+        let read = (&mut self.upstream)
+            .take(frame.payload_len)
+            .read_to_end(&mut self.scratch)
             .await
             .map_err(eof())?;
+        if read as u64 != frame.payload_len {
+            return Err(ConnError::closed(
+                Side::Upstream,
+                "in the middle of a reply",
+            ));
+        }
         let Some(cache) = &self.cache else {
             return Ok(());
         };
