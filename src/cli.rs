@@ -300,7 +300,7 @@ pub struct ServeArgs {
     pub immutable_exports: Vec<String>,
     /// With --upstream: every export it serves is immutable (see
     /// --immutable-export).
-    #[arg(long, env = "NBDGW_IMMUTABLE", requires = "upstream")]
+    #[arg(long, env = "NBDGW_IMMUTABLE")]
     pub immutable: bool,
     /// Bytes of memory the read cache of immutable exports may hold, in
     /// blocks (--cache-block-size) shared by every connection; 0 turns it

@@ -524,3 +524,58 @@ fn a_failed_fill_is_the_clients_error_and_caches_nothing() {
     assert_eq!(c.read(6, 200_000, 4096), [7; 4096]);
     c.disconnect();
 }
+
+/// Bad cache settings stop nbdgw at start, naming the flag.
+#[test]
+fn bad_cache_flags_are_refused_at_start() {
+    let env = Env::new();
+    let certs = env.certs();
+    let socket = env.path("nbd.sock");
+    let base = |extra: &[&str]| {
+        let mut args: Vec<std::ffi::OsString> = vec![
+            "--tls-dir".into(),
+            certs.clone().into(),
+            "--landlock".into(),
+            "false".into(),
+        ];
+        args.extend(extra.iter().map(|a| a.into()));
+        args
+    };
+    let export = format!("golden={}", socket.display());
+    for (extra, says) in [
+        (
+            vec!["--export", export.as_str(), "--immutable"],
+            "--upstream",
+        ),
+        (
+            vec![
+                "--upstream",
+                socket.to_str().unwrap(),
+                "--cache-block-size",
+                "5000",
+            ],
+            "power of two",
+        ),
+        (
+            vec![
+                "--upstream",
+                socket.to_str().unwrap(),
+                "--read-ahead",
+                "67108864",
+            ],
+            "--read-ahead",
+        ),
+        (
+            vec![
+                "--upstream",
+                socket.to_str().unwrap(),
+                "--immutable-export",
+                "a\nb",
+            ],
+            "--immutable-export",
+        ),
+    ] {
+        let stderr = common::process::start_must_fail(base(&extra));
+        assert!(stderr.contains(says), "{extra:?}: {stderr}");
+    }
+}
