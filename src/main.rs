@@ -515,7 +515,9 @@ fn read_cache(args: &ServeArgs, config: &mut Config) -> Result<()> {
     // With named exports, every export immutable would be a blanket the
     // operator should spell out (--immutable-export '*').
     if args.immutable && args.upstream.is_none() {
-        bail!("--immutable (NBDGW_IMMUTABLE) needs --upstream; name exports with --immutable-export");
+        bail!(
+            "--immutable (NBDGW_IMMUTABLE) needs --upstream; name exports with --immutable-export"
+        );
     }
     let immutable = nbdgw::exports::Immutable::new(args.immutable, args.immutable_exports.clone())?;
     if args.read_ahead > args.max_payload {

@@ -127,10 +127,11 @@ pub struct Sequential {
 
 impl Sequential {
     /// Notes a read; the ranges to fetch ahead now, if any: whole blocks
-    /// from where read-ahead (or the read) has reached, up to `depth`
-    /// requests of `chunk` bytes ahead of the read's end, `room` of them
-    /// at most, within the export's `size`. `missing` narrows a range to
-    /// the part still to fetch (`None`: all cached).
+    /// from where read-ahead (or the read) has reached to one window past
+    /// the read's end (the window grows to `chunk` as the run goes on),
+    /// at most `room` requests (`depth` less those in flight), within the
+    /// export's `size`. `missing` narrows a range to the part still to
+    /// fetch (`None`: all cached).
     pub fn observe(
         &mut self,
         (offset, length): (u64, u64),
@@ -160,7 +161,7 @@ impl Sequential {
             0 => block.saturating_mul(2).min(chunk),
             window => window,
         };
-        let limit = end.saturating_add(depth.saturating_mul(window)).min(size);
+        let limit = end.saturating_add(window).min(size);
         let mut start = self.frontier.max(end / block * block);
         // Each turn moves `start` forward by at least a block, and at most
         // depth turns fetch: bounded by depth twice over.
@@ -448,9 +449,9 @@ mod tests {
         assert!(plans[0].is_empty() && plans[1].is_empty());
         // From the block the read ended in, two windows of two blocks.
         assert_eq!(plans[2], [(0, 128 * K), (128 * K, 128 * K)]);
-        // The window doubles up to the chunk, `depth` windows ahead of
-        // the read's end, no more.
-        assert_eq!(plans[3], [(256 * K, 256 * K), (512 * K, 256 * K)]);
+        // The window doubles up to the chunk; read-ahead reaches one
+        // window past the read's end, no more.
+        assert_eq!(plans[3], [(256 * K, 256 * K)]);
         assert!(plans[4].is_empty());
         // No room (requests in flight): nothing.
         assert!(run(&reads[..3], 0)[2].is_empty());
@@ -495,7 +496,7 @@ mod tests {
             (2, 2),
             |o, l| (o > 0).then_some((o + 64 * K, l - 64 * K)),
         );
-        assert_eq!(plan, [(192 * K, 64 * K), (320 * K, 64 * K)]);
+        assert_eq!(plan, [(192 * K, 64 * K)]);
     }
 
     fn fill_of(offset: u64, length: u64) -> Filling {
