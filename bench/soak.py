@@ -11,12 +11,21 @@ restarted, the server certificate is rotated, and SIGHUP comes in storms.
     bench/soak.py --seconds 60                 # what CI runs
     bench/soak.py --seconds 14400 --clients 64 # a long run by hand
     bench/soak.py --through-client --seconds 60
+    bench/soak.py --immutable --seconds 60     # the read cache
 
 --through-client puts `nbdgw client --reconnect` between the clients and
 the gateway (they speak plaintext NBD to its Unix socket) and adds a fault:
 the gateway killed (SIGKILL) and started again. Then no client may see
 any error at all: every restart is shorter than --reconnect-timeout, so
 client mode must hide each one, sending the requests in flight again.
+
+With --immutable the export is declared immutable (nbdgw --immutable,
+with --cache-size smaller than the image so blocks are evicted, and
+read-ahead): clients only read, small random reads and sequential runs,
+every byte compared with the image; writes must be refused. The faults
+include restarting qemu-nbd on an image of another size (and content),
+whose blocks the cache must drop: each client checks against the image
+of the size its connection reports.
 
 Prints operations, acknowledged writes, mismatches (must be 0), errors by
 kind, faults injected, latency percentiles, nbdgw's peak RSS, and its
@@ -41,7 +50,8 @@ import time
 import nbd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NBDGW = os.path.join(ROOT, "target", "debug", "nbdgw")
+# NBDGW=target/release/nbdgw to soak an optimised build.
+NBDGW = os.environ.get("NBDGW", os.path.join(ROOT, "target", "debug", "nbdgw"))
 IHAVEOPT = 0x49484156454F5054
 REQUEST_MAGIC = 0x25609513
 OPT_STARTTLS, OPT_GO, OPT_STRUCTURED_REPLY = 5, 7, 8
@@ -204,6 +214,101 @@ def client_loop(cid, region, uri, stats, stop, start_together):
             pass
 
 
+def immutable_loop(cid, images, uri, stats, stop, start_together):
+    """Reads only: small random reads (a boot) and sequential runs (a
+    read-ahead's pattern), each compared with the image of the size the
+    connection reports; now and then a write, which must be refused."""
+    rng = random.Random(cid)
+    h, expected, run = None, None, None
+    start_together.wait()
+    while not stop.is_set():
+        if h is None:
+            attempt = time.time()
+            try:
+                h = connect(uri)
+                expected = images.get(h.get_size())
+                if expected is None:
+                    stats.error(f"connect: unknown size {h.get_size()}")
+                if not h.is_read_only():
+                    with stats.lock:
+                        stats.mismatches.append((cid, "immutable export not advertised read-only"))
+            except nbd.Error as e:
+                stats.error("connect")
+                stats.connect_failed(attempt, time.time(), short(e))
+                h = None
+                time.sleep(0.2)
+                continue
+            if expected is None:
+                h.shutdown()
+                h = None
+                time.sleep(0.2)
+                continue
+        size = len(expected)
+        kind = rng.choices(["read", "sequential", "write"], [60, 38, 2])[0]
+        if kind == "sequential":
+            if run is None or run >= size or rng.random() < 1 / 128:
+                run = rng.randrange(size // BLOCK) * BLOCK
+            length = min(rng.choice([4096, 4096, 16384, 65536, 131072]), size - run)
+            offset, run = run, run + length
+        else:
+            length = rng.choice([512, 4096, 4096, 4096, 16384, 65536])
+            offset = rng.randrange((size - length) // 512) * 512
+        t = time.perf_counter()
+        try:
+            if kind == "write":
+                try:
+                    h.pwrite(b"x" * 4096, offset)
+                    with stats.lock:
+                        stats.mismatches.append((cid, f"a write to the immutable export at {offset} succeeded"))
+                except nbd.Error:
+                    stats.op("refused write", time.perf_counter() - t)
+                continue
+            got = h.pread(length, offset)
+            if got != expected[offset:offset + length]:
+                with stats.lock:
+                    stats.mismatches.append((cid, (offset, length)))
+            stats.op("read", time.perf_counter() - t)
+        except nbd.Error as e:
+            stats.error(f"{kind}: {short(e)}")
+            try:
+                h.shutdown()
+            except nbd.Error:
+                pass
+            h = None
+    if h is not None:
+        try:
+            h.shutdown()
+        except nbd.Error:
+            pass
+
+
+def immutable_images(work, size, seed):
+    """Two images of different sizes and content, each with a hole."""
+    images, paths = {}, []
+    for i, length in enumerate([size, size - (1 << 20)]):
+        data = bytearray(random.Random(seed + i).randbytes(length))
+        hole = slice(length // 4, length // 4 + (2 << 20))
+        data[hole] = bytes(hole.stop - hole.start)
+        path = os.path.join(work, f"golden{i}.img")
+        with open(path, "wb") as f:
+            f.write(data[:hole.start])
+            f.seek(hole.stop)
+            f.write(data[hole.stop:])
+        images[length] = bytes(data)
+        paths.append(path)
+    return images, paths
+
+
+def cache_metrics(port):
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError as e:
+        return f"(metrics unavailable: {e})"
+    return "\n".join(line for line in text.splitlines() if line.startswith("nbdgw_cache"))
+
+
 def short(error):
     text = str(error)
     for known in ("Connection reset", "server reported", "Broken pipe", "ESHUTDOWN",
@@ -249,9 +354,13 @@ def request(command, cookie, offset, length):
 
 
 class Processes:
-    def __init__(self, work, image, certs, host, port, netns, through_client=False):
+    def __init__(self, work, image, certs, host, port, netns, gw_extra=(), images=None,
+                 through_client=False):
         self.work, self.image, self.certs = work, image, certs
+        # --immutable: the images an upstream resize switches between.
+        self.images, self.current = images or [image], 0
         self.host, self.port, self.netns = host, port, netns
+        self.gw_extra = list(gw_extra)
         self.sock = os.path.join(work, "nbd.sock")
         self.qemu = None
         self.start_qemu()
@@ -277,7 +386,7 @@ class Processes:
         self.gw = subprocess.Popen(
             [*inside, NBDGW, "--listen", f"{self.host}:{self.port}", "--upstream", self.sock,
              "--tls-dir", self.certs, "--tls-reload-interval", "1", "--stall-timeout", "3",
-             "--handshake-timeout", "5"],
+             "--handshake-timeout", "5", *self.gw_extra],
             stderr=self.log, env={**os.environ, "RUST_LOG": "info"})
         deadline = time.time() + 10
         while time.time() < deadline:
@@ -304,10 +413,13 @@ class Processes:
         while not os.path.exists(self.sock):
             time.sleep(0.01)
 
-    def restart_qemu(self):
+    def restart_qemu(self, other_image=False):
         self.qemu.kill()
         self.qemu.wait()
         time.sleep(0.3)
+        if other_image:
+            self.current = (self.current + 1) % len(self.images)
+            self.image = self.images[self.current]
         self.start_qemu()
 
     def stop(self):
@@ -384,6 +496,8 @@ def faults(procs, certs, stats, stop, rng, every):
     kinds = ["vanish mid-write", "stop reading", "upstream restart", "certificate rotation", "SIGHUP storm"]
     if procs.client is not None:
         kinds.insert(1, "gateway restart")
+    if len(procs.images) > 1:
+        kinds.insert(3, "upstream resize")
     i = 0
     while not stop.wait(every):
         kind = kinds[i % len(kinds)]
@@ -404,6 +518,10 @@ def faults(procs, certs, stats, stop, rng, every):
             elif kind == "upstream restart":
                 began = time.time()
                 procs.restart_qemu()
+                stats.window(began, time.time())
+            elif kind == "upstream resize":
+                began = time.time()
+                procs.restart_qemu(other_image=True)
                 stats.window(began, time.time())
             elif kind == "certificate rotation":
                 # Clients read the same files (the CA is kept, rewritten).
@@ -451,7 +569,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--clients", type=int, default=64)
-    ap.add_argument("--size-mib", type=int, default=256)
+    ap.add_argument("--size-mib", type=int, default=None, help="export size (default 256, 64 with --immutable)")
+    ap.add_argument("--immutable", action="store_true", help="reads only, through nbdgw's read cache")
+    ap.add_argument("--cache-mib", type=int, default=16, help="--cache-size with --immutable")
+    ap.add_argument("--read-ahead-kib", type=int, default=1024, help="--read-ahead with --immutable")
+    ap.add_argument("--cache-block-kib", type=int, default=64, help="--cache-block-size with --immutable")
     ap.add_argument("--fault-every", type=float, default=4)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--seed", type=int, default=1)
@@ -463,6 +585,8 @@ def main():
     ap.add_argument("--max-op-seconds", type=float, default=0,
                     help="fail if a successful operation took longer (0: no limit)")
     args = ap.parse_args()
+    if args.size_mib is None:
+        args.size_mib = 64 if args.immutable else 256
     if not os.access(NBDGW, os.X_OK):
         sys.exit(f"soak: build nbdgw first (cargo build): {NBDGW}")
     with tempfile.TemporaryDirectory() as work:
@@ -470,11 +594,23 @@ def main():
         size = args.size_mib << 20
         with open(image, "wb") as f:
             f.truncate(size)
+        images, gw_extra, paths, margin = None, [], None, RSS_MARGIN_MIB
+        if args.immutable:
+            images, paths = immutable_images(work, size, args.seed)
+            image = paths[0]
+            admin = free_port()
+            gw_extra = ["--immutable", "--cache-size", str(args.cache_mib << 20),
+                        "--read-ahead", str(args.read_ahead_kib << 10),
+                        "--cache-block-size", str(args.cache_block_kib << 10),
+                        "--admin-listen", f"127.0.0.1:{admin}"]
+            # The cache keeps what it holds once the clients are gone.
+            margin += args.cache_mib * 2
         certs = os.path.join(work, "certs")
         subprocess.run([NBDGW, "certs", "--out", certs, "--keep-ca-key", "--server-name", args.host],
                        check=True, stdout=subprocess.DEVNULL)
         port = args.port or free_port()
-        procs = Processes(work, image, certs, args.host, port, args.gateway_netns, args.through_client)
+        procs = Processes(work, image, certs, args.host, port, args.gateway_netns, gw_extra, paths,
+                          args.through_client)
         # Through client mode the gateway is restarted: the process whose
         # descriptors and memory are watched is client mode's.
         pid = procs.client.pid if procs.client else procs.gw.pid
@@ -486,9 +622,14 @@ def main():
         stats, stop = Stats(), threading.Event()
         span = size // args.clients // BLOCK * BLOCK
         start_together = threading.Barrier(args.clients)
-        workers = [threading.Thread(target=client_loop,
-                                    args=(c, Region(c * span, span), uri, stats, stop, start_together))
-                   for c in range(args.clients)]
+        if args.immutable:
+            workers = [threading.Thread(target=immutable_loop,
+                                        args=(c, images, uri, stats, stop, start_together))
+                       for c in range(args.clients)]
+        else:
+            workers = [threading.Thread(target=client_loop,
+                                        args=(c, Region(c * span, span), uri, stats, stop, start_together))
+                       for c in range(args.clients)]
         faulter = threading.Thread(target=faults, args=(procs, certs, stats, stop, random.Random(args.seed),
                                                         args.fault_every))
         for w in workers:
@@ -510,11 +651,13 @@ def main():
         faulter.join()
         # The stalled readers are closed by the stall timeout; then every
         # connection nbdgw held is gone.
-        fds_after, rss_after = settle(pid, fds_before, rss_idle)
+        fds_after, rss_after = settle(pid, fds_before, rss_idle + margin - RSS_MARGIN_MIB)
+        if args.immutable:
+            print(cache_metrics(admin))
         stranger = os.path.join(work, "stranger")
         subprocess.run([NBDGW, "certs", "--out", stranger], check=True, stdout=subprocess.DEVNULL)
         failures = failed_handshakes(args.host, port, certs, args.failed_handshakes, stranger)
-        fds_burst, rss_burst = settle(pid, fds_before, rss_idle)
+        fds_burst, rss_burst = settle(pid, fds_before, rss_idle + margin - RSS_MARGIN_MIB)
         procs.stop()
         report(args, stats, peak, rss_idle, rss_after, fds_before, fds_after)
         print(f"after {args.failed_handshakes} failed handshakes {dict(failures)}: "
@@ -539,7 +682,7 @@ def main():
             "rotations served": not any(k.startswith("rotation") for k in stats.errors),
             "no slow operation": not args.max_op_seconds or slowest <= args.max_op_seconds,
             "descriptors back": max(fds_after, fds_burst) <= fds_before,
-            "memory back": max(rss_after, rss_burst) <= rss_idle + RSS_MARGIN_MIB,
+            "memory back": max(rss_after, rss_burst) <= rss_idle + margin,
             "strangers refused": failures["unexpectedly admitted"] == 0,
         }
         ok = all(checks.values())

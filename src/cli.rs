@@ -311,6 +311,42 @@ pub struct ServeArgs {
         default_value_t = crate::exports::OwnerCheck::Any
     )]
     pub export_dir_owner: crate::exports::OwnerCheck,
+    /// Declares the export NAME immutable: its data never changes while
+    /// nbdgw runs (a golden image). It is read-only for every identity,
+    /// and its reads go through the shared read cache (--cache-size).
+    /// A `*` component matches any one component (`golden/*`).
+    /// Repeatable, or comma-separated. Never the default.
+    #[arg(
+        long = "immutable-export",
+        value_name = "NAME",
+        env = "NBDGW_IMMUTABLE_EXPORT",
+        value_delimiter = ','
+    )]
+    pub immutable_exports: Vec<String>,
+    /// With --upstream: every export it serves is immutable (see
+    /// --immutable-export).
+    #[arg(long, env = "NBDGW_IMMUTABLE")]
+    pub immutable: bool,
+    /// Bytes of memory the read cache of immutable exports may hold, in
+    /// blocks (--cache-block-size) shared by every connection; 0 turns it
+    /// off (the exports stay read-only).
+    #[arg(long, env = "NBDGW_CACHE_SIZE", value_name = "BYTES", default_value_t = crate::cache::DEFAULT_CACHE_SIZE)]
+    pub cache_size: u64,
+    /// Bytes per read cache block (a power of two, 4096 to 65536): a
+    /// read that misses fetches the whole blocks around it. Larger blocks
+    /// bring a boot's neighbouring reads in with one upstream read;
+    /// smaller ones fetch less for scattered reads of a working set
+    /// larger than the cache.
+    #[arg(long, env = "NBDGW_CACHE_BLOCK_SIZE", value_name = "BYTES", default_value_t = crate::cache::BLOCK_SIZE, value_parser = crate::cache::parse_block_size)]
+    pub cache_block_size: u64,
+    /// Bytes one read-ahead request fetches into the cache once a
+    /// connection reads an immutable export sequentially (rounded down to
+    /// whole blocks, at most --max-payload); 0 turns read-ahead off.
+    #[arg(long, env = "NBDGW_READ_AHEAD", value_name = "BYTES", default_value_t = crate::cache::DEFAULT_READ_AHEAD)]
+    pub read_ahead: u32,
+    /// Read-ahead requests one connection may have in flight at once.
+    #[arg(long, env = "NBDGW_READ_AHEAD_DEPTH", value_name = "N", default_value_t = crate::cache::DEFAULT_READ_AHEAD_DEPTH, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub read_ahead_depth: u32,
     /// TOML file saying which client identities may open which exports,
     /// read-write or read-only; reloaded like the TLS files, and a reload
     /// may only narrow it. Without it every admitted client may open every

@@ -100,6 +100,14 @@ pub struct Config {
     pub allow_lists: bool,
     pub metrics: Arc<crate::metrics::Metrics>,
     pub health: Arc<crate::metrics::Health>,
+    /// Exports declared immutable: read-only for everyone, and cached.
+    pub immutable: Arc<crate::exports::Immutable>,
+    /// The read cache immutable exports share; `None`: off.
+    pub cache: Option<Arc<crate::cache::ReadCache>>,
+    /// Bytes one read-ahead request fetches; 0: no read-ahead.
+    pub read_ahead: u32,
+    /// Read-ahead requests one connection may have in flight.
+    pub read_ahead_depth: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -162,6 +170,10 @@ impl Config {
             kernel_tls_no_rekey: false,
             ktls_key_limit: None,
             shutdown_grace: Duration::from_secs(DEFAULT_SHUTDOWN_GRACE_SECS),
+            immutable: Arc::default(),
+            cache: None,
+            read_ahead: crate::cache::DEFAULT_READ_AHEAD,
+            read_ahead_depth: crate::cache::DEFAULT_READ_AHEAD_DEPTH,
         }
     }
 }

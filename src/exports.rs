@@ -276,6 +276,54 @@ impl FromStr for Export {
     }
 }
 
+/// Which exports the operator declared immutable (`--immutable-export`,
+/// `--immutable`): served read-only to every identity, and read through
+/// the shared read cache. Patterns are the client's names for exports;
+/// a `*` component matches any one component (`golden/*`, `*`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Immutable {
+    /// Every export (`--immutable`, for a single `--upstream`).
+    all: bool,
+    patterns: Vec<String>,
+}
+
+#[derive(Debug, Error, PartialEq, Eq)]
+#[error("--immutable-export {0:?}: {1}")]
+pub struct ImmutableError(String, NameError);
+
+impl Immutable {
+    pub fn new(all: bool, patterns: Vec<String>) -> Result<Self, ImmutableError> {
+        for pattern in &patterns {
+            // A pattern no client name could match is a mistake.
+            export_name(pattern.as_bytes()).map_err(|e| ImmutableError(pattern.clone(), e))?;
+        }
+        Ok(Immutable { all, patterns })
+    }
+
+    /// Whether any export is immutable (and the cache is worth having).
+    pub fn any(&self) -> bool {
+        self.all || !self.patterns.is_empty()
+    }
+
+    pub fn matches(&self, name: &str) -> bool {
+        self.all || self.patterns.iter().any(|p| pattern_matches(p, name))
+    }
+}
+
+/// Component by component: `*` matches any one component, anything else
+/// itself; the counts must agree.
+fn pattern_matches(pattern: &str, name: &str) -> bool {
+    let (mut p, mut n) = (pattern.split('/'), name.split('/'));
+    loop {
+        match (p.next(), n.next()) {
+            (None, None) => return true,
+            (Some("*"), Some(_)) => {}
+            (Some(a), Some(b)) if a == b => {}
+            _ => return false,
+        }
+    }
+}
+
 /// Every export the gateway routes to.
 #[derive(Debug, Clone, Default)]
 pub struct ExportTable {
@@ -456,6 +504,26 @@ mod tests {
                 Err(ExportError::Name(bad.to_string(), why))
             );
         }
+    }
+
+    #[test]
+    fn immutable_patterns_match_whole_components() {
+        let immutable = Immutable::new(false, vec!["golden".into(), "base/*".into()]).unwrap();
+        assert!(immutable.any());
+        for name in ["golden", "base/x", "base/golden"] {
+            assert!(immutable.matches(name), "{name}");
+        }
+        for name in [
+            "", "golden2", "golde", "base", "base/x/y", "other/x", "x/golden",
+        ] {
+            assert!(!immutable.matches(name), "{name}");
+        }
+        assert!(Immutable::new(true, vec![])
+            .unwrap()
+            .matches("anything/at/all"));
+        assert!(!Immutable::default().any());
+        assert!(!Immutable::default().matches(""));
+        assert!(Immutable::new(false, vec!["a\nb".into()]).is_err());
     }
 
     #[test]

@@ -8,6 +8,7 @@
 
 pub mod admin;
 mod admission;
+pub mod cache;
 pub mod certs;
 pub mod cli;
 pub mod client;

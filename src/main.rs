@@ -310,6 +310,7 @@ fn configure(
     config.kernel_tls = kernel_tls;
     config.kernel_tls_no_rekey = kernel_tls_no_rekey;
     config.ktls_key_limit = args.ktls_key_limit;
+    read_cache(args, &mut config)?;
     if let Some(policy) = &mut policy {
         config.policy = policy.store();
         let m = &config.metrics;
@@ -543,6 +544,39 @@ fn export_table(args: &ServeArgs) -> Result<Option<nbdgw::exports::ExportTable>>
         .with_owner_check(args.export_dir_owner);
     info!(exports = ?table.names(), dir = ?args.export_dir, owner = %args.export_dir_owner, "exports routed by name");
     Ok(Some(table))
+}
+
+/// The immutable exports, and the read cache they share when it is on.
+fn read_cache(args: &ServeArgs, config: &mut Config) -> Result<()> {
+    // With named exports, every export immutable would be a blanket the
+    // operator should spell out (--immutable-export '*').
+    if args.immutable && args.upstream.is_none() {
+        bail!(
+            "--immutable (NBDGW_IMMUTABLE) needs --upstream; name exports with --immutable-export"
+        );
+    }
+    let immutable = nbdgw::exports::Immutable::new(args.immutable, args.immutable_exports.clone())?;
+    if args.read_ahead > args.max_payload {
+        bail!("--read-ahead must not exceed --max-payload");
+    }
+    config.read_ahead = args.read_ahead;
+    config.read_ahead_depth = args.read_ahead_depth;
+    if immutable.any() && args.cache_size > 0 {
+        config.cache = Some(nbdgw::cache::ReadCache::with_block_size(
+            args.cache_size,
+            args.cache_block_size,
+            config.metrics.cache.clone(),
+        ));
+        info!(
+            cache_size = args.cache_size,
+            cache_block_size = args.cache_block_size,
+            read_ahead = args.read_ahead,
+            read_ahead_depth = args.read_ahead_depth,
+            "read cache on for immutable exports"
+        );
+    }
+    config.immutable = Arc::new(immutable);
+    Ok(())
 }
 
 /// The policy file's first read, which must succeed; it only means

@@ -82,6 +82,33 @@ pub struct Metrics {
     pub policy_reload_failures: Counter,
     pub admin_connections_open: Gauge,
     pub admin_connections_refused: Counter,
+    pub cache: CacheMetrics,
+}
+
+/// The read cache's counters (see `crate::cache`): one set for the
+/// gateway, with no label, so no client chooses a series.
+#[derive(Clone, Debug, Default)]
+pub struct CacheMetrics {
+    /// Reads answered from the cache, without the upstream.
+    pub hits: Counter,
+    /// Reads of a cached export forwarded to the upstream.
+    pub misses: Counter,
+    /// Blocks evicted to make room.
+    pub evictions: Counter,
+    /// Blocks dropped because their upstream reported another size or
+    /// flags.
+    pub invalidated_blocks: Counter,
+    /// Bytes read ahead into the cache.
+    pub read_ahead_bytes: Counter,
+    /// Of those, bytes a client then read from the cache.
+    pub read_ahead_used_bytes: Counter,
+    /// Bytes read ahead and evicted, dropped or not kept before a client
+    /// read them.
+    pub read_ahead_wasted_bytes: Counter,
+    /// Bytes held in blocks now.
+    pub cached_bytes: Gauge,
+    /// `--cache-size`.
+    pub capacity_bytes: Gauge,
 }
 
 fn latency_histogram() -> Histogram {
@@ -134,11 +161,13 @@ impl Metrics {
             policy_reload_failures: Counter::default(),
             admin_connections_open: Gauge::default(),
             admin_connections_refused: Counter::default(),
+            cache: CacheMetrics::default(),
             registry: Registry::default(),
         };
         metrics.register_connections(&mut registry);
         metrics.register_requests(&mut registry, tls);
         metrics.register_exports(&mut registry);
+        metrics.register_cache(&mut registry);
         Metrics {
             registry,
             ..metrics
@@ -257,6 +286,59 @@ impl Metrics {
             "policy_reload_failures",
             "Access policy reloads refused (missing, broken, or wider than the running policy)",
             m.policy_reload_failures.clone(),
+        );
+    }
+
+    fn register_cache(&self, r: &mut Registry) {
+        let c = &self.cache;
+        for (name, help, counter) in [
+            (
+                "cache_hits",
+                "Reads of immutable exports answered from the read cache",
+                &c.hits,
+            ),
+            (
+                "cache_misses",
+                "Reads of immutable exports forwarded to the upstream",
+                &c.misses,
+            ),
+            (
+                "cache_evictions",
+                "Read cache blocks evicted to make room",
+                &c.evictions,
+            ),
+            (
+                "cache_invalidated_blocks",
+                "Read cache blocks dropped because their upstream reported another size or flags",
+                &c.invalidated_blocks,
+            ),
+            (
+                "cache_read_ahead_bytes",
+                "Bytes read ahead into the read cache",
+                &c.read_ahead_bytes,
+            ),
+            (
+                "cache_read_ahead_used_bytes",
+                "Read-ahead bytes a client then read from the cache",
+                &c.read_ahead_used_bytes,
+            ),
+            (
+                "cache_read_ahead_wasted_bytes",
+                "Read-ahead bytes evicted, dropped or not kept before a client read them",
+                &c.read_ahead_wasted_bytes,
+            ),
+        ] {
+            r.register(name, help, counter.clone());
+        }
+        r.register(
+            "cache_bytes",
+            "Bytes held in the read cache",
+            c.cached_bytes.clone(),
+        );
+        r.register(
+            "cache_capacity_bytes",
+            "The read cache's bound (--cache-size)",
+            c.capacity_bytes.clone(),
         );
     }
 

@@ -162,6 +162,8 @@ where
         upstream: tokio::io::split(upstream),
         mode,
         read_only,
+        // The read cache is the gateway's, for exports it serves.
+        cache: None,
     };
     super::relay::run(ends, None, transmit, None).await
 }

@@ -213,6 +213,7 @@ async fn run(
                 upstream,
                 mode,
                 read_only,
+                cache,
                 ..
             } = *session;
             let ends = relay::Ends {
@@ -220,6 +221,11 @@ async fn run(
                 upstream: upstream.into_split(),
                 mode,
                 read_only,
+                cache: cache.map(|handle| relay::Cached {
+                    handle,
+                    read_ahead: config.read_ahead,
+                    depth: config.read_ahead_depth,
+                }),
             };
             let transmit = link.transmit();
             let relayed = relay::run(ends, cork_handle, &transmit, registered.as_ref());

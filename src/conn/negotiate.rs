@@ -138,6 +138,9 @@ struct Negotiation<'a> {
     /// and the policy rule that decided it (`None` without a policy).
     access: Access,
     rule: Option<RuleRef>,
+    /// Whether that export is one the operator declared immutable: then
+    /// `access` is read-only whatever the policy granted.
+    immutable: bool,
     /// Export names refused so far (malformed, not granted, or unknown):
     /// each logs a line, so past `--max-refused-options` the connection
     /// ends instead of filling the log for the handshake timeout.
@@ -215,6 +218,7 @@ impl<'a> Negotiation<'a> {
             renamed: None,
             access: Access::ReadWrite,
             rule: None,
+            immutable: false,
             refusals: 0,
             target: None,
             identity,
@@ -266,7 +270,7 @@ impl<'a> Negotiation<'a> {
                 "NBD_OPT_EXPORT_NAME for an export not open to it",
             ));
         };
-        (self.access, self.rule) = (decision.access, decision.rule);
+        self.granted(decision, &export);
         if let Some(found) = self.route(&export) {
             let Some(target) = found else {
                 self.config.metrics.exports_refused.inc();
@@ -315,6 +319,17 @@ impl<'a> Negotiation<'a> {
             size,
             tflags,
         })
+    }
+
+    /// Records what the policy granted for the export `name`: an
+    /// immutable export is read-only to everyone, so that no write can
+    /// make the shared cache disagree with it.
+    fn granted(&mut self, decision: crate::policy::Decision, name: &str) {
+        (self.access, self.rule) = (decision.access, decision.rule);
+        self.immutable = self.config.immutable.matches(name);
+        if self.immutable {
+            self.access = Access::ReadOnly;
+        }
     }
 
     /// With named exports: `Some(the export)`, or `Some(None)` for a name
@@ -380,7 +395,7 @@ impl<'a> Negotiation<'a> {
             self.log_refused(&name);
             return self.unknown(option).await;
         };
-        (self.access, self.rule) = (decision.access, decision.rule);
+        self.granted(decision, &name);
         if let Some(found) = self.route(&name) {
             let Some(target) = found else {
                 debug!(export = %Escaped(&name), "no such export");
@@ -649,6 +664,7 @@ impl<'a> Negotiation<'a> {
         relayed::check_nothing_ahead(channel.get_mut().buffer().len())?;
         let mode = self.framing.mode();
         let read_only = tflags & TFLAG_READ_ONLY != 0;
+        let cache = self.cache(export, size, tflags);
         let audit = self.audit(export);
         info!(
             target: AUDIT,
@@ -663,6 +679,8 @@ impl<'a> Negotiation<'a> {
             size,
             transmission_flags = format_args!("{tflags:#x}"),
             read_only,
+            immutable = self.immutable,
+            cached = cache.is_some(),
             "negotiated"
         );
         let session = Session {
@@ -672,8 +690,34 @@ impl<'a> Negotiation<'a> {
             read_only,
             export: export.to_string(),
             access: self.access,
+            cache,
         };
         Ok(Outcome::Transmission(Box::new(session), Box::new(audit)))
+    }
+
+    /// The session's handle on the read cache, for an immutable export
+    /// with the cache on. Keyed by the upstream's socket and its name for
+    /// the export, so two client names for one export share blocks; the
+    /// size and flags it reported now decide the generation.
+    fn cache(&self, export: &str, size: u64, tflags: u16) -> Option<crate::cache::Handle> {
+        if !self.immutable {
+            return None;
+        }
+        let cache = self.config.cache.as_ref()?;
+        let key = match &self.target {
+            Some(target) => crate::cache::ExportKey {
+                socket: target.socket.clone(),
+                upstream_name: target.upstream_name.clone(),
+            },
+            None => crate::cache::ExportKey {
+                socket: self.config.upstream.clone(),
+                upstream_name: export.to_string(),
+            },
+        };
+        // What the upstream offers only to clients of some framing says
+        // nothing of the export: clients of every framing share blocks.
+        let flags = tflags & !(TFLAG_SEND_DF | TFLAG_BLOCK_STAT_PAYLOAD);
+        cache.open(&key, size, flags)
     }
 
     /// What the audit trail says of the session entering transmission on

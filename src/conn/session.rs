@@ -43,6 +43,8 @@ pub struct Session {
     /// a narrowing reload judges again (`--policy-revoke-closes`).
     pub export: String,
     pub access: crate::policy::Access,
+    /// The read cache of an immutable export (`None`: not cached).
+    pub cache: Option<crate::cache::Handle>,
 }
 
 /// The tracing target of the audit trail: one line when a session

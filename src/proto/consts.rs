@@ -59,6 +59,10 @@ pub const INFO_BLOCK_SIZE: u16 = 3;
 /// Transmission flags.
 pub const TFLAG_HAS_FLAGS: u16 = 1 << 0;
 pub const TFLAG_READ_ONLY: u16 = 1 << 1;
+/// Offered only to clients that negotiated structured replies.
+pub const TFLAG_SEND_DF: u16 = 1 << 7;
+/// Offered only to clients that negotiated extended headers.
+pub const TFLAG_BLOCK_STAT_PAYLOAD: u16 = 1 << 12;
 
 /// Commands.
 pub const CMD_READ: u16 = 0;

@@ -259,7 +259,40 @@ impl Drop for NbdgwProcess {
 pub struct UpstreamCounter {
     pub socket: PathBuf,
     accepted: Arc<AtomicUsize>,
+    reads: Arc<AtomicUsize>,
     hold: Arc<(Mutex<bool>, Condvar)>,
+}
+
+/// Counts NBD_CMD_READ request headers in a byte stream towards the
+/// upstream: a request magic (compact or extended) followed by flags and
+/// the READ command. Option data in negotiation holds no such magic, and
+/// the read-only streams the tests send hold only headers after it.
+#[derive(Default)]
+struct ReadScanner {
+    tail: Vec<u8>,
+}
+
+impl ReadScanner {
+    const MAGICS: [[u8; 4]; 2] = [[0x25, 0x60, 0x95, 0x13], [0x21, 0xe4, 0x1c, 0x71]];
+
+    fn scan(&mut self, bytes: &[u8]) -> usize {
+        let carried = self.tail.len();
+        let mut all = std::mem::take(&mut self.tail);
+        all.extend_from_slice(bytes);
+        let mut found = 0;
+        for at in 0..all.len().saturating_sub(7) {
+            // A header that ends in the new bytes, so none is counted twice.
+            if at + 8 > carried
+                && Self::MAGICS.iter().any(|m| all[at..at + 4] == *m)
+                && all[at + 6..at + 8] == [0, 0]
+            {
+                found += 1;
+            }
+        }
+        let keep = all.len().min(7);
+        self.tail = all[all.len() - keep..].to_vec();
+        found
+    }
 }
 
 impl UpstreamCounter {
@@ -267,6 +300,8 @@ impl UpstreamCounter {
         let listener = UnixListener::bind(socket).unwrap();
         let accepted = Arc::new(AtomicUsize::new(0));
         let count = accepted.clone();
+        let reads = Arc::new(AtomicUsize::new(0));
+        let read_count = reads.clone();
         let hold = Arc::new((Mutex::new(false), Condvar::new()));
         let gate = hold.clone();
         let target = target.to_owned();
@@ -278,8 +313,12 @@ impl UpstreamCounter {
                     continue;
                 };
                 let (c_rd, s_wr) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+                let read_count = read_count.clone();
                 std::thread::spawn(move || {
-                    super::pipe(c_rd, &s_wr, |_| {});
+                    let mut scanner = ReadScanner::default();
+                    super::pipe(c_rd, &s_wr, |bytes| {
+                        read_count.fetch_add(scanner.scan(bytes), Ordering::SeqCst);
+                    });
                     let _ = s_wr.shutdown(std::net::Shutdown::Write);
                 });
                 let gate = gate.clone();
@@ -297,6 +336,7 @@ impl UpstreamCounter {
         UpstreamCounter {
             socket: socket.to_owned(),
             accepted,
+            reads,
             hold,
         }
     }
@@ -310,5 +350,12 @@ impl UpstreamCounter {
 
     pub fn connections(&self) -> usize {
         self.accepted.load(Ordering::SeqCst)
+    }
+
+    /// NBD_CMD_READ requests relayed to the upstream so far (see
+    /// `ReadScanner`).
+    #[allow(dead_code)]
+    pub fn reads(&self) -> usize {
+        self.reads.load(Ordering::SeqCst)
     }
 }

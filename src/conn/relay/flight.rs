@@ -92,6 +92,18 @@ impl Flight {
         .await;
     }
 
+    /// Records a request nbdgw makes itself (read-ahead) under `cookie`,
+    /// unless that cookie is in flight: false then, and nothing changes.
+    pub fn try_claim(&self, cookie: u64, request: InFlight) -> bool {
+        let mut state = self.lock();
+        let claimed = state.table.insert(cookie, request);
+        if claimed {
+            state.idle_since = None;
+            state.arrived.insert(cookie, Instant::now());
+        }
+        claimed
+    }
+
     pub async fn wait_until_empty(&self) {
         self.wait_for(|state| state.table.is_empty()).await;
     }

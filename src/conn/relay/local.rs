@@ -4,6 +4,13 @@
 pub enum Local {
     /// A reply nbdgw made itself (a refused request).
     Reply { cookie: u64, bytes: Vec<u8> },
+    /// A read answered from the read cache: its header, then the cached
+    /// blocks' bytes, shared with the cache rather than copied.
+    Data {
+        cookie: u64,
+        header: Vec<u8>,
+        data: Vec<bytes::Bytes>,
+    },
     /// Finish what is in flight, then close with this reason: the client
     /// sent NBD_CMD_DISC, or nbdgw is shutting down.
     Drain(&'static str),

@@ -6,6 +6,7 @@
 //! requests) reach it through a channel, so they never land inside an
 //! upstream reply.
 
+mod cache;
 mod flight;
 mod local;
 mod replies;
@@ -20,6 +21,8 @@ use tokio::sync::mpsc;
 use crate::conn::error::ConnError;
 use crate::conn::session::Transmit;
 use crate::proto::transmission::ReplyMode;
+pub use cache::Cached;
+use cache::{Ahead, ReplyLayer, RequestLayer};
 use flight::Flight;
 use local::{Local, SHUTTING_DOWN};
 pub use replies::max_reply;
@@ -42,6 +45,8 @@ pub struct Ends<CR, CW, UR, UW> {
     pub upstream: (UR, UW),
     pub mode: ReplyMode,
     pub read_only: bool,
+    /// The read cache, for a session on an immutable export.
+    pub cache: Option<Cached>,
 }
 
 /// Relays until the client disconnects, a drain completes, or a side
@@ -63,8 +68,15 @@ where
         upstream: (up_rd, up_wr),
         mode,
         read_only,
+        cache,
     } = ends;
     let flight = Flight::new();
+    let ahead = Ahead::new(cache.as_ref().map(|c| c.handle.clone()));
+    let reply_cache = cache.as_ref().map(|c| ReplyLayer {
+        handle: c.handle.clone(),
+        ahead: &ahead,
+    });
+    let request_cache = cache.map(|c| RequestLayer::new(c, &ahead));
     let (local_tx, local_rx) = mpsc::channel(LOCAL_QUEUE);
     let drain = local_tx.clone();
     let requests = Requests::new(
@@ -74,9 +86,11 @@ where
         (mode, read_only),
         link,
     )
+    .cached(request_cache)
     .ended_by(registered);
     let upstream = BufReader::with_capacity(UPSTREAM_READ_BUF, up_rd);
-    let replies = Replies::new(upstream, &flight, local_rx, mode, link.limits.max_payload);
+    let replies = Replies::new(upstream, &flight, local_rx, mode, link.limits.max_payload)
+        .cached(reply_cache);
     let mut writer = ReplyWriter::new(client_wr, cork, &link.limits, link.stats);
     let result = {
         let mut requests = pin!(requests.run());

@@ -2,6 +2,7 @@
 //! through the reply writer, keeps filling while more is already waiting,
 //! and ends the burst when nothing is.
 
+use std::collections::HashMap;
 use std::future::poll_fn;
 use std::pin::Pin;
 use std::task::Poll;
@@ -9,12 +10,17 @@ use std::task::Poll;
 use tokio::io::{AsyncBufRead, AsyncRead, AsyncReadExt, AsyncWrite, BufReader};
 use tokio::sync::mpsc;
 
+use super::cache::{Filling, Purpose, ReplyLayer};
 use super::flight::Flight;
 use super::local::{Local, CLIENT_DISCONNECTED};
 use super::writer::ReplyWriter;
 use crate::conn::error::{ConnError, Side};
 use crate::proto::consts::*;
-use crate::proto::transmission::{check_error_payload, parse_reply, reply_header_len, ReplyMode};
+use crate::proto::transmission::{
+    check_error_payload, encode_error_reply, encode_read_reply_header, parse_reply,
+    reply_header_len, InFlight, ReplyFrame, ReplyMode, Request,
+};
+use crate::proto::{be_u32, be_u64};
 
 /// Beyond its payload, a reply chunk carries its own fields: an offset, an
 /// error code and a message of at most 4 KiB, block-status descriptors.
@@ -28,13 +34,18 @@ pub fn max_reply(max_payload: u32) -> u64 {
 /// At shutdown, how long a connection with nothing left in flight stays
 /// open for requests already on their way: a client that sent one just
 /// as the last reply left gets ESHUTDOWN for it, not a close with a
-/// request unanswered (libnbd then fails it with ENOTCONN). Each such
-/// One window, from when the flight first empties after the drain: a
-/// client that keeps sending gets ESHUTDOWN for what arrives within it,
-/// then the close, rather than holding the connection until the grace
-/// period cuts it. A few round trips of a slow link; an idle session
-/// still closes in a blink.
+/// request unanswered (libnbd then fails it with ENOTCONN). One window,
+/// from when the flight first empties after the drain: a client that
+/// keeps sending gets ESHUTDOWN for what arrives within it, then the
+/// close, rather than holding the connection until the grace period cuts
+/// it. A few round trips of a slow link; an idle session still closes in
+/// a blink.
 const SHUTDOWN_LINGER: std::time::Duration = std::time::Duration::from_millis(250);
+/// Read replies on a cached session longer than this are relayed as they
+/// come, uncached: a client's long reads would otherwise keep a buffer as
+/// long as `--max-payload` on its connection. Fill reads (at most
+/// `MAX_HIT` and a block either side) always fit.
+const TEE_MAX: u64 = super::cache::MAX_HIT + 2 * crate::cache::BLOCK_SIZE + 8;
 
 pub struct Replies<'a, U> {
     upstream: BufReader<U>,
@@ -48,6 +59,13 @@ pub struct Replies<'a, U> {
     draining: Option<&'static str>,
     /// When the shutdown's wait for requests already sent ends.
     linger_until: Option<tokio::time::Instant>,
+    /// The read cache, on an immutable export: read data fills it.
+    cache: Option<ReplyLayer<'a>>,
+    /// Read reply payload on its way into the cache (and the client).
+    scratch: Vec<u8>,
+    /// Fill reads whose replies have begun, by nbdgw's cookie: one at a
+    /// time from an upstream that sends each reply's chunks together.
+    fills: HashMap<u64, Filling>,
 }
 
 enum Next {
@@ -73,7 +91,15 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
             max_reply: max_reply(max_payload),
             draining: None,
             linger_until: None,
+            cache: None,
+            scratch: Vec::new(),
+            fills: HashMap::new(),
         }
+    }
+
+    pub fn cached(mut self, cache: Option<ReplyLayer<'a>>) -> Self {
+        self.cache = cache;
+        self
     }
 
     /// Relays replies until a drain is complete (returns why the
@@ -133,6 +159,17 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
         match message {
             Some(Local::Reply { cookie, bytes }) => {
                 writer.append(&bytes).await?;
+                self.finish(cookie, writer).await?;
+            }
+            Some(Local::Data {
+                cookie,
+                header,
+                data,
+            }) => {
+                writer.append(&header).await?;
+                for block in &data {
+                    writer.append(block).await?;
+                }
                 self.finish(cookie, writer).await?;
             }
             // A DISC while shutting down ends the wait above.
@@ -226,7 +263,18 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
             self.max_reply,
         )
         .map_err(ConnError::proto(Side::Upstream))?;
-        writer.append(&header[..header_len]).await?;
+        // parse_reply found the cookie in flight.
+        let req = self.flight.lock().table.get(frame.cookie);
+        // A reply to nbdgw's own read fills the cache, and reaches the
+        // client only as the answer to the read it was widened from.
+        let purpose = self
+            .cache
+            .as_ref()
+            .and_then(|c| c.ahead.purpose(frame.cookie));
+        let ours = purpose.is_some();
+        if !ours {
+            writer.append(&header[..header_len]).await?;
+        }
         if frame.is_error_chunk() {
             // Small (a message of at most 4 KiB): read whole and checked,
             // so a message longer than its chunk never reaches the client.
@@ -236,20 +284,185 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
                 .await
                 .map_err(eof())?;
             check_error_payload(frame.kind, &payload).map_err(ConnError::proto(Side::Upstream))?;
-            writer.metrics().error(u32::from_be_bytes([
-                payload[0], payload[1], payload[2], payload[3],
-            ]));
-            writer.append(&payload).await?;
+            let error = u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]);
+            if ours {
+                if let Some(filling) = self.filling(frame.cookie, req.as_ref(), purpose) {
+                    filling.error(error);
+                }
+            } else {
+                writer.metrics().error(error);
+                writer.append(&payload).await?;
+            }
+        } else if let (Some(req), true) = (
+            req.filter(|r| r.command == CMD_READ),
+            self.cache.is_some() && frame.payload_len > 0 && (ours || frame.payload_len <= TEE_MAX),
+        ) {
+            self.read_into_cache(&frame, &req, purpose).await?;
+            if !ours {
+                writer.append(&self.scratch).await?;
+            }
+            // A long read-ahead reply must not leave its buffer behind on
+            // every idle connection.
+            if self.scratch.capacity() > TEE_MAX as usize {
+                self.scratch = Vec::new();
+            }
         } else {
             writer
                 .append_from(&mut self.upstream, frame.payload_len)
                 .await?;
         }
         if frame.simple_error != 0 {
-            writer.metrics().error(frame.simple_error);
+            if !ours {
+                writer.metrics().error(frame.simple_error);
+            } else if let Some(filling) = self.filling(frame.cookie, req.as_ref(), purpose) {
+                filling.error(frame.simple_error);
+            }
         }
         if frame.done {
-            self.finish(frame.cookie, writer).await?;
+            let Some(purpose) = purpose else {
+                return self.finish(frame.cookie, writer).await;
+            };
+            if let Some(cache) = &self.cache {
+                // Before completing, so that a client request reusing the
+                // cookie is never taken for one of nbdgw's.
+                cache.ahead.done(frame.cookie);
+            }
+            self.flight.complete(frame.cookie);
+            let filling = self.fills.remove(&frame.cookie);
+            if let Purpose::Fill(request) = purpose {
+                self.answer_fill(&request, filling, writer).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The fill read `cookie` (of `req`) as its reply has come so far;
+    /// `None` for a read-ahead, which answers no one.
+    fn filling(
+        &mut self,
+        cookie: u64,
+        req: Option<&InFlight>,
+        purpose: Option<Purpose>,
+    ) -> Option<&mut Filling> {
+        let (Some(req), Some(Purpose::Fill(_))) = (req, purpose) else {
+            return None;
+        };
+        Some(
+            self.fills
+                .entry(cookie)
+                .or_insert_with(|| Filling::new(req)),
+        )
+    }
+
+    /// Answers the client's read a fill read was made for: its bytes from
+    /// the fill, or the upstream's error.
+    async fn answer_fill<W: AsyncWrite + Unpin>(
+        &mut self,
+        request: &Request,
+        filling: Option<Filling>,
+        writer: &mut ReplyWriter<'_, W>,
+    ) -> Result<(), ConnError> {
+        let answer = match (filling, &self.cache) {
+            (Some(filling), Some(cache)) => {
+                filling.finish(request, |at, blocks| cache.handle.fill(at, blocks, false))
+            }
+            // A reply with no data, hole or error for a read.
+            _ => Err(EIO),
+        };
+        let mut header = Vec::with_capacity(64);
+        match answer {
+            Ok(data) => {
+                encode_read_reply_header(
+                    self.mode,
+                    request.cookie,
+                    request.offset,
+                    request.length,
+                    &mut header,
+                );
+                writer.append(&header).await?;
+                writer.append(&data).await?;
+            }
+            Err(error) => {
+                let in_flight = InFlight::from(request);
+                let message = "nbdgw: the upstream failed the read";
+                encode_error_reply(
+                    self.mode,
+                    request.cookie,
+                    &in_flight,
+                    error,
+                    message,
+                    &mut header,
+                );
+                writer.metrics().error(error);
+                writer.append(&header).await?;
+            }
+        }
+        self.finish(request.cookie, writer).await
+    }
+
+    /// Reads a reply payload on a cached session into `scratch`, and gives
+    /// what it says of the export's bytes to the cache: a simple reply's
+    /// data, an OFFSET_DATA chunk, an OFFSET_HOLE chunk.
+    async fn read_into_cache(
+        &mut self,
+        frame: &ReplyFrame,
+        req: &InFlight,
+        purpose: Option<Purpose>,
+    ) -> Result<(), ConnError> {
+        let eof = || ConnError::io(Side::Upstream, "in the middle of a reply");
+        // Bounded by parse_reply: at most the longest reply accepted. Read
+        // into spare capacity, which is not zeroed first.
+        self.scratch.clear();
+        self.scratch.reserve(frame.payload_len as usize);
+        let read = (&mut self.upstream)
+            .take(frame.payload_len)
+            .read_to_end(&mut self.scratch)
+            .await
+            .map_err(eof())?;
+        if read as u64 != frame.payload_len {
+            return Err(ConnError::closed(
+                Side::Upstream,
+                "in the middle of a reply",
+            ));
+        }
+        let Some(cache) = &self.cache else {
+            return Ok(());
+        };
+        let payload = &self.scratch[..];
+        let offset = || payload.get(..8).map(|b| be_u64(b, 0));
+        if let Some(Purpose::Fill(_)) = purpose {
+            let filling = self
+                .fills
+                .entry(frame.cookie)
+                .or_insert_with(|| Filling::new(req));
+            match frame.kind {
+                0 if frame.simple_error == 0 => filling.data(req.offset, payload),
+                REPLY_TYPE_OFFSET_DATA => match offset() {
+                    Some(offset) => filling.data(offset, &payload[8..]),
+                    None => filling.error(EIO),
+                },
+                REPLY_TYPE_OFFSET_HOLE => match (offset(), payload.get(8..12)) {
+                    (Some(offset), Some(len)) => filling.hole(offset, be_u32(len, 0).into()),
+                    _ => filling.error(EIO),
+                },
+                _ => filling.error(EIO),
+            }
+            return Ok(());
+        }
+        let ours = purpose.is_some();
+        match frame.kind {
+            0 if frame.simple_error == 0 => cache.data(req, req.offset, payload, ours),
+            REPLY_TYPE_OFFSET_DATA => {
+                if let Some(offset) = offset() {
+                    cache.data(req, offset, &payload[8..], ours);
+                }
+            }
+            REPLY_TYPE_OFFSET_HOLE => {
+                if let (Some(offset), Some(len)) = (offset(), payload.get(8..12)) {
+                    cache.hole(req, offset, be_u32(len, 0).into(), ours);
+                }
+            }
+            _ => {}
         }
         Ok(())
     }

@@ -9,6 +9,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tracing::debug;
 
+use super::cache::RequestLayer;
 use super::flight::Flight;
 use super::local::{Local, CLIENT_DISCONNECTED};
 use crate::conn::error::{ConnError, Side};
@@ -39,6 +40,8 @@ pub struct Requests<'a, C, U> {
     buf: Vec<u8>,
     /// The session's registration, which a reload may end.
     registered: Option<&'a crate::tls::SessionGuard>,
+    /// The read cache, on an immutable export.
+    cache: Option<RequestLayer<'a>>,
 }
 
 impl<'a, C: AsyncRead + Unpin, U: AsyncWrite + Unpin> Requests<'a, C, U> {
@@ -60,7 +63,14 @@ impl<'a, C: AsyncRead + Unpin, U: AsyncWrite + Unpin> Requests<'a, C, U> {
             shutdown: link.shutdown.clone(),
             buf: Vec::with_capacity(REQUEST_CHUNK),
             registered: None,
+            cache: None,
         }
+    }
+
+    /// Answers reads from the read cache where it can, and reads ahead.
+    pub fn cached(mut self, cache: Option<RequestLayer<'a>>) -> Self {
+        self.cache = cache;
+        self
     }
 
     /// Ends the relay, before it forwards another request, once a reload
@@ -108,7 +118,19 @@ impl<'a, C: AsyncRead + Unpin, U: AsyncWrite + Unpin> Requests<'a, C, U> {
                     if let Some(why) = self.registered.and_then(|g| g.signalled()) {
                         return Err(ConnError::ended(why));
                     }
-                    self.forward(header, payload).await?
+                    let hit = self
+                        .cache
+                        .as_ref()
+                        .and_then(|c| c.answer(self.mode, &request));
+                    match hit {
+                        Some(reply) => {
+                            if self.local.send(reply).await.is_err() {
+                                return Ok(());
+                            }
+                        }
+                        None => self.miss(&request, header, payload).await?,
+                    }
+                    self.read_ahead(&request).await?;
                 }
             }
         }
@@ -128,6 +150,45 @@ impl<'a, C: AsyncRead + Unpin, U: AsyncWrite + Unpin> Requests<'a, C, U> {
         } else {
             None
         }
+    }
+
+    /// A request the cache did not answer: a READ of a cached session goes
+    /// upstream widened to whole blocks (see `RequestLayer::fill`), all
+    /// else as it came.
+    async fn miss(
+        &mut self,
+        request: &Request,
+        header: &[u8],
+        payload: u64,
+    ) -> Result<(), ConnError> {
+        let flight = self.flight;
+        let fill = match (&mut self.cache, payload) {
+            (Some(cache), 0) => cache.fill(request, flight),
+            _ => None,
+        };
+        let Some(fill) = fill else {
+            return self.forward(header, payload).await;
+        };
+        self.buf.clear();
+        fill.encode(self.mode, &mut self.buf);
+        self.send_upstream().await
+    }
+
+    /// Sends the read-ahead the cache layer plans after `request`, in one
+    /// write: their replies fill the cache and never reach the client.
+    async fn read_ahead(&mut self, request: &Request) -> Result<(), ConnError> {
+        let Some(cache) = self.cache.as_mut() else {
+            return Ok(());
+        };
+        let ahead = cache.read_ahead(request, self.flight);
+        if ahead.is_empty() {
+            return Ok(());
+        }
+        self.buf.clear();
+        for request in &ahead {
+            request.encode(self.mode, &mut self.buf);
+        }
+        self.send_upstream().await
     }
 
     /// Consumes the payload and queues an error reply. Returns false when

@@ -1,0 +1,572 @@
+//! The read cache as a layer of the relay, for a session on an immutable
+//! export: the request side asks it to answer a READ (a hit never reaches
+//! the upstream) and to plan read-ahead; the reply side gives it the
+//! upstream's read data, and recognises the replies to read-ahead, which
+//! fill the cache and never reach the client.
+//!
+//! Read-ahead requests go upstream on the session's own connection under
+//! cookies nbdgw picks that are not in flight (`Flight::try_claim`); a
+//! client that then reuses one waits, as for any cookie in flight, so
+//! replies stay unambiguous.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
+
+use crate::cache::Handle;
+use crate::proto::consts::*;
+use crate::proto::transmission::{encode_read_reply_header, InFlight, ReplyMode, Request};
+
+use super::flight::Flight;
+use super::local::Local;
+
+/// Reads longer than this always go to the upstream (and fill the cache
+/// on the way back): a hit is queued for the reply side with its blocks,
+/// and the queue holds `LOCAL_QUEUE` of them, so this bounds what a
+/// client that does not read its replies keeps alive.
+pub const MAX_HIT: u64 = 2 * 1024 * 1024;
+/// Cookies for read-ahead start here and count up, skipping any the
+/// client has in flight: a client may use any value, so this is only
+/// where a clash is least likely, not a reserved range.
+const FIRST_READ_AHEAD_COOKIE: u64 = 0xcac4_e000_0000_0000;
+
+/// What the session was configured with.
+#[derive(Clone)]
+pub struct Cached {
+    pub handle: Handle,
+    /// Bytes per read-ahead request; 0: none.
+    pub read_ahead: u32,
+    /// Read-ahead requests in flight at most.
+    pub depth: u32,
+}
+
+/// Why nbdgw sent a read of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    /// Read-ahead of this range: fills the cache, answers no one.
+    ReadAhead { offset: u64, length: u64 },
+    /// A client's read that missed, widened to whole blocks: fills the
+    /// cache, and its data answers the client's request.
+    Fill(Request),
+}
+
+/// nbdgw's own reads in flight, by cookie: the request side adds, the
+/// reply side takes away. At most `depth` read-aheads, and one fill per
+/// client read in flight.
+#[derive(Default)]
+pub struct Ahead {
+    cookies: Mutex<HashMap<u64, Purpose>>,
+    /// Where read-ahead ranges are marked as being fetched.
+    handle: Option<Handle>,
+}
+
+impl Drop for Ahead {
+    /// The session ended with read-ahead in flight: other connections may
+    /// fetch those blocks again.
+    fn drop(&mut self) {
+        let Some(handle) = &self.handle else {
+            return;
+        };
+        for purpose in self.lock().values() {
+            if let Purpose::ReadAhead { offset, length } = *purpose {
+                handle.set_pending(offset, length, false);
+            }
+        }
+    }
+}
+
+impl Ahead {
+    pub fn new(handle: Option<Handle>) -> Self {
+        Ahead {
+            cookies: Mutex::default(),
+            handle,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Purpose>> {
+        self.cookies.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn read_aheads(&self) -> usize {
+        let cookies = self.lock();
+        cookies
+            .values()
+            .filter(|p| matches!(p, Purpose::ReadAhead { .. }))
+            .count()
+    }
+
+    pub fn purpose(&self, cookie: u64) -> Option<Purpose> {
+        self.lock().get(&cookie).copied()
+    }
+
+    /// The read's last reply has come: its blocks are cached (or the
+    /// read failed) and no longer being fetched.
+    pub fn done(&self, cookie: u64) {
+        let purpose = self.lock().remove(&cookie);
+        if let (Some(Purpose::ReadAhead { offset, length }), Some(handle)) = (purpose, &self.handle)
+        {
+            handle.set_pending(offset, length, false);
+        }
+    }
+}
+
+/// Where a connection's reads have been going: a run of reads each
+/// starting where the one before ended is sequential.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Sequential {
+    /// Where the next read of a run would start.
+    next: u64,
+    /// Reads in the current run.
+    reads: u32,
+    /// Where read-ahead has reached in this run.
+    frontier: u64,
+    /// The length of this run's next read-ahead: it starts at two blocks
+    /// and doubles each time the run goes on, up to `--read-ahead`, so
+    /// that a short run fetches little it will not read.
+    window: u64,
+}
+
+impl Sequential {
+    /// Notes a read; the ranges to fetch ahead now, if any: whole blocks
+    /// from where read-ahead (or the read) has reached to one window past
+    /// the read's end (the window grows to `chunk` as the run goes on),
+    /// at most `room` requests (`depth` less those in flight), within the
+    /// export's `size`. `missing` narrows a range to the part still to
+    /// fetch (`None`: all cached).
+    pub fn observe(
+        &mut self,
+        (offset, length): (u64, u64),
+        (size, block, chunk): (u64, u64, u64),
+        (depth, room): (u64, usize),
+        missing: impl Fn(u64, u64) -> Option<(u64, u64)>,
+    ) -> Vec<(u64, u64)> {
+        let end = offset.saturating_add(length);
+        if offset == self.next && self.reads > 0 {
+            self.reads = self.reads.saturating_add(1);
+        } else {
+            *self = Sequential {
+                next: end,
+                reads: 1,
+                frontier: 0,
+                window: 0,
+            };
+        }
+        self.next = end;
+        let mut plan = Vec::new();
+        // Three reads in a row make a run: a boot's short runs of two
+        // reads would fetch ahead what nobody reads.
+        if self.reads < 3 || chunk == 0 || block == 0 {
+            return plan;
+        }
+        let window = match self.window {
+            0 => block.saturating_mul(2).min(chunk),
+            window => window,
+        };
+        let limit = end.saturating_add(window).min(size);
+        let mut start = self.frontier.max(end / block * block);
+        // Each turn moves `start` forward by at least a block, and at most
+        // depth turns fetch: bounded by depth twice over.
+        for _ in 0..depth * 2 {
+            if plan.len() >= room || start >= limit {
+                break;
+            }
+            let len = window.min(size - start);
+            if let Some(range) = missing(start, len) {
+                plan.push(range);
+            }
+            start += len;
+            self.frontier = start;
+        }
+        if !plan.is_empty() {
+            self.window = window.saturating_mul(2).min(chunk);
+        }
+        plan
+    }
+}
+
+/// The request side's part.
+pub struct RequestLayer<'a> {
+    cached: Cached,
+    ahead: &'a Ahead,
+    sequential: Sequential,
+    next_cookie: u64,
+    block: u64,
+}
+
+impl<'a> RequestLayer<'a> {
+    pub fn new(cached: Cached, ahead: &'a Ahead) -> Self {
+        let block = cached.handle.block_size();
+        // Read-ahead in whole blocks: what is fetched is what is kept.
+        let chunk = u64::from(cached.read_ahead) / block * block;
+        let cached = Cached {
+            read_ahead: u32::try_from(chunk).unwrap_or(0),
+            ..cached
+        };
+        RequestLayer {
+            cached,
+            ahead,
+            sequential: Sequential::default(),
+            next_cookie: FIRST_READ_AHEAD_COOKIE,
+            block,
+        }
+    }
+
+    /// The reply to a READ, if every byte of it is cached.
+    pub fn answer(&self, mode: ReplyMode, request: &Request) -> Option<Local> {
+        if request.command != CMD_READ || request.length > MAX_HIT {
+            return None;
+        }
+        let data = self.cached.handle.read(request.offset, request.length)?;
+        let mut header = Vec::with_capacity(40);
+        encode_read_reply_header(
+            mode,
+            request.cookie,
+            request.offset,
+            request.length,
+            &mut header,
+        );
+        Some(Local::Data {
+            cookie: request.cookie,
+            header,
+            data,
+        })
+    }
+
+    /// The read-ahead requests to send upstream after this client
+    /// request, each already claimed in the flight table.
+    pub fn read_ahead(&mut self, request: &Request, flight: &Flight) -> Vec<Request> {
+        if request.command != CMD_READ {
+            return Vec::new();
+        }
+        let depth = u64::from(self.cached.depth);
+        let room = (self.cached.depth as usize).saturating_sub(self.ahead.read_aheads());
+        let handle = &self.cached.handle;
+        let plan = self.sequential.observe(
+            (request.offset, request.length),
+            (handle.size(), self.block, u64::from(self.cached.read_ahead)),
+            (depth, room),
+            |offset, length| handle.missing(offset, length),
+        );
+        plan.into_iter()
+            .map(|(offset, length)| {
+                self.cached.handle.set_pending(offset, length, true);
+                let purpose = Purpose::ReadAhead { offset, length };
+                self.own_read((offset, length), purpose, flight)
+            })
+            .collect()
+    }
+
+    /// For a READ that missed: the read of the whole blocks around it to
+    /// send upstream instead, whose reply fills the cache and answers the
+    /// client. `None` (forward the request as it is) for a read too long
+    /// to answer from the cache, or not within the export.
+    pub fn fill(&mut self, request: &Request, flight: &Flight) -> Option<Request> {
+        let size = self.cached.handle.size();
+        let end = request.offset.checked_add(request.length)?;
+        if request.command != CMD_READ
+            || request.length == 0
+            || request.length > MAX_HIT
+            || end > size
+        {
+            return None;
+        }
+        let start = request.offset / self.block * self.block;
+        let end = end
+            .div_ceil(self.block)
+            .saturating_mul(self.block)
+            .min(size);
+        Some(self.own_read((start, end - start), Purpose::Fill(*request), flight))
+    }
+
+    /// A READ of nbdgw's own, claimed in the flight table under a cookie
+    /// no request in flight has.
+    fn own_read(
+        &mut self,
+        (offset, length): (u64, u64),
+        purpose: Purpose,
+        flight: &Flight,
+    ) -> Request {
+        let in_flight = InFlight {
+            command: CMD_READ,
+            offset,
+            length,
+        };
+        // A free cookie is found within a few tries: at most the client's
+        // requests in flight and ours are taken.
+        let cookie = loop {
+            let cookie = self.next_cookie;
+            self.next_cookie = self.next_cookie.wrapping_add(1);
+            if flight.try_claim(cookie, in_flight) {
+                break cookie;
+            }
+        };
+        self.ahead.lock().insert(cookie, purpose);
+        Request {
+            flags: 0,
+            command: CMD_READ,
+            cookie,
+            offset,
+            length,
+        }
+    }
+}
+
+/// The reply side's part.
+pub struct ReplyLayer<'a> {
+    pub handle: Handle,
+    pub ahead: &'a Ahead,
+}
+
+impl ReplyLayer<'_> {
+    /// Data the upstream sent for `req`: `data` is the export's bytes at
+    /// `offset`, kept only if it lies within what was asked (an upstream
+    /// that strays is relayed, never believed).
+    pub fn data(&self, req: &InFlight, offset: u64, data: &[u8], ours: bool) {
+        if within(req, offset, data.len() as u64) {
+            self.handle.fill(offset, data, ours);
+        } else if ours {
+            self.handle.read_ahead_wasted(data.len() as u64);
+        }
+    }
+
+    /// A hole the upstream reported: zeros.
+    pub fn hole(&self, req: &InFlight, offset: u64, length: u64, ours: bool) {
+        if within(req, offset, length) {
+            self.handle.fill_zeros(offset, length, ours);
+        }
+    }
+}
+
+/// A fill read's reply as it comes: the whole blocks' bytes, how many of
+/// them the upstream has covered (data or hole), and its error if any.
+pub struct Filling {
+    base: u64,
+    buf: Vec<u8>,
+    covered: u64,
+    error: Option<u32>,
+}
+
+impl Filling {
+    /// For the fill read `req` (at most `MAX_HIT` and two blocks long).
+    pub fn new(req: &InFlight) -> Self {
+        Filling {
+            base: req.offset,
+            buf: vec![0; req.length as usize],
+            covered: 0,
+            error: None,
+        }
+    }
+
+    pub fn data(&mut self, offset: u64, data: &[u8]) {
+        if self.place(offset, data.len() as u64) {
+            let at = (offset - self.base) as usize;
+            self.buf[at..at + data.len()].copy_from_slice(data);
+        }
+    }
+
+    /// Zeros, as the buffer already holds.
+    pub fn hole(&mut self, offset: u64, length: u64) {
+        self.place(offset, length);
+    }
+
+    pub fn error(&mut self, error: u32) {
+        self.error = self.error.or(Some(error));
+    }
+
+    fn place(&mut self, offset: u64, length: u64) -> bool {
+        let req = InFlight {
+            command: CMD_READ,
+            offset: self.base,
+            length: self.buf.len() as u64,
+        };
+        if within(&req, offset, length) {
+            self.covered += length;
+            true
+        } else {
+            // Data outside what was asked: the reply cannot be trusted.
+            self.error(EIO);
+            false
+        }
+    }
+
+    /// The data to answer the client's `request` with, or the error; on
+    /// success the whole blocks go to `keep` (the cache) first.
+    pub fn finish(self, request: &Request, keep: impl FnOnce(u64, &[u8])) -> Result<Vec<u8>, u32> {
+        if let Some(error) = self.error {
+            return Err(error);
+        }
+        // A successful read covers every byte exactly once.
+        if self.covered != self.buf.len() as u64 {
+            return Err(EIO);
+        }
+        keep(self.base, &self.buf);
+        // The fill read was widened from the request, so it holds it.
+        let at = request.offset.saturating_sub(self.base) as usize;
+        let mut data = self.buf;
+        data.truncate(at + request.length as usize);
+        data.drain(..at);
+        Ok(data)
+    }
+}
+
+fn within(req: &InFlight, offset: u64, length: u64) -> bool {
+    req.command == CMD_READ
+        && offset >= req.offset
+        && offset
+            .checked_add(length)
+            .is_some_and(|end| end <= req.offset.saturating_add(req.length))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const K: u64 = 1024;
+
+    fn run(reads: &[(u64, u64)], room: usize) -> Vec<Vec<(u64, u64)>> {
+        let mut s = Sequential::default();
+        reads
+            .iter()
+            .map(|&r| {
+                s.observe(r, (1 << 20, 64 * K, 256 * K), (2, room), |o, l| {
+                    Some((o, l))
+                })
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_single_read_or_random_reads_fetch_nothing_ahead() {
+        assert!(run(&[(0, 4 * K)], 2)[0].is_empty());
+        let random = run(&[(0, 4 * K), (100 * K, 4 * K), (8 * K, 4 * K)], 2);
+        assert!(random.iter().all(Vec::is_empty));
+    }
+
+    #[test]
+    fn a_run_fetches_whole_blocks_ahead_up_to_the_depth() {
+        let reads: Vec<_> = (0..5).map(|i| (i * 4 * K, 4 * K)).collect();
+        let plans = run(&reads, 2);
+        // Two reads in a row are not yet a run.
+        assert!(plans[0].is_empty() && plans[1].is_empty());
+        // From the block the read ended in, two windows of two blocks.
+        assert_eq!(plans[2], [(0, 128 * K), (128 * K, 128 * K)]);
+        // The window doubles up to the chunk; read-ahead reaches one
+        // window past the read's end, no more.
+        assert_eq!(plans[3], [(256 * K, 256 * K)]);
+        assert!(plans[4].is_empty());
+        // No room (requests in flight): nothing.
+        assert!(run(&reads[..3], 0)[2].is_empty());
+    }
+
+    #[test]
+    fn read_ahead_follows_the_run_and_stops_at_the_end() {
+        let mut s = Sequential::default();
+        let mut fetched = Vec::new();
+        let mut offset = 0;
+        while offset < 1 << 20 {
+            let plan = s.observe(
+                (offset, 64 * K),
+                (1 << 20, 64 * K, 256 * K),
+                (2, 2),
+                |o, l| Some((o, l)),
+            );
+            fetched.extend(plan);
+            offset += 64 * K;
+        }
+        // Every byte past the run's third read once, in order, never
+        // past the end.
+        let mut at = 192 * K;
+        for (o, l) in &fetched {
+            assert_eq!(*o, at);
+            at += l;
+        }
+        assert_eq!(at, 1 << 20);
+    }
+
+    #[test]
+    fn cached_ranges_are_not_fetched() {
+        let mut s = Sequential::default();
+        for read in [(0, 4 * K), (4 * K, 4 * K)] {
+            s.observe(read, (1 << 20, 64 * K, 256 * K), (2, 2), |_, _| None);
+        }
+        // The first window is cached, the others from their second block
+        // on (windows of two blocks, as a run begins).
+        let plan = s.observe(
+            (8 * K, 4 * K),
+            (1 << 20, 64 * K, 256 * K),
+            (2, 2),
+            |o, l| (o > 0).then_some((o + 64 * K, l - 64 * K)),
+        );
+        assert_eq!(plan, [(192 * K, 64 * K)]);
+    }
+
+    fn fill_of(offset: u64, length: u64) -> Filling {
+        Filling::new(&InFlight {
+            command: CMD_READ,
+            offset,
+            length,
+        })
+    }
+
+    fn client_read(offset: u64, length: u64) -> Request {
+        Request {
+            command: CMD_READ,
+            cookie: 9,
+            offset,
+            length,
+            flags: 0,
+        }
+    }
+
+    #[test]
+    fn a_fill_answers_the_client_from_data_and_holes() {
+        let mut f = fill_of(64 * K, 128 * K);
+        f.data(64 * K, &[7; 64 * 1024]);
+        f.hole(128 * K, 64 * K);
+        let mut kept = None;
+        let data = f
+            .finish(&client_read(120 * K, 16 * K), |at, b| {
+                kept = Some((at, b.len()))
+            })
+            .unwrap();
+        assert_eq!(kept, Some((64 * K, 128 * 1024)));
+        assert_eq!(&data[..8 * 1024], &[7; 8 * 1024]);
+        assert_eq!(&data[8 * 1024..], &[0; 8 * 1024]);
+    }
+
+    #[test]
+    fn a_fill_that_failed_or_fell_short_is_an_error_and_caches_nothing() {
+        let never = |_: u64, _: &[u8]| panic!("cached a failed read");
+        let read = client_read(64 * K, 4 * K);
+        let mut short = fill_of(64 * K, 64 * K);
+        short.data(64 * K, &[1; 4096]);
+        assert_eq!(short.finish(&read, never), Err(EIO));
+        let mut failed = fill_of(64 * K, 64 * K);
+        failed.data(64 * K, &[1; 64 * 1024]);
+        failed.error(ENOSPC);
+        failed.error(EINVAL);
+        assert_eq!(failed.finish(&read, never), Err(ENOSPC));
+        let mut stray = fill_of(64 * K, 64 * K);
+        stray.data(64 * K, &[1; 64 * 1024]);
+        stray.data(0, &[1; 4096]);
+        assert_eq!(stray.finish(&read, never), Err(EIO));
+    }
+
+    #[test]
+    fn only_data_within_the_request_is_believed() {
+        let req = InFlight {
+            command: CMD_READ,
+            offset: 4096,
+            length: 4096,
+        };
+        assert!(within(&req, 4096, 4096));
+        assert!(within(&req, 6000, 100));
+        assert!(!within(&req, 0, 4096));
+        assert!(!within(&req, 8000, 200));
+        assert!(!within(&req, u64::MAX, 2));
+        let write = InFlight {
+            command: CMD_WRITE,
+            ..req
+        };
+        assert!(!within(&write, 4096, 4096));
+    }
+}

@@ -1,0 +1,581 @@
+//! The shared read cache of immutable exports (issue 22, item 1): a real
+//! qemu-nbd behind a relay that counts the READ requests reaching it, the
+//! gateway in front, raw clients checking every framing byte for byte,
+//! and qemu-img through the binary.
+
+mod common;
+
+use std::ffi::OsStr;
+use std::sync::Arc;
+
+use common::clients::{http_get, qemu_tls_args};
+use common::process::{NbdgwProcess, UpstreamCounter};
+use common::raw::RawClient;
+use common::{run_ok, Env, Gateway, QemuNbd};
+use nbdgw::cache::ReadCache;
+use nbdgw::exports::Immutable;
+use nbdgw::proto::consts::*;
+use nbdgw::proto::transmission::ReplyMode;
+
+const SIZE: usize = 4 << 20;
+const MODES: [ReplyMode; 3] = [
+    ReplyMode::Simple,
+    ReplyMode::Structured,
+    ReplyMode::Extended,
+];
+
+struct Site {
+    env: Env,
+    upstream: QemuNbd,
+    counter: UpstreamCounter,
+    image: Vec<u8>,
+    gateway: Gateway,
+    metrics: Arc<nbdgw::metrics::Metrics>,
+}
+
+/// qemu-nbd on a random image, the counting relay, and a gateway in front
+/// of the relay with `--immutable` (when `immutable`), the cache of
+/// `cache_size` bytes and `read_ahead`.
+fn site(immutable: bool, cache_size: u64, read_ahead: u32) -> Site {
+    site_with_blocks(immutable, cache_size, read_ahead, nbdgw::cache::BLOCK_SIZE)
+}
+
+fn site_with_blocks(immutable: bool, cache_size: u64, read_ahead: u32, block: u64) -> Site {
+    let env = Env::new();
+    let path = env.random_image("golden.img", SIZE, 22);
+    let image = std::fs::read(&path).unwrap();
+    let upstream = QemuNbd::start(&env, &path, &[]);
+    let counter = UpstreamCounter::start(&upstream.socket, &env.path("counted.sock"));
+    let mut config = env.config(&counter.socket);
+    config.immutable = Arc::new(Immutable::new(immutable, vec![]).unwrap());
+    if immutable && cache_size > 0 {
+        config.cache = Some(ReadCache::with_block_size(
+            cache_size,
+            block,
+            config.metrics.cache.clone(),
+        ));
+    }
+    config.read_ahead = read_ahead;
+    let metrics = config.metrics.clone();
+    let gateway = Gateway::start(config);
+    Site {
+        env,
+        upstream,
+        counter,
+        image,
+        gateway,
+        metrics,
+    }
+}
+
+impl Site {
+    fn client(&self, mode: ReplyMode) -> (RawClient, u16) {
+        let mut c = RawClient::tls(self.gateway.addr, &self.env.certs());
+        let tflags = c.go(mode);
+        (c, tflags)
+    }
+
+    /// Reads `len` at `offset` and checks it against the image.
+    fn check_read(&self, c: &mut RawClient, cookie: u64, offset: usize, len: usize) {
+        let got = c.read(cookie, offset as u64, len);
+        assert!(
+            got == self.image[offset..offset + len],
+            "{:?}: {len} bytes at {offset} differ from the image",
+            c.mode
+        );
+    }
+
+    fn hits(&self) -> u64 {
+        self.metrics.cache.hits.get()
+    }
+}
+
+/// Reads of many sizes and alignments, over the whole image.
+fn reads() -> Vec<(usize, usize)> {
+    let mut reads = Vec::new();
+    let mut offset = 0;
+    let sizes = [4096, 512, 65536, 100_000, 131_072, 7, 4096 * 3, 300_001];
+    for i in 0.. {
+        let len = sizes[i % sizes.len()].min(SIZE - offset);
+        if len == 0 {
+            break;
+        }
+        reads.push((offset, len));
+        offset += len;
+    }
+    reads
+}
+
+#[test]
+fn every_byte_read_through_the_cache_is_the_image_in_each_framing() {
+    let s = site(true, 64 << 20, 0);
+    for mode in MODES {
+        // The first reader fills (in the first mode), later ones hit.
+        for reader in 0..2 {
+            let (mut c, _) = s.client(mode);
+            for (i, (offset, len)) in reads().into_iter().enumerate() {
+                s.check_read(&mut c, i as u64 + 1, offset, len);
+            }
+            // Backwards and overlapping, all hits after the first pass.
+            for (i, (offset, len)) in reads().into_iter().rev().enumerate() {
+                let offset = offset.saturating_sub(1000);
+                s.check_read(&mut c, 1 << 40 | i as u64, offset, len.min(SIZE - offset));
+            }
+            c.disconnect();
+            assert!(reader == 0 || s.hits() > 0);
+        }
+    }
+    assert!(
+        s.hits() > 100,
+        "hits: {} misses {} bytes {}",
+        s.hits(),
+        s.metrics.cache.misses.get(),
+        s.metrics.cache.cached_bytes.get()
+    );
+}
+
+/// A sparse image: qemu-nbd answers structured reads of its hole with
+/// OFFSET_HOLE chunks, which the cache keeps as zeros.
+#[test]
+fn holes_are_cached_as_zeros() {
+    let env = Env::new();
+    let path = env.path("sparse.img");
+    let mut image = common::pattern(SIZE, 9);
+    image[1 << 20..3 << 20].fill(0);
+    {
+        use std::io::{Seek, Write};
+        let mut f = std::fs::File::create(&path).unwrap();
+        f.write_all(&image[..1 << 20]).unwrap();
+        f.seek(std::io::SeekFrom::Start(3 << 20)).unwrap();
+        f.write_all(&image[3 << 20..]).unwrap();
+    }
+    let upstream = QemuNbd::start(&env, &path, &[]);
+    let counter = UpstreamCounter::start(&upstream.socket, &env.path("counted.sock"));
+    let mut config = env.config(&counter.socket);
+    config.immutable = Arc::new(Immutable::new(true, vec![]).unwrap());
+    config.cache = Some(ReadCache::new(64 << 20, config.metrics.cache.clone()));
+    config.read_ahead = 0;
+    let metrics = config.metrics.clone();
+    let gateway = Gateway::start(config);
+    for mode in MODES {
+        let mut c = RawClient::tls(gateway.addr, &env.certs());
+        c.go(mode);
+        for (offset, len) in [
+            (1 << 20, 65536),
+            ((1 << 20) - 1000, 70_000),
+            (2 << 20, 1 << 20),
+            (0, SIZE / 2),
+        ] {
+            let got = c.read(7, offset as u64, len);
+            assert!(got == image[offset..offset + len], "{mode:?} at {offset}");
+        }
+        c.disconnect();
+    }
+    assert!(metrics.cache.hits.get() >= 8);
+    drop(upstream);
+}
+
+/// A hit is framed as the client negotiated: one simple reply, or one
+/// OFFSET_DATA chunk flagged done carrying the request's offset (in the
+/// extended header too).
+#[test]
+fn a_hit_is_one_reply_in_the_clients_framing() {
+    let s = site(true, 64 << 20, 0);
+    let (mut warm, _) = s.client(ReplyMode::Structured);
+    s.check_read(&mut warm, 1, 0, 1 << 20);
+    warm.disconnect();
+    for mode in MODES {
+        let (mut c, _) = s.client(mode);
+        let hits = s.hits();
+        let (offset, len) = (70_000u64, 5000usize);
+        c.send_request(0, CMD_READ, 0xfeed, offset, len as u64, &[]);
+        let reply = c.read_reply(len);
+        assert_eq!(s.hits(), hits + 1, "{mode:?}: not a hit");
+        assert_eq!(reply.len(), 1, "{mode:?}: {reply:?}");
+        let chunk = &reply[0];
+        assert_eq!(chunk.cookie, 0xfeed);
+        let expected = &s.image[offset as usize..offset as usize + len];
+        if mode == ReplyMode::Simple {
+            assert!(chunk.simple);
+            assert_eq!(chunk.error, 0);
+            assert!(chunk.payload == expected);
+        } else {
+            assert!(!chunk.simple);
+            assert_eq!(chunk.kind, REPLY_TYPE_OFFSET_DATA);
+            assert_eq!(chunk.flags, REPLY_FLAG_DONE);
+            assert_eq!(chunk.payload[..8], offset.to_be_bytes());
+            assert!(&chunk.payload[8..] == expected);
+            if mode == ReplyMode::Extended {
+                assert_eq!(chunk.offset, offset);
+            }
+        }
+        c.disconnect();
+    }
+}
+
+#[test]
+fn a_second_reader_of_the_same_blocks_does_not_reach_the_upstream() {
+    second_reader(nbdgw::cache::BLOCK_SIZE);
+}
+
+#[test]
+fn with_small_blocks_too() {
+    second_reader(4096);
+}
+
+fn second_reader(block: u64) {
+    let s = site_with_blocks(true, 64 << 20, 0, block);
+    let (mut first, _) = s.client(ReplyMode::Structured);
+    for i in 0..16 {
+        s.check_read(&mut first, i + 1, i as usize * 65536, 65536);
+    }
+    first.disconnect();
+    let after_first = s.counter.reads();
+    assert_eq!(after_first, 16, "one upstream READ per first read");
+    for mode in MODES {
+        let (mut second, _) = s.client(mode);
+        // Small, unaligned reads inside the blocks the first one read.
+        for i in 0..256u64 {
+            let offset = (i * 4096 + i * 7) as usize % ((1 << 20) - 4096);
+            s.check_read(&mut second, i, offset, 4096);
+        }
+        second.disconnect();
+    }
+    assert_eq!(s.counter.reads(), after_first, "a hit reached the upstream");
+    assert_eq!(s.hits(), 3 * 256);
+}
+
+/// The same reads through a gateway whose export is not immutable: every
+/// one reaches the upstream, and nothing is cached.
+#[test]
+fn a_mutable_export_is_never_cached() {
+    let s = site(false, 64 << 20, 0);
+    for round in 0..2 {
+        let (mut c, tflags) = s.client(ReplyMode::Structured);
+        assert_eq!(tflags & TFLAG_READ_ONLY, 0);
+        for i in 0..16 {
+            s.check_read(&mut c, i + 1, i as usize * 65536, 65536);
+        }
+        c.disconnect();
+        assert_eq!(s.counter.reads(), 16 * (round + 1));
+    }
+    assert_eq!(s.hits(), 0);
+    assert_eq!(s.metrics.cache.misses.get(), 0);
+    // And it is writable.
+    let (mut c, _) = s.client(ReplyMode::Structured);
+    c.write(1, 0, &[0x55; 4096]);
+    assert_eq!(c.read_reply(0).last().unwrap().error_code(), 0);
+    assert_eq!(c.read(2, 0, 4096), [0x55; 4096]);
+    c.disconnect();
+}
+
+#[test]
+fn writes_trims_and_zeroes_to_an_immutable_export_are_refused() {
+    let s = site(true, 64 << 20, 0);
+    for mode in MODES {
+        let (mut c, tflags) = s.client(mode);
+        assert_ne!(
+            tflags & TFLAG_READ_ONLY,
+            0,
+            "{mode:?}: not advertised read-only"
+        );
+        s.check_read(&mut c, 9, 0, 8192);
+        c.write(1, 0, &[0x55; 8192]);
+        let reply = c.read_reply(0);
+        assert_eq!(reply.last().unwrap().error_code(), EPERM, "{mode:?}");
+        c.send_request(0, CMD_TRIM, 2, 0, 4096, &[]);
+        assert_eq!(c.read_reply(0).last().unwrap().error_code(), EPERM);
+        c.send_request(0, CMD_WRITE_ZEROES, 3, 0, 4096, &[]);
+        assert_eq!(c.read_reply(0).last().unwrap().error_code(), EPERM);
+        // In step, and the data (cached or not) is the image's.
+        s.check_read(&mut c, 4, 0, 8192);
+        c.disconnect();
+    }
+    assert_eq!(std::fs::read(&s.upstream.image).unwrap(), s.image);
+}
+
+#[test]
+fn eviction_keeps_the_cache_within_its_size() {
+    let cache_size = 256 * 1024;
+    let s = site(true, cache_size, 0);
+    for round in 0..2 {
+        let (mut c, _) = s.client(ReplyMode::Extended);
+        for (i, (offset, len)) in reads().into_iter().enumerate() {
+            s.check_read(&mut c, i as u64, offset, len);
+            let held = s.metrics.cache.cached_bytes.get();
+            assert!(
+                (0..=cache_size as i64).contains(&held),
+                "round {round}: {held} bytes held"
+            );
+        }
+        c.disconnect();
+    }
+    assert!(s.metrics.cache.evictions.get() > 100);
+    assert_eq!(s.metrics.cache.cached_bytes.get(), cache_size as i64);
+}
+
+#[test]
+fn an_upstream_restarted_with_another_size_has_its_blocks_dropped() {
+    let mut s = site(true, 64 << 20, 0);
+    let (mut c, _) = s.client(ReplyMode::Structured);
+    s.check_read(&mut c, 1, 0, 1 << 20);
+    c.disconnect();
+    // Another image, of another size, behind the same socket.
+    let other = s.env.random_image("other.img", SIZE / 2, 23);
+    s.upstream.image = other.clone();
+    s.upstream.restart();
+    s.image = std::fs::read(&other).unwrap();
+    let reads = s.counter.reads();
+    let (mut c, _) = s.client(ReplyMode::Structured);
+    s.check_read(&mut c, 2, 0, 1 << 20);
+    c.disconnect();
+    assert!(
+        s.counter.reads() > reads,
+        "served from the old image's blocks"
+    );
+    assert_eq!(s.metrics.cache.invalidated_blocks.get(), 16);
+    // The new image's blocks are cached in turn.
+    let (mut c, _) = s.client(ReplyMode::Simple);
+    let reads = s.counter.reads();
+    s.check_read(&mut c, 3, 4096, 65536);
+    assert_eq!(s.counter.reads(), reads);
+    c.disconnect();
+}
+
+#[test]
+fn sequential_reads_are_fetched_ahead_in_large_reads() {
+    let read_ahead = 512 * 1024;
+    let s = site(true, 64 << 20, read_ahead);
+    for mode in MODES {
+        let (mut c, _) = s.client(mode);
+        let before = s.counter.reads();
+        // A VM reading its disk 4 KiB at a time.
+        let span = 2 << 20;
+        let start = match mode {
+            ReplyMode::Simple => 0,
+            ReplyMode::Structured => span,
+            ReplyMode::Extended => 0,
+        };
+        for i in 0..span / 4096 {
+            s.check_read(&mut c, i as u64, start + i * 4096, 4096);
+        }
+        c.disconnect();
+        let upstream = s.counter.reads() - before;
+        if mode != ReplyMode::Extended {
+            // A few misses before the run is seen and while read-ahead is
+            // on its way, then one upstream read per 512 KiB.
+            assert!(upstream <= 40, "{mode:?}: {upstream} upstream reads");
+        } else {
+            // All cached by now.
+            assert_eq!(upstream, 0);
+        }
+    }
+    let c = &s.metrics.cache;
+    assert!(
+        c.read_ahead_bytes.get() >= 3 << 20,
+        "{}",
+        c.read_ahead_bytes.get()
+    );
+    assert!(c.read_ahead_used_bytes.get() >= 3 << 20);
+}
+
+/// The binary with `--export NAME=...` and `--immutable-export NAME`:
+/// qemu-img copies the image twice, the second time from the cache, and
+/// the metrics say so.
+#[test]
+fn qemu_img_reads_an_immutable_export_through_the_binary() {
+    let env = Env::new();
+    let path = env.random_image("golden.img", SIZE, 5);
+    let upstream = QemuNbd::start(&env, &path, &[]);
+    let counter = UpstreamCounter::start(&upstream.socket, &env.path("counted.sock"));
+    let certs = env.certs();
+    let admin = common::free_port();
+    let export = format!("golden={}", counter.socket.display());
+    let gw = NbdgwProcess::start([
+        OsStr::new("--tls-cert"),
+        certs.join("server-cert.pem").as_os_str(),
+        OsStr::new("--tls-key"),
+        certs.join("server-key.pem").as_os_str(),
+        OsStr::new("--export"),
+        OsStr::new(&export),
+        OsStr::new("--export"),
+        OsStr::new(&format!("plain={}", counter.socket.display())),
+        OsStr::new("--immutable-export"),
+        OsStr::new("golden"),
+        OsStr::new("--cache-size"),
+        OsStr::new("33554432"),
+        OsStr::new("--admin-listen"),
+        OsStr::new(&format!("127.0.0.1:{admin}")),
+        OsStr::new("--landlock"),
+        OsStr::new("false"),
+    ]);
+    let [object, tls, image_opts, opts] = qemu_tls_args("localhost", gw.port, &certs);
+    let opts_for = |export: &str| format!("{opts},export={export}");
+    for round in 0..2 {
+        let out = env.path(&format!("copy{round}.img"));
+        run_ok(
+            std::process::Command::new("qemu-img")
+                .args(["convert", &object, &tls, &image_opts, &opts_for("golden")])
+                .args(["-O", "raw"])
+                .arg(&out),
+        );
+        assert!(std::fs::read(&out).unwrap() == std::fs::read(&path).unwrap());
+        if round == 0 {
+            assert!(counter.reads() > 0);
+        }
+    }
+    let first_copy_reads = counter.reads();
+    let (_, metrics) = http_get(admin, "/metrics");
+    let hits = metric(&metrics, "nbdgw_cache_hits_total");
+    assert!(metric(&metrics, "nbdgw_cache_bytes") as usize >= SIZE);
+    // The second copy came from the cache: as many hits as the first
+    // copy's reads, and no upstream read of its own.
+    assert!(
+        hits as usize >= first_copy_reads,
+        "hits {hits}, upstream reads {first_copy_reads}"
+    );
+    assert!(gw.log().contains("immutable=true"));
+    let write = |export: &str| {
+        std::process::Command::new("qemu-io")
+            .args([&object, &tls, &image_opts, &opts_for(export)])
+            .args(["-c", "write -P 7 0 4096"])
+            .output()
+            .unwrap()
+    };
+    // The other export, through the same socket, is not immutable.
+    let out = write("plain");
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("wrote"),
+        "{out:?}"
+    );
+    let out = write("golden");
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).contains("wrote"),
+        "{out:?}"
+    );
+}
+
+fn metric(text: &str, name: &str) -> u64 {
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {text}"))
+}
+
+/// An upstream that fails a read, and one that answers with data and a
+/// hole: a failed fill reaches the client as the error and caches
+/// nothing; data and hole are both cached.
+#[test]
+fn a_failed_fill_is_the_clients_error_and_caches_nothing() {
+    use common::fake_upstream::{self, chunk, good_read, Answer, Asked};
+    fn script(_: usize, read: Asked) -> Answer {
+        let Asked { cookie, offset, .. } = read;
+        match offset {
+            0 => {
+                let message = b"disk on fire";
+                let mut c = chunk(
+                    REPLY_FLAG_DONE,
+                    REPLY_TYPE_ERROR,
+                    cookie,
+                    6 + message.len() as u32,
+                );
+                c.extend_from_slice(&EIO.to_be_bytes());
+                c.extend_from_slice(&(message.len() as u16).to_be_bytes());
+                c.extend_from_slice(message);
+                c.into()
+            }
+            65536 => {
+                // Data for the first half of the block, a hole after.
+                let mut c = chunk(0, REPLY_TYPE_OFFSET_DATA, cookie, 8 + 32768);
+                c.extend_from_slice(&offset.to_be_bytes());
+                c.extend(std::iter::repeat_n(9u8, 32768));
+                c.extend(chunk(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_HOLE, cookie, 12));
+                c.extend_from_slice(&(offset + 32768).to_be_bytes());
+                c.extend_from_slice(&32768u32.to_be_bytes());
+                c.into()
+            }
+            _ => good_read(read).into(),
+        }
+    }
+    let env = Env::new();
+    let fake = fake_upstream::scripted(&env.path("fake.sock"), 1 << 20, script);
+    let mut config = env.config(&fake.socket);
+    config.immutable = Arc::new(Immutable::new(true, vec![]).unwrap());
+    config.cache = Some(ReadCache::new(1 << 20, config.metrics.cache.clone()));
+    config.read_ahead = 0;
+    let metrics = config.metrics.clone();
+    let gateway = Gateway::start(config);
+    let mut c = RawClient::tls(gateway.addr, &env.certs());
+    c.go(ReplyMode::Structured);
+    for cookie in [1, 2] {
+        c.send_request(0, CMD_READ, cookie, 100, 4096, &[]);
+        let reply = c.read_reply(4096);
+        assert_eq!(reply.last().unwrap().error_code(), EIO);
+    }
+    assert_eq!(metrics.cache.hits.get(), 0);
+    assert_eq!(metrics.cache.cached_bytes.get(), 0);
+    assert_eq!(c.read(3, 65536 + 100, 4096), [9; 4096]);
+    let hits = metrics.cache.hits.get();
+    assert_eq!(c.read(4, 65536 + 30000, 4096)[..2768], [9; 2768]);
+    assert_eq!(c.read(5, 65536 + 40000, 4096), [0; 4096]);
+    assert_eq!(metrics.cache.hits.get(), hits + 2);
+    assert_eq!(c.read(6, 200_000, 4096), [7; 4096]);
+    c.disconnect();
+}
+
+/// Bad cache settings stop nbdgw at start, naming the flag.
+#[test]
+fn bad_cache_flags_are_refused_at_start() {
+    let env = Env::new();
+    let certs = env.certs();
+    let socket = env.path("nbd.sock");
+    let base = |extra: &[&str]| {
+        let mut args: Vec<std::ffi::OsString> = vec![
+            "--tls-dir".into(),
+            certs.clone().into(),
+            "--landlock".into(),
+            "false".into(),
+        ];
+        args.extend(extra.iter().map(|a| a.into()));
+        args
+    };
+    let export = format!("golden={}", socket.display());
+    for (extra, says) in [
+        (
+            vec!["--export", export.as_str(), "--immutable"],
+            "--upstream",
+        ),
+        (
+            vec![
+                "--upstream",
+                socket.to_str().unwrap(),
+                "--cache-block-size",
+                "5000",
+            ],
+            "power of two",
+        ),
+        (
+            vec![
+                "--upstream",
+                socket.to_str().unwrap(),
+                "--read-ahead",
+                "67108864",
+            ],
+            "--read-ahead",
+        ),
+        (
+            vec![
+                "--upstream",
+                socket.to_str().unwrap(),
+                "--immutable-export",
+                "a\nb",
+            ],
+            "--immutable-export",
+        ),
+    ] {
+        let stderr = common::process::start_must_fail(base(&extra));
+        assert!(stderr.contains(says), "{extra:?}: {stderr}");
+    }
+}
