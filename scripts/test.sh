@@ -18,6 +18,13 @@ scripts/fuzz.sh 30
 # A minute of verified I/O from 64 clients under injected faults (needs the
 # debug binary cargo test built; bench/soak.py --seconds 14400 for hours).
 /usr/bin/python3 bench/soak.py --seconds 60
+# The same through `nbdgw client --reconnect`, the gateway killed and
+# restarted among the faults: no client may see an error.
+/usr/bin/python3 bench/soak.py --through-client --seconds 40
+# Reads only through the read cache of an immutable export (smaller than
+# the image, with read-ahead), upstream restarts and resizes among the
+# faults: every byte compared with the image.
+/usr/bin/python3 bench/soak.py --immutable --seconds 40
 # The same soak across a link with 1 % loss, 3-5 ms delay and 1 %
 # reordering between two network namespaces (needs root, as CI has).
 if [ "$(id -u)" -eq 0 ]; then
@@ -35,4 +42,4 @@ scripts/ktls-vm.sh kernel_tls key_update
 KTLS_VM_KERNEL=new scripts/ktls-vm.sh
 # The benchmark's own logic (capture analysis, front-end order); the benchmark itself needs
 # root and minutes, so it runs from bench/, not here.
-(cd bench && python3 -m py_compile run.py nbdclient.py wire.py soak.py lossy_lan.py ktls_ab.py && python3 -m unittest -q test_wire test_run)
+(cd bench && python3 -m py_compile run.py nbdclient.py wire.py soak.py lossy_lan.py ktls_ab.py client_mode.py && python3 -m unittest -q test_wire test_run)
