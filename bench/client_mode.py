@@ -72,11 +72,12 @@ def main():
         sys.exit(f"client_mode bench: build the release binary first (scripts/build-release.sh): {NBDGW}")
     with tempfile.TemporaryDirectory() as work:
         image = os.path.join(work, "disk.img")
-        size = args.size_mib << 20
+        # nbdclient.py's QD1 reads spread over the first GiB.
+        size = max(args.size_mib, 1024) << 20
         with open(image, "wb") as f:
             f.truncate(size)
         # Data, not holes, so that every read carries its bytes.
-        subprocess.run(["dd", "if=/dev/urandom", f"of={image}", "bs=1M", f"count={args.size_mib}",
+        subprocess.run(["dd", "if=/dev/urandom", f"of={image}", "bs=1M", f"count={size >> 20}",
                         "conv=notrunc", "status=none"], check=True)
         certs = os.path.join(work, "certs")
         subprocess.run([NBDGW, "certs", "--out", certs, "--server-name", "localhost"],
