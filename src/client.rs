@@ -84,15 +84,30 @@ pub enum LocalAddr {
 }
 
 impl std::str::FromStr for LocalAddr {
-    type Err = std::convert::Infallible;
+    type Err = String;
 
-    /// An address (`127.0.0.1:10809`, `[::1]:10809`) is TCP; anything else
-    /// is a socket path.
+    /// An address (`127.0.0.1:10809`, `[::1]:10809`, `localhost:10809`) is
+    /// TCP; a path is a socket. A name with a port that is not
+    /// `localhost` is refused rather than taken as a file name
+    /// (`myhost:10809` would otherwise become a socket in the current
+    /// directory, and nothing would listen where the operator meant).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Ok(match s.parse::<SocketAddr>() {
-            Ok(addr) => LocalAddr::Tcp(addr),
-            Err(_) => LocalAddr::Unix(PathBuf::from(s)),
-        })
+        if let Ok(addr) = s.parse::<SocketAddr>() {
+            return Ok(LocalAddr::Tcp(addr));
+        }
+        if s.contains('/') {
+            return Ok(LocalAddr::Unix(PathBuf::from(s)));
+        }
+        match s.rsplit_once(':') {
+            Some(("localhost", port)) => port
+                .parse::<u16>()
+                .map(|port| LocalAddr::Tcp((std::net::Ipv4Addr::LOCALHOST, port).into()))
+                .map_err(|_| format!("{s}: not a port")),
+            Some((_, port)) if port.parse::<u16>().is_ok() => Err(format!(
+                "{s}: a TCP listen address is a loopback address (127.0.0.1:PORT, [::1]:PORT, localhost:PORT); a socket path needs a '/' (./{s})"
+            )),
+            _ => Ok(LocalAddr::Unix(PathBuf::from(s))),
+        }
     }
 }
 
@@ -307,6 +322,20 @@ mod tests {
         assert_eq!(
             "/run/x.sock".parse::<LocalAddr>().unwrap(),
             LocalAddr::Unix("/run/x.sock".into())
+        );
+        assert_eq!(
+            "localhost:10809".parse::<LocalAddr>().unwrap(),
+            LocalAddr::Tcp(([127, 0, 0, 1], 10809).into())
+        );
+        // A name and a port is not a file name.
+        assert!("disks.lan:10809".parse::<LocalAddr>().is_err());
+        assert_eq!(
+            "./disks.lan:10809".parse::<LocalAddr>().unwrap(),
+            LocalAddr::Unix("./disks.lan:10809".into())
+        );
+        assert_eq!(
+            "client.sock".parse::<LocalAddr>().unwrap(),
+            LocalAddr::Unix("client.sock".into())
         );
         let err = LocalListener::bind(&LocalAddr::Tcp(([0, 0, 0, 0], 0).into()))
             .err()

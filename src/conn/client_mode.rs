@@ -328,7 +328,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Options<'_, S> {
             .send_option(option.option, self.local.data())
             .await?;
         let max_payload = self.settings.max_payload;
+        let max_option_len = self.settings.max_option_len as usize;
         let mut contexts = Vec::new();
+        let (mut kept, mut too_many) = (0usize, false);
         let relayed = relayed::relay_replies(
             &mut self.local,
             &mut self.remote.channel,
@@ -339,7 +341,16 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Options<'_, S> {
                     relayed::info_export(&mut batch[start + OPTION_REPLY_HEADER_LEN..], max_payload)
                 }
                 REP_META_CONTEXT => {
-                    contexts.push(batch[start + OPTION_REPLY_HEADER_LEN..].to_vec());
+                    // Kept for --reconnect, within --max-option-len in all:
+                    // a server's endless replies must not grow memory. One
+                    // that sends more cannot be agreed with again.
+                    let context = &batch[start + OPTION_REPLY_HEADER_LEN..];
+                    kept += context.len() + 16;
+                    if kept <= max_option_len {
+                        contexts.push(context.to_vec());
+                    } else {
+                        too_many = true;
+                    }
                     None
                 }
                 _ => None,
@@ -347,6 +358,13 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Options<'_, S> {
         )
         .await?;
         if option.option == OPT_SET_META_CONTEXT && relayed.reply_type == REP_ACK {
+            if too_many {
+                warn!(
+                    max_option_len,
+                    "the server chose more metadata contexts than --max-option-len holds"
+                );
+                return Ok(Step::Closed("the server sent too many metadata contexts"));
+            }
             self.meta = Some(MetaContexts {
                 request: self.local.data().to_vec(),
                 chosen: contexts,

@@ -155,6 +155,9 @@ pub fn build_client(
     let verifier = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider())
         .with_crls(crl_list)
         .allow_unknown_revocation_status()
+        // As the server side (without --tls-crl-allow-expired): a CRL past
+        // its next update is refused, not trusted as current.
+        .enforce_revocation_expiration()
         .build()
         .map_err(|e| ca_err(e.to_string()))?;
     let builder = ClientConfig::builder_with_provider(provider())
