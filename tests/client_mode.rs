@@ -491,7 +491,7 @@ fn the_local_socket_is_replaced_when_stale_refused_when_live_and_removed_at_exit
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "1048576");
 
     // A second client mode on the same, live, socket does not start.
-    let out = run(Command::new(env!("CARGO_BIN_EXE_nbdgw"))
+    let out = run(Command::new(common::process::nbdgw_binary())
         .args(["client", "--listen"])
         .arg(&socket)
         .args(["--server", &target, "--tls-dir"])
@@ -509,7 +509,7 @@ fn the_local_socket_is_replaced_when_stale_refused_when_live_and_removed_at_exit
 #[test]
 fn a_non_loopback_listen_address_and_a_missing_ca_refuse_to_start() {
     let env = Env::new();
-    let out = run(Command::new(env!("CARGO_BIN_EXE_nbdgw"))
+    let out = run(Command::new(common::process::nbdgw_binary())
         .args([
             "client",
             "--listen",
@@ -525,7 +525,7 @@ fn a_non_loopback_listen_address_and_a_missing_ca_refuse_to_start() {
 
     let empty = env.path("empty");
     std::fs::create_dir_all(&empty).unwrap();
-    let out = run(Command::new(env!("CARGO_BIN_EXE_nbdgw"))
+    let out = run(Command::new(common::process::nbdgw_binary())
         .args(["client", "--listen"])
         .arg(env.path("x.sock"))
         .args(["--server", "localhost:10809", "--tls-dir"])
@@ -784,7 +784,7 @@ fn a_rotated_ca_bundle_is_used_by_new_connections() {
 /// The server mode on a port of the test's choosing, so that a restart
 /// comes back where `nbdgw client` reconnects to.
 fn gateway_at(env: &Env, upstream: &Path, port: u16) -> NbdgwProcess {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_nbdgw"));
+    let mut cmd = Command::new(common::process::nbdgw_binary());
     cmd.arg("--tls-dir")
         .arg(env.certs())
         .arg("--upstream")

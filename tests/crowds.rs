@@ -157,7 +157,7 @@ fn bounds_beyond_the_descriptor_limit_are_lowered_or_refused_at_start() {
     let port = free_port();
     let mut cmd = Command::new("prlimit");
     cmd.arg("--nofile=1024:1024")
-        .arg(env!("CARGO_BIN_EXE_nbdgw"))
+        .arg(common::process::nbdgw_binary())
         .arg("--tls-dir")
         .arg(&certs)
         .arg("--upstream")
@@ -189,7 +189,7 @@ fn bounds_beyond_the_descriptor_limit_are_lowered_or_refused_at_start() {
     let out = common::run(
         Command::new("prlimit")
             .arg("--nofile=40:40")
-            .arg(env!("CARGO_BIN_EXE_nbdgw"))
+            .arg(common::process::nbdgw_binary())
             .arg("--tls-dir")
             .arg(&certs)
             .arg("--upstream")

@@ -592,11 +592,11 @@ fn rotation_by_sighup_alone_and_a_mismatched_key_kept_out() {
 #[test]
 fn certs_command_output_works_with_qemu_nbd_qemu_img_and_libnbd() {
     let env = Env::new();
-    let bin = env!("CARGO_BIN_EXE_nbdgw");
+    let bin = common::process::nbdgw_binary();
     let dir = env.path("generated");
     let spiffe = "spiffe://example.org/ns/backup/sa/agent";
     run_ok(
-        Command::new(bin)
+        Command::new(&bin)
             .args(["certs", "--client-uri", spiffe, "--out"])
             .arg(&dir),
     );
@@ -715,6 +715,6 @@ fn tls_min_version_13_refuses_tls_12_clients_and_expiry_is_warned() {
     c.try_starttls(tls12_only())
         .expect("TLS 1.2 accepted by default");
     c.go(ReplyMode::Structured);
-    let bad = run(Command::new(env!("CARGO_BIN_EXE_nbdgw")).args(["--tls-min-version", "1.1"]));
+    let bad = run(Command::new(common::process::nbdgw_binary()).args(["--tls-min-version", "1.1"]));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("possible values: 1.2, 1.3"));
 }

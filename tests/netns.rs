@@ -136,7 +136,7 @@ fn keepalive_drops_a_client_that_powered_off() {
     let image = env.random_image("disk.img", 1 << 20, 4);
     let upstream = QemuNbd::start(&env, &image, &[]);
 
-    let mut gateway = lan.exec(&lan.server, env!("CARGO_BIN_EXE_nbdgw"));
+    let mut gateway = lan.exec(&lan.server, &common::process::nbdgw_binary());
     gateway
         .arg("--listen")
         .arg(format!("{SERVER_IP}:10809"))
@@ -208,7 +208,7 @@ fn one_slash_64_holds_at_most_the_per_source_cap() {
     let server: std::net::SocketAddr = "[2001:db8:9::1]:10809".parse().unwrap();
     let mut gateway = Command::new("ip");
     gateway
-        .args(["netns", "exec", &ns.name, env!("CARGO_BIN_EXE_nbdgw")])
+        .args(["netns", "exec", &ns.name, &common::process::nbdgw_binary()])
         .arg("--listen")
         .arg(server.to_string())
         .arg("--upstream")

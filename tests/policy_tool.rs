@@ -26,7 +26,7 @@ access = "read-write"
 "#;
 
 fn nbdgw(args: &[&std::ffi::OsStr]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_nbdgw"))
+    Command::new(common::process::nbdgw_binary())
         .args(args)
         .output()
         .expect("run nbdgw")

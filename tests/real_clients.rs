@@ -172,9 +172,9 @@ fn upstream_missing_gives_clients_a_clear_error() {
 #[test]
 fn the_command_line_certs_serve_and_sigterm() {
     let env = Env::new();
-    let bin = env!("CARGO_BIN_EXE_nbdgw");
+    let bin = common::process::nbdgw_binary();
     let dir = env.path("generated");
-    let out = run_ok(Command::new(bin).args(["certs", "--out"]).arg(&dir));
+    let out = run_ok(Command::new(&bin).args(["certs", "--out"]).arg(&dir));
     let listed = String::from_utf8_lossy(&out.stdout);
     for f in [
         "ca-cert.pem",
@@ -191,11 +191,11 @@ fn the_command_line_certs_serve_and_sigterm() {
         .permissions()
         .mode();
     assert_eq!(mode & 0o777, 0o600);
-    let again = run(Command::new(bin).args(["certs", "--out"]).arg(&dir));
+    let again = run(Command::new(&bin).args(["certs", "--out"]).arg(&dir));
     assert!(!again.status.success());
     assert!(String::from_utf8_lossy(&again.stderr).contains("already exists"));
     run_ok(
-        Command::new(bin)
+        Command::new(&bin)
             .args(["certs", "--force", "--out"])
             .arg(&dir),
     );
@@ -234,13 +234,13 @@ fn the_command_line_certs_serve_and_sigterm() {
     assert!(log.contains("SIGTERM received"), "{log}");
 
     // Missing required flags: a clear error, not a panic.
-    let out = run(Command::new(bin).env_remove("NBDGW_TLS_CERT"));
+    let out = run(Command::new(&bin).env_remove("NBDGW_TLS_CERT"));
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr)
         .contains("--upstream, --export or --export-dir is required"));
-    let out = run(Command::new(bin).args(["--upstream", "/x"]));
+    let out = run(Command::new(&bin).args(["--upstream", "/x"]));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--tls-cert and --tls-key, or --tls-dir"));
-    let out = run(Command::new(bin).args([
+    let out = run(Command::new(&bin).args([
         "--upstream",
         "/x",
         "--tls-dir",

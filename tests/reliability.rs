@@ -55,7 +55,7 @@ fn bytes_in_counts_what_arrived_not_what_was_announced() {
 
 fn nbdgw_certs(out: &Path, extra: &[&OsStr]) -> std::process::Output {
     common::run(
-        Command::new(env!("CARGO_BIN_EXE_nbdgw"))
+        Command::new(common::process::nbdgw_binary())
             .arg("certs")
             .arg("--out")
             .arg(out)

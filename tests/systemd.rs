@@ -30,7 +30,7 @@ fn exec_start(certs: &Path, upstream: &Path) -> Vec<String> {
     let line = unit_values("nbdgw.service", "ExecStart").pop().unwrap();
     line.split_whitespace()
         .map(|word| match word {
-            "/usr/local/bin/nbdgw" => env!("CARGO_BIN_EXE_nbdgw").to_string(),
+            "/usr/local/bin/nbdgw" => common::process::nbdgw_binary(),
             "/etc/nbdgw/tls" => certs.display().to_string(),
             "/run/nbd/disk.sock" => upstream.display().to_string(),
             other => other.to_string(),
@@ -97,7 +97,7 @@ fn the_units_pass_systemd_analyze_verify() {
     for unit in ["nbdgw.service", "nbdgw.socket"] {
         let text = std::fs::read_to_string(Path::new(UNIT_DIR).join(unit)).unwrap();
         // verify checks that ExecStart's binary exists.
-        let text = text.replace("/usr/local/bin/nbdgw", env!("CARGO_BIN_EXE_nbdgw"));
+        let text = text.replace("/usr/local/bin/nbdgw", &common::process::nbdgw_binary());
         std::fs::write(dir.path().join(unit), text).unwrap();
     }
     let units: Vec<PathBuf> = ["nbdgw.socket", "nbdgw.service"]

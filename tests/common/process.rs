@@ -47,7 +47,7 @@ impl NbdgwProcess {
         S: AsRef<OsStr>,
     {
         let port = super::free_port();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_nbdgw"));
+        let mut cmd = Command::new(nbdgw_binary());
         cmd.args(args)
             .arg("--listen")
             .arg(format!("127.0.0.1:{port}"));
@@ -76,7 +76,7 @@ impl NbdgwProcess {
         I: IntoIterator<Item = S>,
         S: AsRef<OsStr>,
     {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_nbdgw"));
+        let mut cmd = Command::new(nbdgw_binary());
         cmd.arg("client").arg("--listen").arg(listen).args(args);
         let port = listen
             .to_str()
@@ -215,7 +215,7 @@ where
     I: IntoIterator<Item = S>,
     S: AsRef<OsStr>,
 {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_nbdgw"))
+    let mut child = Command::new(nbdgw_binary())
         .args(args)
         .arg("--listen")
         .arg("127.0.0.1:0")
@@ -358,4 +358,11 @@ impl UpstreamCounter {
     pub fn reads(&self) -> usize {
         self.reads.load(Ordering::SeqCst)
     }
+}
+
+/// The binary under test: this build's, or `NBDGW_UNDER_TEST` when set, so
+/// that a security test can be shown to fail on the code before its fix
+/// (build that commit, point the variable at its binary, run the test).
+pub fn nbdgw_binary() -> String {
+    std::env::var("NBDGW_UNDER_TEST").unwrap_or_else(|_| env!("CARGO_BIN_EXE_nbdgw").to_string())
 }
