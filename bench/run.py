@@ -44,6 +44,12 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 PYTHON = "/usr/bin/python3"  # Debian's, which has python3-libnbd
 REFERENCE = "qemu-nbd-tls"
 TLS_FRONTS = ("nbdgw", "qemu-nbd-tls", "nbdkit-proxy")
+# Issue 22: nbdgw with the upstream declared immutable (the shared read
+# cache and read-ahead, default sizes), and its nearest peer, nbdkit's
+# proxy under its own readahead and cache filters (cache-max-size as
+# nbdgw's --cache-size). They run only the read workloads a cache is for.
+CACHED_FRONTS = ("nbdgw-cached", "nbdkit-cached")
+CACHE_SIZE = 256 << 20
 LAN_SERVER_IP = "10.231.0.1"
 LAN_CLIENT_IP = "10.231.0.2"
 
@@ -149,8 +155,8 @@ class Fronts:
                  "--server-name", "127.0.0.1", "--server-name", LAN_SERVER_IP],
                 stdout=subprocess.DEVNULL)
         # Room for 1,000 idle clients through each proxy.
-        self.spawn(["qemu-nbd", "--persistent", "--shared=4000", "--image-opts", self.null(),
-                    "-k", self.sock])
+        self.upstream = self.spawn(["qemu-nbd", "--persistent", "--shared=4000", "--image-opts",
+                                    self.null(), "-k", self.sock])
         wait_for(lambda: os.path.exists(self.sock), "upstream qemu-nbd")
         bind = LAN_SERVER_IP if self.net.lan else "127.0.0.1"
         self.ports = {}
@@ -165,6 +171,9 @@ class Fronts:
                  "--upstream", self.sock, "--max-connections", "2000", *extra]).pid
 
         nbdgw("nbdgw", [], self.nbdgw)
+        self.admin_cached = free_port()
+        nbdgw("nbdgw-cached", ["--immutable", "--cache-size", str(CACHE_SIZE),
+                               "--admin-listen", f"127.0.0.1:{self.admin_cached}"], self.nbdgw)
         for name, extra, binary in self.variants:
             nbdgw(name, extra, binary or self.nbdgw)
         for name, tls in ((REFERENCE, True), ("qemu-nbd-tcp", False)):
@@ -181,11 +190,18 @@ class Fronts:
             ["nbdkit", "-f", "-i", bind, "-p", str(port), "--tls=require",
              f"--tls-certificates={self.certs}", "--tls-verify-peer", "nbd",
              f"socket={self.sock}"]).pid
+        port = free_port()
+        self.ports["nbdkit-cached"] = port
+        self.pids["nbdkit-cached"] = self.spawn(
+            ["nbdkit", "-f", "-i", bind, "-p", str(port), "--tls=require",
+             f"--tls-certificates={self.certs}", "--tls-verify-peer",
+             "--filter=readahead", "--filter=cache", "nbd", f"socket={self.sock}",
+             f"cache-max-size={CACHE_SIZE}", "cache-on-read=true"]).pid
         for name, port in self.ports.items():
             wait_for(lambda port=port: self.net.port_open(port), name)
         self.pids["unix"] = None
         self.names = ["nbdgw", *[v[0] for v in self.variants], REFERENCE, "nbdkit-proxy",
-                      "qemu-nbd-tcp"] + ([] if self.net.lan else ["unix"])
+                      *CACHED_FRONTS, "qemu-nbd-tcp"] + ([] if self.net.lan else ["unix"])
 
     def uri(self, name):
         if name == "unix":
@@ -361,6 +377,59 @@ def fio(fronts, name, args, rw, bs, depth):
             "CPU s/GiB": m.cpu / gib}
 
 
+def boot_storm(fronts, name, args, n):
+    """N VMs booting the same image at once: N small-read boot replays of
+    one seed (a new one each rep and storm size, never the single replay's,
+    so no cache starts warm), started together. The time until the last
+    finished, the front end's and the upstream's CPU, and for nbdgw-cached
+    the READs it sent upstream per client read."""
+    seed = 9000 + 100 * n + args.rep
+    up = fronts.upstream.pid
+    before = cache_counters(fronts) if name == "nbdgw-cached" else None
+    up_cpu = cpu_seconds(up)
+    with Measure(fronts.pids[name]) as m:
+        procs = [subprocess.Popen(fronts.net.client(
+            [PYTHON, os.path.join(BENCH, "nbdclient.py"), "small-replay", fronts.uri(name), str(seed)]),
+            stdout=subprocess.PIPE, text=True) for _ in range(n)]
+        outs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{name}: a boot replay of the storm failed")
+    requests = sum(json.loads(o)["requests"] for o in outs)
+    # qemu-nbd's own TLS serves the image itself: there is no upstream hop.
+    upstream = float("nan") if name == REFERENCE else cpu_seconds(up) - up_cpu
+    row = {"ms": m.took * 1e3, "CPU us/req": m.cpu * 1e6 / requests, "upstream CPU s": upstream}
+    if before is not None:
+        after = cache_counters(fronts)
+        row["upstream reads/req"] = (after - before) / requests
+    return row
+
+
+def cache_counters(fronts):
+    """The READs nbdgw-cached has sent upstream (its /metrics, read in the
+    servers' namespace)."""
+    url = f"http://127.0.0.1:{fronts.admin_cached}/metrics"
+    text = run(fronts.net.server(["curl", "-sf", "--max-time", "5", url]),
+               capture_output=True, text=True).stdout
+    for line in text.splitlines():
+        if line.startswith("nbdgw_cache_upstream_reads_total "):
+            return float(line.split()[1])
+    raise RuntimeError("nbdgw-cached has no nbdgw_cache_upstream_reads_total")
+
+
+def many_vms(fronts, name, args):
+    """16 VMs at once, each QD1 4 KiB random reads (fio's nbd engine, 16
+    jobs, one connection each, 10 s): total IOPS and front-end CPU per
+    request."""
+    opts = ["--name=nbd", "--ioengine=nbd", f"--uri={fronts.fio_uri(name)}", "--rw=randread",
+            "--bs=4096", "--iodepth=1", "--numjobs=16", "--group_reporting", "--time_based",
+            "--runtime=10", f"--size={min(fronts.size, 64 << 20)}", "--randrepeat=1",
+            "--output-format=json"]
+    with Measure(fronts.pids[name]) as m:
+        out = run(fronts.net.client(fronts.fio_command(opts)), capture_output=True, text=True).stdout
+    side = json.loads(out[out.index("{"):])["jobs"][0]["read"]
+    return {"IOPS": side["iops"], "CPU us/req": m.cpu * 1e6 / max(side["total_ios"], 1)}
+
+
 def handshakes(fronts, name, args):
     with Measure(fronts.pids[name]) as m:
         r = client_json(fronts, ["handshakes", fronts.uri(name), str(args.handshakes)])
@@ -382,12 +451,28 @@ WORKLOADS = {
     "fio write 4K QD1": lambda f, n, a: fio(f, n, a, "write", 4096, 1),
     "fio write 256K QD16": lambda f, n, a: fio(f, n, a, "write", 262144, 16),
     "TLS handshakes": handshakes,
+    "boot storm 8": lambda f, n, a: boot_storm(f, n, a, 8),
+    "boot storm 16": lambda f, n, a: boot_storm(f, n, a, 16),
+    "16 VMs randread 4K QD1": many_vms,
 }
 # The no-TLS references have no handshake to compare.
 TLS_ONLY = {"TLS handshakes"}
 # fio runs as user nobody (see Fronts.fio_command), who may not connect to
 # the root-owned upstream socket.
-NOT_UNIX = {w for w in WORKLOADS if w.startswith("fio")}
+NOT_UNIX = {w for w in WORKLOADS if w.startswith("fio") or w.startswith("16 VMs")}
+# What the cached front ends run; the storms run only on the TLS front ends.
+CACHE_WORKLOADS = {"small-read boot replay", "boot storm 8", "boot storm 16"}
+STORMS = {"boot storm 8", "boot storm 16"}
+
+
+def runs(workload, name, variant_names):
+    """Whether this front end runs this workload."""
+    if name in CACHED_FRONTS:
+        return workload in CACHE_WORKLOADS
+    tls = name in TLS_FRONTS or name in variant_names
+    if (workload in TLS_ONLY or workload in STORMS) and not tls:
+        return False
+    return not (workload in NOT_UNIX and name == "unix")
 
 
 def wire_stats(fronts, name, args):
@@ -540,9 +625,7 @@ def bench_mode(args, lan, work):
                 if workload not in args.workloads:
                     continue
                 for name in rotation(fronts.names, rep, args.reps, index):
-                    if workload in TLS_ONLY and name not in TLS_FRONTS and name not in variant_names:
-                        continue
-                    if workload in NOT_UNIX and name == "unix":
+                    if not runs(workload, name, variant_names):
                         continue
                     results.setdefault((workload, name), []).append(fn(fronts, name, args))
             print(f"  {net.name}: rep {rep + 1}/{args.reps} done", file=sys.stderr)
@@ -629,6 +712,25 @@ def targets(loop, lan, extra_loop, extra_lan):
                       ("fio write 256K QD16", "CPU s/GiB"), ("fio randread 4K QD16", "CPU us/req"),
                       ("QD1 4K read (qemu)", "CPU us/req"), ("small-read boot replay", "CPU us/req")):
         add(f"{w}: {metric} vs nbdkit proxy", ratio(loop, w, metric, "nbdgw", "nbdkit-proxy"), 0.7)
+    # Issue 22: boot storms through the read cache, many VMs at once.
+    for mode, medians in (("loopback", loop), ("LAN", lan)):
+        if not medians:
+            continue
+        for n in (8, 16):
+            w = f"boot storm {n}"
+            add(f"{mode} {w}, cached: time vs qemu-nbd TLS", ratio(medians, w, "ms", "nbdgw-cached", REFERENCE), 0.5)
+            add(f"{mode} {w}, cached: time vs nbdkit cache+readahead",
+                ratio(medians, w, "ms", "nbdgw-cached", "nbdkit-cached"), 1.0)
+            add(f"{mode} {w}, cached: upstream reads per client read",
+                medians.get((w, "nbdgw-cached", "upstream reads/req"), float("nan")), 0.2)
+            add(f"{mode} {w}, uncached: time vs qemu-nbd TLS", ratio(medians, w, "ms", "nbdgw", REFERENCE), 1.0)
+        add(f"{mode} 16 VMs randread: IOPS vs qemu-nbd TLS",
+            ratio(medians, "16 VMs randread 4K QD1", "IOPS", "nbdgw", REFERENCE), 1.2, False)
+        add(f"{mode} 16 VMs randread: CPU per request vs qemu-nbd TLS",
+            ratio(medians, "16 VMs randread 4K QD1", "CPU us/req", "nbdgw", REFERENCE), 0.8)
+    if lan:
+        add("LAN small-read boot replay, cached, vs qemu-nbd TLS",
+            ratio(lan, "small-read boot replay", "ms", "nbdgw-cached", REFERENCE), 0.8)
     add("handshake CPU vs qemu-nbd TLS", ratio(loop, "TLS handshakes", "CPU ms each", "nbdgw", REFERENCE), 0.5)
     add("handshakes/s vs qemu-nbd TLS", ratio(loop, "TLS handshakes", "per s", "nbdgw", REFERENCE), 1.0, False)
     if extra_lan and "wire" in extra_lan:
@@ -680,7 +782,7 @@ def main():
     if os.geteuid() != 0:
         sys.exit("bench: run as root (network namespaces, packet capture, pinning)")
     for tool in ("qemu-nbd", "qemu-io", "nbdkit", "nbdcopy", "tshark", "iperf3", "openssl", "ethtool",
-                 "taskset", "fio", "setpriv"):
+                 "taskset", "fio", "setpriv", "curl"):
         if not shutil.which(tool):
             sys.exit(f"bench: {tool} missing: run bench/setup.sh")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

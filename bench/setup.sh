@@ -14,7 +14,7 @@ scripts/setup.sh
 need=()
 for pair in qemu-nbd:qemu-utils nbdkit:nbdkit nbdcopy:libnbd-bin tshark:tshark \
             iperf3:iperf3 openssl:openssl ethtool:ethtool ip:iproute2 taskset:util-linux \
-            fio:fio; do
+            fio:fio curl:curl; do
     command -v "${pair%%:*}" >/dev/null || need+=("${pair#*:}")
 done
 /usr/bin/python3 -c 'import nbd' 2>/dev/null || need+=(python3-libnbd)

@@ -24,5 +24,24 @@ class Rotation(unittest.TestCase):
         self.assertEqual(firsts, set(self.NAMES))
 
 
+class WhoRunsWhat(unittest.TestCase):
+    def test_cached_front_ends_run_only_the_reads_a_cache_is_for(self):
+        for name in run.CACHED_FRONTS:
+            ran = {w for w in run.WORKLOADS if run.runs(w, name, set())}
+            self.assertEqual(ran, run.CACHE_WORKLOADS)
+
+    def test_storms_and_handshakes_run_on_tls_front_ends_and_variants_only(self):
+        for w in [*run.STORMS, *run.TLS_ONLY]:
+            self.assertTrue(run.runs(w, "nbdgw", set()))
+            self.assertTrue(run.runs(w, "nbdgw-nocork", {"nbdgw-nocork"}))
+            self.assertFalse(run.runs(w, "qemu-nbd-tcp", set()))
+            self.assertFalse(run.runs(w, "unix", set()))
+
+    def test_fio_never_reaches_the_root_owned_socket(self):
+        for w in run.NOT_UNIX:
+            self.assertFalse(run.runs(w, "unix", set()))
+            self.assertTrue(run.runs(w, "qemu-nbd-tcp", set()))
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -534,6 +534,12 @@ impl Handle {
         self.cache.lock().missing(self.generation, offset, length)
     }
 
+    /// A READ of this export goes upstream: a fill, a read-ahead, or a
+    /// client read the cache does not answer.
+    pub fn count_upstream_read(&self) {
+        self.cache.metrics.upstream_reads.inc();
+    }
+
     /// Read-ahead of this range is on its way (`on`), or over.
     pub fn set_pending(&self, offset: u64, length: u64, on: bool) {
         self.cache

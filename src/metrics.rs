@@ -93,6 +93,9 @@ pub struct CacheMetrics {
     pub hits: Counter,
     /// Reads of a cached export forwarded to the upstream.
     pub misses: Counter,
+    /// READs of cached exports sent upstream (fills, read-ahead, and
+    /// reads the cache does not answer).
+    pub upstream_reads: Counter,
     /// Blocks evicted to make room.
     pub evictions: Counter,
     /// Blocks dropped because their upstream reported another size or
@@ -301,6 +304,11 @@ impl Metrics {
                 "cache_misses",
                 "Reads of immutable exports forwarded to the upstream",
                 &c.misses,
+            ),
+            (
+                "cache_upstream_reads",
+                "READs of immutable exports sent upstream: fills, read-ahead, and reads too long to cache",
+                &c.upstream_reads,
             ),
             (
                 "cache_evictions",

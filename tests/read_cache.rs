@@ -434,6 +434,11 @@ fn qemu_img_reads_an_immutable_export_through_the_binary() {
         hits as usize >= first_copy_reads,
         "hits {hits}, upstream reads {first_copy_reads}"
     );
+    // Every READ the upstream saw is one the cache counted as sent.
+    assert_eq!(
+        metric(&metrics, "nbdgw_cache_upstream_reads_total") as usize,
+        first_copy_reads
+    );
     assert!(gw.log().contains("immutable=true"));
     let write = |export: &str| {
         std::process::Command::new("qemu-io")

@@ -260,15 +260,17 @@ impl<'a> RequestLayer<'a> {
     /// client. `None` (forward the request as it is) for a read too long
     /// to answer from the cache, or not within the export.
     pub fn fill(&mut self, request: &Request, flight: &Flight) -> Option<Request> {
-        let size = self.cached.handle.size();
-        let end = request.offset.checked_add(request.length)?;
-        if request.command != CMD_READ
-            || request.length == 0
-            || request.length > MAX_HIT
-            || end > size
-        {
+        if request.command != CMD_READ {
             return None;
         }
+        let size = self.cached.handle.size();
+        let end = match request.offset.checked_add(request.length) {
+            Some(end) if request.length != 0 && request.length <= MAX_HIT && end <= size => end,
+            _ => {
+                self.cached.handle.count_upstream_read();
+                return None;
+            }
+        };
         let start = request.offset / self.block * self.block;
         let end = end
             .div_ceil(self.block)
@@ -300,6 +302,7 @@ impl<'a> RequestLayer<'a> {
             }
         };
         self.ahead.lock().insert(cookie, purpose);
+        self.cached.handle.count_upstream_read();
         Request {
             flags: 0,
             command: CMD_READ,
