@@ -184,8 +184,8 @@ failed=0
 while read -r bin; do
     case \$bin in */nbdgw-*) filter=kernel ;; *) filter= ;; esac
     echo "=== \$bin"
-    timeout 600 "\$bin" \$filter --test-threads 2 > /tmp/test.log 2>&1 || failed=1
-    grep -E '^test |^test result' /tmp/test.log
+    timeout 600 "\$bin" \$filter --test-threads 2 --show-output > /tmp/test.log 2>&1 || failed=1
+    grep -E '^test |^test result|^mode: ' /tmp/test.log
     grep -q '^test result: ok' /tmp/test.log || { failed=1; tail -60 /tmp/test.log; }
 done < /tmp/io/bins
 exit \$failed

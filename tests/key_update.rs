@@ -77,6 +77,18 @@ impl Setup {
         } else {
             assert!(!log.contains(HANDED_OVER), "{log}");
         }
+        // Which mode ran, and what the session's key updates were, for
+        // scripts/ktls-vm.sh to show (libtest's --show-output).
+        for line in log.lines().filter(|l| {
+            l.contains("nbdgw::tls::kernel: kernel TLS")
+                || l.contains(HANDED_OVER)
+                || l.contains("session ends after key updates")
+        }) {
+            println!(
+                "mode: {}",
+                line.split_once(" nbdgw").map_or(line, |(_, l)| l)
+            );
+        }
     }
 }
 
