@@ -539,7 +539,11 @@ def table(results, names):
                 [r[metric] for r in runs])
     lines = []
     for workload in WORKLOADS:
-        metrics = next((list(r[0]) for (w, _), r in results.items() if w == workload), [])
+        # Every metric any front end reported, in the order first seen:
+        # some (the cache's upstream reads) only one front end has.
+        metrics = []
+        for (w, _), r in results.items():
+            metrics += [m for m in r[0] if w == workload and m not in metrics]
         if not metrics:
             continue
         lines.append(f"\n**{workload}**\n")
@@ -550,6 +554,9 @@ def table(results, names):
                 continue
             row = []
             for m in metrics:
+                if (workload, name, m) not in medians:
+                    row.append("- | -")
+                    continue
                 med, ref = medians[(workload, name, m)], medians.get((workload, REFERENCE, m))
                 ratio = f"{med / ref:.2f}x" if ref and ref == ref and med == med else "-"
                 row.append(f"{cells[(workload, name, m)]} | {ratio}")

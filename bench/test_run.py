@@ -37,6 +37,16 @@ class WhoRunsWhat(unittest.TestCase):
             self.assertFalse(run.runs(w, "qemu-nbd-tcp", set()))
             self.assertFalse(run.runs(w, "unix", set()))
 
+    def test_a_metric_only_one_front_end_has_gets_its_column(self):
+        results = {("boot storm 8", "nbdgw"): [{"ms": 2.0}],
+                   ("boot storm 8", "nbdgw-cached"): [{"ms": 1.0, "upstream reads/req": 0.1}],
+                   ("boot storm 8", "qemu-nbd-tls"): [{"ms": 4.0}]}
+        text, medians = run.table(results, ["nbdgw", "qemu-nbd-tls", "nbdgw-cached"])
+        self.assertIn("| ms | vs qemu-nbd-tls | upstream reads/req | vs qemu-nbd-tls |", text)
+        self.assertIn("| nbdgw | 2.00 (2.00-2.00) | 0.50x | - | - |", text)
+        self.assertIn("| nbdgw-cached | 1.00 (1.00-1.00) | 0.25x | 0.100 (0.100-0.100) | - |", text)
+        self.assertEqual(medians[("boot storm 8", "nbdgw-cached", "upstream reads/req")], 0.1)
+
     def test_fio_never_reaches_the_root_owned_socket(self):
         for w in run.NOT_UNIX:
             self.assertFalse(run.runs(w, "unix", set()))

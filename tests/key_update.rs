@@ -86,7 +86,7 @@ impl Setup {
         }) {
             println!(
                 "mode: {}",
-                line.split_once(" nbdgw").map_or(line, |(_, l)| l)
+                line.split_once(" INFO ").map_or(line, |(_, l)| l)
             );
         }
     }
