@@ -130,18 +130,7 @@ fn every_framing_through_client_mode_on_a_loopback_port() {
     let image = env.random_image("disk.img", SIZE, 4);
     let upstream = QemuNbd::start(&env, &image, &[]);
     let server = gateway(&env, &upstream.socket);
-    let port = common::free_port();
-    let listen = format!("127.0.0.1:{port}");
-    let certs = env.certs();
-    let client = NbdgwProcess::client(
-        OsStr::new(&listen),
-        [
-            OsStr::new("--server"),
-            OsStr::new(&format!("127.0.0.1:{}", server.port)),
-            OsStr::new("--tls-dir"),
-            certs.as_os_str(),
-        ],
-    );
+    let (client, port) = loopback_client(&env, &format!("127.0.0.1:{}", server.port), &[]);
     let addr = ([127, 0, 0, 1], port).into();
     for (n, mode) in [
         ReplyMode::Simple,
@@ -645,18 +634,7 @@ fn raw_negotiation_through_client_mode_export_name_starttls_abort_read_only() {
     let image = env.random_image("disk.img", SIZE, 16);
     let upstream = QemuNbd::start(&env, &image, &["-r"]);
     let server = gateway(&env, &upstream.socket);
-    let port = common::free_port();
-    let listen = format!("127.0.0.1:{port}");
-    let certs = env.certs();
-    let _client = NbdgwProcess::client(
-        OsStr::new(&listen),
-        [
-            OsStr::new("--server"),
-            OsStr::new(&format!("localhost:{}", server.port)),
-            OsStr::new("--tls-dir"),
-            certs.as_os_str(),
-        ],
-    );
+    let (_client, port) = loopback_client(&env, &format!("localhost:{}", server.port), &[]);
     let addr = ([127, 0, 0, 1], port).into();
 
     // The old way in, with and without NO_ZEROES: the reply padded as
@@ -796,21 +774,27 @@ fn gateway_at(env: &Env, upstream: &Path, port: u16) -> NbdgwProcess {
     process
 }
 
-/// `nbdgw client --reconnect` on a loopback port, towards `server_port`.
-fn reconnecting_client(env: &Env, server_port: u16, extra: &[&str]) -> (NbdgwProcess, u16) {
+/// `nbdgw client` on a loopback port, towards `server` (HOST:PORT), with
+/// the test CA's client files; returns it and its port.
+fn loopback_client(env: &Env, server: &str, extra: &[&str]) -> (NbdgwProcess, u16) {
     let port = common::free_port();
     let listen = format!("127.0.0.1:{port}");
-    let server = format!("localhost:{server_port}");
     let certs = env.certs();
     let mut args = vec![
         OsStr::new("--server"),
-        OsStr::new(&server),
+        OsStr::new(server),
         OsStr::new("--tls-dir"),
         certs.as_os_str(),
-        OsStr::new("--reconnect"),
     ];
     args.extend(extra.iter().map(OsStr::new));
     (NbdgwProcess::client(OsStr::new(&listen), args), port)
+}
+
+/// `nbdgw client --reconnect` on a loopback port, towards `server_port`.
+fn reconnecting_client(env: &Env, server_port: u16, extra: &[&str]) -> (NbdgwProcess, u16) {
+    let server = format!("localhost:{server_port}");
+    let args: Vec<&str> = ["--reconnect"].iter().chain(extra).copied().collect();
+    loopback_client(env, &server, &args)
 }
 
 #[test]
