@@ -673,6 +673,14 @@ def main():
         seen = {k: v for k, v in stats.errors.items() if not k.startswith("fault ")}
         if procs.client:
             print(f"errors seen through client mode: {seen}")
+            if seen:
+                # What client mode said of each drop and give-up: which
+                # case leaked (a reply cut beyond --reply-buffer, a
+                # give-up, or something new).
+                with open(os.path.join(work, "client.log"), errors="replace") as log:
+                    for line in log:
+                        if "WARN" in line or "ERROR" in line:
+                            print("client mode:", line.rstrip()[:400])
         checks = {
             "no mismatch": not stats.mismatches,
             "nbdgw exited 0": procs.gw.returncode == 0,

@@ -153,6 +153,12 @@ pub struct ClientArgs {
     /// requests wait. One request is always let through.
     #[arg(long, env = "NBDGW_CLIENT_REPLAY_BUFFER", value_name = "BYTES", default_value_t = 64 * 1024 * 1024)]
     pub replay_buffer: usize,
+    /// Bytes of structured replies --reconnect holds per connection until
+    /// their last chunk has come, so that a reply cut by a drop is asked
+    /// again whole instead of ending in EIO. A reply beyond it goes up as
+    /// it comes (and, if cut, ends in EIO).
+    #[arg(long, env = "NBDGW_CLIENT_REPLY_BUFFER", value_name = "BYTES", default_value_t = 64 * 1024 * 1024)]
+    pub reply_buffer: usize,
     /// Seconds a local client has from connecting to finishing negotiation.
     #[arg(long, env = "NBDGW_CLIENT_HANDSHAKE_TIMEOUT", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     pub handshake_timeout: u64,

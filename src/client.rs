@@ -60,6 +60,9 @@ pub struct Reconnect {
     pub timeout: Duration,
     /// Bytes of requests kept for sending again (`--replay-buffer`).
     pub replay_buffer: usize,
+    /// Bytes of unfinished structured replies held until whole
+    /// (`--reply-buffer`).
+    pub reply_buffer: usize,
 }
 
 #[derive(Debug, Error)]

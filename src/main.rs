@@ -160,6 +160,7 @@ fn client(args: ClientArgs) -> Result<()> {
         reconnect: args.reconnect.then(|| client::Reconnect {
             timeout: Duration::from_secs(args.reconnect_timeout),
             replay_buffer: args.replay_buffer,
+            reply_buffer: args.reply_buffer,
         }),
         metrics: Arc::new(nbdgw::metrics::Metrics::client_mode()),
         health: Arc::default(),

@@ -976,32 +976,72 @@ fn reconnect_carries_a_copy_through_repeated_restarts_of_the_gateway_and_qemu_nb
     assert_eq!(std::fs::read(&back).unwrap(), pattern(BIG, 24));
 }
 
+/// A fake server (a real one cannot be cut between two chunks on cue):
+/// its first connection answers a read with half the data (bytes of 9)
+/// in a chunk that is not the last, and dies; later connections answer
+/// every read whole (bytes of 7).
+fn cut_after_the_first_chunk(
+    connection: usize,
+    read: common::fake_upstream::Asked,
+) -> common::fake_upstream::Answer {
+    use common::fake_upstream::{chunk, good_read, Answer};
+    use nbdgw::proto::consts::*;
+    if connection > 0 {
+        return good_read(read).into();
+    }
+    let half = read.length / 2;
+    let mut bytes = chunk(0, REPLY_TYPE_OFFSET_DATA, read.cookie, 8 + half);
+    bytes.extend_from_slice(&read.offset.to_be_bytes());
+    bytes.extend(std::iter::repeat_n(9u8, half as usize));
+    Answer { bytes, close: true }
+}
+
 #[test]
-fn reconnect_ends_a_reply_cut_between_chunks_with_eio_and_goes_on() {
-    use common::fake_upstream::{chunk, good_read, scripted, Answer, Asked};
+fn reconnect_asks_again_for_a_reply_cut_between_chunks() {
     use nbdgw::proto::consts::*;
     let env = Env::new();
-    // The first connection answers a read with half its data in a chunk
-    // that is not the last, then dies; later ones answer properly.
-    fn script(connection: usize, read: Asked) -> Answer {
-        if connection > 0 {
-            return good_read(read).into();
-        }
-        let half = read.length / 2;
-        let mut bytes = chunk(0, REPLY_TYPE_OFFSET_DATA, read.cookie, 8 + half);
-        bytes.extend_from_slice(&read.offset.to_be_bytes());
-        bytes.extend(std::iter::repeat_n(7u8, half as usize));
-        Answer { bytes, close: true }
-    }
-    let upstream = scripted(&env.path("fake.sock"), SIZE as u64, script);
+    let upstream = common::fake_upstream::scripted(
+        &env.path("fake.sock"),
+        SIZE as u64,
+        cut_after_the_first_chunk,
+    );
     let server = gateway(&env, &upstream.socket);
     let (client, port) = reconnecting_client(&env, server.port, &[]);
+    let mut c = RawClient::handshake(([127, 0, 0, 1], port).into());
+    c.go(ReplyMode::Structured);
+    c.send_request(0, CMD_READ, 1, 0, 4096, &[]);
+    // The first chunk was held, and dropped with the connection: the
+    // local client sees only the new server's whole answer.
+    let reply = c.read_reply(0);
+    assert_eq!(reply.len(), 1, "one whole answer, nothing of the cut one");
+    assert!(reply[0].done());
+    assert_eq!(reply[0].payload[..8], 0u64.to_be_bytes());
+    assert_eq!(reply[0].payload[8..], vec![7u8; 4096]);
+    client.wait_for_log("reconnected to the server", 1);
+    client.wait_for_log("replies_held=1", 1);
+    assert_eq!(c.read(2, 8192, 4096), vec![7u8; 4096]);
+    c.disconnect();
+}
+
+#[test]
+fn reconnect_ends_a_cut_reply_larger_than_the_reply_buffer_with_eio_and_goes_on() {
+    use nbdgw::proto::consts::*;
+    let env = Env::new();
+    let upstream = common::fake_upstream::scripted(
+        &env.path("fake.sock"),
+        SIZE as u64,
+        cut_after_the_first_chunk,
+    );
+    let server = gateway(&env, &upstream.socket);
+    // Room for less than the first chunk: it goes up as it comes.
+    let (client, port) = reconnecting_client(&env, server.port, &["--reply-buffer", "1024"]);
     let mut c = RawClient::handshake(([127, 0, 0, 1], port).into());
     c.go(ReplyMode::Structured);
     c.send_request(0, CMD_READ, 1, 0, 4096, &[]);
     let reply = c.read_reply(0);
     assert_eq!(reply.len(), 2, "half the data, then the end");
     assert_eq!(reply[0].payload.len(), 8 + 2048);
+    assert_eq!(reply[0].payload[8..], vec![9u8; 2048]);
     assert!(!reply[0].done());
     assert_eq!(reply[1].error_code(), EIO);
     assert!(

@@ -363,7 +363,7 @@ _nbdgw() {
             return 0
             ;;
         nbdgw__subcmd__client)
-            opts="-h --listen --server --server-name --tls-dir --tls-ca --tls-cert --tls-key --tls-min-version --tls-reload-interval --server-timeout --reconnect --reconnect-timeout --replay-buffer --handshake-timeout --idle-timeout --stall-timeout --tcp-keepalive --max-payload --max-option-len --max-connections --shutdown-grace --admin-listen --threads --log-format --help"
+            opts="-h --listen --server --server-name --tls-dir --tls-ca --tls-cert --tls-key --tls-min-version --tls-reload-interval --server-timeout --reconnect --reconnect-timeout --replay-buffer --reply-buffer --handshake-timeout --idle-timeout --stall-timeout --tcp-keepalive --max-payload --max-option-len --max-connections --shutdown-grace --admin-listen --threads --log-format --help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -414,6 +414,10 @@ _nbdgw() {
                     return 0
                     ;;
                 --replay-buffer)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --reply-buffer)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

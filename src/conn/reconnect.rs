@@ -7,7 +7,10 @@
 //!   the request's last reply has come back, at most `--replay-buffer`
 //!   bytes of them: beyond that, a new request waits;
 //! - passes each reply message up only once it has come whole, so a drop
-//!   never leaves half a message on the local connection;
+//!   never leaves half a message on the local connection, and holds the
+//!   chunks of a structured reply until its last one has come (at most
+//!   `--reply-buffer` bytes of them), so a drop never leaves half a reply
+//!   there either: a cut reply is asked for again whole;
 //! - when the connection drops (an error, or an end the local client did
 //!   not ask for with NBD_CMD_DISC), reconnects with backoff for up to
 //!   `--reconnect-timeout`, opens the same export with the same framing,
@@ -15,13 +18,14 @@
 //!   the kept requests again, in their original order, before any new one.
 //!
 //! A request whose reply had already been passed up in part (a structured
-//! reply of several chunks) cannot be sent again without repeating those
-//! chunks: it gets an EIO error chunk instead. If the export changed, or
+//! reply of several chunks, larger than what `--reply-buffer` had left)
+//! cannot be sent again without repeating those chunks: it gets an EIO
+//! error chunk instead. If the export changed, or
 //! no connection could be made in time, every request in flight gets EIO
 //! and the stream ends, which closes the local connection: a different
 //! disk is never served.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
@@ -160,6 +164,12 @@ pub struct Reconnecting {
     out_at: usize,
     /// Requests part of whose reply has gone up.
     answered_in_part: HashSet<u64>,
+    /// The chunks so far of structured replies not yet whole, by cookie:
+    /// they go up with their last chunk, or are dropped with the
+    /// connection (the request is sent again).
+    held_replies: HashMap<u64, Vec<u8>>,
+    /// Bytes in `held_replies`, against `--reply-buffer`.
+    held_reply_bytes: usize,
     scratch: Vec<u8>,
     /// A write waits for the reconnect: once given up, what it brings
     /// gets its EIO before the end is read.
@@ -194,6 +204,8 @@ impl Reconnecting {
             out: Vec::new(),
             out_at: 0,
             answered_in_part: HashSet::new(),
+            held_replies: HashMap::new(),
+            held_reply_bytes: 0,
             scratch: vec![0; READ_CHUNK],
             writer_blocked: false,
             failed: String::new(),
@@ -204,6 +216,17 @@ impl Reconnecting {
         self.settings
             .reconnect
             .map_or(usize::MAX, |r| r.replay_buffer)
+    }
+
+    fn reply_buffer(&self) -> usize {
+        self.settings.reconnect.map_or(0, |r| r.reply_buffer)
+    }
+
+    /// The replies held unfinished are dropped (their requests are still
+    /// kept): how many there were.
+    fn drop_held_replies(&mut self) -> usize {
+        self.held_reply_bytes = 0;
+        std::mem::take(&mut self.held_replies).len()
     }
 
     /// Brings the link up, or says it cannot be: `Ready(Err)` once given up.
@@ -230,9 +253,12 @@ impl Reconnecting {
 
     /// The connection dropped: start over, with what is kept.
     fn lost(&mut self, why: &str) {
+        let replies_held = self.drop_held_replies();
         warn!(
             error = %Escaped(why),
             in_flight = self.kept.len(),
+            replies_held,
+            replies_cut = self.answered_in_part.len(),
             "connection to the server lost; reconnecting (--reconnect)"
         );
         self.message.clear();
@@ -269,6 +295,7 @@ impl Reconnecting {
             "giving up on the server; the requests in flight fail with EIO and the local connection closes"
         );
         self.failed = format!("nbdgw client: {why}");
+        self.drop_held_replies();
         self.fail_kept();
         self.link = Link::Failed;
     }
@@ -389,17 +416,30 @@ impl Reconnecting {
     }
 
     /// A whole reply message: up it goes, and a last one frees its request.
+    /// A structured reply's earlier chunks are held until its last one,
+    /// while `--reply-buffer` has room: then a drop in between loses
+    /// nothing the local client has seen, and the request is asked again.
     fn whole(&mut self, frame: ReplyFrame) {
-        if self.out_at == self.out.len() {
-            // Nothing waiting to go up: the message becomes the output
-            // as it is, without a copy.
-            self.out.clear();
-            self.out_at = 0;
-            std::mem::swap(&mut self.out, &mut self.message);
-        } else {
-            self.out.append(&mut self.message);
-        }
         self.need = Need::Magic;
+        let cookie = frame.cookie;
+        if !frame.done
+            && !self.answered_in_part.contains(&cookie)
+            && self.held_reply_bytes + self.message.len() <= self.reply_buffer()
+        {
+            self.held_reply_bytes += self.message.len();
+            let held = self.held_replies.entry(cookie).or_default();
+            if held.is_empty() {
+                std::mem::swap(held, &mut self.message);
+            } else {
+                held.append(&mut self.message);
+            }
+            return;
+        }
+        if let Some(mut held) = self.held_replies.remove(&cookie) {
+            self.held_reply_bytes -= held.len();
+            push_out(&mut self.out, &mut self.out_at, &mut held);
+        }
+        push_out(&mut self.out, &mut self.out_at, &mut self.message);
         if frame.done {
             self.table.remove(frame.cookie);
             self.answered_in_part.remove(&frame.cookie);
@@ -407,6 +447,18 @@ impl Reconnecting {
         } else {
             self.answered_in_part.insert(frame.cookie);
         }
+    }
+}
+
+/// Appends whole messages to what goes up; when nothing is waiting there,
+/// they become it as they are, without a copy (`bytes` is left empty).
+fn push_out(out: &mut Vec<u8>, out_at: &mut usize, bytes: &mut Vec<u8>) {
+    if *out_at == out.len() {
+        out.clear();
+        *out_at = 0;
+        std::mem::swap(out, bytes);
+    } else {
+        out.append(bytes);
     }
 }
 
