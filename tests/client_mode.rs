@@ -1023,6 +1023,51 @@ fn reconnect_asks_again_for_a_reply_cut_between_chunks() {
     c.disconnect();
 }
 
+/// A fake server (as above): its first connection answers a read with a
+/// small chunk, then a larger one, neither the last, and dies.
+fn cut_after_two_chunks(
+    connection: usize,
+    read: common::fake_upstream::Asked,
+) -> common::fake_upstream::Answer {
+    use common::fake_upstream::{chunk, good_read, Answer};
+    use nbdgw::proto::consts::*;
+    if connection > 0 {
+        return good_read(read).into();
+    }
+    let mut bytes = Vec::new();
+    for (at, len) in [(0u64, 1024u32), (1024, 2048)] {
+        bytes.extend(chunk(0, REPLY_TYPE_OFFSET_DATA, read.cookie, 8 + len));
+        bytes.extend_from_slice(&(read.offset + at).to_be_bytes());
+        bytes.extend(std::iter::repeat_n(9u8, len as usize));
+    }
+    Answer { bytes, close: true }
+}
+
+#[test]
+fn a_reply_that_outgrows_the_reply_buffer_goes_up_held_chunks_first_and_a_cut_ends_it_in_eio() {
+    use nbdgw::proto::consts::*;
+    let env = Env::new();
+    let upstream =
+        common::fake_upstream::scripted(&env.path("fake.sock"), SIZE as u64, cut_after_two_chunks);
+    let server = gateway(&env, &upstream.socket);
+    // Room for the first chunk (1052 bytes and the entry), not for both.
+    let (client, port) = reconnecting_client(&env, server.port, &["--reply-buffer", "2000"]);
+    let mut c = RawClient::handshake(([127, 0, 0, 1], port).into());
+    c.go(ReplyMode::Structured);
+    c.send_request(0, CMD_READ, 1, 0, 4096, &[]);
+    let reply = c.read_reply(0);
+    assert_eq!(reply.len(), 3, "both chunks in order, then the end");
+    assert_eq!(reply[0].payload[..8], 0u64.to_be_bytes());
+    assert_eq!(reply[0].payload[8..], vec![9u8; 1024]);
+    assert_eq!(reply[1].payload[..8], 1024u64.to_be_bytes());
+    assert_eq!(reply[1].payload[8..], vec![9u8; 2048]);
+    assert_eq!(reply[2].error_code(), EIO);
+    assert!(reply[2].done());
+    client.wait_for_log("replies_cut=1", 1);
+    assert_eq!(c.read(2, 8192, 4096), vec![7u8; 4096]);
+    c.disconnect();
+}
+
 #[test]
 fn reconnect_ends_a_cut_reply_larger_than_the_reply_buffer_with_eio_and_goes_on() {
     use nbdgw::proto::consts::*;

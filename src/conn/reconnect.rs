@@ -81,6 +81,9 @@ const READ_CHUNK: usize = 64 * 1024;
 /// What one kept request costs beyond its bytes, counted against
 /// `--replay-buffer`.
 const KEPT_OVERHEAD: usize = 256;
+/// What one held reply costs beyond its buffer (its place in the map),
+/// counted against `--reply-buffer`.
+const HELD_OVERHEAD: usize = 64;
 /// Message buffers larger than this are freed once delivered.
 const KEPT_CAPACITY: usize = 1024 * 1024;
 /// Backoff between tries: from the first to the longest.
@@ -168,7 +171,8 @@ pub struct Reconnecting {
     /// they go up with their last chunk, or are dropped with the
     /// connection (the request is sent again).
     held_replies: HashMap<u64, Vec<u8>>,
-    /// Bytes in `held_replies`, against `--reply-buffer`.
+    /// The memory `held_replies` takes (each entry's capacity and
+    /// `HELD_OVERHEAD`), against `--reply-buffer`.
     held_reply_bytes: usize,
     scratch: Vec<u8>,
     /// A write waits for the reconnect: once given up, what it brings
@@ -295,7 +299,8 @@ impl Reconnecting {
             "giving up on the server; the requests in flight fail with EIO and the local connection closes"
         );
         self.failed = format!("nbdgw client: {why}");
-        self.drop_held_replies();
+        // Nothing is held here: `lost` dropped it, and nothing is read
+        // while reconnecting.
         self.fail_kept();
         self.link = Link::Failed;
     }
@@ -422,21 +427,29 @@ impl Reconnecting {
     fn whole(&mut self, frame: ReplyFrame) {
         self.need = Need::Magic;
         let cookie = frame.cookie;
+        // A held entry costs its buffer's capacity and its place in the
+        // map. Holding this message grows the entry to at most twice its
+        // capacity, or to exactly what it then holds.
+        let (before, capacity, used) = match self.held_replies.get(&cookie) {
+            Some(held) => (held.capacity() + HELD_OVERHEAD, held.capacity(), held.len()),
+            None => (0, 0, 0),
+        };
+        let at_most = (2 * capacity).max(used + self.message.len()) + HELD_OVERHEAD;
         if !frame.done
             && !self.answered_in_part.contains(&cookie)
-            && self.held_reply_bytes + self.message.len() <= self.reply_buffer()
+            && self.held_reply_bytes - before + at_most <= self.reply_buffer()
         {
-            self.held_reply_bytes += self.message.len();
+            // Copied, not moved: the message buffer may be far larger
+            // than this message (it assembled a large one before).
             let held = self.held_replies.entry(cookie).or_default();
-            if held.is_empty() {
-                std::mem::swap(held, &mut self.message);
-            } else {
-                held.append(&mut self.message);
-            }
+            held.extend_from_slice(&self.message);
+            self.held_reply_bytes =
+                self.held_reply_bytes - before + held.capacity() + HELD_OVERHEAD;
+            self.message.clear();
             return;
         }
         if let Some(mut held) = self.held_replies.remove(&cookie) {
-            self.held_reply_bytes -= held.len();
+            self.held_reply_bytes -= held.capacity() + HELD_OVERHEAD;
             push_out(&mut self.out, &mut self.out_at, &mut held);
         }
         push_out(&mut self.out, &mut self.out_at, &mut self.message);
