@@ -943,6 +943,11 @@ fn reconnect_carries_a_copy_through_repeated_restarts_of_the_gateway_and_qemu_nb
                 .arg(&uri))
         })
     };
+    // The restarts begin once the copy has its export open: --reconnect
+    // keeps an open export, and a first connection that meets a gateway
+    // in the middle of a restart is refused (as CI saw, when making the
+    // images delayed nbdcopy for 8 s).
+    client.wait_for_log("negotiated", 1);
     for round in 0..4 {
         std::thread::sleep(Duration::from_millis(300));
         if copy.is_finished() {
