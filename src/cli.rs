@@ -272,6 +272,13 @@ pub struct ServeArgs {
     /// the variable).
     #[arg(long = "allow-uri", value_name = "URI", env = "NBDGW_ALLOW_URI")]
     pub allow_uri: Vec<String>,
+    /// Accepted client certificate chains remembered, so that a client
+    /// reconnecting is not put through its chain's path building and
+    /// signature checks again (its handshake signature is always
+    /// checked). Each is kept until its earliest notAfter or the CRLs'
+    /// nextUpdate, and every TLS reload starts afresh; 0 keeps none.
+    #[arg(long, env = "NBDGW_VERIFIED_CHAIN_CACHE", value_name = "N", default_value_t = crate::tls::VERIFIED_CHAIN_CACHE)]
+    pub verified_chain_cache: usize,
     /// Admit clients whose CRL is past its nextUpdate. Without it such a
     /// client is refused until a fresh CRL is in place.
     #[arg(long, env = "NBDGW_TLS_CRL_ALLOW_EXPIRED")]
@@ -283,6 +290,14 @@ pub struct ServeArgs {
     /// Oldest TLS version accepted.
     #[arg(long, env = "NBDGW_TLS_MIN_VERSION", value_enum, default_value = "1.2")]
     pub tls_min_version: MinVersion,
+    /// Whose order picks the cipher suite among those both sides have.
+    #[arg(
+        long,
+        env = "NBDGW_TLS_CIPHER_ORDER",
+        value_enum,
+        default_value = "server"
+    )]
+    pub tls_cipher_order: crate::tls::CipherOrder,
     /// Seconds between looks at the TLS files for changes; 0 reloads only
     /// on SIGHUP.
     #[arg(long, env = "NBDGW_TLS_RELOAD_INTERVAL", default_value_t = 5)]

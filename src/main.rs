@@ -211,9 +211,15 @@ async fn stopping() {
     notify(&[NotifyState::Stopping]);
 }
 
+/// rustls's own warnings are about what a peer sent and let pass (libnbd
+/// names an IP address in SNI, on every connection to one: "Illegal SNI
+/// extension"), a line per connection any peer can cause; a refusal is
+/// logged by nbdgw with its reason.
+const DEFAULT_LOG_FILTER: &str = "info,rustls=error";
+
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())
@@ -267,7 +273,13 @@ fn serve(args: ServeArgs) -> Result<()> {
             "nbdgw listening"
         );
         notify(&[NotifyState::Ready]);
-        nbdgw::run(listener, Arc::new(config), stopping()).await?;
+        // The accept loop runs on a worker, not on this thread (which
+        // only waits): each accepted connection's task then starts on the
+        // worker that accepted it, instead of one thread waking another
+        // for every connection (bench/RESULTS.md, handshake CPU).
+        tokio::spawn(nbdgw::run(listener, Arc::new(config), stopping()))
+            .await
+            .context("the accept loop")??;
         Ok(())
     })
 }
@@ -649,6 +661,8 @@ fn tls_reloader(args: &ServeArgs, secret_extraction: bool) -> Result<Reloader> {
         crl_allow_expired: args.tls_crl_allow_expired,
         revoke_closes: args.tls_revoke_closes,
         secret_extraction,
+        verified_chain_cache: args.verified_chain_cache,
+        cipher_order: args.tls_cipher_order,
     };
     Reloader::start(sources, policy).context("loading the TLS files")
 }

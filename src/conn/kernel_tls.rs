@@ -30,7 +30,7 @@ use crate::tls::key_update::{
 
 /// The client socket before TLS; its buffer carries what the client sent
 /// behind STARTTLS into the handshake.
-pub type ClientIo = tokio::io::BufReader<TcpStream>;
+pub type ClientIo = super::buffered::Buffered<TcpStream>;
 /// What rustls reads the handshake through: all it can get when the
 /// session stays in rustls, exactly up to record boundaries when the
 /// kernel may take it over.
@@ -663,11 +663,12 @@ mod tests {
     use std::io::Write;
     use std::sync::Arc;
 
+    use crate::conn::buffered::Buffered;
     use aws_lc_rs::aead::{Aad, LessSafeKey, Nonce, UnboundKey};
     use nix::sys::socket::sockopt::TlsCryptoInfo;
     use rustls::pki_types::pem::PemObject;
     use rustls::pki_types::CertificateDer;
-    use tokio::io::{AsyncReadExt, BufReader};
+    use tokio::io::AsyncReadExt;
 
     use super::*;
     use crate::tls::kernel::crypto_info;
@@ -812,7 +813,10 @@ mod tests {
             client_sending_behind_finished(listener.local_addr().unwrap(), client, message.clone());
 
         let (tcp, _) = listener.accept().await.unwrap();
-        let io = Either::Right(RecordAligned::new(BufReader::new(tcp), SecretLog::new()));
+        let io = Either::Right(RecordAligned::new(
+            Buffered::new(8192, tcp),
+            SecretLog::new(),
+        ));
         let mut tls = tokio_rustls::TlsAcceptor::from(Arc::new(server))
             .accept(io)
             .await
@@ -867,7 +871,7 @@ mod tests {
             tcp
         });
         let (tcp, _) = listener.accept().await.unwrap();
-        let mut aligned = RecordAligned::new(BufReader::new(tcp), SecretLog::new());
+        let mut aligned = RecordAligned::new(Buffered::new(8192, tcp), SecretLog::new());
         // Unaligned reads, so that rustls reads all the client sent.
         aligned.aligned = false;
         let accepting = tokio_rustls::TlsAcceptor::from(Arc::new(server));

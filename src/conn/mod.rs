@@ -7,6 +7,7 @@
 //! `options`) → `relay` (transmission). `kernel_tls` may hand the session
 //! from rustls to the kernel between the handshake and the options.
 
+mod buffered;
 mod client_mode;
 mod error;
 mod kernel_tls;
@@ -24,7 +25,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tokio::io::BufReader;
 use tokio::net::TcpStream;
 use tracing::{info, warn, Instrument};
 
@@ -189,7 +189,7 @@ async fn run(
     let cork_handle = (config.cork != Cork::Off)
         .then(|| socket2::SockRef::from(&tcp).try_clone().ok())
         .flatten();
-    let io = BufReader::with_capacity(CLIENT_READ_BUF, tcp);
+    let io = buffered::Buffered::new(CLIENT_READ_BUF, tcp);
     let negotiated = tokio::time::timeout(
         config.handshake_timeout,
         negotiate(io, handshake_permit, link),

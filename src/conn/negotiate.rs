@@ -3,7 +3,7 @@
 //! passed authorization), learning from the upstream's replies what
 //! framing transmission will use. One short function per kind of option.
 
-use tokio::io::BufReader;
+use super::buffered::Buffered;
 use tokio::net::UnixStream;
 use tracing::{debug, info, warn};
 
@@ -48,7 +48,7 @@ const TOO_MANY_REFUSALS: &str = "more export names refused than --max-refused-op
 const LOGGED_NAME_BYTES: usize = 256;
 
 type Client = OptionChannel<ClientStream>;
-type UpstreamChannel = OptionChannel<BufReader<UnixStream>>;
+type UpstreamChannel = OptionChannel<Buffered<UnixStream>>;
 
 pub async fn relay_options(
     tls: ClientStream,
@@ -191,7 +191,7 @@ impl Attached {
                 return Err(e);
             }
         };
-        let stream = BufReader::with_capacity(UPSTREAM_NEGOTIATION_BUF, upstream.stream);
+        let stream = Buffered::new(UPSTREAM_NEGOTIATION_BUF, upstream.stream);
         let channel = OptionChannel::new(stream, Side::Upstream, config.max_option_len)
             .bounded(config.upstream_timeout);
         Ok(Attached {

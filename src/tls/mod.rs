@@ -80,6 +80,28 @@ pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::aws_lc_rs::default_provider())
 }
 
+/// The server's provider: its suites in the order `CipherOrder::Server`
+/// describes (AES-128-GCM before AES-256-GCM, in TLS 1.3 and 1.2 alike;
+/// the rest as rustls has them).
+fn server_provider(order: CipherOrder) -> Arc<rustls::crypto::CryptoProvider> {
+    let mut provider = rustls::crypto::aws_lc_rs::default_provider();
+    if order == CipherOrder::Server {
+        // A stable sort: only the AES-128 suites move ahead of their
+        // AES-256 counterparts, TLS 1.3 ones still before TLS 1.2 ones.
+        provider.cipher_suites.sort_by_key(|suite| {
+            let tls12 = matches!(suite, rustls::SupportedCipherSuite::Tls12(_));
+            let aes128 = matches!(
+                suite.suite(),
+                rustls::CipherSuite::TLS13_AES_128_GCM_SHA256
+                    | rustls::CipherSuite::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256
+                    | rustls::CipherSuite::TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256
+            );
+            (tls12, !aes128)
+        });
+    }
+    Arc::new(provider)
+}
+
 /// The oldest TLS version offered. Nothing below 1.2 exists in rustls, and
 /// its suites are all AEAD, so this is the only protocol knob there is.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -104,9 +126,26 @@ impl MinVersion {
     }
 }
 
+/// Who chooses the cipher suite among those both sides support.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum CipherOrder {
+    /// nbdgw's: AES-128-GCM, then AES-256-GCM, then ChaCha20-Poly1305 (as
+    /// Go's and BoringSSL's servers choose). GnuTLS clients (qemu,
+    /// libnbd) list AES-256-GCM first; AES-128-GCM is a TLS 1.3 suite
+    /// every client must have, costs a SHA-256 key schedule (with the
+    /// CPU's SHA instructions) instead of SHA-384, and encrypts faster.
+    #[default]
+    Server,
+    /// The client's order, as rustls does by default.
+    Client,
+}
+
+/// How many accepted client chains a configuration remembers by default.
+pub const VERIFIED_CHAIN_CACHE: usize = 4096;
+
 /// What the operator asks of clients, as opposed to the files (which can
 /// change while nbdgw runs). Fixed for the life of the process.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct TlsPolicy {
     pub min_version: MinVersion,
     pub allow: AllowList,
@@ -116,6 +155,24 @@ pub struct TlsPolicy {
     pub revoke_closes: bool,
     /// Let established sessions' keys leave rustls, for kernel TLS.
     pub secret_extraction: bool,
+    /// How many accepted client chains one configuration remembers
+    /// (`--verified-chain-cache`).
+    pub verified_chain_cache: usize,
+    pub cipher_order: CipherOrder,
+}
+
+impl Default for TlsPolicy {
+    fn default() -> Self {
+        TlsPolicy {
+            min_version: MinVersion::default(),
+            allow: AllowList::default(),
+            crl_allow_expired: false,
+            revoke_closes: false,
+            secret_extraction: false,
+            verified_chain_cache: VERIFIED_CHAIN_CACHE,
+            cipher_order: CipherOrder::default(),
+        }
+    }
 }
 
 /// A built configuration and what the log should say about it.
@@ -163,14 +220,19 @@ pub fn build(material: &Material, policy: &TlsPolicy) -> Result<Loaded, TlsConfi
         key: material.key.path.clone(),
         error,
     };
-    let builder = ServerConfig::builder_with_provider(provider())
+    let builder = ServerConfig::builder_with_provider(server_provider(policy.cipher_order))
         .with_protocol_versions(policy.min_version.versions())
         .map_err(rustls_err)?;
     let (builder, client) = match &material.client_ca {
         Some(ca_file) => {
             let client = client_verifier(ca_file, material.crl.as_ref(), policy)?;
-            let authorizing =
-                verifier::AuthorizingVerifier::new(client.chain.clone(), policy.allow.clone());
+            let verified =
+                verifier::VerifiedChains::new(policy.verified_chain_cache, client.crl_deadline);
+            let authorizing = verifier::AuthorizingVerifier::new(
+                client.chain.clone(),
+                policy.allow.clone(),
+                verified,
+            );
             (
                 builder.with_client_cert_verifier(Arc::new(authorizing)),
                 Some(client),
@@ -190,6 +252,7 @@ pub fn build(material: &Material, policy: &TlsPolicy) -> Result<Loaded, TlsConfi
     // connection, and a resumed session would skip the client certificate
     // checks (and a CRL loaded since).
     config.send_tls13_tickets = 0;
+    config.ignore_client_order = policy.cipher_order == CipherOrder::Server;
     config.enable_secret_extraction = policy.secret_extraction;
     config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
     Ok(Loaded {
@@ -207,6 +270,8 @@ struct ClientVerifier {
     cas: usize,
     crls: usize,
     not_after: Option<i64>,
+    /// The CRLs' earliest nextUpdate, Unix seconds, if it is enforced.
+    crl_deadline: Option<u64>,
 }
 
 fn client_verifier(
@@ -231,6 +296,11 @@ fn client_verifier(
         None => Vec::new(),
     };
     let crl_count = crls.len();
+    let crl_deadline = if policy.crl_allow_expired {
+        None
+    } else {
+        crls.iter().filter_map(|crl| crl_next_update(crl)).min()
+    };
     let cas = roots.len();
     // Revocation is checked for every certificate of the client's chain
     // that a CRL in the file covers, intermediates included. A certificate
@@ -251,7 +321,17 @@ fn client_verifier(
         cas,
         crls: crl_count,
         not_after,
+        crl_deadline,
     })
+}
+
+/// A CRL's nextUpdate in Unix seconds (before 1970: 0); none if it has
+/// none. One that cannot be parsed here was refused by webpki already.
+fn crl_next_update(crl: &CertificateRevocationListDer<'_>) -> Option<u64> {
+    use x509_parser::prelude::FromDer;
+    use x509_parser::revocation_list::CertificateRevocationList;
+    let (_, crl) = CertificateRevocationList::from_der(crl.as_ref()).ok()?;
+    Some(u64::try_from(crl.next_update()?.timestamp()).unwrap_or(0))
 }
 
 /// A CRL file must hold at least one CRL: an empty file (one being

@@ -15,7 +15,9 @@ mod writer;
 
 use std::pin::pin;
 
-use tokio::io::{AsyncRead, AsyncWrite, BufReader};
+use tokio::io::{AsyncRead, AsyncWrite};
+
+use super::buffered::Buffered;
 use tokio::sync::mpsc;
 
 use crate::conn::error::ConnError;
@@ -88,7 +90,7 @@ where
     )
     .cached(request_cache)
     .ended_by(registered);
-    let upstream = BufReader::with_capacity(UPSTREAM_READ_BUF, up_rd);
+    let upstream = Buffered::new(UPSTREAM_READ_BUF, up_rd);
     let replies = Replies::new(upstream, &flight, local_rx, mode, link.limits.max_payload)
         .cached(reply_cache);
     let mut writer = ReplyWriter::new(client_wr, cork, &link.limits, link.stats);

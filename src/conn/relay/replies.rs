@@ -7,7 +7,9 @@ use std::future::poll_fn;
 use std::pin::Pin;
 use std::task::Poll;
 
-use tokio::io::{AsyncBufRead, AsyncRead, AsyncReadExt, AsyncWrite, BufReader};
+use tokio::io::{AsyncBufRead, AsyncRead, AsyncReadExt, AsyncWrite};
+
+use crate::conn::buffered::Buffered;
 use tokio::sync::mpsc;
 
 use super::cache::{Filling, Purpose, ReplyLayer};
@@ -48,7 +50,7 @@ const SHUTDOWN_LINGER: std::time::Duration = std::time::Duration::from_millis(25
 const TEE_MAX: u64 = super::cache::MAX_HIT + 2 * crate::cache::BLOCK_SIZE + 8;
 
 pub struct Replies<'a, U> {
-    upstream: BufReader<U>,
+    upstream: Buffered<U>,
     flight: &'a Flight,
     local: mpsc::Receiver<Local>,
     local_open: bool,
@@ -76,7 +78,7 @@ enum Next {
 
 impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
     pub fn new(
-        upstream: BufReader<U>,
+        upstream: Buffered<U>,
         flight: &'a Flight,
         local: mpsc::Receiver<Local>,
         mode: ReplyMode,
