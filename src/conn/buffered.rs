@@ -9,7 +9,9 @@
 //! - it starts small and grows, doubling each time a read fills it, up
 //!   to its maximum: a handshake, an idle connection or QD1 traffic never
 //!   takes the bulk size, and a stream of large requests reaches it
-//!   within a few reads. An unauthenticated peer costs the small size.
+//!   within a few reads. A peer that sends little (a handshake) costs
+//!   the small size; one that sends a flood grows it to the maximum, as
+//!   before.
 //!
 //! Writes pass through to the socket, vectored ones included.
 

@@ -296,10 +296,14 @@ fn client_verifier(
         None => Vec::new(),
     };
     let crl_count = crls.len();
+    // A CRL whose nextUpdate cannot be read here (another parser than
+    // webpki's) leaves nothing remembered under these files: 0.
     let crl_deadline = if policy.crl_allow_expired {
         None
     } else {
-        crls.iter().filter_map(|crl| crl_next_update(crl)).min()
+        crls.iter()
+            .map(|crl| crl_next_update(crl).unwrap_or(0))
+            .min()
     };
     let cas = roots.len();
     // Revocation is checked for every certificate of the client's chain
@@ -326,7 +330,7 @@ fn client_verifier(
 }
 
 /// A CRL's nextUpdate in Unix seconds (before 1970: 0); none if it has
-/// none. One that cannot be parsed here was refused by webpki already.
+/// none (webpki refuses such a CRL) or cannot be parsed.
 fn crl_next_update(crl: &CertificateRevocationListDer<'_>) -> Option<u64> {
     use x509_parser::prelude::FromDer;
     use x509_parser::revocation_list::CertificateRevocationList;
