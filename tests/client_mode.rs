@@ -981,6 +981,28 @@ fn reconnect_carries_a_copy_through_repeated_restarts_of_the_gateway_and_qemu_nb
     assert_eq!(std::fs::read(&back).unwrap(), pattern(BIG, 24));
 }
 
+/// A gateway in front of `script`'s fake server and `nbdgw client
+/// --reconnect` (with `extra`) in front of that; a raw local client in
+/// structured mode that has sent one 4 KiB read at 0 (cookie 0). The
+/// fixture keeps the fake server and the gateway alive.
+fn read_through_a_cut(
+    env: &Env,
+    script: common::fake_upstream::Script,
+    extra: &[&str],
+) -> (
+    (common::fake_upstream::FakeUpstream, NbdgwProcess),
+    NbdgwProcess,
+    RawClient,
+) {
+    let upstream = common::fake_upstream::scripted(&env.path("fake.sock"), SIZE as u64, script);
+    let server = gateway(env, &upstream.socket);
+    let (client, port) = reconnecting_client(env, server.port, extra);
+    let mut c = RawClient::handshake(([127, 0, 0, 1], port).into());
+    c.go(ReplyMode::Structured);
+    c.send_request(0, nbdgw::proto::consts::CMD_READ, 1, 0, 4096, &[]);
+    ((upstream, server), client, c)
+}
+
 /// A fake server (a real one cannot be cut between two chunks on cue):
 /// its first connection answers a read with half the data (bytes of 9)
 /// in a chunk that is not the last, and dies; later connections answer
@@ -1003,18 +1025,8 @@ fn cut_after_the_first_chunk(
 
 #[test]
 fn reconnect_asks_again_for_a_reply_cut_between_chunks() {
-    use nbdgw::proto::consts::*;
     let env = Env::new();
-    let upstream = common::fake_upstream::scripted(
-        &env.path("fake.sock"),
-        SIZE as u64,
-        cut_after_the_first_chunk,
-    );
-    let server = gateway(&env, &upstream.socket);
-    let (client, port) = reconnecting_client(&env, server.port, &[]);
-    let mut c = RawClient::handshake(([127, 0, 0, 1], port).into());
-    c.go(ReplyMode::Structured);
-    c.send_request(0, CMD_READ, 1, 0, 4096, &[]);
+    let (_fixture, client, mut c) = read_through_a_cut(&env, cut_after_the_first_chunk, &[]);
     // The first chunk was held, and dropped with the connection: the
     // local client sees only the new server's whole answer.
     let reply = c.read_reply(0);
@@ -1052,14 +1064,9 @@ fn cut_after_two_chunks(
 fn a_reply_that_outgrows_the_reply_buffer_goes_up_held_chunks_first_and_a_cut_ends_it_in_eio() {
     use nbdgw::proto::consts::*;
     let env = Env::new();
-    let upstream =
-        common::fake_upstream::scripted(&env.path("fake.sock"), SIZE as u64, cut_after_two_chunks);
-    let server = gateway(&env, &upstream.socket);
     // Room for the first chunk (1052 bytes and the entry), not for both.
-    let (client, port) = reconnecting_client(&env, server.port, &["--reply-buffer", "2000"]);
-    let mut c = RawClient::handshake(([127, 0, 0, 1], port).into());
-    c.go(ReplyMode::Structured);
-    c.send_request(0, CMD_READ, 1, 0, 4096, &[]);
+    let (_fixture, client, mut c) =
+        read_through_a_cut(&env, cut_after_two_chunks, &["--reply-buffer", "2000"]);
     let reply = c.read_reply(0);
     assert_eq!(reply.len(), 3, "both chunks in order, then the end");
     assert_eq!(reply[0].payload[..8], 0u64.to_be_bytes());
@@ -1077,17 +1084,9 @@ fn a_reply_that_outgrows_the_reply_buffer_goes_up_held_chunks_first_and_a_cut_en
 fn reconnect_ends_a_cut_reply_larger_than_the_reply_buffer_with_eio_and_goes_on() {
     use nbdgw::proto::consts::*;
     let env = Env::new();
-    let upstream = common::fake_upstream::scripted(
-        &env.path("fake.sock"),
-        SIZE as u64,
-        cut_after_the_first_chunk,
-    );
-    let server = gateway(&env, &upstream.socket);
     // Room for less than the first chunk: it goes up as it comes.
-    let (client, port) = reconnecting_client(&env, server.port, &["--reply-buffer", "1024"]);
-    let mut c = RawClient::handshake(([127, 0, 0, 1], port).into());
-    c.go(ReplyMode::Structured);
-    c.send_request(0, CMD_READ, 1, 0, 4096, &[]);
+    let (_fixture, client, mut c) =
+        read_through_a_cut(&env, cut_after_the_first_chunk, &["--reply-buffer", "1024"]);
     let reply = c.read_reply(0);
     assert_eq!(reply.len(), 2, "half the data, then the end");
     assert_eq!(reply[0].payload.len(), 8 + 2048);

@@ -280,47 +280,61 @@ mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    /// Stands for webpki: counts its calls, accepts until `expires`.
+    /// Counts the chain checks. With `webpki`, it asks webpki; without,
+    /// it stands for it and accepts every chain until `expires`, and the
+    /// handshake signatures are not asked of it.
     #[derive(Debug)]
     struct Counting {
         calls: AtomicUsize,
         expires: u64,
+        webpki: Option<Arc<dyn ClientCertVerifier>>,
+    }
+
+    impl Counting {
+        fn webpki(&self) -> &dyn ClientCertVerifier {
+            self.webpki
+                .as_deref()
+                .expect("a stand-in is asked only for chains")
+        }
     }
 
     impl ClientCertVerifier for Counting {
         fn root_hint_subjects(&self) -> &[DistinguishedName] {
-            &[]
+            self.webpki
+                .as_deref()
+                .map_or(&[], |w| w.root_hint_subjects())
         }
         fn verify_client_cert(
             &self,
-            _: &CertificateDer<'_>,
-            _: &[CertificateDer<'_>],
+            ee: &CertificateDer<'_>,
+            im: &[CertificateDer<'_>],
             now: UnixTime,
         ) -> Result<ClientCertVerified, rustls::Error> {
             self.calls.fetch_add(1, Ordering::SeqCst);
-            if now.as_secs() > self.expires {
-                return Err(CertificateError::Expired.into());
+            match &self.webpki {
+                Some(webpki) => webpki.verify_client_cert(ee, im, now),
+                None if now.as_secs() > self.expires => Err(CertificateError::Expired.into()),
+                None => Ok(ClientCertVerified::assertion()),
             }
-            Ok(ClientCertVerified::assertion())
         }
         fn verify_tls12_signature(
             &self,
-            _: &[u8],
-            _: &CertificateDer<'_>,
-            _: &DigitallySignedStruct,
+            m: &[u8],
+            c: &CertificateDer<'_>,
+            d: &DigitallySignedStruct,
         ) -> Result<HandshakeSignatureValid, rustls::Error> {
-            unreachable!("not called by these tests")
+            self.webpki().verify_tls12_signature(m, c, d)
         }
         fn verify_tls13_signature(
             &self,
-            _: &[u8],
-            _: &CertificateDer<'_>,
-            _: &DigitallySignedStruct,
+            m: &[u8],
+            c: &CertificateDer<'_>,
+            d: &DigitallySignedStruct,
         ) -> Result<HandshakeSignatureValid, rustls::Error> {
-            unreachable!("not called by these tests")
+            self.webpki().verify_tls13_signature(m, c, d)
         }
         fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-            vec![]
+            self.webpki().supported_verify_schemes()
         }
     }
 
@@ -360,6 +374,7 @@ mod tests {
         let inner = Arc::new(Counting {
             calls: AtomicUsize::new(0),
             expires: f.not_after,
+            webpki: None,
         });
         let v =
             AuthorizingVerifier::new(inner.clone(), allow, VerifiedChains::new(max, crl_deadline));
@@ -506,47 +521,6 @@ mod tests {
         assert_eq!(inner.calls.load(Ordering::SeqCst), 1 + 3);
     }
 
-    /// Delegates to webpki, counting the chain checks.
-    #[derive(Debug)]
-    struct CountingWebpki {
-        inner: Arc<dyn ClientCertVerifier>,
-        calls: AtomicUsize,
-    }
-
-    impl ClientCertVerifier for CountingWebpki {
-        fn root_hint_subjects(&self) -> &[DistinguishedName] {
-            self.inner.root_hint_subjects()
-        }
-        fn verify_client_cert(
-            &self,
-            ee: &CertificateDer<'_>,
-            im: &[CertificateDer<'_>],
-            now: UnixTime,
-        ) -> Result<ClientCertVerified, rustls::Error> {
-            self.calls.fetch_add(1, Ordering::SeqCst);
-            self.inner.verify_client_cert(ee, im, now)
-        }
-        fn verify_tls12_signature(
-            &self,
-            m: &[u8],
-            c: &CertificateDer<'_>,
-            d: &DigitallySignedStruct,
-        ) -> Result<HandshakeSignatureValid, rustls::Error> {
-            self.inner.verify_tls12_signature(m, c, d)
-        }
-        fn verify_tls13_signature(
-            &self,
-            m: &[u8],
-            c: &CertificateDer<'_>,
-            d: &DigitallySignedStruct,
-        ) -> Result<HandshakeSignatureValid, rustls::Error> {
-            self.inner.verify_tls13_signature(m, c, d)
-        }
-        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-            self.inner.supported_verify_schemes()
-        }
-    }
-
     #[derive(Debug)]
     struct Presents(Arc<rustls::sign::CertifiedKey>);
 
@@ -616,9 +590,10 @@ mod tests {
             )
             .build()
             .unwrap();
-            let counting = Arc::new(CountingWebpki {
-                inner: webpki,
+            let counting = Arc::new(Counting {
                 calls: AtomicUsize::new(0),
+                expires: u64::MAX,
+                webpki: Some(webpki),
             });
             let verifier = AuthorizingVerifier::new(
                 counting.clone(),
