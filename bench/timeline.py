@@ -1,0 +1,423 @@
+#!/usr/bin/python3
+"""Where one QD1 request's time goes (issue 22, item 3).
+
+Runs QD1 4 KiB reads by qemu's NBD client (qemu-io) and by libnbd's
+(bench/nbdclient.py qd1) against nbdgw and against qemu-nbd's own TLS,
+with the servers of bench/run.py, and records every system call and the
+scheduler's wake-ups and switches of the whole machine (`perf trace record
+-a`, formatted afterwards by `perf script`, so the trace costs the traced
+processes little CPU while they run). Each request is then cut into steps
+at the system calls that move it:
+
+    client sends        the client's first write of the request (enter)
+    front has it        the front end's last read of it from the client (exit)
+    sent upstream       nbdgw's write to the upstream (enter)
+    upstream has it     the upstream's last read of it (exit)
+    upstream answers    the upstream's first write of the reply (enter)
+    front has reply     nbdgw's last read of the reply (exit)
+    front answers       the front end's first write to the client (enter)
+    client has it       the client's last read before its next request (exit)
+
+and prints, per client and front end, the median of each step; how long
+a woken thread waited for a CPU; how long the system call that carries a
+request or reply across took when its receiver ran on the same CPU as
+the sender and when it ran on the other (the sender's call does the
+receiver's network stack and wake-up); and the system calls each process
+made per request (by kind, how many found nothing to read, how many waits
+slept). Tracing costs every system call about a microsecond, so traced
+steps are longer than untraced ones: the rows compare the front ends under
+the same cost, and the untraced mean latency of the same client and front
+end is printed beside them (a run without the trace; means carry this
+VM's long tail, medians do not).
+
+    sudo bench/timeline.py [--modes loopback,lan] [--requests 2000] [--pin]
+"""
+
+import argparse
+import collections
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import run as bench
+
+# x86_64 system call numbers of the calls that move a request or wait.
+NAMES = {0: "read", 1: "write", 7: "poll", 19: "readv", 20: "writev", 44: "sendto", 45: "recvfrom",
+         46: "sendmsg", 47: "recvmsg", 202: "futex", 232: "epoll_wait", 271: "ppoll",
+         281: "epoll_pwait", 426: "io_uring_enter", 441: "epoll_pwait2"}
+READS = {"read", "readv", "recvfrom", "recvmsg"}
+WRITES = {"write", "writev", "sendto", "sendmsg"}
+# A poll or wait this long is counted as the thread having slept in it
+# (one that finds something ready returns in a few microseconds).
+SLEPT_US = 10.0
+EVENT = re.compile(r"^\s*(.*?)\s+(\d+)\s+\[(\d+)\]\s+([\d.]+):\s+(\S+):\s+(.*)$")
+ENTER = re.compile(r"NR (\d+) \(([0-9a-f]+)")
+EXIT = re.compile(r"NR (\d+) = (-?\d+)")
+WAKEUP = re.compile(r"pid=(\d+) .*target_cpu=(\d+)")
+SWITCH = re.compile(r"prev_pid=(\d+) .*==> .*next_pid=(\d+)")
+
+
+class Call:
+    __slots__ = ("start", "end", "tid", "name", "fd", "ret", "cpu")
+
+    def __init__(self, start, end, tid, name, fd, ret, cpu):
+        self.start, self.end, self.tid, self.name, self.fd, self.ret, self.cpu = \
+            start, end, tid, name, fd, ret, cpu
+
+
+class Trace:
+    """`perf script` of a `perf trace record`: system calls as Calls, and
+    the scheduler's wake-ups and switches; times in us."""
+
+    def __init__(self, path):
+        self.calls, self.wakeups, self.switch_in = [], collections.defaultdict(list), \
+            collections.defaultdict(list)
+        pending = {}
+        with open(path, errors="replace") as f:
+            for line in f:
+                m = EVENT.match(line)
+                if not m:
+                    continue
+                tid, cpu, ts, event, rest = int(m.group(2)), int(m.group(3)), float(m.group(4)) * 1e6, \
+                    m.group(5), m.group(6)
+                if event == "raw_syscalls:sys_enter":
+                    e = ENTER.match(rest)
+                    if e and int(e.group(1)) in NAMES:
+                        pending[tid] = (NAMES[int(e.group(1))], int(e.group(2), 16), ts)
+                elif event == "raw_syscalls:sys_exit":
+                    e = EXIT.match(rest)
+                    if e and tid in pending and pending[tid][0] == NAMES.get(int(e.group(1))):
+                        name, fd, began = pending.pop(tid)
+                        self.calls.append(Call(began, ts, tid, name, fd, int(e.group(2)), cpu))
+                elif event == "sched:sched_wakeup":
+                    e = WAKEUP.search(rest)
+                    if e:
+                        self.wakeups[int(e.group(1))].append((ts, int(e.group(2))))
+                elif event == "sched:sched_switch":
+                    e = SWITCH.search(rest)
+                    if e:
+                        self.switch_in[int(e.group(2))].append((ts, cpu))
+        self.calls.sort(key=lambda c: c.start)
+
+    def woken(self, tid, after, before):
+        """The last wake-up of tid in (after, before), the CPU it was put on,
+        and when it next ran: (woken at, cpu, ran at) or None."""
+        w = [x for x in self.wakeups.get(tid, ()) if after < x[0] < before]
+        if not w:
+            return None
+        at, cpu = w[-1]
+        ran = next((t for t, c in self.switch_in.get(tid, ()) if t >= at), None)
+        return at, cpu, ran
+
+
+def socket_kinds(pid):
+    """{inode: 'tcp' | 'unix'} in pid's network namespace (listeners left out)."""
+    kinds = {}
+    for table, kind in (("tcp", "tcp"), ("tcp6", "tcp"), ("unix", "unix")):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                next(f)
+                for row in f:
+                    cols = row.split()
+                    if kind == "tcp" and cols[3] != "0A":
+                        kinds[cols[9]] = kind
+                    elif kind == "unix":
+                        kinds[cols[6]] = kind
+        except (OSError, StopIteration, IndexError):
+            pass
+    return kinds
+
+
+class Watch(threading.Thread):
+    """Samples, while a client runs, which of each process's fds are TCP
+    connections or Unix sockets, and the threads of each process."""
+
+    def __init__(self, pids):
+        super().__init__(daemon=True)
+        self.pids = pids
+        self.fds = {p: {} for p in pids}
+        self.tids = {p: set() for p in pids}
+        self.stop = threading.Event()
+
+    def sample(self):
+        for pid in list(self.pids):
+            kinds = socket_kinds(pid)
+            try:
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        kind = kinds.get(link[8:-1])
+                        if kind:
+                            self.fds[pid].setdefault(int(fd), kind)
+                self.tids[pid].update(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+            except OSError:
+                pass
+
+    def run(self):
+        while not self.stop.is_set():
+            self.sample()
+            time.sleep(0.02)
+
+
+def steps(trace, roles):
+    """Cuts the trace into requests. roles: {'client'|'front'|'upstream':
+    (tids, {fd: kind})}. Returns one dict of step durations (us) and
+    per-process call counts for each request."""
+    calls = trace.calls
+    _, cfds = roles["client"]
+    client_fd = {fd for fd, k in cfds.items() if k == "tcp"}
+    events = []
+    for c in calls:
+        for role in roles:
+            tids, fds = roles[role]
+            if c.tid in tids:
+                events.append((role, c))
+                break
+    # Requests start at each client write on its TCP socket that follows a read.
+    starts, last_was_read = [], True
+    for i, (role, c) in enumerate(events):
+        if role == "client" and c.fd in client_fd and c.ret > 0:
+            if c.name in WRITES and last_was_read:
+                starts.append(i)
+                last_was_read = False
+            elif c.name in READS:
+                last_was_read = True
+    out, skipped = [], 0
+    for a, b in zip(starts, starts[1:]):
+        window = events[a:b]
+        r = {"client sends": window[0][1].start}
+        counts = collections.Counter()
+        fronts = [c for role, c in window if role == "front"]
+        ups = [c for role, c in window if role == "upstream"]
+        cl = [c for role, c in window if role == "client"]
+        _, ffds = roles["front"]
+        _, ufds = roles["upstream"] if "upstream" in roles else (None, {})
+        f_tcp = {fd for fd, k in ffds.items() if k == "tcp"}
+        f_unix = {fd for fd, k in ffds.items() if k == "unix"}
+        u_unix = {fd for fd, k in ufds.items() if k == "unix"}
+        ups = [c for c in ups if c.fd in u_unix or c.name not in READS | WRITES]
+        first_out = next((c for c in fronts if c.name in WRITES and c.ret > 0 and c.fd in f_tcp | f_unix), None)
+        if first_out is None:
+            skipped += 1
+            continue
+        got = [c for c in fronts if c.name in READS and c.fd in f_tcp and c.ret > 0 and c.start < first_out.start]
+        if not got:
+            skipped += 1
+            continue
+        r["front has it"] = got[-1].end
+        waits = {}
+
+        def wake(label, tid, after, before, cpu_of_peer):
+            w = trace.woken(tid, after, before)
+            if w and w[2] is not None:
+                waits[f"{label} woken -> runs"] = w[2] - w[0]
+                counts[f"{label} woken on its peer's CPU"] += int(w[1] == cpu_of_peer)
+                counts[f"{label} woken"] += 1
+        send = window[0][1]
+        wake("front (request)", got[-1].tid, send.start, got[-1].start, send.cpu)
+        # The sender's system call carries the receiver's network stack and
+        # wake-up: how long it takes depends on where the receiver runs.
+        where = "same CPU" if got[-1].cpu == send.cpu else "other CPU"
+        waits[f"client's send call, front end on the {where}"] = send.end - send.start
+        counts[f"front end read the request on the client's CPU"] += int(where == "same CPU")
+        if "upstream" in roles and first_out.fd not in f_unix:
+            skipped += 1  # not a request relayed upstream (the last, NBD_CMD_DISC)
+            continue
+        if "upstream" in roles:
+            r["sent upstream"] = first_out.start
+            uin = [c for c in ups if c.name in READS and c.ret > 0 and c.start > first_out.start]
+            uout = [c for c in ups if c.name in WRITES and c.ret > 0 and uin and c.start > uin[0].start]
+            if not uin or not uout:
+                skipped += 1  # perf trace lost one of its events
+                continue
+            r["upstream answers"] = uout[0].start
+            wake("upstream", uin[-1].tid, first_out.start, uin[-1].start, first_out.cpu)
+            r["upstream has it"] = max(c.end for c in uin if c.start < uout[0].start)
+            to_client = [c for c in fronts if c.name in WRITES and c.fd in f_tcp and c.ret > 0]
+            back = [c for c in fronts if c.name in READS and c.fd in f_unix and c.ret > 0
+                    and c.start > uout[0].start and to_client and c.start < to_client[0].start]
+            if not back or not to_client:
+                skipped += 1
+                continue
+            r["front answers"] = to_client[0].start
+            r["front has reply"] = back[-1].end
+            wake("front (reply)", back[-1].tid, uout[0].start, back[-1].start, uout[0].cpu)
+        else:
+            r["front answers"] = first_out.start
+        reads = [c for c in cl if c.name in READS and c.fd in client_fd and c.ret > 0]
+        if not reads:
+            skipped += 1
+            continue
+        r["client has it"] = reads[-1].end
+        answer = next(c for c in fronts if c.name in WRITES and c.fd in f_tcp and c.ret > 0)
+        wake("client", reads[-1].tid, answer.start, reads[-1].start, answer.cpu)
+        where = "same CPU" if reads[-1].cpu == answer.cpu else "other CPU"
+        waits[f"front end's reply call, client on the {where}"] = answer.end - answer.start
+        r["waits"] = waits
+        r["next request"] = events[b][1].start
+        for role, c in window:
+            kind = c.name if c.name in READS | WRITES else "wait" if c.name != "futex" else "futex"
+            if kind in READS | WRITES:
+                kind = "read" if c.name in READS else "write"
+            counts[f"{role} {kind}"] += 1
+            if c.ret == -11:
+                counts[f"{role} EAGAIN"] += 1
+            if kind == "wait" and c.end - c.start >= SLEPT_US:
+                counts[f"{role} slept"] += 1
+        r["counts"] = counts
+        out.append(r)
+    if skipped:
+        print(f"timeline: {skipped} of {len(starts) - 1} requests had an event missing from the trace",
+              file=sys.stderr)
+    return out
+
+
+ORDER = ["client sends", "front has it", "sent upstream", "upstream has it", "upstream answers",
+         "front has reply", "front answers", "client has it", "next request"]
+
+
+def summarise(reqs):
+    """Median of each step (us) and mean calls per request."""
+    durations = collections.defaultdict(list)
+    counts = collections.Counter()
+    for r in reqs:
+        points = [p for p in ORDER if p in r]
+        for a, b in zip(points, points[1:]):
+            durations[f"{a} -> {b}"].append(r[b] - r[a])
+        durations["request (client sends -> client has it)"].append(r["client has it"] - r["client sends"])
+        counts.update(r["counts"])
+        for k, v in r["waits"].items():
+            durations[k].append(v)
+    def place(key):
+        first = key.split(" -> ")[0]
+        return ORDER.index(first) if first in ORDER else len(ORDER)
+    return ({k: statistics.median(durations[k]) for k in sorted(durations, key=place)},
+            {k: v / len(reqs) for k, v in counts.items()})
+
+
+def client_cmd(fronts, client, name, n, pin):
+    if client == "qemu":
+        objects, opts = fronts.qemu_client(name)
+        cmd = ["qemu-io", *objects, "--image-opts", opts]
+        for i in range(n):
+            cmd += ["-c", f"read -q {(i * 262144) % (fronts.size - 4096)} 4096"]
+    else:
+        cmd = [bench.PYTHON, os.path.join(bench.BENCH, "nbdclient.py"), "qd1", fronts.uri(name), str(n), "4096"]
+    if pin:
+        cmd = ["taskset", "-c", "0", *cmd]
+    return fronts.net.client(cmd)
+
+
+def untraced(fronts, client, name, n, pin):
+    """Mean us per request without the trace: n+1 requests less 1."""
+    def took(k):
+        t = time.monotonic()
+        bench.run(client_cmd(fronts, client, name, k, pin), stdout=subprocess.DEVNULL)
+        return time.monotonic() - t
+    return (took(n + 1) - took(1)) * 1e6 / n
+
+
+def traced(fronts, client, name, n, pin, work, keep=None):
+    data, out = os.path.join(work, "trace.data"), os.path.join(work, "trace.txt")
+    # Recorded by the kernel into buffers and formatted afterwards: a live
+    # `perf trace` took CPU from the processes it traced (5x the latency).
+    tracer = subprocess.Popen(["perf", "trace", "record", "-a", "-m", "16M", "-e",
+                               "sched:sched_wakeup,sched:sched_switch", "-o", data],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)
+    pids = {"front": fronts.pids[name]}
+    if name != bench.REFERENCE:
+        pids["upstream"] = fronts.upstream.pid
+    proc = subprocess.Popen(client_cmd(fronts, client, name, n, pin), stdout=subprocess.DEVNULL)
+    pids["client"] = proc.pid
+    watch = Watch(list(pids.values()))
+    watch.start()
+    proc.wait()
+    watch.stop.set()
+    watch.join()
+    time.sleep(0.2)
+    tracer.send_signal(signal.SIGINT)
+    tracer.wait()
+    with open(out, "w") as f:
+        bench.run(["perf", "script", "-i", data], stdout=f, stderr=subprocess.DEVNULL)
+    roles = {}
+    for role, pid in pids.items():
+        tids = watch.tids[pid] | {pid}
+        if role == "client":
+            tids = {pid}  # both clients do their NBD I/O on the main thread
+        roles[role] = (tids, watch.fds[pid])
+    if keep:
+        shutil.copy(out, os.path.join(keep, f"timeline-{client}-{name}.txt"))
+    return steps(Trace(out), roles)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--modes", default="loopback,lan")
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--pin", action="store_true", help="client and servers on CPU 0")
+    ap.add_argument("--nbdgw-args", default="", help="also run nbdgw with these flags (as nbdgw-x)")
+    ap.add_argument("--keep", metavar="DIR", help="keep each run's `perf script` text in DIR")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("timeline: run as root (perf trace -a, namespaces)")
+    for tool in ("perf", "qemu-nbd", "qemu-io", "nbdkit", "taskset", "ethtool"):
+        if not shutil.which(tool):
+            sys.exit(f"timeline: {tool} missing: run bench/setup.sh")
+    bench.run(["cargo", "build", "--release", "--locked", "-q"], cwd=bench.ROOT)
+    fronts_under = ("nbdgw", bench.REFERENCE)
+    with tempfile.TemporaryDirectory() as work:
+        for mode in args.modes.split(","):
+            net = bench.Network(mode == "lan")
+            net.up()
+            variants = [("nbdgw-x", args.nbdgw_args.split(), None)] if args.nbdgw_args else []
+            fronts = bench.Fronts(work, net, 1 << 30, variants)
+            try:
+                fronts.start()
+                if args.pin:
+                    bench.pin_servers(fronts, "0")
+                names = list(fronts_under) + [v[0] for v in variants]
+                results = collections.defaultdict(list)
+                plain = collections.defaultdict(list)
+                for rep in range(args.reps):
+                    for client in ("qemu", "libnbd"):
+                        order = names[rep % len(names):] + names[:rep % len(names)]
+                        for name in order:
+                            plain[(client, name)].append(untraced(fronts, client, name, args.requests, args.pin))
+                            results[(client, name)] += traced(fronts, client, name, args.requests,
+                                                              args.pin, work, args.keep)
+                print(f"\n## {net.name}{', one CPU' if args.pin else ''}: "
+                      f"{args.requests} QD1 4 KiB reads x {args.reps} reps\n")
+                for client in ("qemu", "libnbd"):
+                    for name in names:
+                        reqs = results[(client, name)]
+                        if not reqs:
+                            print(f"{client} -> {name}: no request could be cut from the trace")
+                            continue
+                        med, counts = summarise(reqs)
+                        pl = plain[(client, name)]
+                        print(f"### {client} client -> {name}: untraced mean "
+                              f"{statistics.median(pl):.1f} us ({min(pl):.1f}-{max(pl):.1f}), "
+                              f"{len(reqs)} traced requests\n")
+                        print("| step | median us |\n|---|---|")
+                        for k, v in med.items():
+                            print(f"| {k} | {v:.1f} |")
+                        print("\n| calls per request | mean |\n|---|---|")
+                        for k in sorted(counts):
+                            print(f"| {k} | {counts[k]:.2f} |")
+                        print()
+            finally:
+                fronts.stop()
+                net.down()
+
+
+if __name__ == "__main__":
+    main()
