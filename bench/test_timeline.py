@@ -65,14 +65,15 @@ class Steps(unittest.TestCase):
         got = {k: round(r[k] - r["client sends"], 3) for k in timeline.ORDER if k in r}
         self.assertEqual(got, {"client sends": 0, "front has it": 10, "sent upstream": 12,
                                "upstream has it": 21, "upstream answers": 25, "front has reply": 31,
-                               "front answers": 35, "client has it": 49, "next request": 200})
+                               "front answers": 35, "reply sent": 40, "client has it": 49,
+                               "next request": 200})
 
     def test_wake_ups_and_placement_are_counted(self):
         med, counts = timeline.summarise(self.cut(3))
-        self.assertEqual(med["front (request) woken -> runs"], 5)
-        self.assertEqual(med["client's send call, front end on the other CPU"], 3)
-        self.assertEqual(med["front end's reply call, client on the other CPU"], 5)
-        self.assertEqual(med["request (client sends -> client has it)"], 49)
+        self.assertEqual(med["front (request) woken -> runs"][0], 5)
+        self.assertEqual(med["client's send call, front end on the other CPU"][0], 3)
+        self.assertEqual(med["front end's last reply write, client on the other CPU"][0], 5)
+        self.assertEqual(med["request (client sends -> client has it)"], (49, 49, 2))
         self.assertEqual(counts["front end read the request on the client's CPU"], 0)
         self.assertEqual(counts["client EAGAIN"], 1)
         self.assertEqual(counts["front slept"], 1)  # the 28 us epoll_wait
@@ -95,6 +96,46 @@ class Steps(unittest.TestCase):
                  "upstream": ({UPSTREAM}, {5: "unix"})}
         reqs = timeline.steps(trace, roles)
         self.assertEqual([round(r["client sends"] - T0 * 1e6) for r in reqs], [300])
+
+
+def corked(lines, t):
+    """A server with TLS built in (no upstream) that sends a reply as
+    three records under TCP_CORK: setsockopt 54 on, sendmsg x3, off."""
+    call(lines, "qemu-io", CLIENT, 0, t, 46, 4, 54, took=3)
+    call(lines, "qemu-nbd", FRONT, 1, t + 8, 47, 5, 54, took=1)          # has it at t+9
+    call(lines, "qemu-nbd", FRONT, 1, t + 10, 54, 5, 0, took=1)
+    call(lines, "qemu-nbd", FRONT, 1, t + 12, 46, 5, 42, took=1)         # answers at t+12
+    call(lines, "qemu-nbd", FRONT, 1, t + 14, 46, 5, 30, took=1)
+    call(lines, "qemu-nbd", FRONT, 1, t + 16, 46, 5, 4118, took=30)
+    call(lines, "qemu-nbd", FRONT, 1, t + 47, 54, 5, 0, took=3)          # uncorked at t+50
+    call(lines, "qemu-io", CLIENT, 0, t + 55, 47, 4, 4190, took=2)       # has it at t+57
+
+
+class NoUpstream(unittest.TestCase):
+    def test_a_corked_reply_is_sent_when_its_last_write_or_uncork_ends(self):
+        lines = []
+        # The negotiation: small writes both ways, no 4 KiB reply.
+        call(lines, "qemu-io", CLIENT, 0, 10, 46, 4, 392)
+        call(lines, "qemu-nbd", FRONT, 1, 15, 47, 5, 392)
+        call(lines, "qemu-nbd", FRONT, 1, 20, 46, 5, 612)
+        call(lines, "qemu-io", CLIENT, 0, 30, 47, 4, 612)
+        for i in range(3):
+            corked(lines, 100 + 200 * i)
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+            f.write("\n".join(lines) + "\n")
+        try:
+            trace = timeline.Trace(f.name)
+        finally:
+            os.unlink(f.name)
+        reqs = timeline.steps(trace, {"client": ({CLIENT}, {4: "tcp"}), "front": ({FRONT}, {5: "tcp"})})
+        self.assertEqual(len(reqs), 2)  # the negotiation is not a read
+        r = reqs[0]
+        got = {k: round(r[k] - r["client sends"], 3) for k in timeline.ORDER if k in r}
+        self.assertEqual(got, {"client sends": 0, "front has it": 9, "front answers": 12, "reply sent": 50,
+                               "client has it": 57, "next request": 200})
+        med, counts = timeline.summarise(reqs)
+        self.assertEqual(med["front end's last reply write, client on the other CPU"][0], 30)
+        self.assertEqual(counts["front setsockopt"], 2)
 
 
 if __name__ == "__main__":

@@ -3,11 +3,11 @@
 
 Runs QD1 4 KiB reads by qemu's NBD client (qemu-io) and by libnbd's
 (bench/nbdclient.py qd1) against nbdgw and against qemu-nbd's own TLS,
-with the servers of bench/run.py, and records every system call and the
+with the servers of bench/run.py, and records the system calls and the
 scheduler's wake-ups and switches of the whole machine (`perf trace record
--a`, formatted afterwards by `perf script`, so the trace costs the traced
-processes little CPU while they run). Each request is then cut into steps
-at the system calls that move it:
+-a`, formatted after the run by `perf script --ns`, so recording costs the
+traced processes far less than a live trace). Each request is then cut
+into steps at the system calls that move it:
 
     client sends        the client's first write of the request (enter)
     front has it        the front end's last read of it from the client (exit)
@@ -16,24 +16,28 @@ at the system calls that move it:
     upstream answers    the upstream's first write of the reply (enter)
     front has reply     nbdgw's last read of the reply (exit)
     front answers       the front end's first write to the client (enter)
+    reply sent          its last write or uncork (TCP_CORK off) of the reply (exit)
     client has it       the client's last read before its next request (exit)
 
-and prints, per client and front end, the median of each step; how long
-a woken thread waited for a CPU; how long the system call that carries a
-request or reply across took when its receiver ran on the same CPU as
-the sender and when it ran on the other (the sender's call does the
-receiver's network stack and wake-up); and the system calls each process
-made per request (by kind, how many found nothing to read, how many waits
-slept). Tracing costs every system call about a microsecond, so traced
-steps are longer than untraced ones: the rows compare the front ends under
-the same cost, and the untraced mean latency of the same client and front
-end is printed beside them (a run without the trace; means carry this
-VM's long tail, medians do not).
+and prints, per client and front end, the median and mean of each step;
+how long a woken thread waited for a CPU (where the trace has the wake-up:
+perf does not deliver every scheduler event, and a thread woken onto an
+idle CPU is the one most often missing); the steps that carry a request
+or reply across, split by whether the receiver ran on the sender's CPU;
+and the system calls each process made per request (by kind, how many
+found nothing to read, how many waits slept). Only 4 KiB reads are cut:
+the handshake, options, a flush and the disconnect are left out. Tracing
+costs every system call something and costs the front ends unevenly (a
+server making more calls pays more), so the rows say where time goes,
+and the untraced mean latency of the same client and front end is
+printed beside them (a run without the trace); the ratios between front
+ends are bench/run.py's.
 
-    sudo bench/timeline.py [--modes loopback,lan] [--requests 2000] [--pin]
+    sudo bench/timeline.py [--modes loopback,lan] [--requests 2000] [--placement one|split|free]
 """
 
 import argparse
+import bisect
 import collections
 import os
 import re
@@ -50,7 +54,7 @@ import run as bench
 
 # x86_64 system call numbers of the calls that move a request or wait.
 NAMES = {0: "read", 1: "write", 7: "poll", 19: "readv", 20: "writev", 44: "sendto", 45: "recvfrom",
-         46: "sendmsg", 47: "recvmsg", 202: "futex", 232: "epoll_wait", 271: "ppoll",
+         46: "sendmsg", 47: "recvmsg", 54: "setsockopt", 202: "futex", 232: "epoll_wait", 271: "ppoll",
          281: "epoll_pwait", 426: "io_uring_enter", 441: "epoll_pwait2"}
 READS = {"read", "readv", "recvfrom", "recvmsg"}
 WRITES = {"write", "writev", "sendto", "sendmsg"}
@@ -108,17 +112,26 @@ class Trace:
 
     def woken(self, tid, after, before):
         """The last wake-up of tid in (after, before), the CPU it was put on,
-        and when it next ran: (woken at, cpu, ran at) or None."""
-        w = [x for x in self.wakeups.get(tid, ()) if after < x[0] < before]
-        if not w:
+        and when it ran: (woken at, cpu, ran at), or None if the trace has
+        no such wake-up or no switch to tid between it and `before`. Not
+        every wake-up is in the trace: on this VM's perf, the idle task's
+        events on the second CPU were missing, so a thread woken onto an
+        idle CPU is often not found (the counts say how often it was)."""
+        wakeups = self.wakeups.get(tid, [])
+        i = bisect.bisect_left(wakeups, (before,)) - 1
+        if i < 0 or wakeups[i][0] <= after:
             return None
-        at, cpu = w[-1]
-        ran = next((t for t, c in self.switch_in.get(tid, ()) if t >= at), None)
-        return at, cpu, ran
+        at, cpu = wakeups[i]
+        switches = self.switch_in.get(tid, [])
+        j = bisect.bisect_left(switches, (at,))
+        if j == len(switches) or switches[j][0] > before:
+            return None
+        return at, cpu, switches[j][0]
 
 
 def socket_kinds(pid):
-    """{inode: 'tcp' | 'unix'} in pid's network namespace (listeners left out)."""
+    """{inode: 'tcp' | 'unix'} in pid's network namespace (TCP listeners
+    left out)."""
     kinds = {}
     for table, kind in (("tcp", "tcp"), ("tcp6", "tcp"), ("unix", "unix")):
         try:
@@ -136,18 +149,21 @@ def socket_kinds(pid):
 
 
 class Watch(threading.Thread):
-    """Samples, while a client runs, which of each process's fds are TCP
-    connections or Unix sockets, and the threads of each process."""
+    """Samples, while a client connects, which of each process's fds are
+    TCP connections or Unix sockets, and the threads of each process; it
+    stops a few samples after each process has the sockets it needs, so it
+    takes no CPU from the run it watches (sampling /proc every 20 ms for
+    the whole run took a quarter of a CPU)."""
 
-    def __init__(self, pids):
+    def __init__(self, needs):
         super().__init__(daemon=True)
-        self.pids = pids
-        self.fds = {p: {} for p in pids}
-        self.tids = {p: set() for p in pids}
+        self.needs = needs  # {pid: {"tcp", "unix"}}
+        self.fds = {p: {} for p in needs}
+        self.tids = {p: set() for p in needs}
         self.stop = threading.Event()
 
     def sample(self):
-        for pid in list(self.pids):
+        for pid in self.needs:
             kinds = socket_kinds(pid)
             try:
                 for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -160,23 +176,33 @@ class Watch(threading.Thread):
             except OSError:
                 pass
 
+    def complete(self):
+        return all(need <= set(self.fds[pid].values()) for pid, need in self.needs.items())
+
     def run(self):
-        while not self.stop.is_set():
+        after = 0
+        while not self.stop.is_set() and after < 3:
             self.sample()
-            time.sleep(0.02)
+            after += self.complete()
+            time.sleep(0.1 if after else 0.02)
 
 
 def steps(trace, roles):
     """Cuts the trace into requests. roles: {'client'|'front'|'upstream':
-    (tids, {fd: kind})}. Returns one dict of step durations (us) and
-    per-process call counts for each request."""
+    (tids, {fd: kind})}. Returns, for each 4 KiB read, a dict of the times
+    of its points (us), step durations that are not between points
+    ("waits"), and per-process call counts. Windows that are not a 4 KiB
+    read (the TLS handshake, options, a flush, the disconnect) are left
+    out, and so are reads with an event missing from the trace."""
     calls = trace.calls
-    _, cfds = roles["client"]
-    client_fd = {fd for fd, k in cfds.items() if k == "tcp"}
+    client_fd = {fd for fd, k in roles["client"][1].items() if k == "tcp"}
+    f_tcp = {fd for fd, k in roles["front"][1].items() if k == "tcp"}
+    f_unix = {fd for fd, k in roles["front"][1].items() if k == "unix"}
+    relayed = "upstream" in roles
+    u_unix = {fd for fd, k in roles["upstream"][1].items() if k == "unix"} if relayed else set()
     events = []
     for c in calls:
-        for role in roles:
-            tids, fds = roles[role]
+        for role, (tids, _) in roles.items():
             if c.tid in tids:
                 events.append((role, c))
                 break
@@ -189,102 +215,99 @@ def steps(trace, roles):
                 last_was_read = False
             elif c.name in READS:
                 last_was_read = True
-    out, skipped = [], 0
+    out, not_reads, missing = [], 0, 0
     for a, b in zip(starts, starts[1:]):
         window = events[a:b]
-        r = {"client sends": window[0][1].start}
-        counts = collections.Counter()
+        send = window[0][1]
         fronts = [c for role, c in window if role == "front"]
-        ups = [c for role, c in window if role == "upstream"]
+        ups = [c for role, c in window
+               if role == "upstream" and (c.fd in u_unix or c.name not in READS | WRITES)]
         cl = [c for role, c in window if role == "client"]
-        _, ffds = roles["front"]
-        _, ufds = roles["upstream"] if "upstream" in roles else (None, {})
-        f_tcp = {fd for fd, k in ffds.items() if k == "tcp"}
-        f_unix = {fd for fd, k in ffds.items() if k == "unix"}
-        u_unix = {fd for fd, k in ufds.items() if k == "unix"}
-        ups = [c for c in ups if c.fd in u_unix or c.name not in READS | WRITES]
-        first_out = next((c for c in fronts if c.name in WRITES and c.ret > 0 and c.fd in f_tcp | f_unix), None)
-        if first_out is None:
-            skipped += 1
+        to_client = [c for c in fronts if c.name in WRITES and c.fd in f_tcp and c.ret > 0]
+        if sum(c.ret for c in to_client) < 4096:
+            not_reads += 1
             continue
-        got = [c for c in fronts if c.name in READS and c.fd in f_tcp and c.ret > 0 and c.start < first_out.start]
-        if not got:
-            skipped += 1
+        first_out = next((c for c in fronts if c.name in WRITES and c.ret > 0
+                          and c.fd in (f_unix if relayed else f_tcp)), None)
+        got = [c for c in fronts if c.name in READS and c.fd in f_tcp and c.ret > 0
+               and first_out and c.start < first_out.start]
+        reads = [c for c in cl if c.name in READS and c.fd in client_fd and c.ret > 0]
+        if not got or not reads:
+            missing += 1
             continue
-        r["front has it"] = got[-1].end
+        r = {"client sends": send.start, "front has it": got[-1].end}
+        counts = collections.Counter()
         waits = {}
 
         def wake(label, tid, after, before, cpu_of_peer):
             w = trace.woken(tid, after, before)
-            if w and w[2] is not None:
+            if w:
                 waits[f"{label} woken -> runs"] = w[2] - w[0]
                 counts[f"{label} woken on its peer's CPU"] += int(w[1] == cpu_of_peer)
                 counts[f"{label} woken"] += 1
-        send = window[0][1]
+
         wake("front (request)", got[-1].tid, send.start, got[-1].start, send.cpu)
-        # The sender's system call carries the receiver's network stack and
-        # wake-up: how long it takes depends on where the receiver runs.
-        where = "same CPU" if got[-1].cpu == send.cpu else "other CPU"
-        waits[f"client's send call, front end on the {where}"] = send.end - send.start
-        counts[f"front end read the request on the client's CPU"] += int(where == "same CPU")
-        if "upstream" in roles and first_out.fd not in f_unix:
-            skipped += 1  # not a request relayed upstream (the last, NBD_CMD_DISC)
-            continue
-        if "upstream" in roles:
+        if relayed:
             r["sent upstream"] = first_out.start
             uin = [c for c in ups if c.name in READS and c.ret > 0 and c.start > first_out.start]
             uout = [c for c in ups if c.name in WRITES and c.ret > 0 and uin and c.start > uin[0].start]
-            if not uin or not uout:
-                skipped += 1  # perf trace lost one of its events
+            back = [c for c in fronts if c.name in READS and c.fd in f_unix and c.ret > 0
+                    and uout and uout[0].start < c.start < to_client[0].start]
+            if not uin or not uout or not back:
+                missing += 1
                 continue
             r["upstream answers"] = uout[0].start
-            wake("upstream", uin[-1].tid, first_out.start, uin[-1].start, first_out.cpu)
             r["upstream has it"] = max(c.end for c in uin if c.start < uout[0].start)
-            to_client = [c for c in fronts if c.name in WRITES and c.fd in f_tcp and c.ret > 0]
-            back = [c for c in fronts if c.name in READS and c.fd in f_unix and c.ret > 0
-                    and c.start > uout[0].start and to_client and c.start < to_client[0].start]
-            if not back or not to_client:
-                skipped += 1
-                continue
-            r["front answers"] = to_client[0].start
             r["front has reply"] = back[-1].end
+            wake("upstream", uin[-1].tid, first_out.start, uin[-1].start, first_out.cpu)
             wake("front (reply)", back[-1].tid, uout[0].start, back[-1].start, uout[0].cpu)
-        else:
-            r["front answers"] = first_out.start
-        reads = [c for c in cl if c.name in READS and c.fd in client_fd and c.ret > 0]
-        if not reads:
-            skipped += 1
-            continue
+        # A reply may leave in several writes, and under TCP_CORK some of it
+        # only when the cork comes off: "reply sent" is the end of the last
+        # write or uncork on the client's socket before the client has it.
+        r["front answers"] = to_client[0].start
+        sent = [c for c in fronts if c.fd in f_tcp and (c in to_client or c.name == "setsockopt")
+                and to_client[0].start <= c.start < reads[-1].end]
+        r["reply sent"] = max(c.end for c in sent)
         r["client has it"] = reads[-1].end
-        answer = next(c for c in fronts if c.name in WRITES and c.fd in f_tcp and c.ret > 0)
-        wake("client", reads[-1].tid, answer.start, reads[-1].start, answer.cpu)
-        where = "same CPU" if reads[-1].cpu == answer.cpu else "other CPU"
-        waits[f"front end's reply call, client on the {where}"] = answer.end - answer.start
-        r["waits"] = waits
         r["next request"] = events[b][1].start
+        wake("client", reads[-1].tid, to_client[0].start, reads[-1].start, to_client[-1].cpu)
+        # The sender's system call carries the receiver's network stack and
+        # the wake-up of its thread; how long it takes depends on where the
+        # receiver runs.
+        where = "same CPU" if got[-1].cpu == send.cpu else "other CPU"
+        waits[f"client's send call, front end on the {where}"] = send.end - send.start
+        waits[f"client sends -> front has it, front end on the {where}"] = got[-1].end - send.start
+        counts["front end read the request on the client's CPU"] += int(where == "same CPU")
+        last = to_client[-1]
+        where = "same CPU" if reads[-1].cpu == last.cpu else "other CPU"
+        waits[f"front end's last reply write, client on the {where}"] = last.end - last.start
+        waits[f"reply sent -> client has it, client on the {where}"] = reads[-1].end - r["reply sent"]
         for role, c in window:
-            kind = c.name if c.name in READS | WRITES else "wait" if c.name != "futex" else "futex"
-            if kind in READS | WRITES:
+            kind = {"futex": "futex", "setsockopt": "setsockopt"}.get(c.name, "wait")
+            if c.name in READS | WRITES:
                 kind = "read" if c.name in READS else "write"
             counts[f"{role} {kind}"] += 1
             if c.ret == -11:
                 counts[f"{role} EAGAIN"] += 1
             if kind == "wait" and c.end - c.start >= SLEPT_US:
                 counts[f"{role} slept"] += 1
-        r["counts"] = counts
+        r["counts"], r["waits"] = counts, waits
         out.append(r)
-    if skipped:
-        print(f"timeline: {skipped} of {len(starts) - 1} requests had an event missing from the trace",
+    if missing:
+        print(f"timeline: {missing} of {len(out) + missing} reads had an event missing from the trace",
               file=sys.stderr)
     return out
 
 
 ORDER = ["client sends", "front has it", "sent upstream", "upstream has it", "upstream answers",
-         "front has reply", "front answers", "client has it", "next request"]
+         "front has reply", "front answers", "reply sent", "client has it", "next request"]
 
 
 def summarise(reqs):
-    """Median of each step (us) and mean calls per request."""
+    """Median and mean of each step (us), and mean calls per request. The
+    median is the common case: unpinned, a step takes one of two times
+    (the two threads on one CPU or on two), and the median is whichever
+    is the more common; the mean carries the rest and the long tail."""
     durations = collections.defaultdict(list)
     counts = collections.Counter()
     for r in reqs:
@@ -298,11 +321,19 @@ def summarise(reqs):
     def place(key):
         first = key.split(" -> ")[0]
         return ORDER.index(first) if first in ORDER else len(ORDER)
-    return ({k: statistics.median(durations[k]) for k in sorted(durations, key=place)},
+    keys = sorted(durations, key=place)
+    return ({k: (statistics.median(durations[k]), statistics.fmean(durations[k]), len(durations[k]))
+             for k in keys},
             {k: v / len(reqs) for k, v in counts.items()})
 
 
-def client_cmd(fronts, client, name, n, pin):
+# Where the client runs, for each --placement: with the servers on CPU 0
+# (one), on the other CPU (split: nbdgw beside its upstream, the client
+# elsewhere, as a client on another host is), or where the scheduler puts it.
+CLIENT_CPU = {"one": "0", "split": "1", "free": None}
+
+
+def client_cmd(fronts, client, name, n, placement):
     if client == "qemu":
         objects, opts = fronts.qemu_client(name)
         cmd = ["qemu-io", *objects, "--image-opts", opts]
@@ -310,43 +341,55 @@ def client_cmd(fronts, client, name, n, pin):
             cmd += ["-c", f"read -q {(i * 262144) % (fronts.size - 4096)} 4096"]
     else:
         cmd = [bench.PYTHON, os.path.join(bench.BENCH, "nbdclient.py"), "qd1", fronts.uri(name), str(n), "4096"]
-    if pin:
-        cmd = ["taskset", "-c", "0", *cmd]
+    if CLIENT_CPU[placement]:
+        cmd = ["taskset", "-c", CLIENT_CPU[placement], *cmd]
     return fronts.net.client(cmd)
 
 
-def untraced(fronts, client, name, n, pin):
+def untraced(fronts, client, name, n, placement):
     """Mean us per request without the trace: n+1 requests less 1."""
     def took(k):
         t = time.monotonic()
-        bench.run(client_cmd(fronts, client, name, k, pin), stdout=subprocess.DEVNULL)
+        bench.run(client_cmd(fronts, client, name, k, placement), stdout=subprocess.DEVNULL)
         return time.monotonic() - t
     return (took(n + 1) - took(1)) * 1e6 / n
 
 
-def traced(fronts, client, name, n, pin, work, keep=None):
+def traced(fronts, client, name, n, placement, work, keep=None):
     data, out = os.path.join(work, "trace.data"), os.path.join(work, "trace.txt")
     # Recorded by the kernel into buffers and formatted afterwards: a live
     # `perf trace` took CPU from the processes it traced (5x the latency).
-    tracer = subprocess.Popen(["perf", "trace", "record", "-a", "-m", "16M", "-e",
-                               "sched:sched_wakeup,sched:sched_switch", "-o", data],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(os.path.join(work, "perf.log"), "w") as log:
+        tracer = subprocess.Popen(["perf", "trace", "record", "-a", "-m", "16M", "-e",
+                                   "sched:sched_wakeup,sched:sched_switch", "-o", data],
+                                  stdout=log, stderr=log)
     time.sleep(1.0)
+    if tracer.poll() is not None:
+        sys.exit(f"timeline: perf trace record failed: {open(os.path.join(work, 'perf.log')).read()}")
     pids = {"front": fronts.pids[name]}
+    needs = {pids["front"]: {"tcp"}}
     if name != bench.REFERENCE:
         pids["upstream"] = fronts.upstream.pid
-    proc = subprocess.Popen(client_cmd(fronts, client, name, n, pin), stdout=subprocess.DEVNULL)
+        needs = {pids["front"]: {"tcp", "unix"}, pids["upstream"]: {"unix"}}
+    proc = subprocess.Popen(client_cmd(fronts, client, name, n, placement), stdout=subprocess.DEVNULL)
     pids["client"] = proc.pid
-    watch = Watch(list(pids.values()))
+    needs[proc.pid] = {"tcp"}
+    watch = Watch(needs)
     watch.start()
-    proc.wait()
+    failed = proc.wait()
     watch.stop.set()
     watch.join()
     time.sleep(0.2)
     tracer.send_signal(signal.SIGINT)
     tracer.wait()
+    if failed:
+        sys.exit(f"timeline: the {client} client against {name} failed ({failed})")
     with open(out, "w") as f:
-        bench.run(["perf", "script", "-i", data], stdout=f, stderr=subprocess.DEVNULL)
+        bench.run(["perf", "script", "--ns", "-i", data], stdout=f, stderr=subprocess.DEVNULL)
+    with open(os.path.join(work, "perf.log")) as log:
+        for line in log:
+            if "lost" in line.lower():
+                print(f"timeline: perf: {line.strip()}", file=sys.stderr)
     roles = {}
     for role, pid in pids.items():
         tids = watch.tids[pid] | {pid}
@@ -354,7 +397,7 @@ def traced(fronts, client, name, n, pin, work, keep=None):
             tids = {pid}  # both clients do their NBD I/O on the main thread
         roles[role] = (tids, watch.fds[pid])
     if keep:
-        shutil.copy(out, os.path.join(keep, f"timeline-{client}-{name}.txt"))
+        shutil.copy(out, os.path.join(keep[0], f"timeline-{keep[1]}-{client}-{name}.txt"))
     return steps(Trace(out), roles)
 
 
@@ -363,7 +406,9 @@ def main():
     ap.add_argument("--modes", default="loopback,lan")
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--pin", action="store_true", help="client and servers on CPU 0")
+    ap.add_argument("--placement", choices=sorted(CLIENT_CPU), default="free",
+                    help="one: client and servers on CPU 0; split: servers on CPU 0, the client "
+                         "on CPU 1; free: where the scheduler puts them")
     ap.add_argument("--nbdgw-args", default="", help="also run nbdgw with these flags (as nbdgw-x)")
     ap.add_argument("--keep", metavar="DIR", help="keep each run's `perf script` text in DIR")
     args = ap.parse_args()
@@ -382,8 +427,10 @@ def main():
             fronts = bench.Fronts(work, net, 1 << 30, variants)
             try:
                 fronts.start()
-                if args.pin:
+                if args.placement != "free":
                     bench.pin_servers(fronts, "0")
+                    # perf and this process stay off the servers' CPU.
+                    os.sched_setaffinity(0, {1})
                 names = list(fronts_under) + [v[0] for v in variants]
                 results = collections.defaultdict(list)
                 plain = collections.defaultdict(list)
@@ -391,10 +438,12 @@ def main():
                     for client in ("qemu", "libnbd"):
                         order = names[rep % len(names):] + names[:rep % len(names)]
                         for name in order:
-                            plain[(client, name)].append(untraced(fronts, client, name, args.requests, args.pin))
+                            plain[(client, name)].append(
+                                untraced(fronts, client, name, args.requests, args.placement))
+                            keep = (args.keep, f"{mode}-{args.placement}-{rep}") if args.keep else None
                             results[(client, name)] += traced(fronts, client, name, args.requests,
-                                                              args.pin, work, args.keep)
-                print(f"\n## {net.name}{', one CPU' if args.pin else ''}: "
+                                                              args.placement, work, keep)
+                print(f"\n## {net.name}, placement {args.placement}: "
                       f"{args.requests} QD1 4 KiB reads x {args.reps} reps\n")
                 for client in ("qemu", "libnbd"):
                     for name in names:
@@ -407,9 +456,9 @@ def main():
                         print(f"### {client} client -> {name}: untraced mean "
                               f"{statistics.median(pl):.1f} us ({min(pl):.1f}-{max(pl):.1f}), "
                               f"{len(reqs)} traced requests\n")
-                        print("| step | median us |\n|---|---|")
-                        for k, v in med.items():
-                            print(f"| {k} | {v:.1f} |")
+                        print("| step | median us | mean us | requests |\n|---|---|---|---|")
+                        for k, (median, mean, n) in med.items():
+                            print(f"| {k} | {median:.1f} | {mean:.1f} | {n} |")
                         print("\n| calls per request | mean |\n|---|---|")
                         for k in sorted(counts):
                             print(f"| {k} | {counts[k]:.2f} |")
