@@ -42,21 +42,28 @@ def request(lines, t):
     call(lines, "qemu-io", CLIENT, 0, t + 47, 47, 4, 4153, took=2)    # has it at t+49
 
 
+RELAYED = {"client": ({CLIENT}, {4: "tcp"}),
+           "front": ({FRONT}, {10: "tcp", 12: "unix"}),
+           "upstream": ({UPSTREAM}, {5: "unix"})}
+
+
+def cut(lines, roles):
+    """The reads timeline.steps finds in these perf script lines."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        trace = timeline.Trace(f.name)
+    finally:
+        os.unlink(f.name)
+    return timeline.steps(trace, roles)
+
+
 class Steps(unittest.TestCase):
     def cut(self, requests):
         lines = []
         for i in range(requests):
             request(lines, 100 + 200 * i)
-        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-            f.write("\n".join(lines) + "\n")
-        try:
-            trace = timeline.Trace(f.name)
-        finally:
-            os.unlink(f.name)
-        roles = {"client": ({CLIENT}, {4: "tcp"}),
-                 "front": ({FRONT}, {10: "tcp", 12: "unix"}),
-                 "upstream": ({UPSTREAM}, {5: "unix"})}
-        return timeline.steps(trace, roles)
+        return cut(lines, RELAYED)
 
     def test_each_step_is_cut_at_the_call_that_moves_the_request(self):
         reqs = self.cut(3)
@@ -85,16 +92,7 @@ class Steps(unittest.TestCase):
         request(lines, 500)
         # perf lost the upstream's read of the first request
         lines = [ln for ln in lines if not (f" {UPSTREAM:6} " in ln and "NR 47" in ln and "1000.00012" in ln)]
-        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-            f.write("\n".join(lines) + "\n")
-        try:
-            trace = timeline.Trace(f.name)
-        finally:
-            os.unlink(f.name)
-        roles = {"client": ({CLIENT}, {4: "tcp"}),
-                 "front": ({FRONT}, {10: "tcp", 12: "unix"}),
-                 "upstream": ({UPSTREAM}, {5: "unix"})}
-        reqs = timeline.steps(trace, roles)
+        reqs = cut(lines, RELAYED)
         self.assertEqual([round(r["client sends"] - T0 * 1e6) for r in reqs], [300])
 
 
@@ -121,13 +119,7 @@ class NoUpstream(unittest.TestCase):
         call(lines, "qemu-io", CLIENT, 0, 30, 47, 4, 612)
         for i in range(3):
             corked(lines, 100 + 200 * i)
-        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-            f.write("\n".join(lines) + "\n")
-        try:
-            trace = timeline.Trace(f.name)
-        finally:
-            os.unlink(f.name)
-        reqs = timeline.steps(trace, {"client": ({CLIENT}, {4: "tcp"}), "front": ({FRONT}, {5: "tcp"})})
+        reqs = cut(lines, {"client": ({CLIENT}, {4: "tcp"}), "front": ({FRONT}, {5: "tcp"})})
         self.assertEqual(len(reqs), 2)  # the negotiation is not a read
         r = reqs[0]
         got = {k: round(r[k] - r["client sends"], 3) for k in timeline.ORDER if k in r}
