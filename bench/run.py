@@ -271,10 +271,8 @@ class Measure:
         self.cpu = (cpu_seconds(self.pid) - self.cpu) if self.pid else float("nan")
 
 
-def client_json(fronts, args, pin=False):
+def client_json(fronts, args):
     cmd = [PYTHON, os.path.join(BENCH, "nbdclient.py"), *args]
-    if pin:
-        cmd = ["taskset", "-c", "0", *cmd]
     out = run(fronts.net.client(cmd), capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -314,24 +312,41 @@ def seq(fronts, name, args, write, requests=None, request_size=None, parallel=1)
 PLACEMENTS = {"one": "0", "split": "1", "free": None}
 
 
-def placed(fronts, placement, cmd):
-    """cmd with the client's CPU for the placement; pins the servers."""
-    if PLACEMENTS[placement] is None:
-        return cmd
-    pin_servers(fronts, "0")
-    return ["taskset", "-c", PLACEMENTS[placement], *cmd]
+def pin_for(fronts, placement):
+    """Pins the servers for the placement: to CPU 0 unless it is free."""
+    if PLACEMENTS[placement] is not None:
+        pin_servers(fronts, "0")
 
 
 def unpin(fronts):
     pin_servers(fronts, "0-%d" % (os.cpu_count() - 1))
 
 
+def on_cpu(placement, cmd):
+    """cmd run on the client's CPU for the placement."""
+    cpu = PLACEMENTS[placement]
+    return cmd if cpu is None else ["taskset", "-c", cpu, *cmd]
+
+
+def qd1_command(fronts, client, name, n):
+    """n QD1 4 KiB reads of front end `name` by qemu's client (qemu-io,
+    one read command each) or libnbd's (nbdclient.py qd1, which prints
+    its latencies)."""
+    if client == "qemu":
+        objects, opts = fronts.qemu_client(name)
+        cmd = ["qemu-io", *objects, "--image-opts", opts]
+        for i in range(n):
+            cmd += ["-c", f"read -q {(i * 262144) % (fronts.size - 4096)} 4096"]
+        return cmd
+    return [PYTHON, os.path.join(BENCH, "nbdclient.py"), "qd1", fronts.uri(name), str(n), "4096"]
+
+
 def qd1_4k(fronts, name, args, placement="one"):
     """QD1 4 KiB reads by libnbd's client, in each placement qemu_qd1 is
     measured in (issue 22, item 3: the placement, not the client, is what
     set the two apart)."""
-    cmd = placed(fronts, placement, [PYTHON, os.path.join(BENCH, "nbdclient.py"), "qd1",
-                                     fronts.uri(name), str(args.qd1_count), "4096"])
+    cmd = on_cpu(placement, qd1_command(fronts, "libnbd", name, args.qd1_count))
+    pin_for(fronts, placement)
     try:
         with Measure(fronts.pids[name]) as m:
             out = run(fronts.net.client(cmd), capture_output=True, text=True).stdout
@@ -359,17 +374,15 @@ def qemu_qd1(fronts, name, args, placement):
     """QD1 4 KiB reads by qemu's NBD client (qemu-io; qemu-img bench has no
     --object for TLS), in a placement (PLACEMENTS). A run of one read is
     subtracted, so connecting is not counted."""
-    objects, opts = fronts.qemu_client(name)
     count = args.qd1_count
 
     def reads(n):
-        cmd = ["qemu-io", *objects, "--image-opts", opts]
-        for i in range(n):
-            cmd += ["-c", f"read -q {(i * 262144) % (fronts.size - 4096)} 4096"]
+        cmd = on_cpu(placement, qd1_command(fronts, "qemu", name, n))
         with Measure(fronts.pids[name]) as m:
-            run(fronts.net.client(placed(fronts, placement, cmd)), stdout=subprocess.DEVNULL)
+            run(fronts.net.client(cmd), stdout=subprocess.DEVNULL)
         return m
 
+    pin_for(fronts, placement)
     try:
         one, many = reads(1), reads(count + 1)
     finally:

@@ -24,6 +24,14 @@ class Rotation(unittest.TestCase):
         self.assertEqual(firsts, set(self.NAMES))
 
 
+class Placements(unittest.TestCase):
+    def test_the_client_runs_where_the_placement_says(self):
+        cmd = ["qemu-io", "-c", "read 0 4096"]
+        self.assertEqual(run.on_cpu("free", cmd), cmd)
+        self.assertEqual(run.on_cpu("one", cmd), ["taskset", "-c", "0", *cmd])
+        self.assertEqual(run.on_cpu("split", cmd), ["taskset", "-c", "1", *cmd])
+
+
 class WhoRunsWhat(unittest.TestCase):
     def test_cached_front_ends_run_only_the_reads_a_cache_is_for(self):
         for name in run.CACHED_FRONTS:

@@ -327,23 +327,9 @@ def summarise(reqs):
             {k: v / len(reqs) for k, v in counts.items()})
 
 
-# Where the client runs, for each --placement: with the servers on CPU 0
-# (one), on the other CPU (split: nbdgw beside its upstream, the client
-# elsewhere, as a client on another host is), or where the scheduler puts it.
-CLIENT_CPU = {"one": "0", "split": "1", "free": None}
-
-
 def client_cmd(fronts, client, name, n, placement):
-    if client == "qemu":
-        objects, opts = fronts.qemu_client(name)
-        cmd = ["qemu-io", *objects, "--image-opts", opts]
-        for i in range(n):
-            cmd += ["-c", f"read -q {(i * 262144) % (fronts.size - 4096)} 4096"]
-    else:
-        cmd = [bench.PYTHON, os.path.join(bench.BENCH, "nbdclient.py"), "qd1", fronts.uri(name), str(n), "4096"]
-    if CLIENT_CPU[placement]:
-        cmd = ["taskset", "-c", CLIENT_CPU[placement], *cmd]
-    return fronts.net.client(cmd)
+    """The client's command, placed as bench/run.py places it."""
+    return fronts.net.client(bench.on_cpu(placement, bench.qd1_command(fronts, client, name, n)))
 
 
 def untraced(fronts, client, name, n, placement):
@@ -406,7 +392,7 @@ def main():
     ap.add_argument("--modes", default="loopback,lan")
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--placement", choices=sorted(CLIENT_CPU), default="free",
+    ap.add_argument("--placement", choices=sorted(bench.PLACEMENTS), default="free",
                     help="one: client and servers on CPU 0; split: servers on CPU 0, the client "
                          "on CPU 1; free: where the scheduler puts them")
     ap.add_argument("--nbdgw-args", default="", help="also run nbdgw with these flags (as nbdgw-x)")
@@ -427,8 +413,8 @@ def main():
             fronts = bench.Fronts(work, net, 1 << 30, variants)
             try:
                 fronts.start()
+                bench.pin_for(fronts, args.placement)
                 if args.placement != "free":
-                    bench.pin_servers(fronts, "0")
                     # perf and this process stay off the servers' CPU.
                     os.sched_setaffinity(0, {1})
                 names = list(fronts_under) + [v[0] for v in variants]
