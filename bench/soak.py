@@ -14,9 +14,12 @@ restarted, the server certificate is rotated, and SIGHUP comes in storms.
     bench/soak.py --immutable --seconds 60     # the read cache
 
 --through-client puts `nbdgw client --reconnect` between the clients and
-the gateway (they speak plaintext NBD to its Unix socket) and adds a fault:
-the gateway killed (SIGKILL) and started again. Then no client may see
-any error at all: every restart is shorter than --reconnect-timeout, so
+the gateway (they speak plaintext NBD to its Unix socket) and adds three
+faults: the gateway killed (SIGKILL) and started again; the gateway
+stopped gracefully (SIGTERM: it drains, answering new requests ESHUTDOWN)
+and started again; and a gateway that drops again and again (killed
+moments after each start, several times in a row). Then no client may see
+any error at all: every outage is shorter than --reconnect-timeout, so
 client mode must hide each one, sending the requests in flight again.
 
 With --immutable the export is declared immutable (nbdgw --immutable,
@@ -24,8 +27,12 @@ with --cache-size smaller than the image so blocks are evicted, and
 read-ahead): clients only read, small random reads and sequential runs,
 every byte compared with the image; writes must be refused. The faults
 include restarting qemu-nbd on an image of another size (and content),
-whose blocks the cache must drop: each client checks against the image
-of the size its connection reports.
+whose blocks the cache must drop, and swapping the image for another of
+the same size and other content behind the same socket (a new qemu-nbd
+on it), which the cache must notice too. Each connection checks every
+read against the one image it opened: the one its upstream served at
+some moment between its connect and that read, the same for its whole
+life.
 
 Prints operations, acknowledged writes, mismatches (must be 0), errors by
 kind, faults injected, latency percentiles, nbdgw's peak RSS, and its
@@ -214,21 +221,29 @@ def client_loop(cid, region, uri, stats, stop, start_together):
             pass
 
 
-def immutable_loop(cid, images, uri, stats, stop, start_together):
+def immutable_loop(cid, served, uri, stats, stop, start_together):
     """Reads only: small random reads (a boot) and sequential runs (a
-    read-ahead's pattern), each compared with the image of the size the
-    connection reports; now and then a write, which must be refused."""
+    read-ahead's pattern), each compared with the image the connection
+    opened; now and then a write, which must be refused.
+
+    Which image a connection opened is not told: it is one of those the
+    upstream served between its connect's start and end (`served` keeps
+    that history), of the size the connection reports. Every read must
+    match one of them, and the same one for the connection's life: bytes
+    of an image replaced before the connect began (a stale cache) match
+    none."""
     rng = random.Random(cid)
-    h, expected, run = None, None, None
+    h, candidates, run = None, None, None
     start_together.wait()
     while not stop.is_set():
         if h is None:
             attempt = time.time()
             try:
                 h = connect(uri)
-                expected = images.get(h.get_size())
-                if expected is None:
-                    stats.error(f"connect: unknown size {h.get_size()}")
+                size = h.get_size()
+                candidates = served.between(attempt, time.time(), size)
+                if not candidates:
+                    stats.error(f"connect: no image of size {size} was served")
                 if not h.is_read_only():
                     with stats.lock:
                         stats.mismatches.append((cid, "immutable export not advertised read-only"))
@@ -238,12 +253,12 @@ def immutable_loop(cid, images, uri, stats, stop, start_together):
                 h = None
                 time.sleep(0.2)
                 continue
-            if expected is None:
+            if not candidates:
                 h.shutdown()
                 h = None
                 time.sleep(0.2)
                 continue
-        size = len(expected)
+        size = len(candidates[0][1])
         kind = rng.choices(["read", "sequential", "write"], [60, 38, 2])[0]
         if kind == "sequential":
             if run is None or run >= size or rng.random() < 1 / 128:
@@ -264,9 +279,13 @@ def immutable_loop(cid, images, uri, stats, stop, start_together):
                     stats.op("refused write", time.perf_counter() - t)
                 continue
             got = h.pread(length, offset)
-            if got != expected[offset:offset + length]:
+            matching = [(name, data) for name, data in candidates
+                        if got == data[offset:offset + length]]
+            if not matching:
                 with stats.lock:
-                    stats.mismatches.append((cid, (offset, length)))
+                    stats.mismatches.append((cid, (offset, length, [n for n, _ in candidates])))
+            else:
+                candidates = matching
             stats.op("read", time.perf_counter() - t)
         except nbd.Error as e:
             stats.error(f"{kind}: {short(e)}")
@@ -282,20 +301,47 @@ def immutable_loop(cid, images, uri, stats, stop, start_together):
             pass
 
 
+class Served:
+    """Which image the upstream served from when: (time it may first have
+    served, image name). An image is entered before its qemu-nbd starts
+    (the old one is dead by then), so a connect's window always covers
+    the image it reached."""
+
+    def __init__(self, images, first):
+        self.images, self.lock = images, threading.Lock()
+        self.history = [(0.0, first)]
+
+    def now(self, name):
+        with self.lock:
+            self.history.append((time.time(), name))
+
+    def between(self, start, end, size):
+        """The images of this size served at some moment in [start, end]:
+        (name, bytes) each."""
+        with self.lock:
+            names = [n for i, (t, n) in enumerate(self.history)
+                     if t <= end and (i + 1 == len(self.history) or self.history[i + 1][0] >= start)]
+        return [(n, self.images[n]) for n in dict.fromkeys(names) if len(self.images[n]) == size]
+
+
 def immutable_images(work, size, seed):
-    """Two images of different sizes and content, each with a hole."""
-    images, paths = {}, []
-    for i, length in enumerate([size, size - (1 << 20)]):
+    """Four images: two sizes, and for each size two contents (a swap
+    behind the same socket changes the content and keeps the size), each
+    with a hole. Returns {name: bytes} and {name: path}."""
+    images, paths = {}, {}
+    for i, (length, content) in enumerate([(size, "a"), (size - (1 << 20), "a"),
+                                           (size, "b"), (size - (1 << 20), "b")]):
         data = bytearray(random.Random(seed + i).randbytes(length))
         hole = slice(length // 4, length // 4 + (2 << 20))
         data[hole] = bytes(hole.stop - hole.start)
-        path = os.path.join(work, f"golden{i}.img")
+        name = f"{content}{length >> 20}M"
+        path = os.path.join(work, f"golden-{name}.img")
         with open(path, "wb") as f:
             f.write(data[:hole.start])
             f.seek(hole.stop)
             f.write(data[hole.stop:])
-        images[length] = bytes(data)
-        paths.append(path)
+        images[name] = bytes(data)
+        paths[name] = path
     return images, paths
 
 
@@ -355,10 +401,12 @@ def request(command, cookie, offset, length):
 
 class Processes:
     def __init__(self, work, image, certs, host, port, netns, gw_extra=(), images=None,
-                 through_client=False):
+                 through_client=False, served=None):
         self.work, self.image, self.certs = work, image, certs
-        # --immutable: the images an upstream resize switches between.
-        self.images, self.current = images or [image], 0
+        # --immutable: the images ({name: path}) an upstream resize or
+        # swap switches between, and the history of which was served.
+        self.images, self.served = images or {}, served
+        self.current = next(iter(self.images), None)
         self.host, self.port, self.netns = host, port, netns
         self.gw_extra = list(gw_extra)
         self.sock = os.path.join(work, "nbd.sock")
@@ -386,7 +434,7 @@ class Processes:
         self.gw = subprocess.Popen(
             [*inside, NBDGW, "--listen", f"{self.host}:{self.port}", "--upstream", self.sock,
              "--tls-dir", self.certs, "--tls-reload-interval", "1", "--stall-timeout", "3",
-             "--handshake-timeout", "5", *self.gw_extra],
+             "--handshake-timeout", "5", "--shutdown-grace", "5", *self.gw_extra],
             stderr=self.log, env={**os.environ, "RUST_LOG": "info"})
         deadline = time.time() + 10
         while time.time() < deadline:
@@ -404,6 +452,26 @@ class Processes:
         time.sleep(0.3)
         self.start_gateway()
 
+    def stop_gateway_gracefully(self):
+        """SIGTERM, as systemd or Kubernetes would stop it: it drains
+        (--shutdown-grace) and exits 0; then a new one starts, as a
+        rolling upgrade would."""
+        self.gw.send_signal(signal.SIGTERM)
+        code = self.gw.wait(timeout=60)
+        if code != 0:
+            raise OSError(f"the gateway stopped by SIGTERM exited {code}")
+        self.start_gateway()
+
+    def flap_gateway(self, times=4):
+        """A gateway that drops again and again: each new one killed
+        moments after it accepts, then one that stays."""
+        for _ in range(times):
+            self.gw.kill()
+            self.gw.wait()
+            self.start_gateway()
+            time.sleep(0.3)
+        self.restart_gateway()
+
     def start_qemu(self):
         if os.path.exists(self.sock):
             os.unlink(self.sock)
@@ -413,14 +481,27 @@ class Processes:
         while not os.path.exists(self.sock):
             time.sleep(0.01)
 
-    def restart_qemu(self, other_image=False):
+    def restart_qemu(self, to=None):
+        """Kills qemu-nbd and starts another on the same socket, on image
+        `to` (a name in `images`) when given."""
         self.qemu.kill()
         self.qemu.wait()
         time.sleep(0.3)
-        if other_image:
-            self.current = (self.current + 1) % len(self.images)
-            self.image = self.images[self.current]
+        if to is not None:
+            self.current, self.image = to, self.images[to]
+            self.served.now(to)
         self.start_qemu()
+
+    def other_image(self, same_size):
+        """The image a resize (same content, other size) or a swap (same
+        size, other content) switches to: names are content, then size."""
+        content, size = self.current[0], self.current[1:]
+        for name in self.images:
+            if same_size and name[1:] == size and name[0] != content:
+                return name
+            if not same_size and name[0] == content and name[1:] != size:
+                return name
+        raise ValueError(f"no image to switch to from {self.current}")
 
     def stop(self):
         if self.client is not None:
@@ -495,9 +576,9 @@ def faults(procs, certs, stats, stop, rng, every):
     """One fault every `every` seconds, in turn."""
     kinds = ["vanish mid-write", "stop reading", "upstream restart", "certificate rotation", "SIGHUP storm"]
     if procs.client is not None:
-        kinds.insert(1, "gateway restart")
+        kinds[1:1] = ["gateway restart", "graceful gateway restart", "gateway flapping"]
     if len(procs.images) > 1:
-        kinds.insert(3, "upstream resize")
+        kinds[3:3] = ["upstream resize", "image swap"]
     i = 0
     while not stop.wait(every):
         kind = kinds[i % len(kinds)]
@@ -519,9 +600,17 @@ def faults(procs, certs, stats, stop, rng, every):
                 began = time.time()
                 procs.restart_qemu()
                 stats.window(began, time.time())
-            elif kind == "upstream resize":
+            elif kind == "graceful gateway restart":
                 began = time.time()
-                procs.restart_qemu(other_image=True)
+                procs.stop_gateway_gracefully()
+                stats.window(began, time.time())
+            elif kind == "gateway flapping":
+                began = time.time()
+                procs.flap_gateway()
+                stats.window(began, time.time())
+            elif kind in ("upstream resize", "image swap"):
+                began = time.time()
+                procs.restart_qemu(to=procs.other_image(same_size=kind == "image swap"))
                 stats.window(began, time.time())
             elif kind == "certificate rotation":
                 # Clients read the same files (the CA is kept, rewritten).
@@ -594,10 +683,11 @@ def main():
         size = args.size_mib << 20
         with open(image, "wb") as f:
             f.truncate(size)
-        images, gw_extra, paths, margin = None, [], None, RSS_MARGIN_MIB
+        images, gw_extra, paths, served, margin = None, [], None, None, RSS_MARGIN_MIB
         if args.immutable:
             images, paths = immutable_images(work, size, args.seed)
-            image = paths[0]
+            first = next(iter(paths))
+            image, served = paths[first], Served(images, first)
             admin = free_port()
             gw_extra = ["--immutable", "--cache-size", str(args.cache_mib << 20),
                         "--read-ahead", str(args.read_ahead_kib << 10),
@@ -610,7 +700,7 @@ def main():
                        check=True, stdout=subprocess.DEVNULL)
         port = args.port or free_port()
         procs = Processes(work, image, certs, args.host, port, args.gateway_netns, gw_extra, paths,
-                          args.through_client)
+                          args.through_client, served)
         # Through client mode the gateway is restarted: the process whose
         # descriptors and memory are watched is client mode's.
         pid = procs.client.pid if procs.client else procs.gw.pid
@@ -624,7 +714,7 @@ def main():
         start_together = threading.Barrier(args.clients)
         if args.immutable:
             workers = [threading.Thread(target=immutable_loop,
-                                        args=(c, images, uri, stats, stop, start_together))
+                                        args=(c, served, uri, stats, stop, start_together))
                        for c in range(args.clients)]
         else:
             workers = [threading.Thread(target=client_loop,
@@ -678,9 +768,10 @@ def main():
                 # case leaked (a reply cut beyond --reply-buffer, a
                 # give-up, or something new).
                 with open(os.path.join(work, "client.log"), errors="replace") as log:
-                    for line in log:
-                        if "WARN" in line or "ERROR" in line:
-                            print("client mode:", line.rstrip()[:400])
+                    said = [line for line in log if "WARN" in line or "ERROR" in line]
+                for line in said[-40:]:
+                    print("client mode:", line.rstrip()[:400])
+                print(f"client mode: {len(said)} warnings and errors in all, the last 40 shown")
         checks = {
             "no mismatch": not stats.mismatches,
             "nbdgw exited 0": procs.gw.returncode == 0,
