@@ -18,12 +18,13 @@ scripts/fuzz.sh 30
 # A minute of verified I/O from 64 clients under injected faults (needs the
 # debug binary cargo test built; bench/soak.py --seconds 14400 for hours).
 /usr/bin/python3 bench/soak.py --seconds 60
-# The same through `nbdgw client --reconnect`, the gateway killed and
-# restarted among the faults: no client may see an error.
+# The same through `nbdgw client --reconnect`, the gateway killed, stopped
+# gracefully and dropping again and again among the faults, and
+# restarted each time: no client may see an error.
 /usr/bin/python3 bench/soak.py --through-client --seconds 40
 # Reads only through the read cache of an immutable export (smaller than
-# the image, with read-ahead), upstream restarts and resizes among the
-# faults: every byte compared with the image.
+# the image, with read-ahead), upstream restarts, resizes and same-size
+# image swaps among the faults: every byte compared with the image served.
 /usr/bin/python3 bench/soak.py --immutable --seconds 40
 # The same soak across a link with 1 % loss, 3-5 ms delay and 1 %
 # reordering between two network namespaces (needs root, as CI has).
