@@ -461,6 +461,150 @@ fn qemu_img_reads_an_immutable_export_through_the_binary() {
     );
 }
 
+/// The gateway binary with the test's server certificate and `args`.
+fn gateway_process(env: &Env, args: &[&OsStr]) -> NbdgwProcess {
+    let certs = env.certs();
+    let mut all: Vec<std::ffi::OsString> = vec![
+        "--tls-cert".into(),
+        certs.join("server-cert.pem").into(),
+        "--tls-key".into(),
+        certs.join("server-key.pem").into(),
+    ];
+    all.extend(args.iter().map(|a| a.to_os_string()));
+    NbdgwProcess::start(all)
+}
+
+/// The whole export `export` as qemu-img copies it through the gateway.
+fn copy_through(env: &Env, port: u16, export: &str, name: &str) -> Vec<u8> {
+    let [object, tls, image_opts, opts] = qemu_tls_args("localhost", port, &env.certs());
+    let out = env.path(name);
+    run_ok(
+        std::process::Command::new("qemu-img")
+            .args(["convert", &object, &tls, &image_opts])
+            .arg(format!("{opts},export={export}"))
+            .args(["-O", "raw"])
+            .arg(&out),
+    );
+    std::fs::read(&out).unwrap()
+}
+
+/// An image of `len` bytes of `byte`.
+fn filled(env: &Env, name: &str, byte: u8, len: usize) -> std::path::PathBuf {
+    let path = env.path(name);
+    std::fs::write(&path, vec![byte; len]).unwrap();
+    path
+}
+
+/// Asserts `got` is all `byte`, saying what it is instead.
+fn assert_all(got: &[u8], byte: u8, what: &str) {
+    let wrong = got.iter().filter(|&&b| b != byte).count();
+    assert!(
+        wrong == 0,
+        "{what}: {wrong} of {} bytes are not {:?} (first: {:?})",
+        got.len(),
+        byte as char,
+        got.iter().find(|&&b| b != byte).map(|&b| b as char)
+    );
+}
+
+/// Issue 27 item 4: qemu-nbd serving image A (all `A`) read through
+/// `--immutable`, then stopped, and another qemu-nbd started on the same
+/// socket with image B (all `B`) of the same size: what qemu-img reads
+/// through the gateway is B, as it is read from the upstream directly.
+#[test]
+fn a_server_started_again_on_the_same_socket_with_another_image_is_read_afresh() {
+    let env = Env::new();
+    let size = 1 << 20;
+    let socket = env.path("golden.sock");
+    let a = filled(&env, "a.img", b'A', size);
+    let b = filled(&env, "b.img", b'B', size);
+    let mut upstream = QemuNbd::start_at(socket.clone(), &a, &[]);
+    let admin = common::free_port();
+    let admin_at = format!("127.0.0.1:{admin}");
+    let gw = gateway_process(
+        &env,
+        &[
+            OsStr::new("--upstream"),
+            socket.as_os_str(),
+            OsStr::new("--immutable"),
+            OsStr::new("--admin-listen"),
+            OsStr::new(&admin_at),
+        ],
+    );
+    assert_all(&copy_through(&env, gw.port, "", "a1.img"), b'A', "image A");
+    // Cached: a second copy reads no byte of A from anywhere else.
+    let (_, metrics) = http_get(admin, "/metrics");
+    assert!(metric(&metrics, "nbdgw_cache_bytes") as usize >= size);
+    upstream.kill();
+    let upstream = QemuNbd::start_at(socket.clone(), &b, &[]);
+    assert_all(
+        &upstream.read_direct(),
+        b'B',
+        "the new upstream, read directly",
+    );
+    assert_all(
+        &copy_through(&env, gw.port, "", "b1.img"),
+        b'B',
+        "through the gateway after the swap",
+    );
+    // And B is cached in turn, A's blocks gone.
+    assert_all(&copy_through(&env, gw.port, "", "b2.img"), b'B', "again");
+    let (_, metrics) = http_get(admin, "/metrics");
+    assert!(
+        metrics.contains("nbdgw_cache_generations_ended_total{reason=\"replaced\"} 1"),
+        "{metrics}"
+    );
+    assert!(metric(&metrics, "nbdgw_cache_invalidated_blocks_total") as usize >= size / 65536);
+    assert!(metric(&metrics, "nbdgw_cache_bytes") as usize <= size);
+    assert!(gw
+        .log()
+        .contains("another server answers at the export's socket"));
+}
+
+/// Issue 27 item 4, with `--export-dir`: tenant `t1`'s `golden.sock`
+/// (image A) read through `--immutable-export '*/golden'`; the tenant is
+/// deleted (server stopped, directory removed) and a new tenant takes the
+/// directory name with a same-sized image B: it is served B.
+#[test]
+fn a_tenant_directory_name_reused_by_a_new_tenant_is_read_afresh() {
+    let env = Env::new();
+    let size = 1 << 20;
+    let dir = env.path("exports");
+    let tenant = dir.join("t1");
+    std::fs::create_dir_all(&tenant).unwrap();
+    let a = filled(&env, "a.img", b'A', size);
+    let b = filled(&env, "b.img", b'B', size);
+    let mut old = QemuNbd::start_at(tenant.join("golden.sock"), &a, &[]);
+    let gw = gateway_process(
+        &env,
+        &[
+            OsStr::new("--export-dir"),
+            dir.as_os_str(),
+            OsStr::new("--immutable-export"),
+            OsStr::new("*/golden"),
+        ],
+    );
+    assert_all(
+        &copy_through(&env, gw.port, "t1/golden", "a1.img"),
+        b'A',
+        "tenant 1",
+    );
+    old.kill();
+    std::fs::remove_dir_all(&tenant).unwrap();
+    std::fs::create_dir(&tenant).unwrap();
+    let new = QemuNbd::start_at(tenant.join("golden.sock"), &b, &[]);
+    assert_all(
+        &new.read_direct(),
+        b'B',
+        "the new tenant's upstream, read directly",
+    );
+    assert_all(
+        &copy_through(&env, gw.port, "t1/golden", "b1.img"),
+        b'B',
+        "the new tenant through the gateway",
+    );
+}
+
 fn metric(text: &str, name: &str) -> u64 {
     text.lines()
         .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
