@@ -674,6 +674,63 @@ fn a_failed_fill_is_the_clients_error_and_caches_nothing() {
     c.disconnect();
 }
 
+/// Issue 27 item 7: a FAKE upstream (a real one cannot be made to break
+/// the protocol so) answers its first connection's reads with two
+/// OFFSET_DATA chunks, the second overlapping the first by a quarter, so
+/// that as many bytes came as were asked while the last quarter was never
+/// covered; its later connections answer correctly (bytes of 7). The
+/// first reader's read fails with EIO (nbdgw answers it from its fill,
+/// and cannot vouch for bytes no chunk brought), and nothing of it is
+/// cached: a later reader of the uncovered quarter gets the upstream's
+/// bytes, not zeros from the cache. Through the binary.
+#[test]
+fn a_fake_upstreams_overlapping_chunks_leave_no_hole_cached_as_zeros() {
+    use common::fake_upstream::{self, chunk, good_read, Answer, Asked};
+    fn script(connection: usize, read: Asked) -> Answer {
+        let Asked {
+            cookie,
+            offset,
+            length,
+        } = read;
+        if connection > 0 {
+            return good_read(read).into();
+        }
+        let (half, quarter) = (length / 2, length / 4);
+        let mut c = chunk(0, REPLY_TYPE_OFFSET_DATA, cookie, 8 + half);
+        c.extend_from_slice(&offset.to_be_bytes());
+        c.extend(std::iter::repeat_n(9u8, half as usize));
+        c.extend(chunk(
+            REPLY_FLAG_DONE,
+            REPLY_TYPE_OFFSET_DATA,
+            cookie,
+            8 + half,
+        ));
+        c.extend_from_slice(&(offset + u64::from(quarter)).to_be_bytes());
+        c.extend(std::iter::repeat_n(9u8, half as usize));
+        c.into()
+    }
+    let env = Env::new();
+    let fake = fake_upstream::scripted(&env.path("fake.sock"), 1 << 20, script);
+    let gw = NbdgwProcess::in_front_of(&env, &fake.socket, &["--immutable", "--read-ahead", "0"]);
+    let mut first = common::clients::connect_as(gw.addr(), &env.certs());
+    first.go(ReplyMode::Structured);
+    // nbdgw reads the whole 64 KiB block at 0: its last 16 KiB uncovered.
+    first.send_request(0, CMD_READ, 1, 0, 4096, &[]);
+    let first_error = first.read_reply(4096).last().unwrap().error_code();
+    first.disconnect();
+    let mut later = common::clients::connect_as(gw.addr(), &env.certs());
+    later.go(ReplyMode::Structured);
+    let got = later.read(2, 50_000, 4096);
+    later.disconnect();
+    let zeros = got.iter().filter(|&&b| b == 0).count();
+    assert!(
+        got == [7; 4096],
+        "the uncovered quarter, read later: {zeros} of 4096 bytes are zeros"
+    );
+    assert_eq!(first_error, EIO, "the read the overlapping reply answered");
+    assert!(gw.log().contains("chunks that overlap"), "{}", gw.log());
+}
+
 /// Bad cache settings stop nbdgw at start, naming the flag.
 #[test]
 fn bad_cache_flags_are_refused_at_start() {

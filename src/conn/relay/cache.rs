@@ -339,13 +339,61 @@ impl ReplyLayer<'_> {
     }
 }
 
-/// A fill read's reply as it comes: the whole blocks' bytes, how many of
+/// Which bytes of a fill read the upstream's reply has covered so far:
+/// one bit a byte, an eighth of the fill's own buffer. Counting bytes
+/// would take two overlapping chunks for a whole reply, and the hole they
+/// leave (zeros in the buffer) for data.
+struct Coverage {
+    words: Vec<u64>,
+    len: u64,
+}
+
+impl Coverage {
+    fn new(len: u64) -> Self {
+        Coverage {
+            words: vec![0; len.div_ceil(64) as usize],
+            len,
+        }
+    }
+
+    /// Marks `from..to` (within `len`) covered; false if any byte of it
+    /// was already.
+    fn mark(&mut self, from: u64, to: u64) -> bool {
+        let mut fresh = true;
+        let mut at = from;
+        while at < to {
+            let bit = at % 64;
+            let n = (64 - bit).min(to - at);
+            let mask = match n {
+                64 => u64::MAX,
+                n => ((1u64 << n) - 1) << bit,
+            };
+            let word = &mut self.words[(at / 64) as usize];
+            fresh &= *word & mask == 0;
+            *word |= mask;
+            at += n;
+        }
+        fresh
+    }
+
+    /// Whether every byte is covered.
+    fn complete(&self) -> bool {
+        let full = (self.len / 64) as usize;
+        let tail = self.len % 64;
+        self.words[..full].iter().all(|&w| w == u64::MAX)
+            && (tail == 0 || self.words[full] == (1u64 << tail) - 1)
+    }
+}
+
+/// A fill read's reply as it comes: the whole blocks' bytes, which of
 /// them the upstream has covered (data or hole), and its error if any.
 pub struct Filling {
     base: u64,
     buf: Vec<u8>,
-    covered: u64,
+    coverage: Coverage,
     error: Option<u32>,
+    /// What made the reply one nbdgw cannot vouch for, for the log.
+    fault: Option<&'static str>,
 }
 
 impl Filling {
@@ -354,8 +402,9 @@ impl Filling {
         Filling {
             base: req.offset,
             buf: vec![0; req.length as usize],
-            covered: 0,
+            coverage: Coverage::new(req.length),
             error: None,
+            fault: None,
         }
     }
 
@@ -381,25 +430,48 @@ impl Filling {
             offset: self.base,
             length: self.buf.len() as u64,
         };
-        if within(&req, offset, length) {
-            self.covered += length;
-            true
-        } else {
+        if !within(&req, offset, length) {
             // Data outside what was asked: the reply cannot be trusted.
-            self.error(EIO);
-            false
+            self.fault("a chunk outside the read");
+            return false;
         }
+        let from = offset - self.base;
+        if !self.coverage.mark(from, from + length) {
+            // The protocol forbids a chunk overlapping an earlier one:
+            // which of the two is the export's bytes is anyone's guess.
+            self.fault("chunks that overlap");
+            return false;
+        }
+        true
+    }
+
+    fn fault(&mut self, what: &'static str) {
+        self.fault = self.fault.or(Some(what));
+        self.error(EIO);
     }
 
     /// The data to answer the client's `request` with, or the error; on
     /// success the whole blocks go to `keep` (the cache) first.
-    pub fn finish(self, request: &Request, keep: impl FnOnce(u64, &[u8])) -> Result<Vec<u8>, u32> {
-        if let Some(error) = self.error {
-            return Err(error);
-        }
+    pub fn finish(
+        mut self,
+        request: &Request,
+        keep: impl FnOnce(u64, &[u8]),
+    ) -> Result<Vec<u8>, u32> {
         // A successful read covers every byte exactly once.
-        if self.covered != self.buf.len() as u64 {
-            return Err(EIO);
+        if self.error.is_none() && !self.coverage.complete() {
+            self.fault("success with bytes no chunk covered");
+        }
+        if let Some(error) = self.error {
+            if let Some(fault) = self.fault {
+                // The upstream broke the protocol: said once per read, as
+                // the read fails, with nothing of it cached.
+                tracing::warn!(
+                    offset = self.base,
+                    length = self.buf.len(),
+                    "read cache: the upstream answered a read with {fault}; the client's read fails with EIO and nothing of it is cached"
+                );
+            }
+            return Err(error);
         }
         keep(self.base, &self.buf);
         // The fill read was widened from the request, so it holds it.
@@ -552,6 +624,55 @@ mod tests {
         stray.data(64 * K, &[1; 64 * 1024]);
         stray.data(0, &[1; 4096]);
         assert_eq!(stray.finish(&read, never), Err(EIO));
+    }
+
+    #[test]
+    fn overlapping_chunks_that_leave_a_hole_are_an_error_and_cache_nothing() {
+        let never = |_: u64, _: &[u8]| panic!("cached an incomplete read");
+        let read = client_read(64 * K, 4 * K);
+        // Two halves' worth of bytes, the second overlapping the first by
+        // a quarter: as many bytes as the read, the last quarter uncovered.
+        let mut f = fill_of(64 * K, 64 * K);
+        f.data(64 * K, &[1; 32 * 1024]);
+        f.data(80 * K, &[2; 32 * 1024]);
+        assert_eq!(f.finish(&read, never), Err(EIO));
+        // A hole overlapping data is the same.
+        let mut f = fill_of(64 * K, 64 * K);
+        f.data(64 * K, &[1; 64 * 1024]);
+        f.hole(100 * K, 1);
+        assert_eq!(f.finish(&read, never), Err(EIO));
+        // Covered in any order, exactly once: the data.
+        let mut f = fill_of(64 * K, 64 * K + 100);
+        f.data(64 * K + 3, &[3; 64 * 1024 + 97]);
+        f.hole(64 * K, 3);
+        let data = f.finish(&client_read(64 * K, 8), |_, _| {}).unwrap();
+        assert_eq!(data, [0, 0, 0, 3, 3, 3, 3, 3]);
+    }
+
+    #[test]
+    fn coverage_is_every_byte_once() {
+        for len in [1u64, 63, 64, 65, 200, 4096] {
+            let mut c = Coverage::new(len);
+            assert!(!c.complete());
+            // Odd pieces, crossing word boundaries.
+            let mut at = 0;
+            for piece in [1u64, 70, 3, 64, 128, 1].iter().cycle() {
+                if at >= len {
+                    break;
+                }
+                let to = (at + piece).min(len);
+                assert!(c.mark(at, to), "{len}: {at}..{to}");
+                at = to;
+            }
+            assert!(c.complete(), "{len}");
+            assert!(!c.mark(len - 1, len), "{len}: the last byte again");
+        }
+        let mut c = Coverage::new(256);
+        assert!(c.mark(10, 100));
+        assert!(!c.mark(99, 101));
+        assert!(c.mark(101, 256));
+        // 0..10 never covered.
+        assert!(!c.complete());
     }
 
     #[test]
