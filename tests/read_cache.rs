@@ -556,9 +556,70 @@ fn a_server_started_again_on_the_same_socket_with_another_image_is_read_afresh()
     );
     assert!(metric(&metrics, "nbdgw_cache_invalidated_blocks_total") as usize >= size / 65536);
     assert!(metric(&metrics, "nbdgw_cache_bytes") as usize <= size);
-    assert!(gw
-        .log()
-        .contains("another server answers at the export's socket"));
+    gw.wait_for_log("another server answers at the export's socket", 1);
+}
+
+/// Issue 27 item 4, the races: the old qemu-nbd (A) keeps running on its
+/// unlinked socket while a new one (B) takes the path, so sessions of
+/// both are open at once. A session of A that was already reading, and
+/// one that had reached A while still negotiating, read A's bytes (their
+/// server's), and neither what they fetch nor their arrival puts A's bytes
+/// back in the cache: every later session reads B, and the generation
+/// ended once.
+#[test]
+fn sessions_of_the_old_server_never_bring_its_bytes_back() {
+    let env = Env::new();
+    let size = 1 << 20;
+    let socket = env.path("golden.sock");
+    let a = filled(&env, "a.img", b'A', size);
+    let b = filled(&env, "b.img", b'B', size);
+    let _old = QemuNbd::start_at(socket.clone(), &a, &[]);
+    let gw = gateway_process(
+        &env,
+        &[
+            OsStr::new("--upstream"),
+            socket.as_os_str(),
+            OsStr::new("--immutable"),
+            OsStr::new("--read-ahead"),
+            OsStr::new("0"),
+        ],
+    );
+    let connect = || common::clients::connect_as(gw.addr(), &env.certs());
+    let block = 65536;
+    let mut reading = connect();
+    reading.go(ReplyMode::Structured);
+    assert_all(&reading.read(1, 0, block), b'A', "before the swap");
+    // Negotiating: LIST reaches the upstream (A) before any export.
+    let mut negotiating = connect();
+    negotiating.option(OPT_LIST, &[]);
+    // B takes the path; A serves on, on its unlinked socket.
+    std::fs::remove_file(&socket).unwrap();
+    let new = QemuNbd::start_at(socket.clone(), &b, &[]);
+    assert_all(&new.read_direct(), b'B', "the new upstream, read directly");
+    let mut fresh = connect();
+    fresh.go(ReplyMode::Structured);
+    assert_all(&fresh.read(2, 0, block), b'B', "a new session, block 0");
+    fresh.disconnect();
+    // The old sessions read on: their server's bytes.
+    assert_all(&reading.read(3, block as u64, block), b'A', "old session");
+    negotiating.go(ReplyMode::Structured);
+    assert_all(&negotiating.read(4, 0, 2 * block), b'A', "late session");
+    let mut later = connect();
+    later.go(ReplyMode::Simple);
+    assert_all(&later.read(5, 0, 4 * block), b'B', "a later session");
+    later.disconnect();
+    reading.disconnect();
+    negotiating.disconnect();
+    // Each session's cache decision is logged before its audit line.
+    gw.wait_for_log("cached=", 4);
+    let log = gw.log();
+    assert_eq!(
+        log.matches("another server answers at the export's socket")
+            .count(),
+        1,
+        "{log}"
+    );
+    assert!(log.contains("the upstream was replaced while this session negotiated"));
 }
 
 /// Issue 27 item 4, with `--export-dir`: tenant `t1`'s `golden.sock`
