@@ -365,6 +365,24 @@ impl BlockMap {
         })
     }
 
+    /// Drops the blocks a range of the export touches (the upstream
+    /// contradicted itself about them).
+    pub fn forget(&mut self, generation: Generation, offset: u64, length: u64) -> Events {
+        let mut events = Events::default();
+        let Some(size) = self.live.get(&generation).map(|l| l.size) else {
+            return events;
+        };
+        let Some(span) = self.span(size, offset, length) else {
+            return events;
+        };
+        for block in span {
+            if let Some(&at) = self.index.get(&(generation, block)) {
+                self.remove(at, &mut events);
+            }
+        }
+        events
+    }
+
     fn fill(
         &mut self,
         generation: Generation,
@@ -608,6 +626,12 @@ impl Handle {
         self.count(events, prefetched, data.len() as u64);
     }
 
+    /// Drops the cached blocks `offset..offset + length` touches.
+    pub fn forget(&self, offset: u64, length: u64) {
+        let events = self.cache.lock().forget(self.generation, offset, length);
+        self.cache.count(events);
+    }
+
     /// A hole the upstream reported.
     pub fn fill_zeros(&self, offset: u64, length: u64, prefetched: bool) {
         let events = self
@@ -795,6 +819,20 @@ mod tests {
         let events = map.insert(g, 4096, &data, false);
         assert_eq!(events.evicted, 2);
         assert_eq!(events.read_ahead_wasted, 1024);
+    }
+
+    #[test]
+    fn a_forgotten_range_drops_every_block_it_touches() {
+        let mut map = BlockMap::new(1 << 20, 1024);
+        let g = map.open(&key("a"), server(1), 8192, 0).0.unwrap();
+        map.insert(g, 0, &image(8192), false);
+        map.forget(g, 1500, 1000);
+        assert_eq!(map.blocks(), 6);
+        assert!(map.lookup(g, 1024, 1).0.is_none());
+        assert!(map.lookup(g, 2048, 1).0.is_none());
+        assert!(map.lookup(g, 0, 1024).0.is_some());
+        assert!(map.lookup(g, 3072, 5120).0.is_some());
+        assert_eq!(map.bytes(), 6 * 1024);
     }
 
     #[test]

@@ -792,6 +792,64 @@ fn a_fake_upstreams_overlapping_chunks_leave_no_hole_cached_as_zeros() {
     assert!(gw.log().contains("chunks that overlap"), "{}", gw.log());
 }
 
+/// The same, for replies whose chunks fill the cache as they come: a FAKE
+/// upstream answers its first connection's read-ahead (reads longer than
+/// a block) with two OFFSET_DATA chunks that overlap and disagree (bytes
+/// of 1, then of 2 over the first's second half); every other read with
+/// bytes of 7. The block the first chunk filled is forgotten when the
+/// second contradicts it: a later reader gets the upstream's bytes.
+#[test]
+fn a_fake_upstreams_overlapping_read_ahead_chunks_are_not_cached() {
+    use common::fake_upstream::{self, chunk, good_read, Answer, Asked};
+    fn script(connection: usize, read: Asked) -> Answer {
+        let Asked {
+            cookie,
+            offset,
+            length,
+        } = read;
+        if connection > 0 || length <= 65536 {
+            return good_read(read).into();
+        }
+        let (half, quarter) = (length / 2, length / 4);
+        let mut c = chunk(0, REPLY_TYPE_OFFSET_DATA, cookie, 8 + half);
+        c.extend_from_slice(&offset.to_be_bytes());
+        c.extend(std::iter::repeat_n(1u8, half as usize));
+        c.extend(chunk(
+            REPLY_FLAG_DONE,
+            REPLY_TYPE_OFFSET_DATA,
+            cookie,
+            8 + half,
+        ));
+        c.extend_from_slice(&(offset + u64::from(quarter)).to_be_bytes());
+        c.extend(std::iter::repeat_n(2u8, half as usize));
+        c.into()
+    }
+    let env = Env::new();
+    let fake = fake_upstream::scripted(&env.path("fake.sock"), 1 << 20, script);
+    let gw = NbdgwProcess::in_front_of(&env, &fake.socket, &["--immutable"]);
+    let mut first = common::clients::connect_as(gw.addr(), &env.certs());
+    first.go(ReplyMode::Structured);
+    // Three reads in a row: read-ahead of 64 KiB at 64 KiB (one block, a
+    // good reply) and of 128 KiB at 128 KiB (the overlapping one).
+    for (cookie, offset) in [(1, 0), (2, 4096), (3, 8192)] {
+        assert_eq!(first.read(cookie, offset, 4096), [7; 4096]);
+    }
+    // Sent upstream after the read-ahead on the same connection, answered
+    // after it: once it is back, the read-ahead replies are in.
+    assert_eq!(first.read(4, 512 << 10, 4096), [7; 4096]);
+    first.disconnect();
+    let mut later = common::clients::connect_as(gw.addr(), &env.certs());
+    later.go(ReplyMode::Structured);
+    let got = later.read(5, 170_000, 4096);
+    later.disconnect();
+    let ones = got.iter().filter(|&&b| b == 1).count();
+    assert!(
+        got == [7; 4096],
+        "a block the overlapping chunks disagree on, read later: {ones} of 4096 bytes are the first chunk's"
+    );
+    gw.wait_for_log("chunks that overlap in one reply", 1);
+}
+
 /// Bad cache settings stop nbdgw at start, naming the flag.
 #[test]
 fn bad_cache_flags_are_refused_at_start() {

@@ -317,14 +317,65 @@ impl<'a> RequestLayer<'a> {
 pub struct ReplyLayer<'a> {
     pub handle: Handle,
     pub ahead: &'a Ahead,
+    /// What each reply whose chunks fill the cache as they come
+    /// (read-ahead, and client reads relayed as they are) has covered so
+    /// far, by cookie: at most one entry per request in flight.
+    seen: Mutex<HashMap<u64, Seen>>,
 }
 
-impl ReplyLayer<'_> {
-    /// Data the upstream sent for `req`: `data` is the export's bytes at
-    /// `offset`, kept only if it lies within what was asked (an upstream
-    /// that strays is relayed, never believed).
-    pub fn data(&self, req: &InFlight, offset: u64, data: &[u8], ours: bool) {
-        if within(req, offset, data.len() as u64) {
+/// Past this many separate ranges in one reply (chunks out of order with
+/// gaps between them, which no server this was tried with sends), the
+/// rest of the reply is relayed without being cached: what is kept per
+/// reply stays small without a flag.
+const MAX_RANGES: usize = 64;
+
+/// The byte ranges one reply's chunks covered: sorted, disjoint, merged
+/// where they touch. `spoiled`: the rest of the reply is not cached.
+#[derive(Default)]
+struct Seen {
+    ranges: Vec<(u64, u64)>,
+    spoiled: bool,
+}
+
+impl Seen {
+    /// Adds `from..to`; false if it overlaps a range already covered.
+    fn add(&mut self, from: u64, to: u64) -> bool {
+        // The first range ending after `from`: the only one that can
+        // overlap, and where the new one goes.
+        let at = self.ranges.partition_point(|&(_, end)| end <= from);
+        if self.ranges.get(at).is_some_and(|&(start, _)| start < to) {
+            return false;
+        }
+        let joins_before = at > 0 && self.ranges[at - 1].1 == from;
+        let joins_after = self.ranges.get(at).is_some_and(|&(start, _)| start == to);
+        match (joins_before, joins_after) {
+            (true, true) => {
+                self.ranges[at - 1].1 = self.ranges[at].1;
+                self.ranges.remove(at);
+            }
+            (true, false) => self.ranges[at - 1].1 = to,
+            (false, true) => self.ranges[at].0 = from,
+            (false, false) => self.ranges.insert(at, (from, to)),
+        }
+        true
+    }
+}
+
+impl<'a> ReplyLayer<'a> {
+    pub fn new(handle: Handle, ahead: &'a Ahead) -> Self {
+        ReplyLayer {
+            handle,
+            ahead,
+            seen: Mutex::default(),
+        }
+    }
+
+    /// Data the upstream sent for `req` (under `cookie`): `data` is the
+    /// export's bytes at `offset`, kept only if it lies within what was
+    /// asked and overlaps no earlier chunk of the reply (an upstream that
+    /// strays is relayed, never believed).
+    pub fn data(&self, cookie: u64, req: &InFlight, offset: u64, data: &[u8], ours: bool) {
+        if self.admit(cookie, req, offset, data.len() as u64) {
             self.handle.fill(offset, data, ours);
         } else if ours {
             self.handle.read_ahead_wasted(data.len() as u64);
@@ -332,10 +383,51 @@ impl ReplyLayer<'_> {
     }
 
     /// A hole the upstream reported: zeros.
-    pub fn hole(&self, req: &InFlight, offset: u64, length: u64, ours: bool) {
-        if within(req, offset, length) {
+    pub fn hole(&self, cookie: u64, req: &InFlight, offset: u64, length: u64, ours: bool) {
+        if self.admit(cookie, req, offset, length) {
             self.handle.fill_zeros(offset, length, ours);
         }
+    }
+
+    /// The reply under `cookie` is complete (or failed).
+    pub fn reply_done(&self, cookie: u64) {
+        self.lock().remove(&cookie);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Seen>> {
+        self.seen.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether a chunk may go into the cache. A chunk overlapping an
+    /// earlier one of its reply (which the protocol forbids) means the
+    /// upstream contradicts itself: the blocks it touches, which the
+    /// earlier chunk may have filled, are forgotten, and nothing more of
+    /// the reply is cached. (A reader that hit those blocks between the
+    /// two chunks got the earlier chunk's bytes.)
+    fn admit(&self, cookie: u64, req: &InFlight, offset: u64, length: u64) -> bool {
+        if !within(req, offset, length) || length == 0 {
+            return false;
+        }
+        let mut seen = self.lock();
+        let reply = seen.entry(cookie).or_default();
+        if reply.spoiled {
+            return false;
+        }
+        if !reply.add(offset, offset + length) {
+            reply.spoiled = true;
+            drop(seen);
+            self.handle.forget(offset, length);
+            tracing::warn!(
+                offset,
+                length,
+                "read cache: the upstream sent chunks that overlap in one reply; the blocks they touch are not cached"
+            );
+            return false;
+        }
+        if reply.ranges.len() > MAX_RANGES {
+            reply.spoiled = true;
+        }
+        !reply.spoiled
     }
 }
 
@@ -647,6 +739,33 @@ mod tests {
         f.hole(64 * K, 3);
         let data = f.finish(&client_read(64 * K, 8), |_, _| {}).unwrap();
         assert_eq!(data, [0, 0, 0, 3, 3, 3, 3, 3]);
+    }
+
+    #[test]
+    fn a_replys_ranges_merge_and_overlaps_are_seen() {
+        let mut seen = Seen::default();
+        assert!(seen.add(100, 200));
+        assert!(seen.add(300, 400));
+        assert!(seen.add(200, 250));
+        assert_eq!(seen.ranges, [(100, 250), (300, 400)]);
+        assert!(seen.add(250, 300));
+        assert_eq!(seen.ranges, [(100, 400)]);
+        assert!(seen.add(0, 100));
+        assert!(seen.add(500, 600));
+        assert_eq!(seen.ranges, [(0, 400), (500, 600)]);
+        for (from, to) in [
+            (399, 401),
+            (0, 1),
+            (450, 501),
+            (599, 700),
+            (10, 20),
+            (0, 700),
+        ] {
+            assert!(!seen.add(from, to), "{from}..{to}");
+        }
+        assert_eq!(seen.ranges, [(0, 400), (500, 600)]);
+        assert!(seen.add(400, 500));
+        assert_eq!(seen.ranges, [(0, 600)]);
     }
 
     #[test]
