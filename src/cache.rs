@@ -12,10 +12,13 @@
 //! connection, and counts what happens into the metrics.
 //!
 //! An export's blocks belong to a generation: the upstream's socket and
-//! export name together with the size and flags it reported. A session
-//! that sees another size or flags starts a new generation and drops the
-//! old one's blocks; a session still holding the old generation neither
-//! reads nor fills the cache from then on.
+//! export name, the server that answered there (`Incarnation`: its socket
+//! file and its credentials), and the size and flags it reported. A
+//! session that reached another server or sees another size or flags
+//! starts a new generation and drops the old one's blocks; a session
+//! still holding the old generation neither reads nor fills the cache
+//! from then on, so what a session of the old server brings in never
+//! lands in the new server's generation.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -24,6 +27,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use bytes::Bytes;
 
 use crate::metrics::CacheMetrics;
+use crate::upstream::Incarnation;
 
 /// Block size: large enough that a boot's scattered 4 KiB reads pull in
 /// their neighbours, small enough that a 256 MiB cache holds 4096 blocks.
@@ -74,8 +78,27 @@ pub type Generation = u64;
 #[derive(Debug)]
 struct ExportState {
     generation: Generation,
+    incarnation: Incarnation,
     size: u64,
     flags: u16,
+}
+
+/// Why an export's generation ended (a metric's label: a fixed few).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change {
+    /// Another server answers at its socket.
+    Replaced,
+    /// The same server reports another size or flags.
+    Resized,
+}
+
+impl Change {
+    pub fn label(self) -> &'static str {
+        match self {
+            Change::Replaced => "replaced",
+            Change::Resized => "resized",
+        }
+    }
 }
 
 /// A generation still current: its export's size, and its blocks.
@@ -98,8 +121,10 @@ struct Slot {
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Events {
     pub evicted: u64,
-    /// Blocks dropped because their export changed size or flags.
+    /// Blocks dropped because their export's generation ended.
     pub dropped: u64,
+    /// A generation ended, and why.
+    pub ended: Option<Change>,
     pub read_ahead_used: u64,
     pub read_ahead_wasted: u64,
     /// Bytes added (positive) or removed.
@@ -164,18 +189,29 @@ impl BlockMap {
         self.index.len()
     }
 
-    /// The generation of `key` as a session now sees it (`size`, `flags`
-    /// as the upstream reported them): the current one if they match, else
-    /// a new one, the old one's blocks dropped. `None` when too many
-    /// exports are known already.
-    pub fn open(&mut self, key: &ExportKey, size: u64, flags: u16) -> (Option<Generation>, Events) {
+    /// The generation of `key` as a session now sees it (the server it
+    /// reached, `size` and `flags` as that server reported them): the
+    /// current one if they match, else a new one, the old one's blocks
+    /// dropped. `None` when too many exports are known already.
+    pub fn open(
+        &mut self,
+        key: &ExportKey,
+        incarnation: Incarnation,
+        size: u64,
+        flags: u16,
+    ) -> (Option<Generation>, Events) {
         let mut events = Events::default();
         if let Some(state) = self.exports.get(key) {
-            if state.size == size && state.flags == flags {
+            let change = if state.incarnation != incarnation {
+                Change::Replaced
+            } else if state.size != size || state.flags != flags {
+                Change::Resized
+            } else {
                 return (Some(state.generation), events);
-            }
+            };
             let old = state.generation;
             events = self.drop_generation(old);
+            events.ended = Some(change);
             self.live.remove(&old);
             self.exports.remove(key);
         }
@@ -198,6 +234,7 @@ impl BlockMap {
             key.clone(),
             ExportState {
                 generation,
+                incarnation,
                 size,
                 flags,
             },
@@ -326,6 +363,24 @@ impl BlockMap {
         self.fill(generation, offset, length, prefetched, |from, to| {
             Bytes::from_static(&ZEROS[..to - from])
         })
+    }
+
+    /// Drops the blocks a range of the export touches (the upstream
+    /// contradicted itself about them).
+    pub fn forget(&mut self, generation: Generation, offset: u64, length: u64) -> Events {
+        let mut events = Events::default();
+        let Some(size) = self.live.get(&generation).map(|l| l.size) else {
+            return events;
+        };
+        let Some(span) = self.span(size, offset, length) else {
+            return events;
+        };
+        for block in span {
+            if let Some(&at) = self.index.get(&(generation, block)) {
+                self.remove(at, &mut events);
+            }
+        }
+        events
     }
 
     fn fill(
@@ -483,15 +538,30 @@ impl ReadCache {
 
     /// A session's view of an export: `None` when the cache cannot take
     /// one more export.
-    pub fn open(self: &Arc<Self>, key: &ExportKey, size: u64, flags: u16) -> Option<Handle> {
-        let (generation, events) = self.lock().open(key, size, flags);
+    pub fn open(
+        self: &Arc<Self>,
+        key: &ExportKey,
+        incarnation: Incarnation,
+        size: u64,
+        flags: u16,
+    ) -> Option<Handle> {
+        let (generation, events) = self.lock().open(key, incarnation, size, flags);
         self.count(events);
-        if events.dropped > 0 {
+        if let Some(change) = events.ended {
+            self.metrics.generation_ended(change.label());
+            let why = match change {
+                Change::Replaced => "another server answers at the export's socket",
+                Change::Resized => "the upstream reported another size or flags",
+            };
+            // A tenant's directory and socket names are in the path.
+            let socket = key.socket.display().to_string();
             tracing::info!(
+                socket = %crate::logsafe::Escaped(&socket),
                 blocks = events.dropped,
+                server_pid = incarnation.pid,
                 size,
                 flags = format_args!("{flags:#x}"),
-                "read cache: the upstream reported another size or flags; the export's blocks are dropped"
+                "read cache: {why}; the export's cached blocks are dropped"
             );
         }
         Some(Handle {
@@ -556,6 +626,12 @@ impl Handle {
         self.count(events, prefetched, data.len() as u64);
     }
 
+    /// Drops the cached blocks `offset..offset + length` touches.
+    pub fn forget(&self, offset: u64, length: u64) {
+        let events = self.cache.lock().forget(self.generation, offset, length);
+        self.cache.count(events);
+    }
+
     /// A hole the upstream reported.
     pub fn fill_zeros(&self, offset: u64, length: u64, prefetched: bool) {
         let events = self
@@ -595,6 +671,16 @@ mod tests {
         }
     }
 
+    /// The server `n` answering at the socket.
+    fn server(n: u64) -> Incarnation {
+        Incarnation {
+            file: crate::exports::SocketFile::test_file(n),
+            pid: 100 + n as i32,
+            uid: 0,
+            gid: 0,
+        }
+    }
+
     fn image(size: usize) -> Vec<u8> {
         (0..size).map(|i| (i * 7 + i / 251) as u8).collect()
     }
@@ -607,7 +693,7 @@ mod tests {
     fn a_read_is_answered_only_when_every_block_it_touches_is_cached() {
         let img = image(10 * 1024 + 100);
         let mut map = BlockMap::new(1 << 20, 1024);
-        let (g, _) = map.open(&key("a"), img.len() as u64, 1);
+        let (g, _) = map.open(&key("a"), server(1), img.len() as u64, 1);
         let g = g.unwrap();
         // Partial blocks at both ends are not kept.
         map.insert(g, 500, &img[500..3500], false);
@@ -643,12 +729,12 @@ mod tests {
     fn another_size_or_flags_drops_the_exports_blocks() {
         let img = image(8192);
         let mut map = BlockMap::new(1 << 20, 1024);
-        let g = map.open(&key("a"), 8192, 1).0.unwrap();
-        let other = map.open(&key("b"), 8192, 1).0.unwrap();
+        let g = map.open(&key("a"), server(1), 8192, 1).0.unwrap();
+        let other = map.open(&key("b"), server(1), 8192, 1).0.unwrap();
         map.insert(g, 0, &img, false);
         map.insert(other, 0, &img, false);
-        assert_eq!(map.open(&key("a"), 8192, 1).0, Some(g));
-        let (g2, events) = map.open(&key("a"), 4096, 1);
+        assert_eq!(map.open(&key("a"), server(1), 8192, 1).0, Some(g));
+        let (g2, events) = map.open(&key("a"), server(1), 4096, 1);
         assert_eq!(events.dropped, 8);
         let g2 = g2.unwrap();
         assert_ne!(g, g2);
@@ -657,15 +743,53 @@ mod tests {
         // The old generation can no longer fill.
         map.insert(g, 0, &img, false);
         assert_eq!(map.blocks(), 8);
-        let (_, events) = map.open(&key("a"), 4096, 3);
+        let (_, events) = map.open(&key("a"), server(1), 4096, 3);
         assert_eq!(events.dropped, 0);
         assert!(map.lookup(other, 0, 8192).0.is_some());
     }
 
     #[test]
+    fn another_server_at_the_socket_starts_a_new_generation() {
+        let a = vec![b'A'; 8192];
+        let b = vec![b'B'; 8192];
+        let mut map = BlockMap::new(1 << 20, 1024);
+        let old = map.open(&key("a"), server(1), 8192, 1).0.unwrap();
+        map.insert(old, 0, &a, false);
+        map.set_pending(old, 0, 8192, true);
+        // Another server (socket file and process), same size and flags.
+        let (new, events) = map.open(&key("a"), server(2), 8192, 1);
+        let new = new.unwrap();
+        assert_ne!(new, old);
+        assert_eq!(events.ended, Some(Change::Replaced));
+        assert_eq!(events.dropped, 8);
+        assert_eq!(map.bytes(), 0);
+        assert!(map.lookup(new, 0, 1024).0.is_none());
+        assert_eq!(map.missing(new, 0, 8192), Some((0, 8192)));
+        // A session of the old server still reading: its fills land
+        // nowhere, and it finds nothing.
+        map.insert(old, 0, &a, false);
+        map.insert_zeros(old, 0, 8192, false);
+        assert_eq!(map.blocks(), 0);
+        assert!(map.lookup(old, 0, 1024).0.is_none());
+        map.insert(new, 0, &b, false);
+        assert_eq!(concat(map.lookup(new, 0, 8192).0.unwrap()), b);
+        // The same server again: the same generation. Only the server's
+        // pid differing (a pid of another process, the same file) is
+        // another server too.
+        assert_eq!(map.open(&key("a"), server(2), 8192, 1).0, Some(new));
+        let mut other_pid = server(2);
+        other_pid.pid += 1;
+        let (third, events) = map.open(&key("a"), other_pid, 8192, 1);
+        assert_ne!(third, Some(new));
+        assert_eq!(events.ended, Some(Change::Replaced));
+        let (_, events) = map.open(&key("a"), other_pid, 4096, 1);
+        assert_eq!(events.ended, Some(Change::Resized));
+    }
+
+    #[test]
     fn blocks_read_again_outlive_a_single_pass() {
         let mut map = BlockMap::new(4 * 1024, 1024);
-        let g = map.open(&key("a"), 1 << 20, 0).0.unwrap();
+        let g = map.open(&key("a"), server(1), 1 << 20, 0).0.unwrap();
         let hot = image(1024);
         map.insert(g, 0, &hot, false);
         for _ in 0..3 {
@@ -687,7 +811,7 @@ mod tests {
     #[test]
     fn read_ahead_is_used_once_or_wasted_on_eviction() {
         let mut map = BlockMap::new(2 * 1024, 1024);
-        let g = map.open(&key("a"), 1 << 20, 0).0.unwrap();
+        let g = map.open(&key("a"), server(1), 1 << 20, 0).0.unwrap();
         let data = image(2048);
         map.insert(g, 0, &data, true);
         assert_eq!(map.lookup(g, 0, 100).1.read_ahead_used, 1024);
@@ -698,9 +822,23 @@ mod tests {
     }
 
     #[test]
+    fn a_forgotten_range_drops_every_block_it_touches() {
+        let mut map = BlockMap::new(1 << 20, 1024);
+        let g = map.open(&key("a"), server(1), 8192, 0).0.unwrap();
+        map.insert(g, 0, &image(8192), false);
+        map.forget(g, 1500, 1000);
+        assert_eq!(map.blocks(), 6);
+        assert!(map.lookup(g, 1024, 1).0.is_none());
+        assert!(map.lookup(g, 2048, 1).0.is_none());
+        assert!(map.lookup(g, 0, 1024).0.is_some());
+        assert!(map.lookup(g, 3072, 5120).0.is_some());
+        assert_eq!(map.bytes(), 6 * 1024);
+    }
+
+    #[test]
     fn holes_are_zeros() {
         let mut map = BlockMap::new(1 << 20, 1024);
-        let g = map.open(&key("a"), 1 << 20, 0).0.unwrap();
+        let g = map.open(&key("a"), server(1), 1 << 20, 0).0.unwrap();
         map.insert_zeros(g, 0, 4096, false);
         assert_eq!(concat(map.lookup(g, 10, 4000).0.unwrap()), vec![0; 4000]);
     }
@@ -717,7 +855,7 @@ mod tests {
     #[test]
     fn a_zero_capacity_holds_nothing() {
         let mut map = BlockMap::new(0, 1024);
-        let g = map.open(&key("a"), 1 << 20, 0).0.unwrap();
+        let g = map.open(&key("a"), server(1), 1 << 20, 0).0.unwrap();
         map.insert(g, 0, &image(4096), false);
         assert_eq!(map.blocks(), 0);
     }
@@ -725,10 +863,10 @@ mod tests {
     #[test]
     fn exports_are_bounded() {
         let mut map = BlockMap::new(1 << 20, 1024);
-        let first = map.open(&key("keep"), 4096, 0).0.unwrap();
+        let first = map.open(&key("keep"), server(1), 4096, 0).0.unwrap();
         map.insert(first, 0, &image(1024), false);
         for i in 0..MAX_EXPORTS + 10 {
-            map.open(&key(&i.to_string()), 4096, 0);
+            map.open(&key(&i.to_string()), server(1), 4096, 0);
         }
         assert!(map.exports.len() <= MAX_EXPORTS);
         assert!(map.lookup(first, 0, 1024).0.is_some());
@@ -745,7 +883,7 @@ mod tests {
             let img = image(20_000);
             let size = img.len() as u64;
             let mut map = BlockMap::new(capacity_blocks * 1024, 1024);
-            let g = map.open(&key("a"), size, 0).0.unwrap();
+            let g = map.open(&key("a"), server(1), size, 0).0.unwrap();
             for (fill, offset, length) in ops {
                 let length = length.min(size - offset);
                 let range = offset as usize..(offset + length) as usize;
@@ -766,7 +904,7 @@ mod tests {
             let size = img.len() as u64;
             let length = length.min(size - offset);
             let mut map = BlockMap::new(1 << 20, 1024);
-            let g = map.open(&key("a"), size, 0).0.unwrap();
+            let g = map.open(&key("a"), server(1), size, 0).0.unwrap();
             // The enclosing aligned range, as read-ahead and a client
             // read of whole blocks would bring.
             let start = offset / 1024 * 1024;

@@ -158,6 +158,57 @@ impl From<rustix::io::Errno> for CheckError {
     }
 }
 
+/// The socket file a connection was made through: its device, inode and
+/// change time. A server that starts again binds a new file (a new
+/// inode, or the same number reused with another change time), so this
+/// tells one server's socket from the next one's at the same path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SocketFile {
+    dev: u64,
+    ino: u64,
+    /// `st_ctime` in nanoseconds: an inode number reused by a later bind
+    /// has a later one (a chmod or chown of the socket also changes it,
+    /// which only costs a new generation).
+    ctime_ns: i128,
+}
+
+impl SocketFile {
+    fn of(stat: &rustix::fs::Stat) -> Self {
+        SocketFile {
+            dev: stat.st_dev,
+            ino: stat.st_ino,
+            ctime_ns: i128::from(stat.st_ctime) * 1_000_000_000 + i128::from(stat.st_ctime_nsec),
+        }
+    }
+
+    fn of_metadata(meta: &std::fs::Metadata) -> Self {
+        SocketFile {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            ctime_ns: i128::from(meta.ctime()) * 1_000_000_000 + i128::from(meta.ctime_nsec()),
+        }
+    }
+
+    /// A made-up file, for tests of what keeps files apart.
+    #[cfg(test)]
+    pub(crate) fn test_file(ino: u64) -> Self {
+        SocketFile {
+            dev: 1,
+            ino,
+            ctime_ns: 0,
+        }
+    }
+
+    /// The socket file at `path` now (following links, as connecting by
+    /// path does).
+    pub fn at(path: &Path) -> Option<Self> {
+        std::fs::metadata(path)
+            .ok()
+            .filter(|m| m.file_type().is_socket())
+            .map(|m| Self::of_metadata(&m))
+    }
+}
+
 /// A socket that passed the checks, held open (`O_PATH`) until connected.
 struct Checked {
     socket: OwnedFd,
@@ -208,14 +259,22 @@ impl DirSocket {
 
     /// Checks, connects through the checked socket's descriptor, and
     /// checks the server's uid.
-    async fn connect(&self) -> Result<UnixStream, CheckError> {
+    async fn connect(&self) -> Result<(UnixStream, SocketFile), CheckError> {
         self.check()?.connect().await
+    }
+
+    /// The socket file its name leads to now, through the same checks.
+    fn file_now(&self) -> Option<SocketFile> {
+        let checked = self.check().ok()?;
+        Some(SocketFile::of(&rustix::fs::fstat(&checked.socket).ok()?))
     }
 }
 
 impl Checked {
-    async fn connect(self) -> Result<UnixStream, CheckError> {
+    async fn connect(self) -> Result<(UnixStream, SocketFile), CheckError> {
         let checked = self;
+        // The inode connected to below, whatever the name leads to later.
+        let file = SocketFile::of(&rustix::fs::fstat(&checked.socket)?);
         // The magic link names the very inode checked above: a socket
         // swapped in since (or a link put in its place) is not reached.
         let via = format!("/proc/self/fd/{}", checked.socket.as_raw_fd());
@@ -227,7 +286,7 @@ impl Checked {
                 return Err(CheckError::Peer { uid, want });
             }
         }
-        Ok(stream)
+        Ok((stream, file))
     }
 }
 
@@ -245,11 +304,36 @@ fn expect_type(
 }
 
 /// Connects to an export's socket: a path the operator gave as it is, a
-/// socket in `--export-dir` only through its checks.
-pub async fn connect(socket: &Path, in_dir: Option<&DirSocket>) -> Result<UnixStream, CheckError> {
+/// socket in `--export-dir` only through its checks. With the stream,
+/// the socket file it was made through, when that is certain: a path
+/// that led to another file after the connect than before (a server
+/// starting again just then) gives `None`.
+pub async fn connect(
+    socket: &Path,
+    in_dir: Option<&DirSocket>,
+) -> Result<(UnixStream, Option<SocketFile>), CheckError> {
     match in_dir {
-        Some(in_dir) => in_dir.connect().await,
-        None => Ok(UnixStream::connect(socket).await?),
+        Some(in_dir) => {
+            let (stream, file) = in_dir.connect().await?;
+            Ok((stream, Some(file)))
+        }
+        None => {
+            // The operator's path, connected to by name (no /proc needed):
+            // the same file before and after is the file connected to.
+            let before = SocketFile::at(socket);
+            let stream = UnixStream::connect(socket).await?;
+            let after = SocketFile::at(socket);
+            Ok((stream, before.filter(|_| before == after)))
+        }
+    }
+}
+
+/// The socket file an export's name leads to now: `None` when it leads
+/// nowhere (or, in `--export-dir`, nowhere the checks allow).
+pub fn socket_file_now(socket: &Path, in_dir: Option<&DirSocket>) -> Option<SocketFile> {
+    match in_dir {
+        Some(in_dir) => in_dir.file_now(),
+        None => SocketFile::at(socket),
     }
 }
 
@@ -705,7 +789,7 @@ mod tests {
         // another socket.
         std::fs::remove_file(dir.path().join("db.sock")).unwrap();
         std::os::unix::fs::symlink("decoy.sock", dir.path().join("db.sock")).unwrap();
-        let _stream = checked.connect().await.unwrap();
+        let (_stream, file) = checked.connect().await.unwrap();
         assert!(
             real.accept().is_ok(),
             "the checked socket got the connection"
@@ -713,5 +797,23 @@ mod tests {
         assert!(decoy.accept().is_err(), "the decoy got none");
         // Checked afresh, the link is refused.
         assert!(matches!(in_dir.check(), Err(CheckError::Symlink(_))));
+        // The file it names is the one connected to, not the decoy, and
+        // the name leads to no file the checks allow now.
+        assert_ne!(Some(file), SocketFile::at(&dir.path().join("decoy.sock")));
+        assert_eq!(in_dir.file_now(), None);
+    }
+
+    #[test]
+    fn a_socket_file_is_found_only_where_a_socket_is() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.sock");
+        let first = UnixListener::bind(&path).unwrap();
+        let before = SocketFile::at(&path).unwrap();
+        assert_eq!(SocketFile::at(&path), Some(before));
+        drop(first);
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(SocketFile::at(&path), None);
+        std::fs::write(dir.path().join("plain"), "").unwrap();
+        assert_eq!(SocketFile::at(&dir.path().join("plain")), None);
     }
 }

@@ -28,6 +28,12 @@ pub struct SessionRefusal {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GenerationEnd {
+    /// One of `cache::Change::label`'s.
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct Command {
     pub command: &'static str,
 }
@@ -98,9 +104,12 @@ pub struct CacheMetrics {
     pub upstream_reads: Counter,
     /// Blocks evicted to make room.
     pub evictions: Counter,
-    /// Blocks dropped because their upstream reported another size or
-    /// flags.
+    /// Blocks dropped because their export's generation ended (another
+    /// server at its socket, or another size or flags).
     pub invalidated_blocks: Counter,
+    /// Exports' generations ended, by why: `replaced` (another server
+    /// answers at the socket) or `resized` (another size or flags).
+    pub generations_ended: Family<GenerationEnd, Counter>,
     /// Bytes read ahead into the cache.
     pub read_ahead_bytes: Counter,
     /// Of those, bytes a client then read from the cache.
@@ -112,6 +121,15 @@ pub struct CacheMetrics {
     pub cached_bytes: Gauge,
     /// `--cache-size`.
     pub capacity_bytes: Gauge,
+}
+
+impl CacheMetrics {
+    /// A generation ended for `reason`, one of `cache::Change::label`'s.
+    pub fn generation_ended(&self, reason: &'static str) {
+        self.generations_ended
+            .get_or_create(&GenerationEnd { reason })
+            .inc();
+    }
 }
 
 fn latency_histogram() -> Histogram {
@@ -317,7 +335,7 @@ impl Metrics {
             ),
             (
                 "cache_invalidated_blocks",
-                "Read cache blocks dropped because their upstream reported another size or flags",
+                "Read cache blocks dropped because their export's generation ended (another server at its socket, or another size or flags)",
                 &c.invalidated_blocks,
             ),
             (
@@ -338,6 +356,11 @@ impl Metrics {
         ] {
             r.register(name, help, counter.clone());
         }
+        r.register(
+            "cache_generations_ended",
+            "Read cache generations ended, by reason: replaced (another server answers at the export's socket) or resized (another size or flags)",
+            c.generations_ended.clone(),
+        );
         r.register(
             "cache_bytes",
             "Bytes held in the read cache",

@@ -9,7 +9,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 use crate::config::Config;
-use crate::exports::DirSocket;
+use crate::exports::{DirSocket, SocketFile};
 use crate::proto::consts::GREETING_LEN;
 use crate::proto::handshake::{parse_upstream_greeting, upstream_client_flags};
 use crate::proto::ProtoError;
@@ -35,6 +35,39 @@ pub struct Upstream {
     pub stream: UnixStream,
     /// Whether the upstream will pad an EXPORT_NAME reply with zeroes.
     pub pads_export_name: bool,
+    /// Which server this is; `None` when it cannot be told (then the read
+    /// cache is not used for the session).
+    pub incarnation: Option<Incarnation>,
+}
+
+/// One running upstream server, as a connection to it can tell: the
+/// socket file it was reached through, and the credentials (`SO_PEERCRED`)
+/// its server had when it called listen(). A server started again on the
+/// same path binds a new socket file, and is another process: both change.
+/// What does not change is the bytes behind a server that keeps running
+/// (an image rewritten in place), nor a listening socket handed from one
+/// process to the next (systemd socket activation: the file and systemd's
+/// pid stay), so neither can be seen here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Incarnation {
+    pub file: SocketFile,
+    pub pid: i32,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl Incarnation {
+    fn of(stream: &UnixStream, file: Option<SocketFile>) -> Option<Self> {
+        let cred = stream.peer_cred().ok()?;
+        Some(Incarnation {
+            file: file?,
+            // Always set on Linux; 0 if the server's pid is in no
+            // namespace this one sees (the file still tells servers apart).
+            pid: cred.pid().unwrap_or(0),
+            uid: cred.uid(),
+            gid: cred.gid(),
+        })
+    }
 }
 
 /// Connects to `socket`, sizes the send buffer, and does the newstyle
@@ -63,17 +96,22 @@ async fn connect_and_greet(
     in_dir: Option<&DirSocket>,
     config: &Config,
 ) -> Result<Upstream, UpstreamError> {
-    let stream = crate::exports::connect(socket, in_dir)
+    let (stream, file) = crate::exports::connect(socket, in_dir)
         .await
         .map_err(|error| UpstreamError::Connect {
             path: socket.display().to_string(),
             error,
         })?;
-    greet(stream, config).await
+    let incarnation = Incarnation::of(&stream, file);
+    greet(stream, incarnation, config).await
 }
 
 /// The greeting on a connected stream.
-async fn greet(mut stream: UnixStream, config: &Config) -> Result<Upstream, UpstreamError> {
+async fn greet(
+    mut stream: UnixStream,
+    incarnation: Option<Incarnation>,
+    config: &Config,
+) -> Result<Upstream, UpstreamError> {
     if config.upstream_sndbuf > 0 {
         // Best effort: the start-up probe already told the operator what
         // the kernel grants.
@@ -83,6 +121,7 @@ async fn greet(mut stream: UnixStream, config: &Config) -> Result<Upstream, Upst
     Ok(Upstream {
         stream,
         pads_export_name,
+        incarnation,
     })
 }
 

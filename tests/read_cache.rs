@@ -461,6 +461,211 @@ fn qemu_img_reads_an_immutable_export_through_the_binary() {
     );
 }
 
+/// The gateway binary with the test's server certificate and `args`.
+fn gateway_process(env: &Env, args: &[&OsStr]) -> NbdgwProcess {
+    let certs = env.certs();
+    let mut all: Vec<std::ffi::OsString> = vec![
+        "--tls-cert".into(),
+        certs.join("server-cert.pem").into(),
+        "--tls-key".into(),
+        certs.join("server-key.pem").into(),
+    ];
+    all.extend(args.iter().map(|a| a.to_os_string()));
+    NbdgwProcess::start(all)
+}
+
+/// The whole export `export` as qemu-img copies it through the gateway.
+fn copy_through(env: &Env, port: u16, export: &str, name: &str) -> Vec<u8> {
+    let [object, tls, image_opts, opts] = qemu_tls_args("localhost", port, &env.certs());
+    let out = env.path(name);
+    run_ok(
+        std::process::Command::new("qemu-img")
+            .args(["convert", &object, &tls, &image_opts])
+            .arg(format!("{opts},export={export}"))
+            .args(["-O", "raw"])
+            .arg(&out),
+    );
+    std::fs::read(&out).unwrap()
+}
+
+/// An image of `len` bytes of `byte`.
+fn filled(env: &Env, name: &str, byte: u8, len: usize) -> std::path::PathBuf {
+    let path = env.path(name);
+    std::fs::write(&path, vec![byte; len]).unwrap();
+    path
+}
+
+/// Asserts `got` is all `byte`, saying what it is instead.
+fn assert_all(got: &[u8], byte: u8, what: &str) {
+    let wrong = got.iter().filter(|&&b| b != byte).count();
+    assert!(
+        wrong == 0,
+        "{what}: {wrong} of {} bytes are not {:?} (first: {:?})",
+        got.len(),
+        byte as char,
+        got.iter().find(|&&b| b != byte).map(|&b| b as char)
+    );
+}
+
+/// Issue 27 item 4: qemu-nbd serving image A (all `A`) read through
+/// `--immutable`, then stopped, and another qemu-nbd started on the same
+/// socket with image B (all `B`) of the same size: what qemu-img reads
+/// through the gateway is B, as it is read from the upstream directly.
+#[test]
+fn a_server_started_again_on_the_same_socket_with_another_image_is_read_afresh() {
+    let env = Env::new();
+    let size = 1 << 20;
+    let socket = env.path("golden.sock");
+    let a = filled(&env, "a.img", b'A', size);
+    let b = filled(&env, "b.img", b'B', size);
+    let mut upstream = QemuNbd::start_at(socket.clone(), &a, &[]);
+    let admin = common::free_port();
+    let admin_at = format!("127.0.0.1:{admin}");
+    let gw = gateway_process(
+        &env,
+        &[
+            OsStr::new("--upstream"),
+            socket.as_os_str(),
+            OsStr::new("--immutable"),
+            OsStr::new("--admin-listen"),
+            OsStr::new(&admin_at),
+        ],
+    );
+    assert_all(&copy_through(&env, gw.port, "", "a1.img"), b'A', "image A");
+    // Cached: a second copy reads no byte of A from anywhere else.
+    let (_, metrics) = http_get(admin, "/metrics");
+    assert!(metric(&metrics, "nbdgw_cache_bytes") as usize >= size);
+    upstream.kill();
+    let upstream = QemuNbd::start_at(socket.clone(), &b, &[]);
+    assert_all(
+        &upstream.read_direct(),
+        b'B',
+        "the new upstream, read directly",
+    );
+    assert_all(
+        &copy_through(&env, gw.port, "", "b1.img"),
+        b'B',
+        "through the gateway after the swap",
+    );
+    // And B is cached in turn, A's blocks gone.
+    assert_all(&copy_through(&env, gw.port, "", "b2.img"), b'B', "again");
+    let (_, metrics) = http_get(admin, "/metrics");
+    assert!(
+        metrics.contains("nbdgw_cache_generations_ended_total{reason=\"replaced\"} 1"),
+        "{metrics}"
+    );
+    assert!(metric(&metrics, "nbdgw_cache_invalidated_blocks_total") as usize >= size / 65536);
+    assert!(metric(&metrics, "nbdgw_cache_bytes") as usize <= size);
+    gw.wait_for_log("another server answers at the export's socket", 1);
+}
+
+/// Issue 27 item 4, the races: the old qemu-nbd (A) keeps running on its
+/// unlinked socket while a new one (B) takes the path, so sessions of
+/// both are open at once. A session of A that was already reading, and
+/// one that had reached A while still negotiating, read A's bytes (their
+/// server's), and neither what they fetch nor their arrival puts A's bytes
+/// back in the cache: every later session reads B, and the generation
+/// ended once.
+#[test]
+fn sessions_of_the_old_server_never_bring_its_bytes_back() {
+    let env = Env::new();
+    let size = 1 << 20;
+    let socket = env.path("golden.sock");
+    let a = filled(&env, "a.img", b'A', size);
+    let b = filled(&env, "b.img", b'B', size);
+    let _old = QemuNbd::start_at(socket.clone(), &a, &[]);
+    let gw = gateway_process(
+        &env,
+        &[
+            OsStr::new("--upstream"),
+            socket.as_os_str(),
+            OsStr::new("--immutable"),
+            OsStr::new("--read-ahead"),
+            OsStr::new("0"),
+        ],
+    );
+    let connect = || common::clients::connect_as(gw.addr(), &env.certs());
+    let block = 65536;
+    let mut reading = connect();
+    reading.go(ReplyMode::Structured);
+    assert_all(&reading.read(1, 0, block), b'A', "before the swap");
+    // Negotiating: LIST reaches the upstream (A) before any export.
+    let mut negotiating = connect();
+    negotiating.option(OPT_LIST, &[]);
+    // B takes the path; A serves on, on its unlinked socket.
+    std::fs::remove_file(&socket).unwrap();
+    let new = QemuNbd::start_at(socket.clone(), &b, &[]);
+    assert_all(&new.read_direct(), b'B', "the new upstream, read directly");
+    let mut fresh = connect();
+    fresh.go(ReplyMode::Structured);
+    assert_all(&fresh.read(2, 0, block), b'B', "a new session, block 0");
+    fresh.disconnect();
+    // The old sessions read on: their server's bytes.
+    assert_all(&reading.read(3, block as u64, block), b'A', "old session");
+    negotiating.go(ReplyMode::Structured);
+    assert_all(&negotiating.read(4, 0, 2 * block), b'A', "late session");
+    let mut later = connect();
+    later.go(ReplyMode::Simple);
+    assert_all(&later.read(5, 0, 4 * block), b'B', "a later session");
+    later.disconnect();
+    reading.disconnect();
+    negotiating.disconnect();
+    // Each session's cache decision is logged before its audit line.
+    gw.wait_for_log("cached=", 4);
+    let log = gw.log();
+    assert_eq!(
+        log.matches("another server answers at the export's socket")
+            .count(),
+        1,
+        "{log}"
+    );
+    assert!(log.contains("the upstream was replaced while this session negotiated"));
+}
+
+/// Issue 27 item 4, with `--export-dir`: tenant `t1`'s `golden.sock`
+/// (image A) read through `--immutable-export '*/golden'`; the tenant is
+/// deleted (server stopped, directory removed) and a new tenant takes the
+/// directory name with a same-sized image B: it is served B.
+#[test]
+fn a_tenant_directory_name_reused_by_a_new_tenant_is_read_afresh() {
+    let env = Env::new();
+    let size = 1 << 20;
+    let dir = env.path("exports");
+    let tenant = dir.join("t1");
+    std::fs::create_dir_all(&tenant).unwrap();
+    let a = filled(&env, "a.img", b'A', size);
+    let b = filled(&env, "b.img", b'B', size);
+    let mut old = QemuNbd::start_at(tenant.join("golden.sock"), &a, &[]);
+    let gw = gateway_process(
+        &env,
+        &[
+            OsStr::new("--export-dir"),
+            dir.as_os_str(),
+            OsStr::new("--immutable-export"),
+            OsStr::new("*/golden"),
+        ],
+    );
+    assert_all(
+        &copy_through(&env, gw.port, "t1/golden", "a1.img"),
+        b'A',
+        "tenant 1",
+    );
+    old.kill();
+    std::fs::remove_dir_all(&tenant).unwrap();
+    std::fs::create_dir(&tenant).unwrap();
+    let new = QemuNbd::start_at(tenant.join("golden.sock"), &b, &[]);
+    assert_all(
+        &new.read_direct(),
+        b'B',
+        "the new tenant's upstream, read directly",
+    );
+    assert_all(
+        &copy_through(&env, gw.port, "t1/golden", "b1.img"),
+        b'B',
+        "the new tenant through the gateway",
+    );
+}
+
 fn metric(text: &str, name: &str) -> u64 {
     text.lines()
         .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
@@ -528,6 +733,121 @@ fn a_failed_fill_is_the_clients_error_and_caches_nothing() {
     assert_eq!(metrics.cache.hits.get(), hits + 2);
     assert_eq!(c.read(6, 200_000, 4096), [7; 4096]);
     c.disconnect();
+}
+
+/// Issue 27 item 7: a FAKE upstream (a real one cannot be made to break
+/// the protocol so) answers its first connection's reads with two
+/// OFFSET_DATA chunks, the second overlapping the first by a quarter, so
+/// that as many bytes came as were asked while the last quarter was never
+/// covered; its later connections answer correctly (bytes of 7). The
+/// first reader's read fails with EIO (nbdgw answers it from its fill,
+/// and cannot vouch for bytes no chunk brought), and nothing of it is
+/// cached: a later reader of the uncovered quarter gets the upstream's
+/// bytes, not zeros from the cache. Through the binary.
+#[test]
+fn a_fake_upstreams_overlapping_chunks_leave_no_hole_cached_as_zeros() {
+    use common::fake_upstream::{self, chunk, good_read, Answer, Asked};
+    fn script(connection: usize, read: Asked) -> Answer {
+        let Asked {
+            cookie,
+            offset,
+            length,
+        } = read;
+        if connection > 0 {
+            return good_read(read).into();
+        }
+        let (half, quarter) = (length / 2, length / 4);
+        let mut c = chunk(0, REPLY_TYPE_OFFSET_DATA, cookie, 8 + half);
+        c.extend_from_slice(&offset.to_be_bytes());
+        c.extend(std::iter::repeat_n(9u8, half as usize));
+        c.extend(chunk(
+            REPLY_FLAG_DONE,
+            REPLY_TYPE_OFFSET_DATA,
+            cookie,
+            8 + half,
+        ));
+        c.extend_from_slice(&(offset + u64::from(quarter)).to_be_bytes());
+        c.extend(std::iter::repeat_n(9u8, half as usize));
+        c.into()
+    }
+    let env = Env::new();
+    let fake = fake_upstream::scripted(&env.path("fake.sock"), 1 << 20, script);
+    let gw = NbdgwProcess::in_front_of(&env, &fake.socket, &["--immutable", "--read-ahead", "0"]);
+    let mut first = common::clients::connect_as(gw.addr(), &env.certs());
+    first.go(ReplyMode::Structured);
+    // nbdgw reads the whole 64 KiB block at 0: its last 16 KiB uncovered.
+    first.send_request(0, CMD_READ, 1, 0, 4096, &[]);
+    let first_error = first.read_reply(4096).last().unwrap().error_code();
+    first.disconnect();
+    let mut later = common::clients::connect_as(gw.addr(), &env.certs());
+    later.go(ReplyMode::Structured);
+    let got = later.read(2, 50_000, 4096);
+    later.disconnect();
+    let zeros = got.iter().filter(|&&b| b == 0).count();
+    assert!(
+        got == [7; 4096],
+        "the uncovered quarter, read later: {zeros} of 4096 bytes are zeros"
+    );
+    assert_eq!(first_error, EIO, "the read the overlapping reply answered");
+    assert!(gw.log().contains("chunks that overlap"), "{}", gw.log());
+}
+
+/// The same, for replies whose chunks fill the cache as they come: a FAKE
+/// upstream answers its first connection's read-ahead (reads longer than
+/// a block) with two OFFSET_DATA chunks that overlap and disagree (bytes
+/// of 1, then of 2 over the first's second half); every other read with
+/// bytes of 7. The block the first chunk filled is forgotten when the
+/// second contradicts it: a later reader gets the upstream's bytes.
+#[test]
+fn a_fake_upstreams_overlapping_read_ahead_chunks_are_not_cached() {
+    use common::fake_upstream::{self, chunk, good_read, Answer, Asked};
+    fn script(connection: usize, read: Asked) -> Answer {
+        let Asked {
+            cookie,
+            offset,
+            length,
+        } = read;
+        if connection > 0 || length <= 65536 {
+            return good_read(read).into();
+        }
+        let (half, quarter) = (length / 2, length / 4);
+        let mut c = chunk(0, REPLY_TYPE_OFFSET_DATA, cookie, 8 + half);
+        c.extend_from_slice(&offset.to_be_bytes());
+        c.extend(std::iter::repeat_n(1u8, half as usize));
+        c.extend(chunk(
+            REPLY_FLAG_DONE,
+            REPLY_TYPE_OFFSET_DATA,
+            cookie,
+            8 + half,
+        ));
+        c.extend_from_slice(&(offset + u64::from(quarter)).to_be_bytes());
+        c.extend(std::iter::repeat_n(2u8, half as usize));
+        c.into()
+    }
+    let env = Env::new();
+    let fake = fake_upstream::scripted(&env.path("fake.sock"), 1 << 20, script);
+    let gw = NbdgwProcess::in_front_of(&env, &fake.socket, &["--immutable"]);
+    let mut first = common::clients::connect_as(gw.addr(), &env.certs());
+    first.go(ReplyMode::Structured);
+    // Three reads in a row: read-ahead of 64 KiB at 64 KiB (one block, a
+    // good reply) and of 128 KiB at 128 KiB (the overlapping one).
+    for (cookie, offset) in [(1, 0), (2, 4096), (3, 8192)] {
+        assert_eq!(first.read(cookie, offset, 4096), [7; 4096]);
+    }
+    // Sent upstream after the read-ahead on the same connection, answered
+    // after it: once it is back, the read-ahead replies are in.
+    assert_eq!(first.read(4, 512 << 10, 4096), [7; 4096]);
+    first.disconnect();
+    let mut later = common::clients::connect_as(gw.addr(), &env.certs());
+    later.go(ReplyMode::Structured);
+    let got = later.read(5, 170_000, 4096);
+    later.disconnect();
+    let ones = got.iter().filter(|&&b| b == 1).count();
+    assert!(
+        got == [7; 4096],
+        "a block the overlapping chunks disagree on, read later: {ones} of 4096 bytes are the first chunk's"
+    );
+    gw.wait_for_log("chunks that overlap in one reply", 1);
 }
 
 /// Bad cache settings stop nbdgw at start, naming the flag.

@@ -168,6 +168,8 @@ struct Attached {
     /// `--upstream`, which serves every name.
     export: Option<String>,
     pads_export_name: bool,
+    /// Which server it reached, for the read cache.
+    incarnation: Option<upstream::Incarnation>,
 }
 
 impl Attached {
@@ -198,6 +200,7 @@ impl Attached {
             channel,
             export,
             pads_export_name: upstream.pads_export_name,
+            incarnation: upstream.incarnation,
         })
     }
 }
@@ -664,7 +667,7 @@ impl<'a> Negotiation<'a> {
         relayed::check_nothing_ahead(channel.get_mut().buffer().len())?;
         let mode = self.framing.mode();
         let read_only = tflags & TFLAG_READ_ONLY != 0;
-        let cache = self.cache(export, size, tflags);
+        let cache = self.cache(export, size, tflags, upstream.incarnation);
         let audit = self.audit(export);
         info!(
             target: AUDIT,
@@ -698,26 +701,50 @@ impl<'a> Negotiation<'a> {
     /// The session's handle on the read cache, for an immutable export
     /// with the cache on. Keyed by the upstream's socket and its name for
     /// the export, so two client names for one export share blocks; the
-    /// size and flags it reported now decide the generation.
-    fn cache(&self, export: &str, size: u64, tflags: u16) -> Option<crate::cache::Handle> {
+    /// server it reached (`incarnation`) and the size and flags it
+    /// reported now decide the generation.
+    fn cache(
+        &self,
+        export: &str,
+        size: u64,
+        tflags: u16,
+        incarnation: Option<upstream::Incarnation>,
+    ) -> Option<crate::cache::Handle> {
         if !self.immutable {
             return None;
         }
         let cache = self.config.cache.as_ref()?;
-        let key = match &self.target {
-            Some(target) => crate::cache::ExportKey {
-                socket: target.socket.clone(),
-                upstream_name: target.upstream_name.clone(),
-            },
-            None => crate::cache::ExportKey {
-                socket: self.config.upstream.clone(),
-                upstream_name: export.to_string(),
-            },
+        let (key, in_dir) = match &self.target {
+            Some(target) => (
+                crate::cache::ExportKey {
+                    socket: target.socket.clone(),
+                    upstream_name: target.upstream_name.clone(),
+                },
+                target.in_dir.as_ref(),
+            ),
+            None => (
+                crate::cache::ExportKey {
+                    socket: self.config.upstream.clone(),
+                    upstream_name: export.to_string(),
+                },
+                None,
+            ),
         };
+        let Some(incarnation) = incarnation else {
+            debug!(export = %Escaped(export), "read cache: the upstream's socket file is unknown; not cached");
+            return None;
+        };
+        // A session that reached a server whose socket has been replaced
+        // since (a new server started while this one negotiated) neither
+        // takes the new server's generation away nor is cached.
+        if crate::exports::socket_file_now(&key.socket, in_dir) != Some(incarnation.file) {
+            info!(export = %Escaped(export), "read cache: the upstream was replaced while this session negotiated; not cached");
+            return None;
+        }
         // What the upstream offers only to clients of some framing says
         // nothing of the export: clients of every framing share blocks.
         let flags = tflags & !(TFLAG_SEND_DF | TFLAG_BLOCK_STAT_PAYLOAD);
-        cache.open(&key, size, flags)
+        cache.open(&key, incarnation, size, flags)
     }
 
     /// What the audit trail says of the session entering transmission on

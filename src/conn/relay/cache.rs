@@ -317,14 +317,65 @@ impl<'a> RequestLayer<'a> {
 pub struct ReplyLayer<'a> {
     pub handle: Handle,
     pub ahead: &'a Ahead,
+    /// What each reply whose chunks fill the cache as they come
+    /// (read-ahead, and client reads relayed as they are) has covered so
+    /// far, by cookie: at most one entry per request in flight.
+    seen: Mutex<HashMap<u64, Seen>>,
 }
 
-impl ReplyLayer<'_> {
-    /// Data the upstream sent for `req`: `data` is the export's bytes at
-    /// `offset`, kept only if it lies within what was asked (an upstream
-    /// that strays is relayed, never believed).
-    pub fn data(&self, req: &InFlight, offset: u64, data: &[u8], ours: bool) {
-        if within(req, offset, data.len() as u64) {
+/// Past this many separate ranges in one reply (chunks out of order with
+/// gaps between them, which no server this was tried with sends), the
+/// rest of the reply is relayed without being cached: what is kept per
+/// reply stays small without a flag.
+const MAX_RANGES: usize = 64;
+
+/// The byte ranges one reply's chunks covered: sorted, disjoint, merged
+/// where they touch. `spoiled`: the rest of the reply is not cached.
+#[derive(Default)]
+struct Seen {
+    ranges: Vec<(u64, u64)>,
+    spoiled: bool,
+}
+
+impl Seen {
+    /// Adds `from..to`; false if it overlaps a range already covered.
+    fn add(&mut self, from: u64, to: u64) -> bool {
+        // The first range ending after `from`: the only one that can
+        // overlap, and where the new one goes.
+        let at = self.ranges.partition_point(|&(_, end)| end <= from);
+        if self.ranges.get(at).is_some_and(|&(start, _)| start < to) {
+            return false;
+        }
+        let joins_before = at > 0 && self.ranges[at - 1].1 == from;
+        let joins_after = self.ranges.get(at).is_some_and(|&(start, _)| start == to);
+        match (joins_before, joins_after) {
+            (true, true) => {
+                self.ranges[at - 1].1 = self.ranges[at].1;
+                self.ranges.remove(at);
+            }
+            (true, false) => self.ranges[at - 1].1 = to,
+            (false, true) => self.ranges[at].0 = from,
+            (false, false) => self.ranges.insert(at, (from, to)),
+        }
+        true
+    }
+}
+
+impl<'a> ReplyLayer<'a> {
+    pub fn new(handle: Handle, ahead: &'a Ahead) -> Self {
+        ReplyLayer {
+            handle,
+            ahead,
+            seen: Mutex::default(),
+        }
+    }
+
+    /// Data the upstream sent for `req` (under `cookie`): `data` is the
+    /// export's bytes at `offset`, kept only if it lies within what was
+    /// asked and overlaps no earlier chunk of the reply (an upstream that
+    /// strays is relayed, never believed).
+    pub fn data(&self, cookie: u64, req: &InFlight, offset: u64, data: &[u8], ours: bool) {
+        if self.admit(cookie, req, offset, data.len() as u64) {
             self.handle.fill(offset, data, ours);
         } else if ours {
             self.handle.read_ahead_wasted(data.len() as u64);
@@ -332,20 +383,109 @@ impl ReplyLayer<'_> {
     }
 
     /// A hole the upstream reported: zeros.
-    pub fn hole(&self, req: &InFlight, offset: u64, length: u64, ours: bool) {
-        if within(req, offset, length) {
+    pub fn hole(&self, cookie: u64, req: &InFlight, offset: u64, length: u64, ours: bool) {
+        if self.admit(cookie, req, offset, length) {
             self.handle.fill_zeros(offset, length, ours);
         }
     }
+
+    /// The reply under `cookie` is complete (or failed).
+    pub fn reply_done(&self, cookie: u64) {
+        self.lock().remove(&cookie);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Seen>> {
+        self.seen.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether a chunk may go into the cache. A chunk overlapping an
+    /// earlier one of its reply (which the protocol forbids) means the
+    /// upstream contradicts itself: the blocks it touches, which the
+    /// earlier chunk may have filled, are forgotten, and nothing more of
+    /// the reply is cached. (A reader that hit those blocks between the
+    /// two chunks got the earlier chunk's bytes.)
+    fn admit(&self, cookie: u64, req: &InFlight, offset: u64, length: u64) -> bool {
+        if !within(req, offset, length) || length == 0 {
+            return false;
+        }
+        let mut seen = self.lock();
+        let reply = seen.entry(cookie).or_default();
+        if reply.spoiled {
+            return false;
+        }
+        if !reply.add(offset, offset + length) {
+            reply.spoiled = true;
+            drop(seen);
+            self.handle.forget(offset, length);
+            tracing::warn!(
+                offset,
+                length,
+                "read cache: the upstream sent chunks that overlap in one reply; the blocks they touch are not cached"
+            );
+            return false;
+        }
+        if reply.ranges.len() > MAX_RANGES {
+            reply.spoiled = true;
+        }
+        !reply.spoiled
+    }
 }
 
-/// A fill read's reply as it comes: the whole blocks' bytes, how many of
+/// Which bytes of a fill read the upstream's reply has covered so far:
+/// one bit a byte, an eighth of the fill's own buffer. Counting bytes
+/// would take two overlapping chunks for a whole reply, and the hole they
+/// leave (zeros in the buffer) for data.
+struct Coverage {
+    words: Vec<u64>,
+    len: u64,
+}
+
+impl Coverage {
+    fn new(len: u64) -> Self {
+        Coverage {
+            words: vec![0; len.div_ceil(64) as usize],
+            len,
+        }
+    }
+
+    /// Marks `from..to` (within `len`) covered; false if any byte of it
+    /// was already.
+    fn mark(&mut self, from: u64, to: u64) -> bool {
+        let mut fresh = true;
+        let mut at = from;
+        while at < to {
+            let bit = at % 64;
+            let n = (64 - bit).min(to - at);
+            let mask = match n {
+                64 => u64::MAX,
+                n => ((1u64 << n) - 1) << bit,
+            };
+            let word = &mut self.words[(at / 64) as usize];
+            fresh &= *word & mask == 0;
+            *word |= mask;
+            at += n;
+        }
+        fresh
+    }
+
+    /// Whether every byte is covered.
+    fn complete(&self) -> bool {
+        let full = (self.len / 64) as usize;
+        let tail = self.len % 64;
+        self.words[..full].iter().all(|&w| w == u64::MAX)
+            && (tail == 0 || self.words[full] == (1u64 << tail) - 1)
+    }
+}
+
+/// A fill read's reply as it comes: the whole blocks' bytes, which of
 /// them the upstream has covered (data or hole), and its error if any.
 pub struct Filling {
     base: u64,
     buf: Vec<u8>,
-    covered: u64,
+    coverage: Coverage,
     error: Option<u32>,
+    /// What made the reply one nbdgw cannot vouch for, for the log.
+    fault: Option<&'static str>,
 }
 
 impl Filling {
@@ -354,8 +494,9 @@ impl Filling {
         Filling {
             base: req.offset,
             buf: vec![0; req.length as usize],
-            covered: 0,
+            coverage: Coverage::new(req.length),
             error: None,
+            fault: None,
         }
     }
 
@@ -381,25 +522,48 @@ impl Filling {
             offset: self.base,
             length: self.buf.len() as u64,
         };
-        if within(&req, offset, length) {
-            self.covered += length;
-            true
-        } else {
+        if !within(&req, offset, length) {
             // Data outside what was asked: the reply cannot be trusted.
-            self.error(EIO);
-            false
+            self.fault("a chunk outside the read");
+            return false;
         }
+        let from = offset - self.base;
+        if !self.coverage.mark(from, from + length) {
+            // The protocol forbids a chunk overlapping an earlier one:
+            // which of the two is the export's bytes is anyone's guess.
+            self.fault("chunks that overlap");
+            return false;
+        }
+        true
+    }
+
+    fn fault(&mut self, what: &'static str) {
+        self.fault = self.fault.or(Some(what));
+        self.error(EIO);
     }
 
     /// The data to answer the client's `request` with, or the error; on
     /// success the whole blocks go to `keep` (the cache) first.
-    pub fn finish(self, request: &Request, keep: impl FnOnce(u64, &[u8])) -> Result<Vec<u8>, u32> {
-        if let Some(error) = self.error {
-            return Err(error);
-        }
+    pub fn finish(
+        mut self,
+        request: &Request,
+        keep: impl FnOnce(u64, &[u8]),
+    ) -> Result<Vec<u8>, u32> {
         // A successful read covers every byte exactly once.
-        if self.covered != self.buf.len() as u64 {
-            return Err(EIO);
+        if self.error.is_none() && !self.coverage.complete() {
+            self.fault("success with bytes no chunk covered");
+        }
+        if let Some(error) = self.error {
+            if let Some(fault) = self.fault {
+                // The upstream broke the protocol: said once per read, as
+                // the read fails, with nothing of it cached.
+                tracing::warn!(
+                    offset = self.base,
+                    length = self.buf.len(),
+                    "read cache: the upstream answered a read with {fault}; the client's read fails with EIO and nothing of it is cached"
+                );
+            }
+            return Err(error);
         }
         keep(self.base, &self.buf);
         // The fill read was widened from the request, so it holds it.
@@ -552,6 +716,82 @@ mod tests {
         stray.data(64 * K, &[1; 64 * 1024]);
         stray.data(0, &[1; 4096]);
         assert_eq!(stray.finish(&read, never), Err(EIO));
+    }
+
+    #[test]
+    fn overlapping_chunks_that_leave_a_hole_are_an_error_and_cache_nothing() {
+        let never = |_: u64, _: &[u8]| panic!("cached an incomplete read");
+        let read = client_read(64 * K, 4 * K);
+        // Two halves' worth of bytes, the second overlapping the first by
+        // a quarter: as many bytes as the read, the last quarter uncovered.
+        let mut f = fill_of(64 * K, 64 * K);
+        f.data(64 * K, &[1; 32 * 1024]);
+        f.data(80 * K, &[2; 32 * 1024]);
+        assert_eq!(f.finish(&read, never), Err(EIO));
+        // A hole overlapping data is the same.
+        let mut f = fill_of(64 * K, 64 * K);
+        f.data(64 * K, &[1; 64 * 1024]);
+        f.hole(100 * K, 1);
+        assert_eq!(f.finish(&read, never), Err(EIO));
+        // Covered in any order, exactly once: the data.
+        let mut f = fill_of(64 * K, 64 * K + 100);
+        f.data(64 * K + 3, &[3; 64 * 1024 + 97]);
+        f.hole(64 * K, 3);
+        let data = f.finish(&client_read(64 * K, 8), |_, _| {}).unwrap();
+        assert_eq!(data, [0, 0, 0, 3, 3, 3, 3, 3]);
+    }
+
+    #[test]
+    fn a_replys_ranges_merge_and_overlaps_are_seen() {
+        let mut seen = Seen::default();
+        assert!(seen.add(100, 200));
+        assert!(seen.add(300, 400));
+        assert!(seen.add(200, 250));
+        assert_eq!(seen.ranges, [(100, 250), (300, 400)]);
+        assert!(seen.add(250, 300));
+        assert_eq!(seen.ranges, [(100, 400)]);
+        assert!(seen.add(0, 100));
+        assert!(seen.add(500, 600));
+        assert_eq!(seen.ranges, [(0, 400), (500, 600)]);
+        for (from, to) in [
+            (399, 401),
+            (0, 1),
+            (450, 501),
+            (599, 700),
+            (10, 20),
+            (0, 700),
+        ] {
+            assert!(!seen.add(from, to), "{from}..{to}");
+        }
+        assert_eq!(seen.ranges, [(0, 400), (500, 600)]);
+        assert!(seen.add(400, 500));
+        assert_eq!(seen.ranges, [(0, 600)]);
+    }
+
+    #[test]
+    fn coverage_is_every_byte_once() {
+        for len in [1u64, 63, 64, 65, 200, 4096] {
+            let mut c = Coverage::new(len);
+            assert!(!c.complete());
+            // Odd pieces, crossing word boundaries.
+            let mut at = 0;
+            for piece in [1u64, 70, 3, 64, 128, 1].iter().cycle() {
+                if at >= len {
+                    break;
+                }
+                let to = (at + piece).min(len);
+                assert!(c.mark(at, to), "{len}: {at}..{to}");
+                at = to;
+            }
+            assert!(c.complete(), "{len}");
+            assert!(!c.mark(len - 1, len), "{len}: the last byte again");
+        }
+        let mut c = Coverage::new(256);
+        assert!(c.mark(10, 100));
+        assert!(!c.mark(99, 101));
+        assert!(c.mark(101, 256));
+        // 0..10 never covered.
+        assert!(!c.complete());
     }
 
     #[test]

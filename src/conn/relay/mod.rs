@@ -74,10 +74,9 @@ where
     } = ends;
     let flight = Flight::new();
     let ahead = Ahead::new(cache.as_ref().map(|c| c.handle.clone()));
-    let reply_cache = cache.as_ref().map(|c| ReplyLayer {
-        handle: c.handle.clone(),
-        ahead: &ahead,
-    });
+    let reply_cache = cache
+        .as_ref()
+        .map(|c| ReplyLayer::new(c.handle.clone(), &ahead));
     let request_cache = cache.map(|c| RequestLayer::new(c, &ahead));
     let (local_tx, local_rx) = mpsc::channel(LOCAL_QUEUE);
     let drain = local_tx.clone();

@@ -321,6 +321,9 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
             }
         }
         if frame.done {
+            if let Some(cache) = &self.cache {
+                cache.reply_done(frame.cookie);
+            }
             let Some(purpose) = purpose else {
                 return self.finish(frame.cookie, writer).await;
             };
@@ -453,15 +456,17 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
         }
         let ours = purpose.is_some();
         match frame.kind {
-            0 if frame.simple_error == 0 => cache.data(req, req.offset, payload, ours),
+            0 if frame.simple_error == 0 => {
+                cache.data(frame.cookie, req, req.offset, payload, ours)
+            }
             REPLY_TYPE_OFFSET_DATA => {
                 if let Some(offset) = offset() {
-                    cache.data(req, offset, &payload[8..], ours);
+                    cache.data(frame.cookie, req, offset, &payload[8..], ours);
                 }
             }
             REPLY_TYPE_OFFSET_HOLE => {
                 if let (Some(offset), Some(len)) = (offset(), payload.get(8..12)) {
-                    cache.hole(req, offset, be_u32(len, 0).into(), ours);
+                    cache.hole(frame.cookie, req, offset, be_u32(len, 0).into(), ours);
                 }
             }
             _ => {}
