@@ -1,7 +1,7 @@
 //! A proven source (one of its clients opened an export with a
 //! certificate) may use the handshake reserve; issue 27 item 7: it stayed
-//! proven after a policy reload, and past `--source-memory`, for as long
-//! as it kept one handshake open or waiting. The nbdgw binary, a real
+//! proven after a policy or CRL reload, and past `--source-memory`, for
+//! as long as it kept one handshake open or waiting. The nbdgw binary, a real
 //! qemu-nbd upstream, nbdinfo to prove the source, and silent TCP
 //! connections (from 127.0.0.1, the proven source, and 127.0.0.2) that
 //! hold handshake slots.
@@ -133,10 +133,37 @@ fn a_policy_reload_unproves_a_source_that_keeps_a_handshake_open() {
     let gw = gateway(&site, &upstream.socket, admin, &[]);
     let _held = prove_and_hold(&site, &gw, admin);
 
+    let before = metric(admin, "nbdgw_policy_reloads_total");
     std::fs::write(&site.policy, NARROWER).unwrap();
     gw.signal("HUP");
     await_that("the policy reloaded", || {
-        metric(admin, "nbdgw_policy_reloads_total") >= 1.0
+        metric(admin, "nbdgw_policy_reloads_total") > before
+    });
+    assert_served_as_unproven(&gw, admin);
+}
+
+#[test]
+fn a_crl_reload_unproves_a_source_that_keeps_a_handshake_open() {
+    let site = PolicySite::new("proven CA", POLICY);
+    let image = site.env.random_image("disk.img", 1 << 20, 9);
+    let upstream = QemuNbd::start(&site.env, &image, &[]);
+    let admin = free_port();
+    let crl = site.env.path("ca-crl.pem");
+    std::fs::write(&crl, site.ca.crl(&[])).unwrap();
+    let gw = gateway(
+        &site,
+        &upstream.socket,
+        admin,
+        &["--tls-crl", crl.to_str().unwrap()],
+    );
+    let _held = prove_and_hold(&site, &gw, admin);
+
+    // A new CRL (revoking a certificate nobody here holds).
+    let before = metric(admin, "nbdgw_tls_reloads_total");
+    std::fs::write(&crl, site.ca.crl(&[99])).unwrap();
+    gw.signal("HUP");
+    await_that("the TLS files reloaded", || {
+        metric(admin, "nbdgw_tls_reloads_total") > before
     });
     assert_served_as_unproven(&gw, admin);
 }
