@@ -45,8 +45,11 @@ fn policy(command: PolicyCommand) -> ExitCode {
     use nbdgw::policy::tool;
     match command {
         PolicyCommand::Check { file } => match tool::check(&file) {
-            Ok(rules) => {
-                println!("{}: valid, {rules} rule(s)", file.display());
+            Ok(checked) => {
+                for warning in &checked.warnings {
+                    eprintln!("nbdgw: warning: {warning}");
+                }
+                println!("{}: valid, {} rule(s)", file.display(), checked.rules);
                 ExitCode::SUCCESS
             }
             Err(e) => {

@@ -402,6 +402,31 @@ impl Policy {
         Some(seen)
     }
 
+    /// Pairs of templated rules whose exports share no placeholder: a
+    /// certificate both bind is not known to be one tenant, so it gets
+    /// nothing from any templated rule (see [`one_tenant`]). Said by
+    /// `nbdgw policy check`, since that is rarely what was meant.
+    pub fn unrelated_templates(&self) -> Vec<(RuleRef, RuleRef)> {
+        let Some(rules) = &self.rules else {
+            return Vec::new();
+        };
+        let templated: Vec<(RuleRef, Vec<&str>)> = rules
+            .iter()
+            .enumerate()
+            .filter(|(_, rule)| rule.templated())
+            .map(|(i, rule)| (rule.reference(i), rule.used()))
+            .collect();
+        let mut pairs = Vec::new();
+        for (i, (a, used_a)) in templated.iter().enumerate() {
+            for (b, used_b) in &templated[i + 1..] {
+                if !used_a.iter().any(|name| used_b.contains(name)) {
+                    pairs.push((*a, *b));
+                }
+            }
+        }
+        pairs
+    }
+
     /// Whether any rule admits `cert` at all, to any export: an identity
     /// no rule names has no business with any upstream, so with the
     /// single `--upstream` nbdgw connects it only for identities this

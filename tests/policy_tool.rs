@@ -267,3 +267,24 @@ fn check_names_the_line_and_column_of_a_bad_identity_pattern() {
     assert!(message.contains(&at), "{message}");
     assert!(message.contains("stand for one whole part"), "{message}");
 }
+
+/// Templated rules naming the tenant apart (`{ns}` and `{team}`) are valid
+/// but make a certificate both bind get nothing from either: `check`
+/// warns, and still exits 0.
+#[test]
+fn check_warns_of_templated_rules_naming_the_tenant_apart() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = "[[rule]]\nexports = [\"{ns}/*\"]\nallow = { uri = [\"spiffe://td/ns/{ns}/sa/*\"] }\naccess = \"read-write\"\n\n[[rule]]\nexports = [\"{team}/*\"]\nallow = { dns = [\"*.{team}.svc\"] }\naccess = \"read-write\"\n";
+    let file = write(dir.path(), "apart.toml", text);
+    let out = check(&file);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let message = stderr(&out);
+    assert!(
+        message.contains("rules 1 (line 1) and 2 (line 6) share no placeholder"),
+        "{message}"
+    );
+    let same = write(dir.path(), "same.toml", &text.replace("team", "ns"));
+    let out = check(&same);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(stderr(&out).is_empty(), "{}", stderr(&out));
+}

@@ -38,11 +38,36 @@ fn describe_load(error: &PolicyLoadError) -> String {
     }
 }
 
-/// Parses the policy file as nbdgw would at start; returns how many
-/// rules it has.
-pub fn check(path: &Path) -> Result<usize, ToolError> {
+/// What `nbdgw policy check` found in a valid file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Checked {
+    pub rules: usize,
+    /// What is valid but likely not meant, one line each.
+    pub warnings: Vec<String>,
+}
+
+/// Parses the policy file as nbdgw would at start; says how many rules
+/// it has, and warns of templated rules that name their tenant apart.
+pub fn check(path: &Path) -> Result<Checked, ToolError> {
     let policy = load(path).map_err(ToolError::Policy)?;
-    Ok(policy.rule_count().unwrap_or(0))
+    let warnings = policy
+        .unrelated_templates()
+        .into_iter()
+        .map(|(a, b)| {
+            format!(
+                "{}: rules {} (line {}) and {} (line {}) share no placeholder in their exports: a certificate both bind is not known to be one tenant and gets nothing from any templated rule; name the tenant alike in both",
+                path.display(),
+                a.number,
+                a.line,
+                b.number,
+                b.line
+            )
+        })
+        .collect();
+    Ok(Checked {
+        rules: policy.rule_count().unwrap_or(0),
+        warnings,
+    })
 }
 
 /// What the policy in `policy` lets the client certificate (PEM; the
