@@ -304,9 +304,16 @@ impl Admission {
     }
 
     fn slots(&self) -> MutexGuard<'_, FairQueue<Source, oneshot::Sender<HandshakePermit>>> {
+        // A reload (TLS files or policy) since the last look: what was
+        // proven before it is forgotten, in the queue's lines too.
+        let reloaded = self.proven().reloaded(self.generation());
         // Every change is made whole under the lock (no call in it can
         // panic half way), so a poisoned one is still consistent.
-        self.slots.lock().unwrap_or_else(PoisonError::into_inner)
+        let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+        if reloaded {
+            slots.demote_all();
+        }
+        slots
     }
 
     fn show(&self, queue: &FairQueue<Source, oneshot::Sender<HandshakePermit>>) {

@@ -321,17 +321,13 @@ pub struct ServeArgs {
     /// picked up and dropped as sockets appear and disappear.
     #[arg(long, env = "NBDGW_EXPORT_DIR", value_name = "DIR")]
     pub export_dir: Option<PathBuf>,
-    /// Whose sockets --export-dir serves: any; same (a socket owned by
-    /// its directory's owner, whose server, by SO_PEERCRED, runs as that
-    /// uid); or a numeric uid (directory, socket and server all that
-    /// uid). Symbolic links are never followed, whatever this says.
-    #[arg(
-        long,
-        env = "NBDGW_EXPORT_DIR_OWNER",
-        value_name = "any|same|UID",
-        default_value_t = crate::exports::OwnerCheck::Any
-    )]
-    pub export_dir_owner: crate::exports::OwnerCheck,
+    /// Whose sockets --export-dir serves: same (the default: a socket
+    /// owned by its directory's owner, whose server, by SO_PEERCRED, runs
+    /// as that uid); a numeric uid (directory, socket and server all that
+    /// uid); or any (whoever can create a socket there). Symbolic links
+    /// are never followed, whatever this says.
+    #[arg(long, env = "NBDGW_EXPORT_DIR_OWNER", value_name = "same|UID|any")]
+    pub export_dir_owner: Option<crate::exports::OwnerCheck>,
     /// Declares the export NAME immutable: its data never changes while
     /// nbdgw runs (a golden image). It is read-only for every identity,
     /// and its reads go through the shared read cache (--cache-size).

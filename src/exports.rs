@@ -43,14 +43,16 @@ pub enum ExportError {
     Name(String, NameError),
 }
 
-/// Whose sockets `--export-dir` serves: `any` (only the checks against
-/// symbolic links), `same` (the socket's owner must be its directory's,
-/// and its server must run as that uid), or a uid (directory, socket and
-/// server all that uid).
+/// Whose sockets `--export-dir` serves: `same` (the default: the
+/// socket's owner must be its directory's, and its server must run as
+/// that uid), a uid (directory, socket and server all that uid), or `any`
+/// (only the checks against symbolic links). Strict by default: with
+/// `any`, a socket any local user who can write a directory there plants
+/// is served.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum OwnerCheck {
-    #[default]
     Any,
+    #[default]
     Same,
     Uid(u32),
 }
@@ -426,7 +428,7 @@ impl ExportTable {
         Ok(ExportTable {
             fixed,
             dir,
-            owner: OwnerCheck::Any,
+            owner: OwnerCheck::default(),
         })
     }
 

@@ -45,8 +45,11 @@ fn policy(command: PolicyCommand) -> ExitCode {
     use nbdgw::policy::tool;
     match command {
         PolicyCommand::Check { file } => match tool::check(&file) {
-            Ok(rules) => {
-                println!("{}: valid, {rules} rule(s)", file.display());
+            Ok(checked) => {
+                for warning in &checked.warnings {
+                    eprintln!("nbdgw: warning: {warning}");
+                }
+                println!("{}: valid, {} rule(s)", file.display(), checked.rules);
                 ExitCode::SUCCESS
             }
             Err(e) => {
@@ -535,10 +538,12 @@ mod debug_probe {
 }
 
 fn export_table(args: &ServeArgs) -> Result<Option<nbdgw::exports::ExportTable>> {
-    // An owner check that checks nothing must not look like one.
-    if args.export_dir.is_none() && args.export_dir_owner != nbdgw::exports::OwnerCheck::Any {
+    // An owner check that checks nothing must not look like one. Unset,
+    // it is the strict default (same).
+    if args.export_dir.is_none() && args.export_dir_owner.is_some() {
         bail!("--export-dir-owner (NBDGW_EXPORT_DIR_OWNER) needs --export-dir: it checks only the sockets found there");
     }
+    let owner = args.export_dir_owner.unwrap_or_default();
     if args.exports.is_empty() && args.export_dir.is_none() {
         return Ok(None);
     }
@@ -554,8 +559,8 @@ fn export_table(args: &ServeArgs) -> Result<Option<nbdgw::exports::ExportTable>>
         }
     }
     let table = nbdgw::exports::ExportTable::new(args.exports.clone(), args.export_dir.clone())?
-        .with_owner_check(args.export_dir_owner);
-    info!(exports = ?table.names(), dir = ?args.export_dir, owner = %args.export_dir_owner, "exports routed by name");
+        .with_owner_check(owner);
+    info!(exports = ?table.names(), dir = ?args.export_dir, owner = %owner, "exports routed by name");
     Ok(Some(table))
 }
 

@@ -64,6 +64,8 @@ pub enum PolicyError {
     },
     #[error("rule {rule} of the new policy may grant what the running one does not ({why}); access can only be narrowed while nbdgw runs: restart it to widen access")]
     Wider { rule: usize, why: String },
+    #[error("rule {rule} of the running policy (exports {exports:?}) is templated and the new policy drops it or one of its identity patterns: a certificate it kept out for binding two tenants across rules could then get one tenant's exports; while nbdgw runs a templated rule can only have its access lowered: restart it to drop one")]
+    DropsTemplated { rule: usize, exports: Vec<String> },
 }
 
 /// A place in the policy file, counted from 1 (columns in characters).
@@ -78,7 +80,7 @@ impl PolicyError {
     pub fn location(&self) -> Option<Location> {
         match self {
             PolicyError::Syntax { at, .. } | PolicyError::Rule { at, .. } => *at,
-            PolicyError::Wider { .. } => None,
+            PolicyError::Wider { .. } | PolicyError::DropsTemplated { .. } => None,
         }
     }
 
@@ -88,7 +90,7 @@ impl PolicyError {
         match self {
             PolicyError::Syntax { message, .. } => format!("not a valid policy file: {message}"),
             PolicyError::Rule { rule, problem, .. } => format!("rule {rule}: {problem}"),
-            PolicyError::Wider { .. } => self.to_string(),
+            PolicyError::Wider { .. } | PolicyError::DropsTemplated { .. } => self.to_string(),
         }
     }
 }
@@ -134,15 +136,16 @@ struct RuleShape {
     access: Access,
 }
 
+/// Spanned, as `exports`, so a bad pattern is reported where it is.
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct AllowShape {
     #[serde(default)]
-    cn: Vec<String>,
+    cn: Vec<Spanned<String>>,
     #[serde(default)]
-    dns: Vec<String>,
+    dns: Vec<Spanned<String>>,
     #[serde(default)]
-    uri: Vec<String>,
+    uri: Vec<Spanned<String>>,
 }
 
 /// One piece of a pattern.
@@ -246,15 +249,34 @@ pub struct Grant {
 
 type Bindings = BTreeMap<String, String>;
 
-/// Whether no placeholder is bound to two different values.
-fn agree(all: &[Bindings]) -> bool {
+/// What a certificate's names bound in one rule, as `(placeholder,
+/// value)` pairs.
+pub type RuleBindings = (RuleRef, Vec<(String, String)>);
+
+/// One certificate, one tenant, across the whole policy: every binding
+/// the certificate's names make in templated rules (kept to the
+/// placeholders those rules' exports use) must agree with every other on
+/// each placeholder they share, and share at least one. So two rules that
+/// each grant `{ns}/*` cannot give a certificate whose URI SAN binds `a`
+/// in one and whose DNS SAN binds `b` in the other both tenants, and a
+/// rule naming its tenant `{team}` cannot be played off against one
+/// naming it `{ns}` (the certificate gets nothing from either: fail
+/// closed; name the tenant alike in every rule). `sets` are the
+/// placeholder sets of the rules that bound anything, each once.
+fn one_tenant(all: &[Bindings], sets: &[Vec<&str>]) -> bool {
     let mut seen = Bindings::new();
-    all.iter().flatten().all(|(name, value)| {
+    let agree = all.iter().flatten().all(|(name, value)| {
         seen.entry(name.clone())
             .or_insert_with(|| value.clone())
             .as_str()
             == value
-    })
+    });
+    agree
+        && sets.iter().enumerate().all(|(i, a)| {
+            sets[i + 1..]
+                .iter()
+                .all(|b| a.iter().any(|name| b.contains(name)))
+        })
 }
 
 /// The rules in force. Without `--policy` it is [`Policy::open`].
@@ -317,10 +339,11 @@ impl Policy {
                 rule: None,
             });
         };
+        let tenant = one_tenant_in(rules, cert);
         rules
             .iter()
             .enumerate()
-            .filter(|(_, rule)| rule.admitting(cert, export).is_some())
+            .filter(|(_, rule)| rule.admitting(cert, export, tenant).is_some())
             .map(|(i, rule)| Decision {
                 access: rule.access,
                 rule: Some(rule.reference(i)),
@@ -340,11 +363,12 @@ impl Policy {
         let Some(rules) = &self.rules else {
             return Vec::new();
         };
+        let tenant = one_tenant_in(rules, cert);
         rules
             .iter()
             .enumerate()
             .filter_map(|(i, rule)| {
-                let (identity, bindings) = rule.admitting(cert, export)?;
+                let (identity, bindings) = rule.admitting(cert, export, tenant)?;
                 Some(Grant {
                     rule: rule.reference(i),
                     access: rule.access,
@@ -356,6 +380,53 @@ impl Policy {
             .collect()
     }
 
+    /// When `cert`'s names bind two tenants across the templated rules
+    /// (so those rules grant it nothing): every binding they made, with
+    /// its rule, for `nbdgw policy explain` to show. `None` when the
+    /// certificate is one tenant (or the policy is open).
+    pub fn two_tenants(&self, cert: &CertInfo) -> Option<Vec<RuleBindings>> {
+        let rules = self.rules.as_ref()?;
+        if one_tenant_in(rules, cert) {
+            return None;
+        }
+        let mut seen = Vec::new();
+        for (i, rule) in rules.iter().enumerate().filter(|(_, r)| r.templated()) {
+            for bindings in rule.tenant_bindings(cert) {
+                let bindings: Vec<(String, String)> = bindings.into_iter().collect();
+                let entry = (rule.reference(i), bindings);
+                if !seen.contains(&entry) {
+                    seen.push(entry);
+                }
+            }
+        }
+        Some(seen)
+    }
+
+    /// Pairs of templated rules whose exports share no placeholder: a
+    /// certificate both bind is not known to be one tenant, so it gets
+    /// nothing from any templated rule (see [`one_tenant`]). Said by
+    /// `nbdgw policy check`, since that is rarely what was meant.
+    pub fn unrelated_templates(&self) -> Vec<(RuleRef, RuleRef)> {
+        let Some(rules) = &self.rules else {
+            return Vec::new();
+        };
+        let templated: Vec<(RuleRef, Vec<&str>)> = rules
+            .iter()
+            .enumerate()
+            .filter(|(_, rule)| rule.templated())
+            .map(|(i, rule)| (rule.reference(i), rule.used()))
+            .collect();
+        let mut pairs = Vec::new();
+        for (i, (a, used_a)) in templated.iter().enumerate() {
+            for (b, used_b) in &templated[i + 1..] {
+                if !used_a.iter().any(|name| used_b.contains(name)) {
+                    pairs.push((*a, *b));
+                }
+            }
+        }
+        pairs
+    }
+
     /// Whether any rule admits `cert` at all, to any export: an identity
     /// no rule names has no business with any upstream, so with the
     /// single `--upstream` nbdgw connects it only for identities this
@@ -364,8 +435,9 @@ impl Policy {
         let Some(rules) = &self.rules else {
             return true;
         };
+        let tenant = one_tenant_in(rules, cert);
         rules.iter().any(|rule| {
-            rule.one_tenant(cert)
+            (tenant || !rule.templated())
                 && rule.identities.iter().any(|identity| {
                     identity
                         .field
@@ -390,6 +462,21 @@ impl Policy {
                 why: "no policy admits everyone read-write".into(),
             });
         };
+        // One certificate, one tenant is judged across the templated
+        // rules together, so dropping one of them (or an identity pattern
+        // of one) could give a certificate it kept out what it binds in
+        // the others: each must stay, with its identity patterns and its
+        // exports' placeholders, in some rule of the new file.
+        if let Some((i, gone)) = running
+            .iter()
+            .enumerate()
+            .find(|(_, old)| old.templated() && !new.iter().any(|rule| rule.keeps(old)))
+        {
+            return Err(PolicyError::DropsTemplated {
+                rule: i + 1,
+                exports: gone.exports.iter().map(|e| e.text.clone()).collect(),
+            });
+        }
         for (i, rule) in new.iter().enumerate() {
             if !running.iter().any(|old| old.covers(rule)) {
                 let exports: Vec<&str> = rule.exports.iter().map(|e| e.text.as_str()).collect();
@@ -401,6 +488,25 @@ impl Policy {
         }
         Ok(())
     }
+}
+
+/// Whether `cert` is one tenant across every templated rule of `rules`
+/// (see [`one_tenant`]).
+fn one_tenant_in(rules: &[Rule], cert: &CertInfo) -> bool {
+    let mut all = Vec::new();
+    let mut sets: Vec<Vec<&str>> = Vec::new();
+    for rule in rules.iter().filter(|rule| rule.templated()) {
+        let bound = rule.tenant_bindings(cert);
+        if bound.is_empty() {
+            continue;
+        }
+        let used = rule.used();
+        if !sets.contains(&used) {
+            sets.push(used);
+        }
+        all.extend(bound);
+    }
+    one_tenant(&all, &sets)
 }
 
 impl Rule {
@@ -417,8 +523,12 @@ impl Rule {
             (Field::Dns, shape.allow.dns),
             (Field::Uri, shape.allow.uri),
         ] {
-            for text in texts {
-                identities.push(IdentityPattern::parse(field, text).map_err(|e| (None, e))?);
+            for spanned in texts {
+                let span = spanned.span();
+                identities.push(
+                    IdentityPattern::parse(field, spanned.into_inner())
+                        .map_err(|e| (Some(span), e))?,
+                );
             }
         }
         if identities.is_empty() {
@@ -454,19 +564,20 @@ impl Rule {
         self.exports.iter().any(|e| !e.placeholders().is_empty())
     }
 
-    /// One certificate, one tenant: a certificate whose names bind a
-    /// placeholder that the rule's exports use to two values (two URI
-    /// SANs of two namespaces, two CNs) would otherwise get both tenants'
-    /// disks, so a templated rule grants it nothing. Placeholders only
-    /// the identity patterns use (`{host}` in `{host}.{ns}.svc`) may
-    /// differ: they name no tenant.
-    fn one_tenant(&self, cert: &CertInfo) -> bool {
-        if !self.templated() {
-            return true;
-        }
-        let used: Vec<&str> = self.exports.iter().flat_map(|e| e.placeholders()).collect();
-        let bound: Vec<Bindings> = self
-            .identities
+    /// The placeholders this rule's exports use, each once, sorted.
+    fn used(&self) -> Vec<&str> {
+        let mut used: Vec<&str> = self.exports.iter().flat_map(|e| e.placeholders()).collect();
+        used.sort_unstable();
+        used.dedup();
+        used
+    }
+
+    /// What `cert`'s names bind in this rule, kept to the placeholders
+    /// its exports use. Placeholders only the identity patterns use
+    /// (`{host}` in `{host}.{ns}.svc`) may differ: they name no tenant.
+    fn tenant_bindings(&self, cert: &CertInfo) -> Vec<Bindings> {
+        let used = self.used();
+        self.identities
             .iter()
             .flat_map(|identity| {
                 identity
@@ -479,8 +590,7 @@ impl Rule {
                 bindings.retain(|name, _| used.contains(&name.as_str()));
                 bindings
             })
-            .collect();
-        agree(&bound)
+            .collect()
     }
 
     fn reference(&self, index: usize) -> RuleRef {
@@ -491,9 +601,16 @@ impl Rule {
     }
 
     /// If this rule admits `cert` to `export`: the identity pattern that
-    /// matched, and what it bound.
-    fn admitting(&self, cert: &CertInfo, export: &str) -> Option<(&IdentityPattern, Bindings)> {
-        if !self.one_tenant(cert) {
+    /// matched, and what it bound. `one_tenant`: whether the certificate
+    /// is one tenant across the policy's templated rules
+    /// ([`one_tenant_in`]); if not, a templated rule admits it nowhere.
+    fn admitting(
+        &self,
+        cert: &CertInfo,
+        export: &str,
+        one_tenant: bool,
+    ) -> Option<(&IdentityPattern, Bindings)> {
+        if !one_tenant && self.templated() {
             return None;
         }
         self.identities.iter().find_map(|identity| {
@@ -505,6 +622,16 @@ impl Rule {
                 .find(|bindings| self.exports.iter().any(|e| e.matches(export, bindings)))
                 .map(|bindings| (identity, bindings))
         })
+    }
+
+    /// Whether this (new) rule keeps everything the running templated
+    /// rule `old` adds to the one-tenant check: all its identity patterns
+    /// and the same placeholders in its exports, so every binding `old`
+    /// made is still made and compared.
+    fn keeps(&self, old: &Rule) -> bool {
+        self.templated()
+            && self.used() == old.used()
+            && old.identities.iter().all(|id| self.identities.contains(id))
     }
 
     /// Whether every grant of `new` is plainly a grant of this rule.

@@ -180,3 +180,34 @@ fn the_owner_check_refuses_a_socket_or_server_of_another_user() {
     assert_eq!(info(&gw, &env, "nobody/posing"), REP_ERR_SHUTDOWN);
     gw.wait_for_log("its server runs as uid 0", 1);
 }
+
+/// Issue 27 item 7: `--export-dir-owner` defaulted to `any`, so a socket
+/// any local user could create in a tenant's directory was listed and
+/// served. The default is `same` now: a qemu-nbd run as another user
+/// (65534) in a directory it may write but does not own (root's, mode
+/// 1777) is neither listed nor opened; `any` still serves it when asked.
+#[test]
+fn by_default_a_socket_another_user_planted_is_not_served() {
+    let env = Env::new();
+    std::fs::set_permissions(env.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let dir = env.path("exports");
+    std::fs::create_dir_all(dir.join("team")).unwrap();
+    std::fs::set_permissions(dir.join("team"), std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let _db = QemuNbd::start_at(dir.join("team/db.sock"), &image(&env, "db.img"), &[]);
+    let _planted = QemuNbdAs::start(
+        NOBODY,
+        &dir.join("team/planted.sock"),
+        &image(&env, "p.img"),
+    );
+
+    let gw = gateway(&env, &dir, &[]);
+    assert_eq!(listed(&gw, &env), ["team/db"]);
+    assert_eq!(info(&gw, &env, "team/db"), REP_ACK);
+    assert_eq!(info(&gw, &env, "team/planted"), REP_ERR_UNKNOWN);
+    gw.wait_for_log("owned by uid 65534, not 0", 1);
+    drop(gw);
+
+    let any = gateway(&env, &dir, &[("NBDGW_EXPORT_DIR_OWNER", OsStr::new("any"))]);
+    assert_eq!(listed(&any, &env), ["team/db", "team/planted"]);
+    assert_eq!(info(&any, &env, "team/planted"), REP_ACK);
+}

@@ -204,3 +204,87 @@ fn explain_names_the_deciding_rule_and_its_access() {
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("policy.toml"), "{}", stderr(&out));
 }
+
+/// Issue 27 item 5: two templated rules, one by URI SAN and one by DNS
+/// SAN; a certificate naming namespace `a` in its URI SAN and `b` in its
+/// DNS SAN was shown (and given) read-write on both tenants' disks.
+/// Now `explain` says no rule grants either, and why.
+#[test]
+fn explain_grants_a_certificate_naming_two_tenants_in_two_rules_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let policy = write(
+        dir.path(),
+        "policy.toml",
+        r#"[[rule]]
+exports = ["{ns}/*"]
+allow = { uri = ["spiffe://cluster.local/ns/{ns}/sa/*"] }
+access = "read-write"
+
+[[rule]]
+exports = ["{ns}/*"]
+allow = { dns = ["*.{ns}.svc"] }
+access = "read-write"
+"#,
+    );
+    let ca = Ca::new("two rules CA");
+    let leaf = ca.client("x", &["vm.b.svc"], &["spiffe://cluster.local/ns/a/sa/x"], 1);
+    let cert = write(dir.path(), "both.pem", &leaf.cert);
+    for export in ["a/db", "b/db"] {
+        let out = nbdgw(&[
+            "policy".as_ref(),
+            "explain".as_ref(),
+            "--policy".as_ref(),
+            policy.as_os_str(),
+            "--cert".as_ref(),
+            cert.as_os_str(),
+            "--export".as_ref(),
+            export.as_ref(),
+        ]);
+        let text = stdout(&out);
+        assert_eq!(out.status.code(), Some(1), "{export}: {text}");
+        assert!(
+            text.contains(&format!("export \"{export}\": no rule grants it")),
+            "{text}"
+        );
+        assert!(text.contains("its names bind two tenants"), "{text}");
+        assert!(text.contains("rule 1 (line 1): {ns} = \"a\""), "{text}");
+        assert!(text.contains("rule 2 (line 6): {ns} = \"b\""), "{text}");
+    }
+}
+
+/// Issue 27 item 7: a bad identity pattern was reported at its rule's
+/// `[[rule]]` line; now at the pattern itself, line and column.
+#[test]
+fn check_names_the_line_and_column_of_a_bad_identity_pattern() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = "# tenants\n[[rule]]\nexports = [\"{ns}/*\"]\nallow = { dns = [\"*.example\"],\n          uri = [\"spiffe://td/ns/{ns}/sa/*\", \"spiffe://td/ns/x{ns}/sa/*\"] }\naccess = \"read-write\"\n";
+    let file = write(dir.path(), "bad.toml", text);
+    let out = check(&file);
+    assert_eq!(out.status.code(), Some(1));
+    let message = stderr(&out);
+    // Line 5, the second string of the uri list (column of its quote).
+    let at = format!("{}:5:46: rule 1:", file.display());
+    assert!(message.contains(&at), "{message}");
+    assert!(message.contains("stand for one whole part"), "{message}");
+}
+
+/// Templated rules naming the tenant apart (`{ns}` and `{team}`) are valid
+/// but make a certificate both bind get nothing from either: `check`
+/// warns, and still exits 0.
+#[test]
+fn check_warns_of_templated_rules_naming_the_tenant_apart() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = "[[rule]]\nexports = [\"{ns}/*\"]\nallow = { uri = [\"spiffe://td/ns/{ns}/sa/*\"] }\naccess = \"read-write\"\n\n[[rule]]\nexports = [\"{team}/*\"]\nallow = { dns = [\"*.{team}.svc\"] }\naccess = \"read-write\"\n";
+    let file = write(dir.path(), "apart.toml", text);
+    let out = check(&file);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let message = stderr(&out);
+    assert!(
+        message.contains("rules 1 (line 1) and 2 (line 6) share no placeholder"),
+        "{message}"
+    );
+    let same = write(dir.path(), "same.toml", &text.replace("team", "ns"));
+    let out = check(&same);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(stderr(&out).is_empty(), "{}", stderr(&out));
+}

@@ -12,6 +12,7 @@ use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 
 use common::clients::{connect_as, http_get};
+use common::pki::ClientDir;
 use common::process::NbdgwProcess;
 use common::raw::{OptReply, RawClient};
 use common::site::PolicySite;
@@ -320,4 +321,65 @@ fn a_connection_naming_too_many_refused_exports_is_closed() {
         33,
         "{log}"
     );
+}
+
+/// Issue 27 item 5: two templated rules granting `{ns}/*`, one by URI
+/// SAN and one by DNS SAN. A certificate whose URI SAN names namespace
+/// `a` and whose DNS SAN names `b` opened both tenants' disks read-write
+/// (each rule judged it alone). One certificate is one tenant across all
+/// rules now: nbdinfo with that certificate opens neither, while one
+/// whose names all say `a` opens `a/db` and not `b/db`.
+#[test]
+fn a_certificate_naming_two_tenants_in_two_rules_opens_neither() {
+    let policy = r#"
+[[rule]]
+exports = ["{ns}/*"]
+allow = { uri = ["spiffe://cluster.local/ns/{ns}/sa/*"] }
+access = "read-write"
+
+[[rule]]
+exports = ["{ns}/*"]
+allow = { dns = ["*.{ns}.svc"] }
+access = "read-write"
+"#;
+    let site = PolicySite::new("two rules CA", policy);
+    let dir = site.env.path("exports");
+    let mut upstreams = Vec::new();
+    for tenant in ["a", "b"] {
+        std::fs::create_dir_all(dir.join(tenant)).unwrap();
+        let image = site.env.random_image(&format!("{tenant}.img"), 1 << 20, 5);
+        upstreams.push(QemuNbd::start_at(
+            dir.join(format!("{tenant}/db.sock")),
+            &image,
+            &[],
+        ));
+    }
+    let client = |name: &str, dns: &str, serial| {
+        site.ca
+            .client(name, &[dns], &["spiffe://cluster.local/ns/a/sa/x"], serial)
+            .client_dir(&site.env.path(name), &site.ca)
+    };
+    let both = client("both", "vm.b.svc", 11);
+    let only_a = client("only-a", "vm.a.svc", 12);
+    let gw = site.gateway(&[OsStr::new("--export-dir"), dir.as_os_str()], &[]);
+    let size = |who: &Path, export: &str| {
+        let uri = format!(
+            "nbds://localhost:{}/{export}?tls-certificates={}",
+            gw.port,
+            who.display()
+        );
+        common::run(std::process::Command::new("nbdinfo").arg("--size").arg(uri))
+    };
+    for export in ["a/db", "b/db"] {
+        let out = size(&both, export);
+        assert!(
+            !out.status.success(),
+            "the two-tenant certificate opened {export}: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+    let out = size(&only_a, "a/db");
+    assert!(out.status.success(), "{}", common::clients::text(&out));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "1048576");
+    assert!(!size(&only_a, "b/db").status.success());
 }

@@ -130,10 +130,13 @@ impl<S: Copy + Eq + Hash, T> FairQueue<S, T> {
     pub fn arrive(&mut self, source: S, proven: bool, waiter: T) -> Arrival<T> {
         let bounds = self.bounds;
         let line = self.sources.entry(source).or_default();
-        // A line with waiters changes class only through `promote`, which
-        // hands on the slots that may then be theirs.
-        if line.waiters.is_empty() {
-            line.proven |= proven;
+        // A line with waiters becomes proven only through `promote`, which
+        // hands on the slots that may then be theirs. It stops being
+        // proven as soon as a connection of its source arrives unproven
+        // (its memory ran out, or a reload forgot it), however many
+        // handshakes it holds or has waiting: that is no standing to keep.
+        if line.waiters.is_empty() || !proven {
+            line.proven = proven;
         }
         // No one of this source waits ahead of it, and (the queue being
         // work-conserving) no other source of its class waits while a
@@ -181,6 +184,15 @@ impl<S: Copy + Eq + Hash, T> FairQueue<S, T> {
         }
         self.waiting += 1;
         Arrival::Wait { ticket, shed }
+    }
+
+    /// A reload forgot every proven source: their lines, waiters
+    /// included, are unproven from now on. Slots already held keep the
+    /// class they were given with (each is given back saying so).
+    pub fn demote_all(&mut self) {
+        for line in self.sources.values_mut() {
+            line.proven = false;
+        }
     }
 
     /// Every waiter, taken out of line (nbdgw stopped accepting).
@@ -542,6 +554,41 @@ mod tests {
         assert_eq!(q.release('a', false), vec![('b', 2, true)]);
     }
 
+    /// Issue 27 item 7: a source proven once stayed proven for as long
+    /// as it kept one handshake open or waiting, past its memory and
+    /// across reloads. Now a connection arriving unproven demotes its
+    /// line, and a reload demotes every line.
+    #[test]
+    fn a_line_stops_being_proven_when_its_source_does() {
+        let mut q = FairQueue::new(Bounds {
+            budget: 3,
+            unproven_budget: 1,
+            cap: 3,
+            waiting: 10,
+            waiting_per_source: 10,
+        });
+        assert!(matches!(q.arrive(1, true, 1), Arrival::Go { proven: true }));
+        assert!(matches!(
+            q.arrive(2, false, 2),
+            Arrival::Go { proven: false }
+        ));
+        // Source 1's memory ran out while it held a slot: its next
+        // connection is unproven and waits for the unproven share.
+        assert!(matches!(q.arrive(1, false, 3), Arrival::Wait { .. }));
+        assert!(!q.sources[&1].proven);
+        q.check_invariants();
+        // Proven again, then a reload: its waiters lose the reserve.
+        assert_eq!(q.promote(1), vec![(1, 3, true)]);
+        assert!(matches!(q.arrive(1, true, 4), Arrival::Wait { .. }));
+        q.demote_all();
+        assert!(!q.sources[&1].proven);
+        assert_eq!(q.release(1, true), vec![]);
+        assert!(matches!(q.arrive(1, false, 5), Arrival::Wait { .. }));
+        // The unproven share frees: 1's longest waiter, as unproven.
+        assert_eq!(q.release(2, false), vec![(1, 4, false)]);
+        q.check_invariants();
+    }
+
     #[test]
     fn a_cancelled_waiter_leaves_nothing_behind() {
         let mut q = FairQueue::new(bounds(1, 1, 10, 10));
@@ -562,6 +609,10 @@ mod tests {
         Release(u8),
         Cancel(u8),
         Promote(u8),
+        /// A connection of a source whose memory ran out arrives.
+        ArriveForgotten(u8),
+        /// A reload forgets every proven source.
+        Reload,
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -570,6 +621,8 @@ mod tests {
             3 => (0u8..5).prop_map(Op::Release),
             2 => (0u8..5).prop_map(Op::Cancel),
             1 => (0u8..5).prop_map(Op::Promote),
+            1 => (0u8..5).prop_map(Op::ArriveForgotten),
+            1 => Just(Op::Reload),
         ]
     }
 
@@ -593,6 +646,19 @@ mod tests {
             let mut next = 0u32;
             let mut outcomes: HashMap<u32, &str> = HashMap::new();
             for op in ops {
+                let op = match op {
+                    Op::ArriveForgotten(s) => {
+                        proven.remove(&s);
+                        Op::Arrive(s)
+                    }
+                    Op::Reload => {
+                        proven.clear();
+                        q.demote_all();
+                        q.check_invariants();
+                        continue;
+                    }
+                    op => op,
+                };
                 match op {
                     Op::Arrive(s) => {
                         let id = next;
@@ -641,6 +707,7 @@ mod tests {
                         prop_assert!(q.cancel(s, ticket));
                         outcomes.insert(id, "cancelled");
                     }
+                    Op::ArriveForgotten(_) | Op::Reload => unreachable!("mapped above"),
                     Op::Promote(s) => {
                         proven.insert(s);
                         for (to, id, to_proven) in q.promote(s) {

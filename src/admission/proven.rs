@@ -9,7 +9,10 @@
 //! policy then gives nothing) an attacker can do once per address and
 //! then flood as a trusted source. Why a generation: a reload can revoke
 //! the certificate or narrow the policy that proved a source, and what it
-//! proved must not outlive that. Why a cap per identity: one tenant's
+//! proved must not outlive that: neither here nor in the queue, where a
+//! source's line keeps its class while it has a handshake open or
+//! waiting (`Admission` demotes every line at a reload, and a line whose
+//! source is no longer proven when a connection of it arrives). Why a cap per identity: one tenant's
 //! certificate must not prove every address it can reach (the /64s of a
 //! /48 are 65,536 sources).
 
@@ -39,6 +42,8 @@ pub struct Proven {
     memory: Duration,
     entries: HashMap<Source, Entry>,
     per_identity: HashMap<u64, usize>,
+    /// The generation last seen by [`Proven::reloaded`].
+    seen: Generation,
 }
 
 impl Proven {
@@ -47,7 +52,22 @@ impl Proven {
             memory,
             entries: HashMap::new(),
             per_identity: HashMap::new(),
+            seen: (0, 0),
         }
+    }
+
+    /// Whether `generation` differs from the one seen last: then a reload
+    /// happened since, and everything proven before it is forgotten here
+    /// (the caller demotes the sources' lines in the queue, which would
+    /// otherwise stay proven while they keep a handshake open or waiting).
+    pub fn reloaded(&mut self, generation: Generation) -> bool {
+        if generation == self.seen {
+            return false;
+        }
+        self.seen = generation;
+        // Whatever was proven under this generation already stays.
+        self.forget_expired(generation);
+        true
     }
 
     pub fn len(&self) -> usize {
@@ -171,5 +191,25 @@ mod tests {
         // After a reload the old entries are expired: room again.
         assert!(p.prove(source(2000), &named("tenant"), (1, 0)));
         assert_eq!(p.len(), 1, "the entries of the old generation are gone");
+    }
+
+    #[test]
+    fn a_reload_seen_forgets_everything_once() {
+        let mut p = Proven::new(Duration::from_secs(3600));
+        assert!(!p.reloaded((0, 0)));
+        assert!(p.prove(source(1), &named("a"), (0, 0)));
+        assert!(!p.reloaded((0, 0)));
+        assert!(p.reloaded((0, 1)));
+        assert_eq!(p.len(), 0);
+        assert!(!p.reloaded((0, 1)));
+        assert!(p.prove(source(1), &named("a"), (0, 1)));
+        assert!(p.reloaded((1, 1)));
+        assert!(!p.is_proven(source(1), (1, 1)));
+        // Proven under the new generation before the reload was seen:
+        // kept.
+        assert!(p.prove(source(2), &named("a"), (2, 1)));
+        assert!(p.reloaded((2, 1)));
+        assert!(p.is_proven(source(2), (2, 1)));
+        assert_eq!(p.len(), 1);
     }
 }

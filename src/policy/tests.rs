@@ -234,7 +234,19 @@ fn arb_rule() -> impl Strategy<Value = String> {
         "uri = [\"spiffe://td/ns/{a}/sa/{a}\"]",
     ]);
     let access = prop::sample::select(vec!["read-only", "read-write"]);
-    (prop::collection::vec(exports, 1..3), identity, access).prop_map(|(e, id, a)| {
+    // Sometimes two identity patterns (of two fields) in one rule, so a
+    // reload dropping one of them is tried too.
+    let identities = prop::collection::vec(identity, 1..3).prop_map(|ids| {
+        let field = |id: &str| id.split(' ').next().unwrap_or_default().to_string();
+        let mut kept: Vec<&str> = Vec::new();
+        for id in ids {
+            if !kept.iter().any(|k| field(k) == field(id)) {
+                kept.push(id);
+            }
+        }
+        kept.join(", ")
+    });
+    (prop::collection::vec(exports, 1..3), identities, access).prop_map(|(e, id, a)| {
         format!("[[rule]]\nexports = {e:?}\nallow = {{ {id} }}\naccess = \"{a}\"\n")
     })
 }
@@ -676,6 +688,18 @@ fn every_load_error_says_where_it_is() {
             4,
             10,
         ),
+        // Issue 27 item 7: a bad identity pattern at its own place, not
+        // at its rule's `[[rule]]` line.
+        (
+            "[[rule]]\nexports = [\"x\"]\nallow = { cn = [\"a\"],\n  dns = [\"ok.example\", \"a*.example\"] }\naccess = \"read-only\"\n",
+            4,
+            24,
+        ),
+        (
+            "[[rule]]\nexports = [\"x\"]\nallow = { cn = [\"*\"] }\naccess = \"read-only\"\n",
+            3,
+            17,
+        ),
     ] {
         let error = Policy::parse(text).unwrap_err();
         assert_eq!(
@@ -727,4 +751,163 @@ fn one_tenant_counts_only_the_placeholders_exports_use() {
     let two_tenants = cert("x", &["a.team.svc", "a.other.svc"], &[]);
     assert_eq!(policy.decide(&two_tenants, "team/db"), None);
     assert!(!policy.grants_anything(&two_tenants));
+}
+
+const URI_NS: &str = "[[rule]]\nexports = [\"{ns}/*\"]\nallow = { uri = [\"spiffe://cluster.local/ns/{ns}/sa/*\"] }\naccess = \"read-write\"\n";
+const DNS_NS: &str =
+    "[[rule]]\nexports = [\"{ns}/*\"]\nallow = { dns = [\"*.{ns}.svc\"] }\naccess = \"read-write\"\n";
+
+/// Issue 27 item 5: one certificate, one tenant held only inside one
+/// rule. Two templated rules, one by URI SAN and one by DNS SAN, gave a
+/// certificate naming tenant `a` in one and `b` in the other read-write on
+/// both tenants' disks; merged into one rule they gave nothing.
+#[test]
+fn a_certificate_binding_two_tenants_across_rules_gets_neither() {
+    let two_rules = Policy::parse(&format!("{URI_NS}{DNS_NS}")).unwrap();
+    let merged = Policy::parse(
+        "[[rule]]\nexports = [\"{ns}/*\"]\nallow = { uri = [\"spiffe://cluster.local/ns/{ns}/sa/*\"], dns = [\"*.{ns}.svc\"] }\naccess = \"read-write\"\n",
+    )
+    .unwrap();
+    let both = cert("x", &["vm.b.svc"], &["spiffe://cluster.local/ns/a/sa/x"]);
+    let one = cert("x", &["vm.a.svc"], &["spiffe://cluster.local/ns/a/sa/x"]);
+    for policy in [&two_rules, &merged] {
+        for export in ["a/db", "b/db"] {
+            assert_eq!(policy.decide(&both, export), None, "{export}");
+        }
+        assert!(!policy.grants_anything(&both));
+        assert!(policy.grants(&both, "a/db").is_empty());
+        assert_eq!(policy.decide(&one, "a/db"), Some(Access::ReadWrite));
+        assert_eq!(policy.decide(&one, "b/db"), None);
+        assert_eq!(policy.two_tenants(&one), None);
+    }
+    let bound = two_rules.two_tenants(&both).expect("two tenants");
+    let shown: Vec<(usize, Vec<(String, String)>)> =
+        bound.into_iter().map(|(r, b)| (r.number, b)).collect();
+    assert_eq!(
+        shown,
+        [
+            (1, vec![("ns".to_string(), "a".to_string())]),
+            (2, vec![("ns".to_string(), "b".to_string())])
+        ]
+    );
+    // A plain rule still grants what it names, whatever the templated
+    // rules think of the certificate.
+    let with_plain = Policy::parse(&format!(
+        "{URI_NS}{DNS_NS}[[rule]]\nexports = [\"shared\"]\nallow = {{ dns = [\"vm.b.svc\"] }}\naccess = \"read-only\"\n"
+    ))
+    .unwrap();
+    assert_eq!(with_plain.decide(&both, "shared"), Some(Access::ReadOnly));
+    assert_eq!(with_plain.decide(&both, "a/db"), None);
+    assert!(with_plain.grants_anything(&both));
+}
+
+/// Placeholders are compared by name across rules; a certificate bound by
+/// rules that share no placeholder (`{ns}` in one, `{team}` in another)
+/// is not known to be one tenant and gets nothing from either. Rules
+/// sharing the tenant's placeholder may use more (`{ns}/{sa}`).
+#[test]
+fn rules_naming_the_tenant_differently_fail_closed() {
+    let team = "[[rule]]\nexports = [\"{team}/*\"]\nallow = { dns = [\"*.{team}.svc\"] }\naccess = \"read-write\"\n";
+    let policy = Policy::parse(&format!("{URI_NS}{team}")).unwrap();
+    let both = cert("x", &["vm.b.svc"], &["spiffe://cluster.local/ns/a/sa/x"]);
+    assert_eq!(policy.decide(&both, "a/db"), None);
+    assert_eq!(policy.decide(&both, "b/db"), None);
+    let same_value = cert("x", &["vm.a.svc"], &["spiffe://cluster.local/ns/a/sa/x"]);
+    assert_eq!(policy.decide(&same_value, "a/db"), None);
+    // Only one of them binds: that one grants.
+    let uri_only = cert("x", &[], &["spiffe://cluster.local/ns/a/sa/x"]);
+    assert_eq!(policy.decide(&uri_only, "a/db"), Some(Access::ReadWrite));
+
+    let per_sa = "[[rule]]\nexports = [\"{ns}/{sa}\"]\nallow = { uri = [\"spiffe://cluster.local/ns/{ns}/sa/{sa}\"] }\naccess = \"read-write\"\n";
+    let policy = Policy::parse(&format!("{URI_NS}{per_sa}")).unwrap();
+    let app = cert("x", &[], &["spiffe://cluster.local/ns/a/sa/app"]);
+    assert_eq!(policy.decide(&app, "a/app"), Some(Access::ReadWrite));
+    assert_eq!(policy.decide(&app, "a/db"), Some(Access::ReadWrite));
+    assert_eq!(policy.decide(&app, "b/app"), None);
+}
+
+/// Dropping a templated rule, or one of its identity patterns, could let
+/// a certificate the one-tenant check kept out in: a reload doing so is
+/// refused; lowering a templated rule's access is not.
+#[test]
+fn a_reload_dropping_a_templated_rule_is_refused() {
+    let running = Policy::parse(&format!("{URI_NS}{DNS_NS}")).unwrap();
+    let both = cert("x", &["vm.b.svc"], &["spiffe://cluster.local/ns/a/sa/x"]);
+    assert_eq!(running.decide(&both, "a/db"), None);
+    let dropped = Policy::parse(URI_NS).unwrap();
+    assert_eq!(dropped.decide(&both, "a/db"), Some(Access::ReadWrite));
+    let error = dropped.check_no_wider_than(&running).unwrap_err();
+    assert!(
+        matches!(error, PolicyError::DropsTemplated { rule: 2, .. }),
+        "{error}"
+    );
+    let merged = "[[rule]]\nexports = [\"{ns}/*\"]\nallow = { uri = [\"spiffe://cluster.local/ns/{ns}/sa/*\"], dns = [\"*.{ns}.svc\"] }\naccess = \"read-write\"\n";
+    let running = Policy::parse(merged).unwrap();
+    let fewer = Policy::parse(URI_NS).unwrap();
+    assert!(fewer.check_no_wider_than(&running).is_err());
+    let lower = Policy::parse(&merged.replace("read-write", "read-only")).unwrap();
+    assert_eq!(lower.check_no_wider_than(&running), Ok(()));
+}
+
+/// Templated rules as tenants' policies have them: the tenant as `{ns}`
+/// (sometimes `{t}`), by URI, DNS or CN, some with a second placeholder.
+fn arb_templated_rule() -> impl Strategy<Value = String> {
+    let exports = prop::sample::select(vec![
+        "{ns}/*",
+        "{ns}/db",
+        "x/{ns}/*",
+        "{ns}/{sa}",
+        "{t}/*",
+        "{ns}",
+    ]);
+    let identity = prop::sample::select(vec![
+        "uri = [\"spiffe://c/ns/{ns}/sa/*\"]",
+        "uri = [\"spiffe://c/ns/{ns}/sa/{sa}\"]",
+        "dns = [\"*.{ns}.svc\"]",
+        "dns = [\"{sa}.{ns}.svc\"]",
+        "cn = [\"{ns}\"]",
+        "dns = [\"*.{t}.svc\"]",
+        "uri = [\"spiffe://c/ns/{t}/sa/*\"]",
+        "uri = [\"spiffe://c/ns/{ns}/sa/*\"], dns = [\"*.{ns}.svc\"]",
+    ]);
+    let access = prop::sample::select(vec!["read-only", "read-write"]);
+    (prop::collection::vec(exports, 1..3), identity, access).prop_map(|(e, id, a)| {
+        format!("[[rule]]\nexports = {e:?}\nallow = {{ {id} }}\naccess = \"{a}\"\n")
+    })
+}
+
+proptest! {
+    /// Issue 27 item 5: across any number of templated rules, a
+    /// certificate reaches the exports of one tenant at most, whichever
+    /// of its names (URI, DNS, CN) each rule binds; and a certificate
+    /// whose names all name one tenant gets from the rules together what
+    /// each would give it alone, when they name the tenant alike.
+    #[test]
+    fn across_templated_rules_a_certificate_reaches_one_tenant(
+        rules in prop::collection::vec(arb_templated_rule(), 1..5),
+        uri_ns in prop::sample::select(vec!["a", "b"]),
+        dns_ns in prop::sample::select(vec!["a", "b"]),
+        cn in prop::sample::select(vec!["a", "b"]),
+        sa in prop::sample::select(vec!["db", "app"]),
+    ) {
+        let singles: Vec<Policy> = rules.iter().filter_map(|r| Policy::parse(r).ok()).collect();
+        prop_assume!(singles.len() == rules.len());
+        let policy = Policy::parse(&rules.concat()).unwrap();
+        let who = cert(cn, &[&format!("{sa}.{dns_ns}.svc")], &[&format!("spiffe://c/ns/{uri_ns}/sa/{sa}")]);
+        let exports = ["a/db", "b/db", "a/app", "b/app", "x/a/db", "x/b/db", "a", "b"];
+        let tenant_of = |export: &str| export.split('/').find(|s| *s == "a" || *s == "b").map(str::to_owned);
+        let reached: std::collections::BTreeSet<String> = exports
+            .iter()
+            .filter(|e| policy.decide(&who, e).is_some())
+            .filter_map(|e| tenant_of(e))
+            .collect();
+        prop_assert!(reached.len() <= 1, "{:?} reaches {:?} under\n{}", who, reached, rules.concat());
+        let one_name = !rules.concat().contains("{t}");
+        if one_name && uri_ns == dns_ns && dns_ns == cn {
+            for export in exports {
+                let alone = singles.iter().filter_map(|p| p.decide(&who, export)).max();
+                prop_assert_eq!(policy.decide(&who, export), alone, "{}", export);
+            }
+        }
+    }
 }

@@ -11,7 +11,7 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::CertificateDer;
 use thiserror::Error;
 
-use super::{load, Decision, Grant, PolicyLoadError};
+use super::{load, Decision, Grant, PolicyLoadError, RuleBindings};
 use crate::logsafe::Escaped;
 use crate::proto::name::{export_name, NameError};
 use crate::tls::CertInfo;
@@ -38,11 +38,36 @@ fn describe_load(error: &PolicyLoadError) -> String {
     }
 }
 
-/// Parses the policy file as nbdgw would at start; returns how many
-/// rules it has.
-pub fn check(path: &Path) -> Result<usize, ToolError> {
+/// What `nbdgw policy check` found in a valid file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Checked {
+    pub rules: usize,
+    /// What is valid but likely not meant, one line each.
+    pub warnings: Vec<String>,
+}
+
+/// Parses the policy file as nbdgw would at start; says how many rules
+/// it has, and warns of templated rules that name their tenant apart.
+pub fn check(path: &Path) -> Result<Checked, ToolError> {
     let policy = load(path).map_err(ToolError::Policy)?;
-    Ok(policy.rule_count().unwrap_or(0))
+    let warnings = policy
+        .unrelated_templates()
+        .into_iter()
+        .map(|(a, b)| {
+            format!(
+                "{}: rules {} (line {}) and {} (line {}) share no placeholder in their exports: a certificate both bind is not known to be one tenant and gets nothing from any templated rule; name the tenant alike in both",
+                path.display(),
+                a.number,
+                a.line,
+                b.number,
+                b.line
+            )
+        })
+        .collect();
+    Ok(Checked {
+        rules: policy.rule_count().unwrap_or(0),
+        warnings,
+    })
 }
 
 /// What the policy in `policy` lets the client certificate (PEM; the
@@ -66,7 +91,9 @@ pub fn explain(policy: &Path, cert: &Path, export: &str) -> Result<Explanation, 
             policy.grants(&identity, export),
         ),
     };
+    let two_tenants = policy.two_tenants(&identity);
     Ok(Explanation {
+        two_tenants,
         identity,
         export: export.to_string(),
         name_problem,
@@ -84,6 +111,9 @@ pub struct Explanation {
     pub decision: Option<Decision>,
     /// Every rule granting the export, in file order.
     pub grants: Vec<Grant>,
+    /// What the certificate's names bound in templated rules, when they
+    /// bound two tenants (so those rules grant it nothing).
+    pub two_tenants: Option<Vec<RuleBindings>>,
 }
 
 impl Explanation {
@@ -103,10 +133,11 @@ impl fmt::Display for Explanation {
             );
         }
         let Some(decision) = self.decision else {
-            return writeln!(
+            writeln!(
                 f,
                 "export \"{export}\": no rule grants it (the client is told the export does not exist)"
-            );
+            )?;
+            return self.show_two_tenants(f);
         };
         writeln!(f, "export \"{export}\": {}", decision.access)?;
         let decisive = decision.rule;
@@ -128,6 +159,28 @@ impl fmt::Display for Explanation {
             )?;
             for (i, (name, value)) in grant.bindings.iter().enumerate() {
                 let lead = if i == 0 { " with" } else { "," };
+                write!(f, "{lead} {{{name}}} = \"{}\"", Escaped(value))?;
+            }
+            writeln!(f)?;
+        }
+        self.show_two_tenants(f)
+    }
+}
+
+impl Explanation {
+    /// Why templated rules grant nothing, when that is why.
+    fn show_two_tenants(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Some(bound) = &self.two_tenants else {
+            return Ok(());
+        };
+        writeln!(
+            f,
+            "templated rules grant this certificate nothing: its names bind two tenants (one certificate, one tenant, across all rules):"
+        )?;
+        for (rule, bindings) in bound {
+            write!(f, "  rule {} (line {}):", rule.number, rule.line)?;
+            for (i, (name, value)) in bindings.iter().enumerate() {
+                let lead = if i == 0 { "" } else { "," };
                 write!(f, "{lead} {{{name}}} = \"{}\"", Escaped(value))?;
             }
             writeln!(f)?;
