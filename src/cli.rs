@@ -506,6 +506,12 @@ pub struct ServeArgs {
     /// Seconds open connections may finish after SIGTERM or SIGINT.
     #[arg(long, env = "NBDGW_SHUTDOWN_GRACE", default_value_t = config::DEFAULT_SHUTDOWN_GRACE_SECS)]
     pub shutdown_grace: u64,
+    /// While draining, a request that arrives after the drain began:
+    /// close (unanswered; the connection closes once every earlier request
+    /// is answered, so qemu's reconnect-delay sends it again) or eshutdown
+    /// (answered ESHUTDOWN, which qemu hands to the guest).
+    #[arg(long, env = "NBDGW_DRAIN_ANSWER", value_enum, default_value_t = crate::shutdown::DrainAnswer::Close)]
+    pub drain_answer: crate::shutdown::DrainAnswer,
     /// TCP_CORK around replies: deferred (held while the next reply is
     /// already waiting), per-reply (as QEMU), or off. For measuring; the
     /// default gives full segments.
