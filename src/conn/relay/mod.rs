@@ -134,9 +134,8 @@ where
                 // A drain, not the client's DISC: the client may still be
                 // sending. Its bytes are read (and dropped) until it
                 // closes too, for a while: a socket closed with bytes
-                // unread sends a reset, which can make the client's
-                // kernel drop the replies and close_notify it has not
-                // read yet.
+                // unread sends a reset and throws away what the kernel
+                // has not sent yet, replies and close_notify included.
                 let _ = tokio::time::timeout(CLOSE_LINGER, &mut requests).await;
             }
             Ok(reason)

@@ -109,8 +109,7 @@ impl<'a, C: AsyncRead + Unpin, U: AsyncWrite + Unpin> Requests<'a, C, U> {
                 // answered, and the client may send it again elsewhere.
                 // Read on (payload too), so that nothing the client sent
                 // is left unread when the socket closes: that would make
-                // it a reset, which can discard replies the client has
-                // not read yet.
+                // it a reset, which throws away replies not sent yet.
                 self.discard(payload).await?;
                 debug!(
                     command = command_name(request.command),
