@@ -149,7 +149,7 @@ pub enum Refusal {
     Shed(usize),
     #[error("--handshake-queue ({0}) full, and only proven sources wait")]
     QueueFull(usize),
-    #[error("no handshake slot within {0:?} (--handshake-queue-timeout)")]
+    #[error("no handshake slot within {0:?} of accept (--handshake-queue-timeout, at most --handshake-timeout)")]
     QueueTimeout(Duration),
     #[error("nbdgw stopped accepting while it waited for a handshake slot")]
     ShuttingDown,
@@ -212,6 +212,9 @@ pub struct Admission {
     slots: Mutex<FairQueue<Source, oneshot::Sender<HandshakePermit>>>,
     bounds: Bounds,
     queue_timeout: Duration,
+    /// The whole time from accept to a session (`--handshake-timeout`):
+    /// a place in line counts against it too.
+    handshake_timeout: Duration,
     prefixes: SourcePrefixes,
     /// The sources proven (see `proven`), for `fair`'s classes.
     proven: Mutex<proven::Proven>,
@@ -234,6 +237,16 @@ pub struct Admission {
 pub struct Place {
     source: Source,
     state: PlaceState,
+    /// By when the connection must have its session: accept plus
+    /// `--handshake-timeout`, waiting in line included.
+    deadline: tokio::time::Instant,
+}
+
+impl Place {
+    /// By when the connection must have its session (negotiation done).
+    pub fn deadline(&self) -> tokio::time::Instant {
+        self.deadline
+    }
 }
 
 enum PlaceState {
@@ -290,6 +303,7 @@ impl Admission {
             slots: Mutex::new(FairQueue::new(bounds)),
             bounds,
             queue_timeout: config.handshake_queue_timeout,
+            handshake_timeout: config.handshake_timeout,
             prefixes: config.source_prefixes,
             proven: Mutex::new(proven::Proven::new(config.source_memory)),
             tls: config.tls.clone(),
@@ -353,13 +367,23 @@ impl Admission {
             }
             Arrival::QueueFull => return Err(Refusal::QueueFull(self.bounds.waiting)),
         };
-        Ok(Place { source, state })
+        let deadline = tokio::time::Instant::now() + self.handshake_timeout;
+        Ok(Place {
+            source,
+            state,
+            deadline,
+        })
     }
 
     /// The handshake slot: at once, or once this connection's turn comes
-    /// (within `--handshake-queue-timeout`).
+    /// (within `--handshake-queue-timeout` of accept, and before the
+    /// place's deadline: a slot that would leave no time is no use).
     pub async fn handshake(self: &Arc<Self>, place: Place) -> Result<HandshakePermit, Refusal> {
-        let Place { source, state } = place;
+        let Place {
+            source,
+            state,
+            deadline,
+        } = place;
         let (ticket, mut granted) = match state {
             PlaceState::Granted(permit) => return Ok(permit),
             PlaceState::Waiting { ticket, granted } => (ticket, granted),
@@ -371,7 +395,11 @@ impl Admission {
             true => Refusal::ShuttingDown,
             false => Refusal::Shed(self.bounds.waiting),
         };
-        let result = match tokio::time::timeout(self.queue_timeout, &mut granted).await {
+        // Counted from accept, as the deadline is: the task may start a
+        // little after its connection was accepted.
+        let wait = self.queue_timeout.min(self.handshake_timeout);
+        let until = deadline - (self.handshake_timeout - wait);
+        let result = match tokio::time::timeout_at(until, &mut granted).await {
             Ok(Ok(permit)) => Ok(permit),
             Ok(Err(_)) => Err(dropped()),
             Err(_) => {
@@ -384,7 +412,7 @@ impl Admission {
                     gave_up
                 };
                 match gave_up {
-                    true => Err(Refusal::QueueTimeout(self.queue_timeout)),
+                    true => Err(Refusal::QueueTimeout(wait)),
                     // Out of line already: its slot is being handed over
                     // (the sender is sent or dropped right after the lock
                     // is let go), or it was shed. Either comes at once.

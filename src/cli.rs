@@ -406,7 +406,8 @@ pub struct ServeArgs {
     #[arg(long, env = "NBDGW_HANDSHAKE_QUEUE_PER_SOURCE", default_value_t = config::DEFAULT_HANDSHAKE_QUEUE_PER_SOURCE)]
     pub handshake_queue_per_source: usize,
     /// Seconds a connection may wait for its handshake slot before it is
-    /// closed.
+    /// closed, counted from accept; never more than --handshake-timeout,
+    /// which the wait uses up.
     #[arg(long, env = "NBDGW_HANDSHAKE_QUEUE_TIMEOUT", default_value_t = config::DEFAULT_HANDSHAKE_QUEUE_TIMEOUT_SECS, value_parser = clap::value_parser!(u64).range(1..))]
     pub handshake_queue_timeout: u64,
     /// Of --max-handshakes, the slots only proven sources (see
@@ -428,7 +429,8 @@ pub struct ServeArgs {
     /// --max-handshakes-per-source: a host usually owns a whole /64.
     #[arg(long, env = "NBDGW_SOURCE_PREFIX_V6", value_name = "BITS", default_value_t = config::DEFAULT_SOURCE_PREFIX_V6)]
     pub source_prefix_v6: u8,
-    /// Seconds a client has from connecting to finishing negotiation.
+    /// Seconds a client has from its accept to its session: the wait for
+    /// a handshake slot, the TLS handshake and negotiation together.
     #[arg(long, env = "NBDGW_HANDSHAKE_TIMEOUT", default_value_t = config::DEFAULT_HANDSHAKE_TIMEOUT_SECS)]
     pub handshake_timeout: u64,
     /// Seconds an upstream may take, in negotiation, to accept and greet,
@@ -500,6 +502,12 @@ pub struct ServeArgs {
     /// Seconds open connections may finish after SIGTERM or SIGINT.
     #[arg(long, env = "NBDGW_SHUTDOWN_GRACE", default_value_t = config::DEFAULT_SHUTDOWN_GRACE_SECS)]
     pub shutdown_grace: u64,
+    /// While draining, a request that arrives after the drain began:
+    /// close (unanswered; the connection closes once every earlier request
+    /// is answered, so qemu's reconnect-delay sends it again) or eshutdown
+    /// (answered ESHUTDOWN, which qemu hands to the guest).
+    #[arg(long, env = "NBDGW_DRAIN_ANSWER", value_enum, default_value_t = crate::shutdown::DrainAnswer::Close)]
+    pub drain_answer: crate::shutdown::DrainAnswer,
     /// TCP_CORK around replies: deferred (held while the next reply is
     /// already waiting), per-reply (as QEMU), or off. For measuring; the
     /// default gives full segments.

@@ -95,6 +95,9 @@ pub struct Config {
     /// After SIGTERM, how long to go on accepting (not ready) so that
     /// load balancers stop sending clients first.
     pub drain_delay: Duration,
+    /// What a draining connection does with a request read after the
+    /// drain began: close instead, or answer ESHUTDOWN.
+    pub drain_answer: crate::shutdown::DrainAnswer,
     /// Whether `--allow-*` lists admit clients: without a policy, the
     /// audit trail names them (else "open") as what granted a session.
     pub allow_lists: bool,
@@ -136,6 +139,7 @@ impl Config {
             metrics: Arc::new(crate::metrics::Metrics::new(&tls)),
             health: Arc::default(),
             drain_delay: Duration::ZERO,
+            drain_answer: crate::shutdown::DrainAnswer::Close,
             allow_lists: false,
             upstream,
             exports: None,

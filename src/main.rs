@@ -697,6 +697,7 @@ fn gateway_config(args: &ServeArgs, upstream: PathBuf, tls: Arc<TlsStore>) -> Co
     config.max_refused_options = args.max_refused_options;
     config.shutdown_grace = Duration::from_secs(args.shutdown_grace);
     config.drain_delay = Duration::from_secs(args.drain_delay);
+    config.drain_answer = args.drain_answer;
     config.cork = args.cork;
     config.allow_lists =
         !(args.allow_cn.is_empty() && args.allow_dns.is_empty() && args.allow_uri.is_empty());

@@ -28,7 +28,7 @@ pub async fn run(
     let admission = Admission::new(&config);
     let mut connections = JoinSet::new();
     let mut next_id: u64 = 0;
-    let (control, phase) = ShutdownControl::new();
+    let (control, phase) = ShutdownControl::answering(config.drain_answer);
     let mut shutdown = std::pin::pin!(shutdown);
     // From SIGTERM until then nbdgw is not ready but still accepts, so
     // load balancers can stop sending clients first (--drain-delay).

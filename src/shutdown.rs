@@ -4,6 +4,20 @@
 
 use tokio::sync::watch;
 
+/// What a draining connection does with a request it reads after the
+/// drain began (requests read before it are answered by the upstream).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum DrainAnswer {
+    /// Leave it unanswered and close the connection once every request
+    /// forwarded before the drain is answered: a clean close at a request
+    /// boundary. qemu with `reconnect-delay` reconnects and sends it
+    /// again; an ESHUTDOWN answer it would hand to the guest.
+    #[default]
+    Close,
+    /// Answer it ESHUTDOWN at once, and close once nothing is in flight.
+    Eshutdown,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Phase {
     Running,
@@ -14,14 +28,21 @@ pub enum Phase {
 /// Owned by the accept loop, which moves the phase forward.
 pub struct ShutdownControl(watch::Sender<Phase>);
 
-/// Each connection's view of the phase.
+/// Each connection's view of the phase, and what it does with requests
+/// read while draining.
 #[derive(Clone)]
-pub struct Shutdown(watch::Receiver<Phase>);
+pub struct Shutdown(watch::Receiver<Phase>, DrainAnswer);
 
 impl ShutdownControl {
+    /// Requests read while draining are answered ESHUTDOWN (client mode's
+    /// local clients).
     pub fn new() -> (Self, Shutdown) {
+        Self::answering(DrainAnswer::Eshutdown)
+    }
+
+    pub fn answering(answer: DrainAnswer) -> (Self, Shutdown) {
         let (tx, rx) = watch::channel(Phase::Running);
-        (ShutdownControl(tx), Shutdown(rx))
+        (ShutdownControl(tx), Shutdown(rx, answer))
     }
 
     pub fn enter(&self, phase: Phase) {
@@ -38,6 +59,16 @@ impl ShutdownControl {
 impl Shutdown {
     pub fn is_draining(&self) -> bool {
         *self.0.borrow() >= Phase::Draining
+    }
+
+    /// A request read now is to be left unanswered: the connection closes
+    /// at the next request boundary instead (`DrainAnswer::Close`).
+    pub fn closes_instead(&self) -> bool {
+        self.1 == DrainAnswer::Close && self.is_draining()
+    }
+
+    pub fn answer(&self) -> DrainAnswer {
+        self.1
     }
 
     /// Resolves once draining has begun.

@@ -8,7 +8,7 @@ mod common;
 
 use std::net::TcpStream;
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::clients::http_get;
 use common::peers::{connect_from, slow_client_hello};
@@ -251,4 +251,66 @@ fn a_proven_host_reconnecting_beside_a_spread_flood_is_served() {
     eprintln!("48 beside the spread flood: last {last:.3} s");
     assert!(last < 5.0, "the last of 48 took {last:.1} s");
     drop(flood);
+}
+
+/// Whether nbdgw closes `stream` by `deadline`: reads (its greeting, if
+/// it got a handshake slot) until the end of the stream or the deadline.
+fn closed_by(stream: &mut TcpStream, deadline: Instant) -> bool {
+    use std::io::{ErrorKind, Read};
+    let mut buf = [0u8; 256];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        // A zero timeout is refused: past the deadline, only look.
+        let looked = match left.is_zero() {
+            true => stream.set_nonblocking(true),
+            false => stream.set_read_timeout(Some(left)),
+        };
+        looked.expect("a socket option");
+        match stream.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                return false
+            }
+            // Reset: closed with the greeting unread.
+            Err(_) => return true,
+        }
+    }
+}
+
+/// 200 silent connections from one address with `--handshake-timeout 3`:
+/// 8 get handshake slots (--max-handshakes-per-source), 192 wait in line.
+/// Every one is closed within the bound from its accept, its wait in line
+/// included (3 s, plus 3 s of slack for a loaded host). Before, the
+/// handshake's time began only when the slot came, so a connection that
+/// got one after 9 s in line was open until 12 s.
+#[test]
+fn silent_connections_are_closed_within_the_handshake_timeout_waiting_included() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", 1 << 20, 23);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let gw = NbdgwProcess::in_front_of(&env, &upstream.socket, &["--handshake-timeout", "3"]);
+    let from = std::net::IpAddr::from([127, 0, 0, 1]);
+    let mut silent: Vec<TcpStream> = (0..200)
+        .map(|_| connect_from(from, gw.addr()).expect("a silent client's connect"))
+        .collect();
+    // The bound runs from each accept, the last of which is about now.
+    let deadline = Instant::now() + Duration::from_secs(3 + 3);
+    let open = silent
+        .iter_mut()
+        .filter_map(|s| (!closed_by(s, deadline)).then_some(()))
+        .count();
+    assert_eq!(
+        open,
+        0,
+        "{open} of 200 silent connections still open 6 s after the last connect \
+         (--handshake-timeout 3); nbdgw log:\n{}",
+        tail(&gw.log(), 40)
+    );
+}
+
+fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
 }

@@ -228,7 +228,12 @@ impl HeldUpstream {
         }
     }
 
+    /// Requests read while draining answered ESHUTDOWN.
     fn gateway(&self, grace_secs: &str) -> NbdgwProcess {
+        self.gateway_answering(grace_secs, "eshutdown")
+    }
+
+    fn gateway_answering(&self, grace_secs: &str, answer: &str) -> NbdgwProcess {
         let certs = self.env.certs();
         NbdgwProcess::start([
             "--upstream".as_ref(),
@@ -239,6 +244,8 @@ impl HeldUpstream {
             certs.join("server-key.pem").as_os_str(),
             "--shutdown-grace".as_ref(),
             grace_secs.as_ref() as &std::ffi::OsStr,
+            "--drain-answer".as_ref(),
+            answer.as_ref(),
         ])
     }
 
@@ -298,6 +305,31 @@ fn at_shutdown_requests_in_flight_finish_and_new_ones_get_eshutdown() {
     let log = gw.log();
     assert!(status.success(), "{log}");
     assert!(log.contains("reason=\"nbdgw shutting down"), "{log}");
+}
+
+/// The default `--drain-answer close`: a request read during the drain
+/// is neither forwarded nor answered; the read in flight is answered, then
+/// close_notify at once, and the unanswered request is the client's to
+/// send again elsewhere.
+#[test]
+fn at_shutdown_new_requests_are_left_unanswered_and_the_connection_closes_after_the_last_reply() {
+    let held = HeldUpstream::new();
+    let mut gw = held.gateway_answering("30", "close");
+    let mut c = held.read_in_flight(&gw);
+    gw.signal("TERM");
+    gw.wait_for_log("shutting down: no longer accepting", 1);
+    c.send_request(0, CMD_READ, 2, 0, 4096, &[]);
+    held.relay.hold_replies(false);
+    let data = common::raw::assemble(&c.read_reply(65536), 1, 0, 65536);
+    assert!(
+        data == held.image[..65536],
+        "the read in flight came back wrong"
+    );
+    let mut buf = [0u8; 1];
+    assert_eq!(c.stream.read(&mut buf).expect("close_notify"), 0);
+    exits_cleanly(&mut gw);
+    let log = gw.log();
+    assert!(log.contains("requests=2 replies=1"), "{log}");
 }
 
 /// The race issue 20 found behind its shutdown scenario: the last reply

@@ -45,7 +45,7 @@ pub enum ConnError {
         when: &'static str,
         after: Duration,
     },
-    #[error("negotiation not finished within {0:?}")]
+    #[error("negotiation not finished within {0:?} of accept")]
     HandshakeTimeout(Duration),
     #[error("idle for {0:?} with no request in flight")]
     IdleTimeout(Duration),

@@ -64,6 +64,9 @@ pub async fn serve(
     let span = tracing::info_span!("conn", id, %peer);
     async move {
         let metrics = &config.metrics;
+        // One bound from accept to the session: waiting for a handshake
+        // slot uses up the time negotiation has.
+        let deadline = place.deadline();
         let handshake = match admission.handshake(place).await {
             Ok(permit) => permit,
             Err(refusal) => {
@@ -84,7 +87,7 @@ pub async fn serve(
             stats: &stats,
         };
         let result = tokio::select! {
-            result = run(tcp, peer, handshake, &link) => result,
+            result = run(tcp, peer, (handshake, deadline), &link) => result,
             () = cut.cut() => Err(ConnError::GraceOver),
         };
         metrics.connections_open.dec();
@@ -175,7 +178,7 @@ enum Negotiated {
 async fn run(
     tcp: TcpStream,
     peer: SocketAddr,
-    handshake_permit: HandshakePermit,
+    (handshake_permit, deadline): (HandshakePermit, tokio::time::Instant),
     link: &Link<'_>,
 ) -> Result<&'static str, ConnError> {
     let config = link.config;
@@ -190,12 +193,9 @@ async fn run(
         .then(|| socket2::SockRef::from(&tcp).try_clone().ok())
         .flatten();
     let io = buffered::Buffered::new(CLIENT_READ_BUF, tcp);
-    let negotiated = tokio::time::timeout(
-        config.handshake_timeout,
-        negotiate(io, handshake_permit, link),
-    )
-    .await
-    .map_err(|_| ConnError::HandshakeTimeout(config.handshake_timeout))??;
+    let negotiated = tokio::time::timeout_at(deadline, negotiate(io, handshake_permit, link))
+        .await
+        .map_err(|_| ConnError::HandshakeTimeout(config.handshake_timeout))??;
     match negotiated {
         Negotiated::Closed(reason) => Ok(reason),
         Negotiated::Transmission {

@@ -23,6 +23,7 @@ use tokio::sync::mpsc;
 use crate::conn::error::ConnError;
 use crate::conn::session::Transmit;
 use crate::proto::transmission::ReplyMode;
+use crate::shutdown::DrainAnswer;
 pub use cache::Cached;
 use cache::{Ahead, ReplyLayer, RequestLayer};
 use flight::Flight;
@@ -37,6 +38,12 @@ use writer::ReplyWriter;
 const UPSTREAM_READ_BUF: usize = 64 * 1024;
 /// Replies nbdgw makes itself, queued for the reply side.
 const LOCAL_QUEUE: usize = 64;
+/// After a drain's close_notify and FIN, how long the client's bytes are
+/// still read, until it closes its side. A client that is told at once
+/// (libnbd polls) closes in a round trip; one that reads only while it
+/// waits for a reply (qemu) is not told until it sends, so this bounds
+/// how long an idle one holds the connection's end.
+const CLOSE_LINGER: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The two halves of each end of a session in transmission, and how it
 /// was negotiated: the same relay serves a TLS client and a Unix-socket
@@ -90,14 +97,17 @@ where
     .cached(request_cache)
     .ended_by(registered);
     let upstream = Buffered::new(UPSTREAM_READ_BUF, up_rd);
+    let lingers = link.shutdown.answer() == DrainAnswer::Eshutdown;
     let replies = Replies::new(upstream, &flight, local_rx, mode, link.limits.max_payload)
-        .cached(reply_cache);
+        .cached(reply_cache)
+        .lingering(lingers);
     let mut writer = ReplyWriter::new(client_wr, cork, &link.limits, link.stats);
+    let mut requests = pin!(requests.run());
+    let mut requests_done = false;
     let result = {
-        let mut requests = pin!(requests.run());
         let mut replies = pin!(replies.run(&mut writer));
         let mut shutdown = link.shutdown.clone();
-        let (mut requests_done, mut told_to_drain) = (false, false);
+        let mut told_to_drain = false;
         // The reply side decides when a drained connection ends; the
         // request side ends on its own only with DISC or an error. The
         // shutdown is watched here, once per connection rather than once
@@ -117,7 +127,18 @@ where
         }
     };
     match result {
-        Ok(reason) => writer.close().await.map(|()| reason),
+        Ok(reason) => {
+            writer.close().await?;
+            if !requests_done {
+                // A drain, not the client's DISC: the client may still be
+                // sending. Its bytes are read (and dropped) until it
+                // closes too, for a while: a socket closed with bytes
+                // unread sends a reset and throws away what the kernel
+                // has not sent yet, replies and close_notify included.
+                let _ = tokio::time::timeout(CLOSE_LINGER, &mut requests).await;
+            }
+            Ok(reason)
+        }
         Err(e) => {
             writer.abandon().await;
             Err(e)

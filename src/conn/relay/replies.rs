@@ -61,6 +61,10 @@ pub struct Replies<'a, U> {
     draining: Option<&'static str>,
     /// When the shutdown's wait for requests already sent ends.
     linger_until: Option<tokio::time::Instant>,
+    /// Whether a drained connection waits for requests already sent
+    /// (answered ESHUTDOWN); with `DrainAnswer::Close` it does not: they
+    /// go unanswered, and the close tells the client so.
+    lingers: bool,
     /// The read cache, on an immutable export: read data fills it.
     cache: Option<ReplyLayer<'a>>,
     /// Read reply payload on its way into the cache (and the client).
@@ -93,10 +97,17 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
             max_reply: max_reply(max_payload),
             draining: None,
             linger_until: None,
+            lingers: true,
             cache: None,
             scratch: Vec::new(),
             fills: HashMap::new(),
         }
+    }
+
+    /// Whether a drained connection lingers for requests already sent.
+    pub fn lingering(mut self, lingers: bool) -> Self {
+        self.lingers = lingers;
+        self
     }
 
     pub fn cached(mut self, cache: Option<ReplyLayer<'a>>) -> Self {
@@ -112,7 +123,7 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
     ) -> Result<&'static str, ConnError> {
         loop {
             if let (Some(reason), true) = (self.draining, self.flight.is_empty()) {
-                if reason == CLIENT_DISCONNECTED || !self.local_open {
+                if reason == CLIENT_DISCONNECTED || !self.local_open || !self.lingers {
                     return Ok(reason);
                 }
                 // Shutting down: what was written goes out now; then wait

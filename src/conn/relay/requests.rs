@@ -103,12 +103,31 @@ impl<'a, C: AsyncRead + Unpin, U: AsyncWrite + Unpin> Requests<'a, C, U> {
             if request.command == CMD_DISC {
                 return self.disconnect(header).await;
             }
+            if self.shutdown.closes_instead() {
+                // Never forwarded and never answered: the connection
+                // closes once what was forwarded before the drain is
+                // answered, and the client may send it again elsewhere.
+                // Read on (payload too), so that nothing the client sent
+                // is left unread when the socket closes: that would make
+                // it a reset, which throws away replies not sent yet.
+                self.discard(payload).await?;
+                debug!(
+                    command = command_name(request.command),
+                    cookie = request.cookie,
+                    "request read while draining: left unanswered, the connection closes"
+                );
+                continue;
+            }
             self.flight
                 .claim(request.cookie, InFlight::from(&request))
                 .await;
             match self.refusal(&request) {
                 Some((error, message)) => {
-                    if !self.refuse(&request, payload, error, message).await? {
+                    let queued = self.refuse(&request, payload, error, message).await?;
+                    // Once a drained connection's reply side is done, its
+                    // requests are still read until the client closes (see
+                    // `relay::run`).
+                    if !queued && !self.shutdown.is_draining() {
                         return Ok(());
                     }
                 }
