@@ -209,6 +209,8 @@ pub struct Reconnecting {
     replay: Option<(usize, usize)>,
     /// A reply other than ESHUTDOWN came on this connection.
     good: bool,
+    /// This connection replaced one that dropped (for the metrics).
+    after_drop: bool,
     /// The wait before the first try after a drop: none after a good
     /// connection, else the backoff where it was.
     wait: Duration,
@@ -266,6 +268,7 @@ impl Reconnecting {
             failed: String::new(),
             replay: None,
             good: false,
+            after_drop: false,
             // The first connection has not answered yet either.
             wait: reopen::FIRST_DELAY,
             deadline: None,
@@ -398,6 +401,7 @@ impl Reconnecting {
         );
         self.link = Link::Reconnecting(Box::pin(future));
         self.good = false;
+        self.after_drop = true;
         self.refresh_standing();
     }
 
@@ -567,7 +571,7 @@ impl Reconnecting {
         }
         self.good = true;
         self.wait = Duration::ZERO;
-        if self.standing != Standing::Fine {
+        if std::mem::take(&mut self.after_drop) {
             self.settings.metrics.reconnects.good.inc();
         }
         if self.failing {
