@@ -249,23 +249,10 @@ fn serve(mut s: UnixStream, fault: Fault, state: &FakeState) {
                 ack(structured, req.cookie, ESHUTDOWN)
             }
             (true, Fault::EarlyWriteReply, CMD_READ) => continue,
-            (true, Fault::HoldReplies, command) => {
-                if command == CMD_WRITE && payload(&mut s, &req).is_none() {
-                    return;
-                }
-                state.unanswered.fetch_add(1, Ordering::SeqCst);
-                // Told to close: what it read is never answered.
-                while !state.close_first.load(Ordering::SeqCst) {
-                    if state.unanswered.load(Ordering::SeqCst) < HOLD_UNTIL {
-                        break;
-                    }
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                if state.close_first.load(Ordering::SeqCst) {
-                    return;
-                }
-                continue;
-            }
+            (true, Fault::HoldReplies, _) => match hold(&mut s, &req, state) {
+                true => continue,
+                false => return,
+            },
             (true, Fault::EarlyWriteReply, CMD_WRITE) => {
                 if s.write_all(&ack(structured, req.cookie, 0)).is_err() {
                     return;
@@ -289,6 +276,21 @@ fn serve(mut s: UnixStream, fault: Fault, state: &FakeState) {
             return;
         }
     }
+}
+
+/// `Fault::HoldReplies`: reads the request and answers nothing; after
+/// `HOLD_UNTIL` of them, waits to be told to close. Whether to go on.
+fn hold(s: &mut UnixStream, req: &Req, state: &FakeState) -> bool {
+    if req.command == CMD_WRITE && payload(s, req).is_none() {
+        return false;
+    }
+    if state.unanswered.fetch_add(1, Ordering::SeqCst) + 1 < HOLD_UNTIL {
+        return true;
+    }
+    while !state.close_first.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
 }
 
 trait Peek {
