@@ -43,6 +43,9 @@ enum Fault {
     /// The first connection with a request reads nothing more until told
     /// to close (`close_first`); later ones serve.
     StopReading,
+    /// The first connection with a request closes at it; later ones read
+    /// every request and answer none (a hung server).
+    DropThenSilent,
     /// The first connection with a request reads every request and
     /// answers none until told to close (`close_first`); later ones serve.
     HoldReplies,
@@ -249,6 +252,13 @@ fn serve(mut s: UnixStream, fault: Fault, state: &FakeState) {
                 ack(structured, req.cookie, ESHUTDOWN)
             }
             (true, Fault::EarlyWriteReply, CMD_READ) => continue,
+            (true, Fault::DropThenSilent, _) => return,
+            (false, Fault::DropThenSilent, _) => {
+                if req.command == CMD_WRITE && payload(&mut s, &req).is_none() {
+                    return;
+                }
+                continue;
+            }
             (true, Fault::HoldReplies, _) => match hold(&mut s, &req, state) {
                 true => continue,
                 false => return,
@@ -360,10 +370,15 @@ fn sample(metrics: &str, name: &str) -> f64 {
 /// JSON line each; the probe keeps its connection open until its stdin
 /// is closed. Panics (with the count of reconnects) if a read does not
 /// end within 60 s.
-fn timed_reads(port: u16, n: usize, client: &NbdgwProcess) -> (Child, Vec<serde_json::Value>) {
+fn timed_reads(
+    port: u16,
+    (n, gap): (usize, f64),
+    client: &NbdgwProcess,
+) -> (Child, Vec<serde_json::Value>) {
     let started = Instant::now();
     let mut probe = probe()
-        .args(["reads", &format!("nbd://127.0.0.1:{port}/"), &n.to_string()])
+        .args(["reads", &format!("nbd://127.0.0.1:{port}/")])
+        .args([n.to_string(), gap.to_string()])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -392,7 +407,7 @@ fn a_server_that_drops_every_first_request_is_given_up_after_the_timeout_without
     let (client, port, admin) =
         reconnecting_client(&env, server.port, &["--reconnect-timeout", "3"]);
     let started = Instant::now();
-    let (mut probe, reads) = timed_reads(port, 2, &client);
+    let (mut probe, reads) = timed_reads(port, (2, 0.0), &client);
     eprintln!("reads: {reads:?}");
     // The first waits for the deadline (3 s from the drop), then EIO.
     assert_eq!(reads[0]["errno"], "EIO", "{}", reads[0]);
@@ -760,5 +775,31 @@ fn a_qd1_loop_through_client_mode_sees_no_error_while_the_server_restarts_gracef
     assert_eq!(summary["mismatches"], 0, "{summary}");
     assert_eq!(summary["final_equal"], true, "{summary}");
     assert!(summary["requests"].as_u64().unwrap() > 100, "{summary}");
+    drop(server);
+}
+
+#[test]
+fn past_the_timeout_a_server_that_answers_nothing_fails_each_request_in_time() {
+    let env = Env::new();
+    let fake = FakeServer::start(&env.path("fake.sock"), Fault::DropThenSilent);
+    let server = NbdgwProcess::in_front_of(&env, &fake.socket, &["--landlock", "false"]);
+    let (client, port, _admin) =
+        reconnecting_client(&env, server.port, &["--reconnect-timeout", "3"]);
+    // The first read meets the drop, then a connection that never
+    // answers: EIO at the deadline. The second, 3 s later, goes to the
+    // next connection (open by then), which never answers either: it
+    // fails after as long again, not never.
+    let (mut probe, reads) = timed_reads(port, (2, 3.0), &client);
+    eprintln!("reads: {reads:?}");
+    for read in &reads {
+        assert_eq!(read["errno"], "EIO", "{read}");
+        let seconds = read["seconds"].as_f64().unwrap();
+        assert!(
+            (2.5..15.0).contains(&seconds),
+            "a read ended after {seconds} s"
+        );
+    }
+    drop(probe.stdin.take());
+    assert!(probe.wait().unwrap().success());
     drop(server);
 }

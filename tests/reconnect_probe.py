@@ -2,7 +2,8 @@
 """libnbd (python3-libnbd) through `nbdgw client --reconnect`, for
 tests/client_reconnect.rs.
 
-reads URI N        N reads of 4 KiB at 0, one at a time: a JSON line each
+reads URI N [GAP]  N reads of 4 KiB at 0, one at a time, GAP seconds
+                   apart (default 0): a JSON line each
                    with the errno (0 when it worked) and how long it took;
                    then the connection stays open until stdin ends.
 loop URI STOPFILE  QD1 writes and reads of 4-64 KiB at random offsets,
@@ -20,10 +21,12 @@ import time
 import nbd
 
 
-def reads(uri, n):
+def reads(uri, n, gap):
     h = nbd.NBD()
     h.connect_uri(uri)
-    for _ in range(n):
+    for i in range(n):
+        if i:
+            time.sleep(gap)
         started = time.monotonic()
         try:
             h.pread(4096, 0)
@@ -83,6 +86,7 @@ def loop(uri, stopfile):
 
 if __name__ == "__main__":
     if sys.argv[1] == "reads":
-        reads(sys.argv[2], int(sys.argv[3]))
+        reads(sys.argv[2], int(sys.argv[3]),
+              float(sys.argv[4]) if len(sys.argv) > 4 else 0.0)
     else:
         loop(sys.argv[2], sys.argv[3])

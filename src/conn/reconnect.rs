@@ -963,6 +963,23 @@ impl Reconnecting {
         true
     }
 
+    /// `bytes` went to the server.
+    fn wrote(&mut self, cx: &mut Context<'_>, bytes: &[u8]) -> io::Result<usize> {
+        self.record(bytes)?;
+        if self.failing && !self.good && self.deadline.is_none() {
+            // Past the deadline, a connection that has not answered yet
+            // gets as long again to answer this request: a silent server
+            // fails it in time too.
+            self.arm_deadline();
+            self.poll_deadline(cx);
+        }
+        if self.out_at < self.out.len() {
+            // An early reply went up with the payload's end.
+            cx.waker().wake_by_ref();
+        }
+        Ok(bytes.len())
+    }
+
     /// Past the deadline with no connection up (or the export changed):
     /// the request is taken and answered EIO at once.
     fn swallow(&mut self, cx: &mut Context<'_>, buf: &[u8]) -> io::Result<usize> {
@@ -1084,14 +1101,7 @@ impl AsyncWrite for Reconnecting {
             };
             match Pin::new(conn.as_mut()).poll_write(cx, buf) {
                 Poll::Pending => return Poll::Pending,
-                Poll::Ready(Ok(n)) => {
-                    this.record(&buf[..n])?;
-                    if this.out_at < this.out.len() {
-                        // An early reply went up with the payload's end.
-                        cx.waker().wake_by_ref();
-                    }
-                    return Poll::Ready(Ok(n));
-                }
+                Poll::Ready(Ok(n)) => return Poll::Ready(this.wrote(cx, &buf[..n])),
                 Poll::Ready(Err(e)) => this.lost(&e.to_string()),
             }
         }
