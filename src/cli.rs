@@ -144,8 +144,9 @@ pub struct ClientArgs {
     /// unchanged) and send the requests in flight again, in order.
     #[arg(long, env = "NBDGW_CLIENT_RECONNECT")]
     pub reconnect: bool,
-    /// Seconds --reconnect keeps trying after a drop before the requests
-    /// in flight fail with EIO and the local connection closes.
+    /// Seconds from a drop --reconnect waits for a server connection that
+    /// answers before the requests in flight fail with EIO; new ones then
+    /// fail at once until the server answers again (tries go on).
     #[arg(long, env = "NBDGW_CLIENT_RECONNECT_TIMEOUT", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     pub reconnect_timeout: u64,
     /// Bytes of requests in flight (write payloads included) --reconnect

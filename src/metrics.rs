@@ -2,7 +2,7 @@
 //! health the admin listener reports. Counters are cheap atomics, updated
 //! where things happen; the text exposition is prometheus-client's.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -89,6 +89,31 @@ pub struct Metrics {
     pub admin_connections_open: Gauge,
     pub admin_connections_refused: Counter,
     pub cache: CacheMetrics,
+    /// `nbdgw client --reconnect`'s counters (registered in client mode).
+    pub reconnects: ReconnectMetrics,
+}
+
+/// What `nbdgw client --reconnect` did, summed over local connections:
+/// fixed labels only, never the server's words.
+#[derive(Clone, Debug, Default)]
+pub struct ReconnectMetrics {
+    /// Tries to open the export again, by outcome: "opened" or "failed".
+    pub tries: Family<Outcome, Counter>,
+    /// Server connections that answered a request after a drop: the
+    /// reconnect that worked.
+    pub good: Counter,
+    /// Times --reconnect gave up, by reason: "timeout" (the requests in
+    /// flight failed with EIO, later ones fail at once until the server
+    /// answers) or "export_changed" (the local connection closed).
+    pub give_ups: Family<Outcome, Counter>,
+    /// ESHUTDOWN answers held back and their requests sent again.
+    pub shutdown_answers_held: Counter,
+    /// Local connections whose server connection is down or not yet
+    /// answering, within --reconnect-timeout.
+    pub reconnecting: Gauge,
+    /// Local connections past --reconnect-timeout: their requests fail
+    /// at once.
+    pub unreachable: Gauge,
 }
 
 /// The read cache's counters (see `crate::cache`): one set for the
@@ -183,12 +208,16 @@ impl Metrics {
             admin_connections_open: Gauge::default(),
             admin_connections_refused: Counter::default(),
             cache: CacheMetrics::default(),
+            reconnects: ReconnectMetrics::default(),
             registry: Registry::default(),
         };
         metrics.register_connections(&mut registry);
         metrics.register_requests(&mut registry, tls);
         metrics.register_exports(&mut registry);
         metrics.register_cache(&mut registry);
+        if tls.is_none() {
+            metrics.register_reconnects(&mut registry);
+        }
         Metrics {
             registry,
             ..metrics
@@ -197,6 +226,41 @@ impl Metrics {
 }
 
 impl Metrics {
+    /// Client mode's `--reconnect` counters.
+    fn register_reconnects(&self, r: &mut Registry) {
+        let m = &self.reconnects;
+        r.register(
+            "reconnect_tries",
+            "Tries to open the server's export again after a drop, by outcome",
+            m.tries.clone(),
+        );
+        r.register(
+            "reconnects_good",
+            "Server connections that answered a request after a drop",
+            m.good.clone(),
+        );
+        r.register(
+            "reconnect_give_ups",
+            "Times --reconnect gave up, by reason (timeout, export_changed)",
+            m.give_ups.clone(),
+        );
+        r.register(
+            "reconnect_shutdown_answers_held",
+            "ESHUTDOWN answers held back from the local client, their requests sent again",
+            m.shutdown_answers_held.clone(),
+        );
+        r.register(
+            "reconnecting_connections",
+            "Local connections whose server connection is down or not yet answering",
+            m.reconnecting.clone(),
+        );
+        r.register(
+            "unreachable_connections",
+            "Local connections past --reconnect-timeout, whose requests fail at once",
+            m.unreachable.clone(),
+        );
+    }
+
     fn register_connections(&self, r: &mut Registry) {
         let m = self;
         r.register(
@@ -503,6 +567,10 @@ pub struct Health {
     draining: AtomicBool,
     /// Whether the upstream socket refused the last try.
     upstream_down: AtomicBool,
+    /// Client mode: local connections reconnecting to the server, and
+    /// those past --reconnect-timeout (failing at once).
+    reconnecting: AtomicUsize,
+    unreachable: AtomicUsize,
 }
 
 impl Health {
@@ -524,6 +592,27 @@ impl Health {
         self.upstream_down.store(down, Ordering::Relaxed);
     }
 
+    /// A local connection of client mode starts (`true`) or stops
+    /// reconnecting to the server.
+    pub fn set_reconnecting(&self, on: bool) {
+        Self::count(&self.reconnecting, on);
+    }
+
+    /// A local connection of client mode starts (`true`) or stops failing
+    /// its requests at once, past --reconnect-timeout.
+    pub fn set_unreachable(&self, on: bool) {
+        Self::count(&self.unreachable, on);
+    }
+
+    fn count(counter: &AtomicUsize, on: bool) {
+        if on {
+            counter.fetch_add(1, Ordering::Relaxed);
+        } else {
+            let _ =
+                counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        }
+    }
+
     /// `Ok` when ready for clients, or the one-line reason it is not: a
     /// fixed text, since whoever can reach the admin listener is told it
     /// (the upstream's path and error are in the log only).
@@ -536,6 +625,12 @@ impl Health {
         }
         if self.upstream_down.load(Ordering::Relaxed) {
             return Err("upstream unavailable");
+        }
+        if self.unreachable.load(Ordering::Relaxed) > 0 {
+            return Err("server unreachable past --reconnect-timeout");
+        }
+        if self.reconnecting.load(Ordering::Relaxed) > 0 {
+            return Err("reconnecting to the server");
         }
         Ok(())
     }

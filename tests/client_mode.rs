@@ -869,7 +869,7 @@ fn reconnect_sends_the_writes_in_flight_again_after_a_gateway_restart() {
 }
 
 #[test]
-fn reconnect_refuses_a_changed_export_and_gives_up_after_the_timeout() {
+fn reconnect_refuses_a_changed_export_and_fails_fast_past_the_timeout_until_the_server_is_back() {
     let env = Env::new();
     let image = env.random_image("disk.img", SIZE, 21);
     let mut upstream = QemuNbd::start(&env, &image, &[]);
@@ -895,30 +895,37 @@ fn reconnect_refuses_a_changed_export_and_gives_up_after_the_timeout() {
     c.expect_closed();
 
     // The server gone for longer than --reconnect-timeout: a request in
-    // flight gets EIO, then the connection closes.
+    // flight gets EIO, the next one EIO at once (the connection stays),
+    // and once the server is back the same connection serves again.
     let mut c = RawClient::handshake(addr);
     c.go(ReplyMode::Structured);
     drop(gateway);
-    c.send_request(0, nbdgw::proto::consts::CMD_READ, 7, 0, 4096, &[]);
-    let started = std::time::Instant::now();
-    let reply = c.read_reply(0);
-    assert_eq!(reply.last().unwrap().cookie, 7);
-    assert_eq!(
-        reply.last().unwrap().error_code(),
-        nbdgw::proto::consts::EIO
+    let eio = |c: &mut RawClient, cookie: u64| {
+        c.send_request(0, nbdgw::proto::consts::CMD_READ, cookie, 0, 4096, &[]);
+        let started = std::time::Instant::now();
+        let reply = c.read_reply(0);
+        let last = reply.last().unwrap();
+        assert_eq!(last.cookie, cookie);
+        assert_eq!(last.error_code(), nbdgw::proto::consts::EIO);
+        assert!(
+            last.error_message()
+                .contains("no connection within --reconnect-timeout"),
+            "{}",
+            last.error_message()
+        );
+        started.elapsed()
+    };
+    assert!(eio(&mut c, 7) < Duration::from_secs(10));
+    assert!(eio(&mut c, 8) < Duration::from_secs(2));
+    client.wait_for_log(
+        "no server connection answered within --reconnect-timeout",
+        1,
     );
-    assert!(
-        reply
-            .last()
-            .unwrap()
-            .error_message()
-            .contains("no connection within --reconnect-timeout"),
-        "{}",
-        reply.last().unwrap().error_message()
-    );
-    assert!(started.elapsed() < Duration::from_secs(10));
-    c.expect_closed();
-    client.wait_for_log("giving up on the server", 2);
+    let _gateway = gateway_at(&env, &upstream.socket, server_port);
+    client.wait_for_log("reconnected to the server", 1);
+    assert_eq!(c.read(9, 0, 4096), pattern(SIZE / 2, 22)[..4096]);
+    client.wait_for_log("the server answers again", 1);
+    c.disconnect();
 }
 
 #[test]

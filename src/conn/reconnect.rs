@@ -3,27 +3,46 @@
 //! without `--reconnect`; it reads replies from and writes requests to
 //! this stream, which
 //!
-//! - keeps every request it passes on (header and write payload) until
-//!   the request's last reply has come back, at most `--replay-buffer`
-//!   bytes of them: beyond that, a new request waits;
+//! - keeps every request it passes on (header and write payload, from
+//!   its first byte) until the request's last reply has come back, at
+//!   most `--replay-buffer` bytes of them: beyond that, a new request
+//!   waits;
 //! - passes each reply message up only once it has come whole, so a drop
 //!   never leaves half a message on the local connection, and holds the
 //!   chunks of a structured reply until its last one has come (at most
 //!   `--reply-buffer` bytes of them), so a drop never leaves half a reply
-//!   there either: a cut reply is asked for again whole;
+//!   there either: a cut reply is asked for again whole; a reply to a
+//!   write whose payload is still passing is held until it has passed;
+//! - holds back an ESHUTDOWN answer (simple, or an error chunk): the
+//!   server is going. New requests wait; once every request sent to it
+//!   has its answer, the connection is dropped and the held ones are sent
+//!   again on the next (a server that closes instead is a drop);
 //! - when the connection drops (an error, or an end the local client did
-//!   not ask for with NBD_CMD_DISC), reconnects with backoff for up to
-//!   `--reconnect-timeout`, opens the same export with the same framing,
-//!   checks that its size and transmission flags are unchanged, and sends
-//!   the kept requests again, in their original order, before any new one.
+//!   not ask for with NBD_CMD_DISC), reconnects with backoff, opens the
+//!   same export with the same framing, checks that its size and
+//!   transmission flags are unchanged, and sends the kept requests again
+//!   from where they are kept, in their original order, before any new
+//!   one.
+//!
+//! A connection is good once a reply other than ESHUTDOWN has come on it.
+//! The backoff (0.1 s doubling to 2 s) goes on across drops until one is
+//! good: after a good connection drops, the first try is at once. One
+//! deadline, `--reconnect-timeout`, runs from the first drop with requests
+//! in flight until a connection is good and those requests are answered;
+//! further drops do not restart it. When it passes, every request in
+//! flight gets EIO and, until a connection is good again, a new request
+//! gets EIO at once while no connection is up (one that is up is given
+//! it); the tries go on in the background, so the local connection
+//! serves again once the server does.
 //!
 //! A request whose reply had already been passed up in part (a structured
 //! reply of several chunks, larger than what `--reply-buffer` had left)
 //! cannot be sent again without repeating those chunks: it gets an EIO
-//! error chunk instead. If the export changed, or
-//! no connection could be made in time, every request in flight gets EIO
-//! and the stream ends, which closes the local connection: a different
-//! disk is never served.
+//! error chunk instead. If the export changed, every request in flight
+//! gets EIO and the stream ends, which closes the local connection: a
+//! different disk is never served.
+
+mod reopen;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
@@ -31,17 +50,18 @@ use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tracing::{error, info, warn};
 
-use super::relayed::{self, Framing};
-use super::remote::{self, RemoteTls};
+use self::reopen::Reopened;
+use super::relayed::Framing;
+use super::remote::RemoteTls;
 use crate::client::ClientSettings;
 use crate::logsafe::Escaped;
+use crate::metrics::Outcome;
 use crate::proto::consts::*;
-use crate::proto::handshake::parse_info_export;
 use crate::proto::transmission::{
     encode_error_reply, parse_reply, reply_header_len, InFlight, InFlightTable, ReplyFrame,
     ReplyMode, Request,
@@ -86,52 +106,31 @@ const KEPT_OVERHEAD: usize = 256;
 const HELD_OVERHEAD: usize = 64;
 /// Message buffers larger than this are freed once delivered.
 const KEPT_CAPACITY: usize = 1024 * 1024;
-/// Backoff between tries: from the first to the longest.
-const FIRST_DELAY: Duration = Duration::from_millis(100);
-const LONGEST_DELAY: Duration = Duration::from_secs(2);
+/// Room for replies to a write come before its payload has passed (held
+/// until it has), when `--reply-buffer` is smaller.
+const EARLY_ROOM: usize = 64 * 1024;
 
-/// Why reconnecting ended without a connection.
-#[derive(Debug)]
-enum GiveUp {
-    /// The export is not the one the local client opened.
-    Changed(String),
-    TimedOut {
-        tries: u32,
-        last: String,
-    },
-}
-
-impl std::fmt::Display for GiveUp {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            GiveUp::Changed(what) => write!(f, "the export changed: {what}"),
-            GiveUp::TimedOut { tries, last } => write!(
-                f,
-                "no connection within --reconnect-timeout ({tries} tries; last: {last})"
-            ),
-        }
-    }
-}
-
-/// One try's failure: worth another try, or final.
-enum Attempt {
-    Failed(String),
-    Changed(String),
-}
-
-type Reconnect = Pin<Box<dyn Future<Output = Result<RemoteTls, GiveUp>> + Send + Sync>>;
+type Reconnect = Pin<Box<dyn Future<Output = Result<Reopened, String>> + Send + Sync>>;
 
 enum Link {
     Up(Box<RemoteTls>),
     Reconnecting(Reconnect),
-    /// Given up: what is left in `out` goes up, then the end.
-    Failed,
+    /// The export changed: what is left in `out` goes up, then the end.
+    Changed,
 }
 
 /// A request passed on and not yet wholly answered.
 struct Kept {
+    /// Known once its header is whole (the last one may be in part).
     cookie: u64,
+    /// Its header and payload as passed on so far.
     bytes: Vec<u8>,
+    /// It was in flight at a drop: the reconnect deadline runs until it
+    /// is answered.
+    resent: bool,
+    /// The server answered it ESHUTDOWN: held back, and sent again on the
+    /// next connection.
+    shut: bool,
 }
 
 /// What the reply side waits for next.
@@ -142,19 +141,43 @@ enum Need {
     Payload(ReplyFrame, u64),
 }
 
+/// Where a local connection stands with the server, as `/readyz` and the
+/// gauges count it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Standing {
+    Fine,
+    /// Down, or up and not yet answering, within --reconnect-timeout.
+    Reconnecting,
+    /// Past --reconnect-timeout with no connection: requests fail at once.
+    Unreachable,
+}
+
+/// How reading the server's connection ended, if it did.
+enum ReadEnd {
+    /// A drop: reconnect.
+    Lost(String),
+    /// The server broke the protocol.
+    Invalid(io::Error),
+    /// After NBD_CMD_DISC: the end.
+    Done,
+}
+
 pub struct Reconnecting {
     link: Link,
     settings: Arc<ClientSettings>,
     opened: Arc<Opened>,
     mode: ReplyMode,
     max_reply: u64,
-    /// The header of the request being written, until it is whole.
-    head: Vec<u8>,
+    /// Bytes so far of the header of the request being written (kept as
+    /// the last of `kept`, so that a drop replays it), until it is whole.
+    head_len: usize,
     /// Payload bytes of the request being written still to come.
     payload_left: u64,
     kept: VecDeque<Kept>,
     /// Bytes in `kept`, against `--replay-buffer`.
     held: usize,
+    /// How many of `kept` are `resent`.
+    resent: usize,
     table: InFlightTable,
     /// The local client sent NBD_CMD_DISC: the server's end is expected.
     disconnecting: bool,
@@ -175,11 +198,40 @@ pub struct Reconnecting {
     /// `HELD_OVERHEAD`), against `--reply-buffer`.
     held_reply_bytes: usize,
     scratch: Vec<u8>,
-    /// A write waits for the reconnect: once given up, what it brings
-    /// gets its EIO before the end is read.
+    /// A write waits for the reconnect: once the export changed, what it
+    /// brings gets its EIO before the end is read.
     writer_blocked: bool,
-    /// Why it gave up, for the EIO replies.
+    /// Why requests fail, for the EIO replies.
     failed: String,
+    /// Sending the kept requests again on a new connection: the next one
+    /// and how much of it is written. Nothing is read meanwhile, and
+    /// nothing is copied: they are written from `kept` itself.
+    replay: Option<(usize, usize)>,
+    /// A reply other than ESHUTDOWN came on this connection.
+    good: bool,
+    /// This connection replaced one that dropped (for the metrics).
+    after_drop: bool,
+    /// The wait before the first try after a drop: none after a good
+    /// connection, else the backoff where it was.
+    wait: Duration,
+    /// One deadline from the first drop with requests in flight until a
+    /// connection is good and they are answered; drops in between do not
+    /// restart it.
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// The deadline passed: until a connection is good, a request fails at
+    /// once while none is up (tries go on in the background).
+    failing: bool,
+    /// The server answered ESHUTDOWN: new requests wait, and once each
+    /// one in flight has its answer the connection is dropped.
+    server_going: bool,
+    /// Requests answered ESHUTDOWN whose later chunks are still to come:
+    /// dropped as they come.
+    shut_chunks: HashSet<u64>,
+    /// The write being passed on had its last reply before its payload
+    /// passed: the reply goes up once the payload has.
+    early_done: Option<u64>,
+    progress: reopen::Shared,
+    standing: Standing,
 }
 
 impl Reconnecting {
@@ -189,17 +241,27 @@ impl Reconnecting {
         opened: Opened,
         mode: ReplyMode,
     ) -> Self {
+        Self::with_link(Link::Up(Box::new(remote)), settings, opened, mode)
+    }
+
+    fn with_link(
+        link: Link,
+        settings: Arc<ClientSettings>,
+        opened: Opened,
+        mode: ReplyMode,
+    ) -> Self {
         let max_reply = super::relay::max_reply(settings.max_payload);
         Reconnecting {
-            link: Link::Up(Box::new(remote)),
+            link,
             settings,
             opened: Arc::new(opened),
             mode,
             max_reply,
-            head: Vec::new(),
+            head_len: 0,
             payload_left: 0,
             kept: VecDeque::new(),
             held: 0,
+            resent: 0,
             table: InFlightTable::default(),
             disconnecting: false,
             write_waiting: None,
@@ -213,6 +275,18 @@ impl Reconnecting {
             scratch: vec![0; READ_CHUNK],
             writer_blocked: false,
             failed: String::new(),
+            replay: None,
+            good: false,
+            after_drop: false,
+            // The first connection has not answered yet either.
+            wait: reopen::FIRST_DELAY,
+            deadline: None,
+            failing: false,
+            server_going: false,
+            shut_chunks: HashSet::new(),
+            early_done: None,
+            progress: reopen::Shared::default(),
+            standing: Standing::Fine,
         }
     }
 
@@ -226,38 +300,123 @@ impl Reconnecting {
         self.settings.reconnect.map_or(0, |r| r.reply_buffer)
     }
 
-    /// The replies held unfinished are dropped (their requests are still
-    /// kept): how many there were.
-    fn drop_held_replies(&mut self) -> usize {
-        self.held_reply_bytes = 0;
-        std::mem::take(&mut self.held_replies).len()
+    /// A request is being written (its header or payload in part).
+    fn passing(&self) -> bool {
+        self.head_len > 0 || self.payload_left > 0
     }
 
-    /// Brings the link up, or says it cannot be: `Ready(Err)` once given up.
-    fn drive(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+    fn wake_writer(&mut self) {
+        if let Some(waker) = self.write_waiting.take() {
+            waker.wake();
+        }
+    }
+
+    /// Brings the link up: `Ready(true)` when up, `Ready(false)` once the
+    /// export changed.
+    fn drive(&mut self, cx: &mut Context<'_>) -> Poll<bool> {
         let done = match &mut self.link {
-            Link::Up(_) => return Poll::Ready(Ok(())),
-            Link::Failed => return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into())),
-            Link::Reconnecting(future) => match future.as_mut().poll(cx) {
-                Poll::Pending => return Poll::Pending,
-                Poll::Ready(done) => done,
-            },
+            Link::Up(_) => return Poll::Ready(true),
+            Link::Changed => return Poll::Ready(false),
+            Link::Reconnecting(future) => std::task::ready!(future.as_mut().poll(cx)),
         };
         match done {
-            Ok(conn) => {
-                self.link = Link::Up(Box::new(conn));
-                Poll::Ready(Ok(()))
+            Ok(reopened) => {
+                self.reopened(reopened);
+                Poll::Ready(true)
             }
-            Err(why) => {
-                self.give_up(&why);
-                Poll::Ready(Err(io::Error::other(why.to_string())))
+            Err(what) => {
+                self.give_up(&what);
+                Poll::Ready(false)
             }
         }
     }
 
+    /// Polls the deadline: true if it passed now.
+    fn poll_deadline(&mut self, cx: &mut Context<'_>) -> bool {
+        let passed = self
+            .deadline
+            .as_mut()
+            .is_some_and(|d| d.as_mut().poll(cx).is_ready());
+        if passed {
+            self.time_out();
+        }
+        passed
+    }
+
+    fn arm_deadline(&mut self) {
+        let timeout = self
+            .settings
+            .reconnect
+            .map_or(Duration::ZERO, |r| r.timeout);
+        self.deadline = Some(Box::pin(tokio::time::sleep(timeout)));
+        self.refresh_standing();
+    }
+
+    fn refresh_standing(&mut self) {
+        let up = matches!(self.link, Link::Up(_));
+        let standing = match self.link {
+            Link::Changed => Standing::Fine,
+            _ if self.failing && !up => Standing::Unreachable,
+            Link::Reconnecting(_) => Standing::Reconnecting,
+            _ if self.failing || self.deadline.is_some() => Standing::Reconnecting,
+            _ => Standing::Fine,
+        };
+        self.set_standing(standing);
+    }
+
+    fn set_standing(&mut self, standing: Standing) {
+        if self.standing == standing {
+            return;
+        }
+        let (health, gauges) = (&self.settings.health, &self.settings.metrics.reconnects);
+        for (which, on) in [(self.standing, false), (standing, true)] {
+            let delta = if on { 1 } else { -1 };
+            match which {
+                Standing::Fine => {}
+                Standing::Reconnecting => {
+                    health.set_reconnecting(on);
+                    gauges.reconnecting.inc_by(delta);
+                }
+                Standing::Unreachable => {
+                    health.set_unreachable(on);
+                    gauges.unreachable.inc_by(delta);
+                }
+            }
+        }
+        self.standing = standing;
+    }
+
+    /// A new connection opened the export: the kept requests go first.
+    fn reopened(&mut self, reopened: Reopened) {
+        info!(
+            tries = reopened.tries,
+            requests_sent_again = self.kept.len(),
+            failing = self.failing,
+            "reconnected to the server (--reconnect)"
+        );
+        self.link = Link::Up(Box::new(reopened.conn));
+        self.wait = reopened.next_wait;
+        self.good = false;
+        self.replay = (!self.kept.is_empty()).then_some((0, 0));
+        self.refresh_standing();
+    }
+
+    fn start_reconnect(&mut self) {
+        let future = reopen::until_open(
+            self.settings.clone(),
+            self.opened.clone(),
+            self.wait,
+            self.progress.clone(),
+        );
+        self.link = Link::Reconnecting(Box::pin(future));
+        self.good = false;
+        self.after_drop = true;
+        self.refresh_standing();
+    }
+
     /// The connection dropped: start over, with what is kept.
     fn lost(&mut self, why: &str) {
-        let replies_held = self.drop_held_replies();
+        let replies_held = self.drop_connection();
         warn!(
             error = %Escaped(why),
             in_flight = self.kept.len(),
@@ -265,10 +424,41 @@ impl Reconnecting {
             replies_cut = self.answered_in_part.len(),
             "connection to the server lost; reconnecting (--reconnect)"
         );
+        self.cut_replies();
+        for kept in &mut self.kept {
+            if !kept.resent {
+                kept.resent = true;
+                self.resent += 1;
+            }
+        }
+        if self.failing {
+            // Past the deadline: nothing waits for a connection.
+            self.fail_kept();
+        } else if self.resent > 0 && self.deadline.is_none() {
+            self.arm_deadline();
+        }
+        self.start_reconnect();
+    }
+
+    /// Forgets what the dropped connection was in the middle of: how many
+    /// replies were held unfinished (their requests are still kept).
+    fn drop_connection(&mut self) -> usize {
         self.message.clear();
         self.need = Need::Magic;
-        // Those with a reply in part on the local connection cannot be
-        // asked again: their reply ends here, with EIO.
+        self.replay = None;
+        self.server_going = false;
+        self.shut_chunks.clear();
+        self.early_done = None;
+        for kept in &mut self.kept {
+            kept.shut = false;
+        }
+        self.held_reply_bytes = 0;
+        std::mem::take(&mut self.held_replies).len()
+    }
+
+    /// Those with a reply in part on the local connection cannot be asked
+    /// again: their reply ends here, with EIO.
+    fn cut_replies(&mut self) {
         for cookie in std::mem::take(&mut self.answered_in_part) {
             if let Some(request) = self.table.remove(cookie) {
                 let message = "nbdgw client: the server was lost in the middle of this reply";
@@ -277,35 +467,84 @@ impl Reconnecting {
                 self.forget(cookie);
             }
         }
-        let replay: Vec<u8> = self
-            .kept
-            .iter()
-            .flat_map(|k| k.bytes.iter().copied())
-            .collect();
-        let requests = self.kept.len();
-        self.link = Link::Reconnecting(Box::pin(reconnect(
-            self.settings.clone(),
-            self.opened.clone(),
-            replay,
-            requests,
-        )));
     }
 
-    /// Every request in flight gets EIO, and the stream ends.
-    fn give_up(&mut self, why: &GiveUp) {
+    /// No connection was good within --reconnect-timeout: every request
+    /// in flight gets EIO; later ones fail at once until one is good, and
+    /// the tries go on in the background, so that the connection serves
+    /// again once the server does.
+    fn time_out(&mut self) {
+        self.deadline = None;
+        let (tries, last) = {
+            let progress = reopen::progress(&self.progress);
+            (progress.tries, progress.last.clone())
+        };
+        let last = if last.is_empty() {
+            "connections opened, none answered".to_string()
+        } else {
+            format!("last: {last}")
+        };
+        self.failed = format!(
+            "nbdgw client: no connection within --reconnect-timeout answered ({tries} tries failed; {last})"
+        );
         error!(
-            error = %why,
+            error = %Escaped(&self.failed),
+            in_flight = self.kept.len(),
+            "no server connection answered within --reconnect-timeout; the requests in flight fail with EIO, and new ones fail at once until the server answers again (--reconnect)"
+        );
+        self.settings
+            .metrics
+            .reconnects
+            .give_ups
+            .get_or_create(&Outcome { outcome: "timeout" })
+            .inc();
+        self.failing = true;
+        if let Link::Up(_) = self.link {
+            // Its replies to what fails now must not come after the EIO.
+            self.drop_connection();
+            self.cut_replies();
+            self.wait = self.wait.max(reopen::FIRST_DELAY);
+            self.start_reconnect();
+        }
+        self.fail_kept();
+        self.refresh_standing();
+    }
+
+    /// The export changed: every request in flight gets EIO, and the
+    /// stream ends, which closes the local connection.
+    fn give_up(&mut self, what: &str) {
+        let why = format!("the export changed: {what}");
+        error!(
+            error = %Escaped(&why),
             in_flight = self.kept.len(),
             "giving up on the server; the requests in flight fail with EIO and the local connection closes"
         );
+        self.settings
+            .metrics
+            .reconnects
+            .give_ups
+            .get_or_create(&Outcome {
+                outcome: "export_changed",
+            })
+            .inc();
         self.failed = format!("nbdgw client: {why}");
+        self.link = Link::Changed;
+        self.deadline = None;
+        self.failing = false;
         // Nothing is held here: `lost` dropped it, and nothing is read
         // while reconnecting.
         self.fail_kept();
-        self.link = Link::Failed;
+        self.refresh_standing();
     }
 
+    /// Every whole kept request gets EIO; one being written stays kept
+    /// until it is whole (its bytes still come).
     fn fail_kept(&mut self) {
+        let passing = if self.passing() {
+            self.kept.pop_back()
+        } else {
+            None
+        };
         for kept in std::mem::take(&mut self.kept) {
             if let Some(request) = self.table.remove(kept.cookie) {
                 let (mode, cookie) = (self.mode, kept.cookie);
@@ -314,61 +553,246 @@ impl Reconnecting {
             }
         }
         self.held = 0;
+        self.resent = 0;
+        if let Some(kept) = passing {
+            self.held = kept.bytes.len() + KEPT_OVERHEAD;
+            self.resent = usize::from(kept.resent);
+            self.kept.push_back(kept);
+        }
+        self.wake_writer();
     }
 
     fn forget(&mut self, cookie: u64) {
         if let Some(at) = self.kept.iter().position(|k| k.cookie == cookie) {
             if let Some(kept) = self.kept.remove(at) {
                 self.held = self.held.saturating_sub(kept.bytes.len() + KEPT_OVERHEAD);
+                self.resent -= usize::from(kept.resent);
             }
         }
-        if let Some(waker) = self.write_waiting.take() {
-            waker.wake();
+        self.wake_writer();
+        self.settle();
+    }
+
+    /// A reply other than ESHUTDOWN came: this connection is good.
+    fn mark_good(&mut self) {
+        if self.good {
+            return;
+        }
+        self.good = true;
+        self.wait = Duration::ZERO;
+        if std::mem::take(&mut self.after_drop) {
+            self.settings.metrics.reconnects.good.inc();
+        }
+        if self.failing {
+            info!("the server answers again; requests pass again (--reconnect)");
+            self.failing = false;
+        }
+        *reopen::progress(&self.progress) = reopen::Progress::default();
+        self.settle();
+    }
+
+    /// The deadline ends once the connection is good and what went
+    /// through a drop is answered.
+    fn settle(&mut self) {
+        if self.good && self.resent == 0 {
+            self.deadline = None;
+        }
+        self.refresh_standing();
+    }
+
+    /// Follows the requests in the bytes passed on (or, failing, taken).
+    /// A header is kept from its first byte: a drop in its middle replays
+    /// the part already written, and the rest follows it.
+    fn record(&mut self, mut bytes: &[u8]) -> io::Result<()> {
+        while !bytes.is_empty() {
+            let n = if self.payload_left > 0 {
+                self.record_payload(bytes)
+            } else {
+                self.record_header(bytes)?
+            };
+            bytes = &bytes[n..];
+        }
+        Ok(())
+    }
+
+    /// Payload bytes of the last request: how many of `bytes` were its.
+    fn record_payload(&mut self, bytes: &[u8]) -> usize {
+        let n = bytes
+            .len()
+            .min(usize::try_from(self.payload_left).unwrap_or(usize::MAX));
+        if let Some(kept) = self.kept.back_mut() {
+            kept.bytes.extend_from_slice(&bytes[..n]);
+        }
+        self.held += n;
+        self.payload_left -= n as u64;
+        if self.payload_left == 0 {
+            self.passed();
+        }
+        n
+    }
+
+    /// Header bytes of the next request: how many of `bytes` were its.
+    fn record_header(&mut self, bytes: &[u8]) -> io::Result<usize> {
+        let header_len = self.mode.request_header_len();
+        if self.head_len == 0 {
+            // The memory a kept request costs beyond its bytes (its
+            // vector, its place in the line and in the in-flight table)
+            // counts too: otherwise many small requests hold several
+            // times --replay-buffer (measured: 134 MB for a 16 MiB
+            // buffer).
+            self.held += KEPT_OVERHEAD;
+            self.kept.push_back(Kept {
+                cookie: 0,
+                bytes: Vec::with_capacity(header_len),
+                resent: false,
+                shut: false,
+            });
+        }
+        let Some(kept) = self.kept.back_mut() else {
+            return Ok(bytes.len());
+        };
+        let n = (header_len - self.head_len).min(bytes.len());
+        kept.bytes.extend_from_slice(&bytes[..n]);
+        self.head_len += n;
+        self.held += n;
+        if self.head_len < header_len {
+            return Ok(n);
+        }
+        self.head_len = 0;
+        let request = Request::parse(self.mode, &kept.bytes[..header_len])
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        if request.command == CMD_DISC {
+            // No reply comes, and the server's end follows.
+            self.disconnecting = true;
+            if let Some(kept) = self.kept.pop_back() {
+                self.held = self.held.saturating_sub(kept.bytes.len() + KEPT_OVERHEAD);
+                self.resent -= usize::from(kept.resent);
+            }
+            return Ok(n);
+        }
+        kept.cookie = request.cookie;
+        self.table.insert(request.cookie, InFlight::from(&request));
+        self.payload_left = request.payload_len(self.mode);
+        // The payload follows (the relay checked it against
+        // --max-payload): room for it at once, not doubled as it comes,
+        // so the memory kept is what --replay-buffer counts.
+        kept.bytes
+            .reserve_exact(usize::try_from(self.payload_left).unwrap_or(0));
+        if self.payload_left == 0 {
+            self.passed();
+        }
+        Ok(n)
+    }
+
+    /// The last request is whole: a reply that came before its payload
+    /// had passed goes up now.
+    fn passed(&mut self) {
+        let Some(cookie) = self.early_done.take() else {
+            return;
+        };
+        if let Some(mut held) = self.held_replies.remove(&cookie) {
+            self.held_reply_bytes -= held.capacity() + HELD_OVERHEAD;
+            push_out(&mut self.out, &mut self.out_at, &mut held);
+        }
+        self.table.remove(cookie);
+        self.answered_in_part.remove(&cookie);
+        self.forget(cookie);
+    }
+
+    /// Whether a whole message is the server's ESHUTDOWN, in a simple
+    /// reply or an error chunk.
+    fn says_shutdown(&self, frame: &ReplyFrame) -> bool {
+        if frame.kind == 0 {
+            return frame.simple_error == ESHUTDOWN;
+        }
+        let header = self.message.len() - frame.payload_len as usize;
+        frame.is_error_chunk()
+            && self
+                .message
+                .get(header..header + 4)
+                .is_some_and(|e| e == ESHUTDOWN.to_be_bytes())
+    }
+
+    /// An ESHUTDOWN answer (or a later chunk of one) does not go up: its
+    /// request stays kept, to be sent again on the next connection.
+    fn hold_shutdown(&mut self, frame: ReplyFrame) {
+        let cookie = frame.cookie;
+        self.message.clear();
+        if let Some(held) = self.held_replies.remove(&cookie) {
+            self.held_reply_bytes -= held.capacity() + HELD_OVERHEAD;
+        }
+        if !self.server_going {
+            info!("the server is shutting down (ESHUTDOWN): its answers are held back and the requests sent again on a new connection (--reconnect)");
+            self.server_going = true;
+        }
+        if !frame.done {
+            self.shut_chunks.insert(cookie);
+            return;
+        }
+        self.shut_chunks.remove(&cookie);
+        self.settings.metrics.reconnects.shutdown_answers_held.inc();
+        let whole = self.kept.len() - usize::from(self.head_len > 0);
+        if let Some(kept) = self
+            .kept
+            .iter_mut()
+            .take(whole)
+            .find(|k| k.cookie == cookie)
+        {
+            kept.shut = true;
         }
     }
 
-    /// Follows the requests in the bytes the server accepted.
-    fn record(&mut self, mut bytes: &[u8]) -> io::Result<()> {
-        while !bytes.is_empty() {
-            if self.payload_left > 0 {
-                let n = bytes
-                    .len()
-                    .min(usize::try_from(self.payload_left).unwrap_or(usize::MAX));
-                if let Some(kept) = self.kept.back_mut() {
-                    kept.bytes.extend_from_slice(&bytes[..n]);
-                }
-                self.held += n;
-                self.payload_left -= n as u64;
-                bytes = &bytes[n..];
-                continue;
-            }
-            let header_len = self.mode.request_header_len();
-            let n = (header_len - self.head.len()).min(bytes.len());
-            self.head.extend_from_slice(&bytes[..n]);
-            bytes = &bytes[n..];
-            if self.head.len() < header_len {
-                break;
-            }
-            let request = Request::parse(self.mode, &self.head)
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-            if request.command == CMD_DISC {
-                // No reply comes, and the server's end follows.
-                self.disconnecting = true;
-                self.head.clear();
-                continue;
-            }
-            self.table.insert(request.cookie, InFlight::from(&request));
-            self.payload_left = request.payload_len(self.mode);
-            // The memory a kept request costs beyond its bytes (its vector,
-            // its place in the line and in the in-flight table) counts
-            // too: otherwise many small requests hold several times
-            // --replay-buffer (measured: 134 MB for a 16 MiB buffer).
-            self.held += self.head.len() + KEPT_OVERHEAD;
-            self.kept.push_back(Kept {
-                cookie: request.cookie,
-                bytes: std::mem::take(&mut self.head),
-            });
+    /// The server is going and has answered everything it was sent (the
+    /// rest ESHUTDOWN): time to drop it and go to the next.
+    fn server_done(&self) -> bool {
+        let whole = self.kept.len() - usize::from(self.passing());
+        self.server_going
+            && self.shut_chunks.is_empty()
+            && self.kept.iter().take(whole).all(|k| k.shut)
+    }
+
+    /// A reply to the write being passed on, before its payload has: held
+    /// until it has (the entry must stay where the payload goes).
+    fn hold_early(&mut self, frame: ReplyFrame) -> io::Result<()> {
+        let held = self.held_replies.entry(frame.cookie).or_default();
+        let before = if held.is_empty() {
+            0
+        } else {
+            held.capacity() + HELD_OVERHEAD
+        };
+        held.extend_from_slice(&self.message);
+        self.held_reply_bytes = self.held_reply_bytes - before + held.capacity() + HELD_OVERHEAD;
+        self.message.clear();
+        if self.held_reply_bytes > self.reply_buffer().max(EARLY_ROOM) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "the server's replies to a write whose payload it has not had outgrew --reply-buffer",
+            ));
         }
+        if frame.done {
+            self.early_done = Some(frame.cookie);
+        }
+        Ok(())
+    }
+
+    /// A whole reply message: up it goes, and a last one frees its request.
+    /// A structured reply's earlier chunks are held until its last one,
+    /// while `--reply-buffer` has room: then a drop in between loses
+    /// nothing the local client has seen, and the request is asked again.
+    fn whole(&mut self, frame: ReplyFrame) -> io::Result<()> {
+        self.need = Need::Magic;
+        let cookie = frame.cookie;
+        let can_hold = !self.answered_in_part.contains(&cookie);
+        if self.shut_chunks.contains(&cookie) || (can_hold && self.says_shutdown(&frame)) {
+            self.hold_shutdown(frame);
+            return Ok(());
+        }
+        self.mark_good();
+        let writing = self.payload_left > 0 && self.kept.back().is_some_and(|k| k.cookie == cookie);
+        if writing {
+            return self.hold_early(frame);
+        }
+        self.pass_up(frame);
         Ok(())
     }
 
@@ -401,7 +825,7 @@ impl Reconnecting {
                             parse_reply(self.mode, &self.message, &self.table, self.max_reply)
                                 .map_err(invalid)?;
                         match frame.payload_len {
-                            0 => self.whole(frame),
+                            0 => self.whole(frame)?,
                             left => self.need = Need::Payload(frame, left),
                         }
                     }
@@ -411,7 +835,7 @@ impl Reconnecting {
                     self.message.extend_from_slice(&data[..n]);
                     data = &data[n..];
                     match left - n as u64 {
-                        0 => self.whole(frame),
+                        0 => self.whole(frame)?,
                         left => self.need = Need::Payload(frame, left),
                     }
                 }
@@ -420,12 +844,9 @@ impl Reconnecting {
         Ok(())
     }
 
-    /// A whole reply message: up it goes, and a last one frees its request.
-    /// A structured reply's earlier chunks are held until its last one,
-    /// while `--reply-buffer` has room: then a drop in between loses
-    /// nothing the local client has seen, and the request is asked again.
-    fn whole(&mut self, frame: ReplyFrame) {
-        self.need = Need::Magic;
+    /// A reply message for the local client, or held with its earlier
+    /// chunks while `--reply-buffer` has room.
+    fn pass_up(&mut self, frame: ReplyFrame) {
         let cookie = frame.cookie;
         // A held entry costs its buffer's capacity and its place in the
         // map. Holding this message grows the entry to at most twice its
@@ -461,6 +882,119 @@ impl Reconnecting {
             self.answered_in_part.insert(frame.cookie);
         }
     }
+
+    /// Writes the kept requests to a new connection, from `kept` itself,
+    /// then flushes them.
+    fn poll_replay(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), String>> {
+        let Link::Up(conn) = &mut self.link else {
+            return Poll::Ready(Ok(()));
+        };
+        let failed =
+            |e: &dyn std::fmt::Display| format!("sending the requests in flight again: {e}");
+        while let Some((at, from)) = self.replay {
+            let Some(kept) = self.kept.get(at) else {
+                std::task::ready!(Pin::new(conn.as_mut()).poll_flush(cx))
+                    .map_err(|e| failed(&e))?;
+                self.replay = None;
+                break;
+            };
+            if from == kept.bytes.len() {
+                self.replay = Some((at + 1, 0));
+                continue;
+            }
+            let written =
+                std::task::ready!(Pin::new(conn.as_mut()).poll_write(cx, &kept.bytes[from..]));
+            match written {
+                Ok(0) => return Poll::Ready(Err(failed(&"the connection took nothing"))),
+                Ok(n) => self.replay = Some((at, from + n)),
+                Err(e) => return Poll::Ready(Err(failed(&e))),
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    /// Reads what the server sent on, assembling replies.
+    fn read_server(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ReadEnd>> {
+        let Link::Up(conn) = &mut self.link else {
+            return Poll::Ready(Ok(()));
+        };
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let mut read = ReadBuf::new(&mut scratch);
+        let polled = Pin::new(conn.as_mut()).poll_read(cx, &mut read);
+        let n = read.filled().len();
+        let result = match polled {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Err(e)) => Poll::Ready(Err(e.to_string())),
+            Poll::Ready(Ok(())) if n == 0 => {
+                Poll::Ready(Err("the server closed the connection".to_string()))
+            }
+            Poll::Ready(Ok(())) => Poll::Ready(Ok(self.follow_replies(&scratch[..n]))),
+        };
+        self.scratch = scratch;
+        match std::task::ready!(result) {
+            Ok(Ok(())) => Poll::Ready(Ok(())),
+            Ok(Err(e)) => Poll::Ready(Err(ReadEnd::Invalid(e))),
+            // After DISC the server's end is the end.
+            Err(_) if self.disconnecting && self.kept.is_empty() => Poll::Ready(Err(ReadEnd::Done)),
+            Err(why) => Poll::Ready(Err(ReadEnd::Lost(why))),
+        }
+    }
+
+    /// Copies what is ready for the relay into `buf`: false if nothing is.
+    fn deliver(&mut self, buf: &mut ReadBuf<'_>) -> bool {
+        if self.out_at == self.out.len() {
+            return false;
+        }
+        let n = buf.remaining().min(self.out.len() - self.out_at);
+        buf.put_slice(&self.out[self.out_at..self.out_at + n]);
+        self.out_at += n;
+        if self.out_at == self.out.len() {
+            self.out.clear();
+            self.out_at = 0;
+            // A large read's buffer is not kept for an idle connection's
+            // life.
+            if self.out.capacity() > KEPT_CAPACITY {
+                self.out = Vec::new();
+            }
+            if self.message.capacity() > KEPT_CAPACITY {
+                self.message = Vec::new();
+            }
+        }
+        true
+    }
+
+    /// `bytes` went to the server.
+    fn wrote(&mut self, cx: &mut Context<'_>, bytes: &[u8]) -> io::Result<usize> {
+        self.record(bytes)?;
+        if self.failing && !self.good && self.deadline.is_none() {
+            // Past the deadline, a connection that has not answered yet
+            // gets as long again to answer this request: a silent server
+            // fails it in time too.
+            self.arm_deadline();
+            self.poll_deadline(cx);
+        }
+        if self.out_at < self.out.len() {
+            // An early reply went up with the payload's end.
+            cx.waker().wake_by_ref();
+        }
+        Ok(bytes.len())
+    }
+
+    /// Past the deadline with no connection up (or the export changed):
+    /// the request is taken and answered EIO at once.
+    fn swallow(&mut self, cx: &mut Context<'_>, buf: &[u8]) -> io::Result<usize> {
+        self.writer_blocked = false;
+        self.record(buf)?;
+        self.fail_kept();
+        cx.waker().wake_by_ref();
+        Ok(buf.len())
+    }
+}
+
+impl Drop for Reconnecting {
+    fn drop(&mut self) {
+        self.set_standing(Standing::Fine);
+    }
 }
 
 /// Appends whole messages to what goes up; when nothing is waiting there,
@@ -483,25 +1017,10 @@ impl AsyncRead for Reconnecting {
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         loop {
-            if this.out_at < this.out.len() {
-                let n = buf.remaining().min(this.out.len() - this.out_at);
-                buf.put_slice(&this.out[this.out_at..this.out_at + n]);
-                this.out_at += n;
-                if this.out_at == this.out.len() {
-                    this.out.clear();
-                    this.out_at = 0;
-                    // A large read's buffer is not kept for an idle
-                    // connection's life.
-                    if this.out.capacity() > KEPT_CAPACITY {
-                        this.out = Vec::new();
-                    }
-                    if this.message.capacity() > KEPT_CAPACITY {
-                        this.message = Vec::new();
-                    }
-                }
+            if this.deliver(buf) {
                 return Poll::Ready(Ok(()));
             }
-            if let Link::Failed = this.link {
+            if let Link::Changed = this.link {
                 // The write side is polled in the same task: its request
                 // gets its EIO first, and then the end.
                 if this.writer_blocked {
@@ -509,37 +1028,27 @@ impl AsyncRead for Reconnecting {
                 }
                 return Poll::Ready(Ok(()));
             }
-            match this.drive(cx) {
-                Poll::Pending => return Poll::Pending,
-                // Given up: the EIO replies, then the end.
-                Poll::Ready(Err(_)) => continue,
-                Poll::Ready(Ok(())) => {}
+            if this.disconnecting && this.kept.is_empty() && !matches!(this.link, Link::Up(_)) {
+                return Poll::Ready(Ok(()));
             }
-            let Link::Up(conn) = &mut this.link else {
+            if this.poll_deadline(cx) {
                 continue;
-            };
-            let mut scratch = std::mem::take(&mut this.scratch);
-            let mut read = ReadBuf::new(&mut scratch);
-            let polled = Pin::new(conn.as_mut()).poll_read(cx, &mut read);
-            let n = read.filled().len();
-            let result = match polled {
-                Poll::Pending => None,
-                Poll::Ready(Err(e)) => Some(Err(e.to_string())),
-                Poll::Ready(Ok(())) if n == 0 => {
-                    Some(Err("the server closed the connection".into()))
-                }
-                Poll::Ready(Ok(())) => Some(Ok(this.follow_replies(&scratch[..n]))),
-            };
-            this.scratch = scratch;
-            match result {
-                None => return Poll::Pending,
-                Some(Ok(Ok(()))) => {}
-                Some(Ok(Err(e))) => return Poll::Ready(Err(e)),
-                // After DISC the server's end is the end.
-                Some(Err(_)) if this.disconnecting && this.kept.is_empty() => {
-                    return Poll::Ready(Ok(()))
-                }
-                Some(Err(why)) => this.lost(&why),
+            }
+            if !std::task::ready!(this.drive(cx)) {
+                continue;
+            }
+            if let Err(why) = std::task::ready!(this.poll_replay(cx)) {
+                this.lost(&why);
+                continue;
+            }
+            match std::task::ready!(this.read_server(cx)) {
+                Ok(()) => {}
+                Err(ReadEnd::Lost(why)) => this.lost(&why),
+                Err(ReadEnd::Invalid(e)) => return Poll::Ready(Err(e)),
+                Err(ReadEnd::Done) => return Poll::Ready(Ok(())),
+            }
+            if this.server_done() {
+                this.lost("the server is shutting down (it answered ESHUTDOWN)");
             }
         }
     }
@@ -553,27 +1062,37 @@ impl AsyncWrite for Reconnecting {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         loop {
-            if let Link::Failed = this.link {
+            if let Link::Changed = this.link {
                 // Nothing will be sent any more: each request is answered
                 // EIO at once, so the local client hears of it.
-                this.writer_blocked = false;
-                this.record(buf)?;
-                this.fail_kept();
-                cx.waker().wake_by_ref();
-                return Poll::Ready(Ok(buf.len()));
+                return Poll::Ready(this.swallow(cx, buf));
+            }
+            if this.poll_deadline(cx) {
+                continue;
             }
             match this.drive(cx) {
+                Poll::Pending if this.failing => return Poll::Ready(this.swallow(cx, buf)),
+                Poll::Pending if this.deadline.is_none() => {
+                    // A request waits for a connection: the deadline runs.
+                    this.arm_deadline();
+                    continue;
+                }
                 Poll::Pending => {
                     this.writer_blocked = true;
                     return Poll::Pending;
                 }
-                Poll::Ready(Err(_)) => continue,
-                Poll::Ready(Ok(())) => this.writer_blocked = false,
+                Poll::Ready(false) => continue,
+                Poll::Ready(true) => this.writer_blocked = false,
+            }
+            if let Err(why) = std::task::ready!(this.poll_replay(cx)) {
+                this.lost(&why);
+                continue;
             }
             // A new request waits while the kept ones fill the buffer (one
-            // is always let through, however large).
-            let between = this.head.is_empty() && this.payload_left == 0;
-            if between && !this.kept.is_empty() && this.held >= this.replay_buffer() {
+            // is always let through, however large), and while a server
+            // that is going answers what it has.
+            let full = !this.kept.is_empty() && this.held >= this.replay_buffer();
+            if !this.passing() && (full || this.server_going) {
                 this.write_waiting = Some(cx.waker().clone());
                 return Poll::Pending;
             }
@@ -582,10 +1101,7 @@ impl AsyncWrite for Reconnecting {
             };
             match Pin::new(conn.as_mut()).poll_write(cx, buf) {
                 Poll::Pending => return Poll::Pending,
-                Poll::Ready(Ok(n)) => {
-                    this.record(&buf[..n])?;
-                    return Poll::Ready(Ok(n));
-                }
+                Poll::Ready(Ok(n)) => return Poll::Ready(this.wrote(cx, &buf[..n])),
                 Poll::Ready(Err(e)) => this.lost(&e.to_string()),
             }
         }
@@ -594,9 +1110,20 @@ impl AsyncWrite for Reconnecting {
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         loop {
-            if std::task::ready!(this.drive(cx)).is_err() {
-                // Given up: the writes were answered, nothing to flush.
-                return Poll::Ready(Ok(()));
+            if this.poll_deadline(cx) {
+                continue;
+            }
+            match this.drive(cx) {
+                // Past the deadline or the export changed: the writes were
+                // answered, nothing to flush.
+                Poll::Pending if this.failing => return Poll::Ready(Ok(())),
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(false) => return Poll::Ready(Ok(())),
+                Poll::Ready(true) => {}
+            }
+            if let Err(why) = std::task::ready!(this.poll_replay(cx)) {
+                this.lost(&why);
+                continue;
             }
             let Link::Up(conn) = &mut this.link else {
                 continue;
@@ -616,183 +1143,108 @@ impl AsyncWrite for Reconnecting {
     }
 }
 
-/// Tries until a connection opens the same export, with backoff, within
-/// `--reconnect-timeout`; then sends the kept requests again.
-async fn reconnect(
-    settings: Arc<ClientSettings>,
-    opened: Arc<Opened>,
-    replay: Vec<u8>,
-    requests: usize,
-) -> Result<RemoteTls, GiveUp> {
-    let timeout = settings.reconnect.map_or(Duration::ZERO, |r| r.timeout);
-    let started = Instant::now();
-    let mut delay = FIRST_DELAY;
-    let mut tries = 0;
-    loop {
-        tries += 1;
-        // Each try within what is left of the timeout, whatever the server
-        // does: one that trickles replies must not hold the requests past it.
-        let left = timeout.saturating_sub(started.elapsed());
-        let attempt = tokio::time::timeout(left, async {
-            let mut conn = reopen(&settings, &opened).await?;
-            send_again(&mut conn, &replay).await.map_err(|e| {
-                Attempt::Failed(format!("sending the requests in flight again: {e}"))
-            })?;
-            Ok(conn)
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings() -> Arc<ClientSettings> {
+        let tls = rustls::ClientConfig::builder_with_provider(crate::tls::provider())
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth();
+        Arc::new(ClientSettings {
+            server: "localhost:10809".into(),
+            host: "localhost".into(),
+            port: 10809,
+            server_name: "localhost".try_into().unwrap(),
+            tls: Arc::new(crate::reload::Swap::new(Arc::new(tls))),
+            server_timeout: Duration::from_secs(10),
+            handshake_timeout: Duration::from_secs(10),
+            idle_timeout: None,
+            stall_timeout: None,
+            keepalive: None,
+            max_payload: 32 << 20,
+            max_option_len: 64 << 10,
+            max_connections: 1,
+            cork: crate::config::Cork::Deferred,
+            shutdown_grace: Duration::from_secs(1),
+            reconnect: Some(crate::client::Reconnect {
+                timeout: Duration::from_secs(60),
+                replay_buffer: 64 << 20,
+                reply_buffer: 64 << 20,
+            }),
+            metrics: Arc::new(crate::metrics::Metrics::client_mode()),
+            health: Arc::default(),
         })
-        .await
-        .unwrap_or_else(|_| {
-            Err(Attempt::Failed(
-                "the try outlasted --reconnect-timeout".into(),
-            ))
-        });
-        let last = match attempt {
-            Ok(conn) => {
-                info!(
-                    tries,
-                    after_ms = started.elapsed().as_millis() as u64,
-                    requests_sent_again = requests,
-                    "reconnected to the server (--reconnect)"
-                );
-                return Ok(conn);
-            }
-            Err(Attempt::Changed(what)) => return Err(GiveUp::Changed(what)),
-            Err(Attempt::Failed(why)) => why,
+    }
+
+    /// A stream with no server connection, to follow what it keeps.
+    fn detached() -> Reconnecting {
+        let opened = Opened {
+            reopen: Reopen::ExportName(Vec::new()),
+            framing: Framing::default(),
+            meta: None,
+            export: (1 << 20, 0),
         };
-        if started.elapsed() + delay > timeout {
-            return Err(GiveUp::TimedOut { tries, last });
-        }
-        tracing::debug!(tries, error = %Escaped(&last), "reconnect failed; trying again");
-        tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(LONGEST_DELAY);
+        Reconnecting::with_link(Link::Changed, settings(), opened, ReplyMode::Simple)
     }
-}
 
-async fn send_again(conn: &mut RemoteTls, replay: &[u8]) -> io::Result<()> {
-    conn.write_all(replay).await?;
-    conn.flush().await
-}
+    /// What a replay would send: every kept byte, in order.
+    fn replayed(r: &Reconnecting) -> Vec<u8> {
+        r.kept
+            .iter()
+            .flat_map(|k| k.bytes.iter().copied())
+            .collect()
+    }
 
-/// One try: TLS, the framing, the export, checked unchanged.
-async fn reopen(settings: &ClientSettings, opened: &Opened) -> Result<RemoteTls, Attempt> {
-    let failed = |e: &dyn std::fmt::Display| Attempt::Failed(e.to_string());
-    let mut remote = remote::connect(settings).await.map_err(|e| failed(&e))?;
-    let channel = &mut remote.channel;
-    if let Some(code) = opened.framing.replay() {
-        channel
-            .send_option(code, &[])
-            .await
-            .map_err(|e| failed(&e))?;
-        let mut reply = Vec::new();
-        let header = channel
-            .read_reply(code, &mut reply)
-            .await
-            .map_err(|e| failed(&e))?;
-        let refused = format!(
-            "the server refused the reply framing agreed before ({})",
-            remote::reply_name(header.reply_type)
-        );
-        match header.reply_type {
-            REP_ACK => {}
-            // A server (a gateway whose own server is still starting)
-            // that says it is shutting down may say yes in a moment.
-            REP_ERR_SHUTDOWN => return Err(Attempt::Failed(refused)),
-            _ => return Err(Attempt::Changed(refused)),
-        }
+    fn request(command: u16, cookie: u64, length: u32) -> Vec<u8> {
+        let mut b = REQUEST_MAGIC.to_be_bytes().to_vec();
+        b.extend_from_slice(&0u16.to_be_bytes());
+        b.extend_from_slice(&command.to_be_bytes());
+        b.extend_from_slice(&cookie.to_be_bytes());
+        b.extend_from_slice(&0u64.to_be_bytes());
+        b.extend_from_slice(&length.to_be_bytes());
+        b
     }
-    if let Some(meta) = &opened.meta {
-        channel
-            .send_option(OPT_SET_META_CONTEXT, &meta.request)
-            .await
-            .map_err(|e| failed(&e))?;
-        let mut chosen = Vec::new();
-        loop {
-            let mut reply = Vec::new();
-            let header = channel
-                .read_reply(OPT_SET_META_CONTEXT, &mut reply)
-                .await
-                .map_err(|e| failed(&e))?;
-            if header.reply_type == REP_META_CONTEXT {
-                // No more than were agreed before: a server sending
-                // endless contexts is not the one the client agreed with.
-                if chosen.len() >= meta.chosen.len() {
-                    return Err(Attempt::Changed(
-                        "the server chose more metadata contexts than before".into(),
-                    ));
-                }
-                chosen.push(reply[OPTION_REPLY_HEADER_LEN..].to_vec());
-            }
-            if header.is_final() {
-                match header.reply_type {
-                    REP_ACK => break,
-                    REP_ERR_SHUTDOWN => {
-                        return Err(Attempt::Failed(
-                            "the server is shutting down (NBD_OPT_SET_META_CONTEXT)".into(),
-                        ))
-                    }
-                    other => {
-                        return Err(Attempt::Changed(format!(
-                            "the server refused the metadata contexts agreed before ({})",
-                            remote::reply_name(other)
-                        )))
-                    }
-                }
-            }
-        }
-        if chosen != meta.chosen {
-            return Err(Attempt::Changed(
-                "the server chose other metadata contexts (or ids) than before".into(),
-            ));
-        }
+
+    /// Issue 27 item 6a: on a0fc9df a header passed in part was held
+    /// outside what is kept, so a drop then replayed the requests before
+    /// it and the rest of the header followed alone (misframed).
+    #[test]
+    fn a_header_passed_in_part_is_kept_and_replayed() {
+        let mut r = detached();
+        let read = request(CMD_READ, 1, 4096);
+        let mut write = request(CMD_WRITE, 2, 8);
+        write.extend_from_slice(b"payload!");
+        r.record(&read).unwrap();
+        r.record(&write[..10]).unwrap();
+        assert_eq!(replayed(&r), [&read[..], &write[..10]].concat());
+        r.record(&write[10..31]).unwrap();
+        r.record(&write[31..]).unwrap();
+        assert_eq!(replayed(&r), [&read[..], &write[..]].concat());
+        assert!(!r.passing());
+        assert_eq!(r.held, read.len() + write.len() + 2 * KEPT_OVERHEAD);
     }
-    let export = match &opened.reopen {
-        Reopen::Go(data) => {
-            channel
-                .send_option(OPT_GO, data)
-                .await
-                .map_err(|e| failed(&e))?;
-            let mut export = None;
-            loop {
-                let mut reply = Vec::new();
-                let header = channel
-                    .read_reply(OPT_GO, &mut reply)
-                    .await
-                    .map_err(|e| failed(&e))?;
-                if header.reply_type == REP_INFO {
-                    export = parse_info_export(&reply[OPTION_REPLY_HEADER_LEN..]).or(export);
-                }
-                if header.is_final() {
-                    if header.reply_type != REP_ACK {
-                        // A gateway whose own server is still starting
-                        // says so: worth another try.
-                        return Err(Attempt::Failed(format!(
-                            "NBD_OPT_GO refused ({})",
-                            remote::reply_name(header.reply_type)
-                        )));
-                    }
-                    break;
-                }
-            }
-            export
-        }
-        Reopen::ExportName(name) => {
-            let pads = remote.pads_export_name;
-            match relayed::export_name_exchange(channel, pads, name).await {
-                Ok(Ok(export)) => Some(export),
-                Ok(Err(e)) | Err(e) => return Err(failed(&e)),
-            }
-        }
-    };
-    let Some((size, tflags)) = export else {
-        return Err(Attempt::Changed(
-            "the server sent no export information".into(),
-        ));
-    };
-    let (was_size, was_tflags) = opened.export;
-    if (size, tflags) != (was_size, was_tflags) {
-        return Err(Attempt::Changed(format!(
-            "size {size} and flags {tflags:#x} where they were size {was_size} and flags {was_tflags:#x}"
-        )));
+
+    /// A failing stream answers whole requests EIO and keeps the one
+    /// still passing until its payload is in, so it never frames the
+    /// rest of a payload as a header.
+    #[test]
+    fn failing_answers_whole_requests_and_waits_for_a_payload_to_end() {
+        let mut r = detached();
+        r.failed = "nbdgw client: test".into();
+        let mut write = request(CMD_WRITE, 3, 8);
+        write.extend_from_slice(b"payload!");
+        r.record(&write[..30]).unwrap();
+        r.fail_kept();
+        assert_eq!(r.kept.len(), 1);
+        assert!(r.out.is_empty());
+        r.record(&write[30..]).unwrap();
+        r.fail_kept();
+        assert!(r.kept.is_empty());
+        // A simple reply: EIO for cookie 3.
+        assert_eq!(r.out[4..8], EIO.to_be_bytes());
+        assert_eq!(r.out[8..16], 3u64.to_be_bytes());
     }
-    Ok(remote.channel.into_inner())
 }
