@@ -671,6 +671,8 @@ def main():
     ap.add_argument("--gateway-netns", help="run nbdgw in this network namespace")
     ap.add_argument("--through-client", action="store_true",
                     help="clients go through `nbdgw client --reconnect`, and the gateway is restarted too")
+    ap.add_argument("--drain-answer", choices=["close", "eshutdown"],
+                    help="the gateway's --drain-answer (default: the gateway's own default)")
     ap.add_argument("--max-op-seconds", type=float, default=0,
                     help="fail if a successful operation took longer (0: no limit)")
     args = ap.parse_args()
@@ -695,6 +697,8 @@ def main():
                         "--admin-listen", f"127.0.0.1:{admin}"]
             # The cache keeps what it holds once the clients are gone.
             margin += args.cache_mib * 2
+        if args.drain_answer:
+            gw_extra += ["--drain-answer", args.drain_answer]
         certs = os.path.join(work, "certs")
         subprocess.run([NBDGW, "certs", "--out", certs, "--keep-ca-key", "--server-name", args.host],
                        check=True, stdout=subprocess.DEVNULL)
