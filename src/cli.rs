@@ -134,7 +134,7 @@ pub struct ClientArgs {
     /// (hybrid post-quantum), secp256r1MLKEM768, X25519, secp256r1
     /// (P-256), secp384r1 (P-384), MLKEM768, MLKEM1024. The first gets a
     /// key share in the ClientHello (a hybrid's X25519 half too); a
-    /// server without it costs a HelloRetryRequest.
+    /// server with neither costs a HelloRetryRequest.
     #[arg(long, env = "NBDGW_CLIENT_TLS_GROUPS", value_name = "GROUPS", default_value = crate::tls::groups::DEFAULT_GROUPS, value_parser = crate::tls::KxGroups::parse)]
     pub tls_groups: crate::tls::KxGroups,
     /// Seconds between looks at the TLS files for changes (a new CA
