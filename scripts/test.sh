@@ -38,9 +38,10 @@ fi
 # re-key a TLS 1.3 session: sessions must stay in rustls there and
 # survive key updates. trixie-backports' kernel re-keys: every TLS 1.3
 # session is handed to the kernel, and the protocol, client and
-# key-update tests run with it there.
-scripts/ktls-vm.sh kernel_tls key_update
+# key-update tests run with it there. nbd-client's own TLS (kernel_nbd)
+# runs under both.
+scripts/ktls-vm.sh kernel_tls key_update kernel_nbd
 KTLS_VM_KERNEL=new scripts/ktls-vm.sh
 # The benchmark's own logic (capture analysis, front-end order); the benchmark itself needs
 # root and minutes, so it runs from bench/, not here.
-(cd bench && python3 -m py_compile run.py nbdclient.py wire.py soak.py lossy_lan.py ktls_ab.py client_mode.py timeline.py && python3 -m unittest -q test_wire test_run test_timeline)
+(cd bench && python3 -m py_compile run.py nbdclient.py wire.py soak.py lossy_lan.py ktls_ab.py client_mode.py timeline.py pq_handshakes.py && python3 -m unittest -q test_wire test_run test_timeline)

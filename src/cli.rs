@@ -129,6 +129,14 @@ pub struct ClientArgs {
         default_value = "1.2"
     )]
     pub tls_min_version: MinVersion,
+    /// Key exchange groups offered to the server, most preferred first,
+    /// comma-separated, as rustls and OpenSSL name them: X25519MLKEM768
+    /// (hybrid post-quantum), secp256r1MLKEM768, X25519, secp256r1
+    /// (P-256), secp384r1 (P-384), MLKEM768, MLKEM1024. The first gets a
+    /// key share in the ClientHello (a hybrid's X25519 half too); a
+    /// server with neither costs a HelloRetryRequest.
+    #[arg(long, env = "NBDGW_CLIENT_TLS_GROUPS", value_name = "GROUPS", default_value = crate::tls::groups::DEFAULT_GROUPS, value_parser = crate::tls::KxGroups::parse)]
+    pub tls_groups: crate::tls::KxGroups,
     /// Seconds between looks at the TLS files for changes (a new CA
     /// bundle or client certificate is used by new connections); 0
     /// reloads only on SIGHUP.
@@ -299,6 +307,13 @@ pub struct ServeArgs {
         default_value = "server"
     )]
     pub tls_cipher_order: crate::tls::CipherOrder,
+    /// Key exchange groups accepted, comma-separated, as rustls and
+    /// OpenSSL name them: X25519MLKEM768 (hybrid post-quantum),
+    /// secp256r1MLKEM768, X25519, secp256r1 (P-256), secp384r1 (P-384),
+    /// MLKEM768, MLKEM1024. The client's order picks among them (rustls);
+    /// GnuTLS clients offer no hybrid and get a classical group.
+    #[arg(long, env = "NBDGW_TLS_GROUPS", value_name = "GROUPS", default_value = crate::tls::groups::DEFAULT_GROUPS, value_parser = crate::tls::KxGroups::parse)]
+    pub tls_groups: crate::tls::KxGroups,
     /// Seconds between looks at the TLS files for changes; 0 reloads only
     /// on SIGHUP.
     #[arg(long, env = "NBDGW_TLS_RELOAD_INTERVAL", default_value_t = 5)]

@@ -105,7 +105,7 @@ fn certs(args: CertsArgs) -> Result<()> {
 /// socket is touched, then the local listener served.
 fn client(args: ClientArgs) -> Result<()> {
     use nbdgw::client::{self, ClientSettings, LocalListener};
-    use nbdgw::tls::client::{ClientReloader, ClientTlsSources};
+    use nbdgw::tls::client::{ClientReloader, ClientTlsPolicy, ClientTlsSources};
     init_logging(args.log_format);
     let (host, port) = client::parse_server(&args.server)?;
     let server_name = client::server_name(args.server_name.as_deref().unwrap_or(&host))?;
@@ -116,8 +116,12 @@ fn client(args: ClientArgs) -> Result<()> {
         key: args.tls_key.clone(),
     };
     let paths = sources.resolve().context("client TLS files")?;
+    let policy = ClientTlsPolicy {
+        min_version: args.tls_min_version,
+        groups: args.tls_groups.clone(),
+    };
     let (reloader, loaded) =
-        ClientReloader::start(paths.clone(), args.tls_min_version).context("client TLS files")?;
+        ClientReloader::start(paths.clone(), policy).context("client TLS files")?;
     let identity = loaded
         .identity
         .as_ref()
@@ -668,6 +672,7 @@ fn tls_reloader(args: &ServeArgs, secret_extraction: bool) -> Result<Reloader> {
         secret_extraction,
         verified_chain_cache: args.verified_chain_cache,
         cipher_order: args.tls_cipher_order,
+        groups: args.tls_groups.clone(),
     };
     Reloader::start(sources, policy).context("loading the TLS files")
 }

@@ -51,6 +51,12 @@ pub struct Direction {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KeyExchange {
+    /// A name from `tls::groups::name`: a fixed few, never a peer's value.
+    pub key_exchange: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Build {
     version: &'static str,
 }
@@ -67,6 +73,8 @@ pub struct Metrics {
     pub kernel_tls_sessions: Counter,
     pub kernel_tls_no_rekey: Counter,
     pub tls_key_updates: Family<Direction, Counter>,
+    /// TLS sessions established, by the key exchange group negotiated.
+    pub tls_sessions: Family<KeyExchange, Counter>,
     pub bytes_received: Counter,
     pub bytes_sent: Counter,
     pub requests: Family<Command, Counter>,
@@ -186,6 +194,7 @@ impl Metrics {
             kernel_tls_sessions: Counter::default(),
             kernel_tls_no_rekey: Counter::default(),
             tls_key_updates: Family::default(),
+            tls_sessions: Family::default(),
             bytes_received: Counter::default(),
             bytes_sent: Counter::default(),
             requests: Family::default(),
@@ -277,6 +286,11 @@ impl Metrics {
             "handshake_failures",
             "TLS handshakes that failed, by the reason (the alert sent)",
             m.handshake_failures.clone(),
+        );
+        r.register(
+            "tls_sessions",
+            "TLS sessions established (client mode: with the server), by the key exchange group negotiated",
+            m.tls_sessions.clone(),
         );
         r.register(
             "identities_refused",
@@ -507,6 +521,14 @@ impl Metrics {
     pub fn key_update(&self, direction: &'static str) {
         self.tls_key_updates
             .get_or_create(&Direction { direction })
+            .inc();
+    }
+
+    /// A TLS session was established with the key exchange `group`.
+    pub fn tls_established(&self, group: Option<rustls::NamedGroup>) {
+        let key_exchange = crate::tls::groups::name(group);
+        self.tls_sessions
+            .get_or_create(&KeyExchange { key_exchange })
             .inc();
     }
 

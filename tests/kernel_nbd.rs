@@ -5,23 +5,37 @@
 //! pattern that must then be in qemu-nbd's image. The kernel here has no
 //! `nbd` module, so this runs in the test VM (`scripts/ktls-vm.sh`, which
 //! loads it); elsewhere it says SKIPPED and passes.
+//!
+//! And nbd-client's own TLS (`-certfile/-keyfile/-cacertfile`), straight
+//! to the nbdgw server: nbd-client 3.24 does STARTTLS, then TLS 1.2 only
+//! (`NORMAL:-VERS-TLS-ALL:+VERS-TLS1.2`, crypto-gnutls.c) in a forked
+//! helper in front of the kernel's socket. Of the suites its ClientHello
+//! offers (seen by experiment: ECDHE-ECDSA, ECDHE-RSA, RSA and DHE-RSA
+//! with AES-GCM, ChaCha20-Poly1305, AES-CCM and AES-CBC), nbdgw (rustls:
+//! ECDHE with AEAD only) can agree on six: ECDHE with ECDSA or RSA and
+//! AES-128-GCM, AES-256-GCM or ChaCha20-Poly1305. Each is made the only
+//! one in common by a GnuTLS system priority file's `[overrides]` (which
+//! applies to nbd-client's fixed priority string too) and checked in the
+//! server's log; the certificate refusals end nbd-client without a disk.
 
 mod common;
 
 use std::ffi::OsStr;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::Path;
-use std::process::Command;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
 
+use common::pki::Ca;
 use common::process::NbdgwProcess;
 use common::{pattern, run, Env, QemuNbd};
 
 const SIZE: usize = 64 << 20;
 const TAIL: usize = 4 << 20;
 
-#[test]
-fn the_kernel_nbd_driver_formats_and_reads_back_through_client_mode() {
+/// nbd-client, when this kernel has the nbd module (loaded if need be).
+fn kernel_nbd() -> Option<&'static str> {
     let device = Path::new("/dev/nbd0");
     if !device.exists() {
         // No modprobe, or no module: the check below says so.
@@ -32,8 +46,17 @@ fn the_kernel_nbd_driver_formats_and_reads_back_through_client_mode() {
         .find(|p| Path::new(p).exists());
     let (true, Some(nbd_client)) = (device.exists(), nbd_client) else {
         eprintln!("SKIPPED: no /dev/nbd0 (the nbd module) or no nbd-client here; scripts/ktls-vm.sh runs this");
+        return None;
+    };
+    Some(nbd_client)
+}
+
+#[test]
+fn the_kernel_nbd_driver_formats_and_reads_back_through_client_mode() {
+    let Some(nbd_client) = kernel_nbd() else {
         return;
     };
+    let device = Path::new("/dev/nbd0");
     let env = Env::new();
     let image = env.random_image("disk.img", SIZE, 31);
     let upstream = QemuNbd::start(&env, &image, &[]);
@@ -62,9 +85,24 @@ fn the_kernel_nbd_driver_formats_and_reads_back_through_client_mode() {
         String::from_utf8_lossy(&attach.stderr),
         client.log()
     );
-    let detach = Detach(nbd_client);
+    let detach = Detach(nbd_client, device);
 
-    // The kernel formats the disk and checks it.
+    format_and_check(device);
+    let data = pattern_through_the_kernel(device, 32);
+    drop(detach);
+
+    // It went through TLS to qemu-nbd's image.
+    let disk = upstream.read_direct();
+    assert!(
+        disk[SIZE - TAIL..] == data[..],
+        "the image does not hold the pattern"
+    );
+    assert!(server.log().contains("TLS established"), "{}", server.log());
+    assert!(client.log().contains("TLS established"), "{}", client.log());
+}
+
+/// The kernel formats the disk and checks it.
+fn format_and_check(device: &Path) {
     let mkfs = run(Command::new("mkfs.ext4")
         .args(["-q", "-F", "-E", "nodiscard"])
         .arg(device));
@@ -80,9 +118,12 @@ fn the_kernel_nbd_driver_formats_and_reads_back_through_client_mode() {
         String::from_utf8_lossy(&fsck.stdout),
         String::from_utf8_lossy(&fsck.stderr)
     );
+}
 
-    // A pattern over the last 4 MiB, past the page cache both ways.
-    let data = pattern(TAIL, 32);
+/// Writes a pattern over the last 4 MiB with O_DIRECT (past the page
+/// cache both ways), reads it back equal, and returns it.
+fn pattern_through_the_kernel(device: &Path, seed: u64) -> Vec<u8> {
+    let data = pattern(TAIL, seed);
     let at = (SIZE - TAIL) as u64;
     let mut dev = std::fs::OpenOptions::new()
         .read(true)
@@ -104,26 +145,16 @@ fn the_kernel_nbd_driver_formats_and_reads_back_through_client_mode() {
         back.as_ref() == &data[..],
         "the kernel read back other bytes"
     );
-    drop(dev);
-    drop(detach);
-
-    // It went through TLS to qemu-nbd's image.
-    let disk = upstream.read_direct();
-    assert!(
-        disk[SIZE - TAIL..] == data[..],
-        "the image does not hold the pattern"
-    );
-    assert!(server.log().contains("TLS established"), "{}", server.log());
-    assert!(client.log().contains("TLS established"), "{}", client.log());
+    data
 }
 
 /// `nbd-client -d` when the test ends, passed or not, so the device is
 /// free for the next run.
-struct Detach(&'static str);
+struct Detach<'a>(&'static str, &'a Path);
 
-impl Drop for Detach {
+impl Drop for Detach<'_> {
     fn drop(&mut self) {
-        let _ = run(Command::new(self.0).args(["-d", "/dev/nbd0"]));
+        let _ = run(Command::new(self.0).arg("-d").arg(self.1));
     }
 }
 
@@ -148,5 +179,372 @@ impl AlignedBuf {
 
     fn as_mut(&mut self) -> &mut [u8] {
         &mut self.bytes[self.start..self.start + self.len]
+    }
+}
+
+/// A server certificate for localhost, its key, and the CA that
+/// nbd-client checks it with; `kind` is its key's, as TLS 1.2 suites
+/// name it.
+struct ServerFiles {
+    cert: PathBuf,
+    key: PathBuf,
+    ca: PathBuf,
+    kind: &'static str,
+}
+
+/// The test's own certificates (`nbdgw certs`: ECDSA P-256).
+fn ecdsa_files(env: &Env) -> ServerFiles {
+    let certs = env.certs();
+    ServerFiles {
+        cert: certs.join("server-cert.pem"),
+        key: certs.join("server-key.pem"),
+        ca: certs.join("ca-cert.pem"),
+        kind: "ECDSA",
+    }
+}
+
+/// An RSA server certificate for localhost from a throw-away RSA CA,
+/// made with openssl (`nbdgw certs` makes ECDSA keys only).
+fn rsa_files(env: &Env) -> ServerFiles {
+    let dir = env.path("rsa");
+    std::fs::create_dir_all(&dir).unwrap();
+    let openssl = |args: &[&str]| {
+        let out = run(Command::new("openssl").current_dir(&dir).args(args));
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    openssl(
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "ca-key.pem",
+        ]
+        .into_iter()
+        .chain([
+            "-out",
+            "ca-cert.pem",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=RSA test CA",
+        ])
+        .collect::<Vec<_>>(),
+    );
+    openssl(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server-key.pem",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=localhost",
+    ]);
+    std::fs::write(
+        dir.join("ext"),
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
+    )
+    .unwrap();
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca-cert.pem",
+        "-CAkey",
+        "ca-key.pem",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-out",
+        "server-cert.pem",
+        "-extfile",
+        "ext",
+    ]);
+    ServerFiles {
+        cert: dir.join("server-cert.pem"),
+        key: dir.join("server-key.pem"),
+        ca: dir.join("ca-cert.pem"),
+        kind: "RSA",
+    }
+}
+
+/// The nbdgw server in front of `upstream` with `files`' certificate,
+/// requiring client certificates from `client_ca`.
+fn tls_gateway(
+    upstream: &QemuNbd,
+    files: &ServerFiles,
+    client_ca: &Path,
+    extra: &[&str],
+) -> NbdgwProcess {
+    let mut args: Vec<&OsStr> = vec![
+        OsStr::new("--upstream"),
+        upstream.socket.as_os_str(),
+        OsStr::new("--tls-cert"),
+        files.cert.as_os_str(),
+        OsStr::new("--tls-key"),
+        files.key.as_os_str(),
+        OsStr::new("--tls-client-ca"),
+        client_ca.as_os_str(),
+        OsStr::new("--landlock"),
+        OsStr::new("false"),
+    ];
+    args.extend(extra.iter().map(OsStr::new));
+    NbdgwProcess::start(args)
+}
+
+/// `nbd-client localhost PORT DEVICE` with its own TLS: `identity`'s
+/// certificate and key, `ca` to check the server; `priority` a GnuTLS
+/// system priority file. Bounded: a hang is a failure, not a stuck test.
+fn attach_with_tls(
+    nbd_client: &str,
+    device: &Path,
+    port: u16,
+    ca: &Path,
+    identity: (&Path, &Path),
+    priority: Option<&Path>,
+) -> Output {
+    let mut cmd = Command::new("timeout");
+    cmd.arg("120")
+        .arg(nbd_client)
+        .arg("localhost")
+        .arg(port.to_string())
+        .arg(device)
+        .args(["-b", "4096", "-N", ""])
+        .arg("-certfile")
+        .arg(identity.0)
+        .arg("-keyfile")
+        .arg(identity.1)
+        .arg("-cacertfile")
+        .arg(ca);
+    if let Some(file) = priority {
+        cmd.env("GNUTLS_SYSTEM_PRIORITY_FILE", file);
+    }
+    run(&mut cmd)
+}
+
+fn output(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// The server's last `TLS established` line.
+fn last_tls_line(server: &NbdgwProcess) -> String {
+    let log = server.log();
+    log.lines()
+        .rev()
+        .find(|l| l.contains("TLS established"))
+        .unwrap_or_else(|| panic!("no TLS session in:\n{log}"))
+        .to_string()
+}
+
+/// A device's size in 512-byte sectors, as the kernel has it (0: not
+/// connected).
+fn sectors(device: &Path) -> u64 {
+    let name = device.file_name().unwrap().to_str().unwrap();
+    std::fs::read_to_string(format!("/sys/block/{name}/size"))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// A GnuTLS system priority file that disables every AEAD cipher nbdgw
+/// has but `keep`, for nbd-client's fixed priority string as for any.
+fn only_cipher(env: &Env, keep: &str) -> PathBuf {
+    let file = env.path(&format!("gnutls-only-{keep}.conf"));
+    let mut text = String::from("[overrides]\n");
+    for cipher in ["AES-128-GCM", "AES-256-GCM", "CHACHA20-POLY1305"] {
+        if cipher != keep {
+            text.push_str(&format!("tls-disabled-cipher = {cipher}\n"));
+        }
+    }
+    std::fs::write(&file, text).unwrap();
+    file
+}
+
+#[test]
+fn nbd_client_own_tls_attaches_through_the_gateway_with_every_suite() {
+    let Some(nbd_client) = kernel_nbd() else {
+        return;
+    };
+    let env = Env::new();
+    let image = env.random_image("disk.img", SIZE, 33);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let certs = env.certs();
+    let identity = (certs.join("client-cert.pem"), certs.join("client-key.pem"));
+    let identity = (identity.0.as_path(), identity.1.as_path());
+    let client_ca = certs.join("ca-cert.pem");
+
+    // As nbd-client comes: its own choice among nbdgw's, the whole disk.
+    let ecdsa = ecdsa_files(&env);
+    let server = tls_gateway(&upstream, &ecdsa, &client_ca, &[]);
+    let device = Path::new("/dev/nbd1");
+    let attach = attach_with_tls(nbd_client, device, server.port, &ecdsa.ca, identity, None);
+    assert!(
+        attach.status.success(),
+        "nbd-client: {}\nserver log:\n{}",
+        output(&attach),
+        server.log()
+    );
+    let detach = Detach(nbd_client, device);
+    format_and_check(device);
+    let data = pattern_through_the_kernel(device, 34);
+    drop(detach);
+    assert!(
+        upstream.read_direct()[SIZE - TAIL..] == data[..],
+        "the image does not hold the pattern"
+    );
+    let line = last_tls_line(&server);
+    assert!(
+        line.contains(
+            "tls_version=Some(TLSv1_2) cipher_suite=Some(TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256)"
+        ) && line.contains("client=subject \"CN=test-client\""),
+        "{line}"
+    );
+    drop(server);
+
+    // Each suite both sides have, the only one in common in turn.
+    let suites = [
+        ("AES-128-GCM", "AES_128_GCM_SHA256"),
+        ("AES-256-GCM", "AES_256_GCM_SHA384"),
+        ("CHACHA20-POLY1305", "CHACHA20_POLY1305_SHA256"),
+    ];
+    let mut seed = 40;
+    for (n, files) in [ecdsa, rsa_files(&env)].iter().enumerate() {
+        let server = tls_gateway(&upstream, files, &client_ca, &[]);
+        for (m, (cipher, suite)) in suites.iter().enumerate() {
+            seed += 1;
+            // A device of its own each time: a detached one may be busy
+            // for a moment while the kernel lets it go.
+            let device = PathBuf::from(format!("/dev/nbd{}", 2 + n * suites.len() + m));
+            let only = only_cipher(&env, cipher);
+            let attach = attach_with_tls(
+                nbd_client,
+                &device,
+                server.port,
+                &files.ca,
+                identity,
+                Some(&only),
+            );
+            assert!(
+                attach.status.success(),
+                "nbd-client with {} only, {} certificate: {}\nserver log:\n{}",
+                cipher,
+                files.kind,
+                output(&attach),
+                server.log()
+            );
+            let detach = Detach(nbd_client, &device);
+            let data = pattern_through_the_kernel(&device, seed);
+            drop(detach);
+            assert!(
+                upstream.read_direct()[SIZE - TAIL..] == data[..],
+                "{cipher}, {}: the image does not hold the pattern",
+                files.kind
+            );
+            let expected = format!(
+                "tls_version=Some(TLSv1_2) cipher_suite=Some(TLS_ECDHE_{}_WITH_{suite})",
+                files.kind
+            );
+            let line = last_tls_line(&server);
+            assert!(line.contains(&expected), "expected {expected}: {line}");
+        }
+    }
+}
+
+#[test]
+fn nbd_client_own_tls_with_a_refused_certificate_gets_no_disk() {
+    let Some(nbd_client) = kernel_nbd() else {
+        return;
+    };
+    let env = Env::new();
+    let image = env.random_image("disk.img", SIZE, 35);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let ca = Ca::new("kernel test CA");
+    let dir = env.path("pki");
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |name: &str, text: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let leaf = ca.server("localhost");
+    let files = ServerFiles {
+        cert: write("server-cert.pem", &leaf.cert),
+        key: write("server-key.pem", &leaf.key),
+        ca: write("ca-cert.pem", &ca.pem),
+        kind: "ECDSA",
+    };
+    let server = tls_gateway(&upstream, &files, &files.ca, &["--allow-cn", "kernel-host"]);
+    let other_ca = Ca::new("another CA");
+    let clients = [
+        ("allowed", ca.client("kernel-host", &[], &[], 10)),
+        (
+            "not on the allow-list",
+            ca.client("another-host", &[], &[], 11),
+        ),
+        (
+            "from a CA nbdgw does not trust",
+            other_ca.client("kernel-host", &[], &[], 12),
+        ),
+    ];
+    // What the server says of each refusal: GnuTLS sends no certificate
+    // whose issuer is not among the CAs the server's CertificateRequest
+    // names, so the stranger is refused for having none.
+    let refusals = [
+        "client certificate refused",
+        "TLS handshake failed: peer sent no certificates",
+    ];
+    for (n, (who, leaf)) in clients.iter().enumerate() {
+        let cert = write(&format!("client-{n}-cert.pem"), &leaf.cert);
+        let key = write(&format!("client-{n}-key.pem"), &leaf.key);
+        let device = PathBuf::from(format!("/dev/nbd{}", 10 + n));
+        let started = Instant::now();
+        let attach = attach_with_tls(
+            nbd_client,
+            &device,
+            server.port,
+            &files.ca,
+            (&cert, &key),
+            None,
+        );
+        if n == 0 {
+            assert!(
+                attach.status.success(),
+                "{who}: {}\n{}",
+                output(&attach),
+                server.log()
+            );
+            let detach = Detach(nbd_client, &device);
+            let data = pattern_through_the_kernel(&device, 36);
+            drop(detach);
+            assert!(upstream.read_direct()[SIZE - TAIL..] == data[..]);
+            continue;
+        }
+        let _detach = Detach(nbd_client, &device);
+        assert!(
+            !attach.status.success(),
+            "{who}: attached\n{}",
+            output(&attach)
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(110),
+            "{who}: nbd-client hung until killed"
+        );
+        assert_eq!(sectors(&device), 0, "{who}: the kernel has a disk");
+        server.wait_for_log(refusals[n - 1], 1);
     }
 }

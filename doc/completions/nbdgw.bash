@@ -71,7 +71,7 @@ _nbdgw() {
 
     case "${cmd}" in
         nbdgw)
-            opts="-h -V --listen --tls-cert --tls-key --tls-dir --tls-client-ca --tls-crl --allow-cn --allow-dns --allow-uri --verified-chain-cache --tls-crl-allow-expired --tls-revoke-closes --tls-min-version --tls-cipher-order --tls-reload-interval --upstream --export --export-dir --export-dir-owner --immutable-export --immutable --cache-size --cache-block-size --read-ahead --read-ahead-depth --policy --policy-revoke-closes --upstream-sndbuf --max-connections --max-sessions-per-identity --max-handshakes --max-handshakes-per-source --handshake-queue --handshake-queue-per-source --handshake-queue-timeout --handshake-reserve --source-memory --source-prefix-v4 --source-prefix-v6 --handshake-timeout --upstream-timeout --idle-timeout --stall-timeout --tcp-keepalive --tcp-keepalive-interval --tcp-keepalive-count --max-payload --max-option-len --max-refused-options --admin-listen --admin-max-connections --admin-header-timeout --admin-keepalive-requests --admin-keepalive-timeout --admin-max-header-bytes --drain-delay --shutdown-grace --drain-answer --cork --ktls --ktls-key-limit --threads --landlock --log-format --help --version certs policy client help"
+            opts="-h -V --listen --tls-cert --tls-key --tls-dir --tls-client-ca --tls-crl --allow-cn --allow-dns --allow-uri --verified-chain-cache --tls-crl-allow-expired --tls-revoke-closes --tls-min-version --tls-cipher-order --tls-groups --tls-reload-interval --upstream --export --export-dir --export-dir-owner --immutable-export --immutable --cache-size --cache-block-size --read-ahead --read-ahead-depth --policy --policy-revoke-closes --upstream-sndbuf --max-connections --max-sessions-per-identity --max-handshakes --max-handshakes-per-source --handshake-queue --handshake-queue-per-source --handshake-queue-timeout --handshake-reserve --source-memory --source-prefix-v4 --source-prefix-v6 --handshake-timeout --upstream-timeout --idle-timeout --stall-timeout --tcp-keepalive --tcp-keepalive-interval --tcp-keepalive-count --max-payload --max-option-len --max-refused-options --admin-listen --admin-max-connections --admin-header-timeout --admin-keepalive-requests --admin-keepalive-timeout --admin-max-header-bytes --drain-delay --shutdown-grace --drain-answer --cork --ktls --ktls-key-limit --threads --landlock --log-format --help --version certs policy client help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 1 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -127,6 +127,10 @@ _nbdgw() {
                     ;;
                 --tls-cipher-order)
                     COMPREPLY=($(compgen -W "server client" -- "${cur}"))
+                    return 0
+                    ;;
+                --tls-groups)
+                    COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
                 --tls-reload-interval)
@@ -375,7 +379,7 @@ _nbdgw() {
             return 0
             ;;
         nbdgw__subcmd__client)
-            opts="-h --listen --server --server-name --tls-dir --tls-ca --tls-cert --tls-key --tls-min-version --tls-reload-interval --server-timeout --reconnect --reconnect-timeout --replay-buffer --reply-buffer --handshake-timeout --idle-timeout --stall-timeout --tcp-keepalive --max-payload --max-option-len --max-connections --shutdown-grace --admin-listen --threads --log-format --help"
+            opts="-h --listen --server --server-name --tls-dir --tls-ca --tls-cert --tls-key --tls-min-version --tls-groups --tls-reload-interval --server-timeout --reconnect --reconnect-timeout --replay-buffer --reply-buffer --handshake-timeout --idle-timeout --stall-timeout --tcp-keepalive --max-payload --max-option-len --max-connections --shutdown-grace --admin-listen --threads --log-format --help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -411,6 +415,10 @@ _nbdgw() {
                     ;;
                 --tls-min-version)
                     COMPREPLY=($(compgen -W "1.2 1.3" -- "${cur}"))
+                    return 0
+                    ;;
+                --tls-groups)
+                    COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
                 --tls-reload-interval)

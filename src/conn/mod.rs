@@ -249,7 +249,7 @@ async fn negotiate(
         plain::Outcome::Closed(reason) => return Ok(Negotiated::Closed(reason)),
     };
     let tls = plain::accept_tls(io, config).await?;
-    log_tls(tls.get_ref().1, error::Side::Client);
+    log_tls(tls.get_ref().1, error::Side::Client, &config.metrics);
     let chain = tls.get_ref().1.peer_certificates().unwrap_or_default();
     // Anonymous clients (no client CA) have no names: a policy with rules
     // opens nothing to them.
@@ -311,8 +311,11 @@ async fn negotiate(
 
 /// The line that says a TLS session is up, in either direction: its
 /// parameters and the peer's certificate, `client=` for a client of the
-/// server mode, `server=` for the server client mode reached.
-fn log_tls(state: &rustls::CommonState, peer: Side) {
+/// server mode, `server=` for the server client mode reached; and the
+/// key exchange group counted in the metrics.
+fn log_tls(state: &rustls::CommonState, peer: Side, metrics: &crate::metrics::Metrics) {
+    let group = state.negotiated_key_exchange_group().map(|g| g.name());
+    metrics.tls_established(group);
     let certificate = match state.peer_certificates().and_then(|chain| chain.first()) {
         Some(cert) => crate::tls::identity::describe(cert),
         None => "no certificate".to_string(),
@@ -325,7 +328,7 @@ fn log_tls(state: &rustls::CommonState, peer: Side) {
     info!(
         tls_version = ?state.protocol_version(),
         cipher_suite = ?state.negotiated_cipher_suite().map(|s| s.suite()),
-        key_exchange = ?state.negotiated_key_exchange_group().map(|g| g.name()),
+        key_exchange = %crate::tls::groups::name(group),
         client,
         server,
         "TLS established"

@@ -107,7 +107,7 @@ async fn connect_and_secure(settings: &ClientSettings) -> Result<Remote, RemoteE
             server: server(),
             error,
         })?;
-    super::log_tls(tls.get_ref().1, Side::Upstream);
+    super::log_tls(tls.get_ref().1, Side::Upstream, &settings.metrics);
     let channel = OptionChannel::new(tls, Side::Upstream, settings.max_option_len)
         .bounded(settings.server_timeout);
     Ok(Remote {

@@ -13,7 +13,10 @@ use rustls::client::{Resumption, WebPkiServerVerifier};
 use rustls::{ClientConfig, RootCertStore};
 
 use super::TlsConfigError;
-use super::{certificates, crls, private_key, provider, CertInfo, MinVersion, PemFile};
+use super::{
+    certificates, check_groups, crls, private_key, provider, provider_with_groups, CertInfo,
+    KxGroups, MinVersion, PemFile,
+};
 use crate::reload::{LastSeen, ReloadOutcome, Swap, Trigger, Triggers};
 use tracing::{error, info};
 
@@ -133,11 +136,22 @@ impl ClientMaterial {
     }
 }
 
+/// What the operator asks of the TLS towards the server, fixed for the
+/// life of the process.
+#[derive(Debug, Clone, Default)]
+pub struct ClientTlsPolicy {
+    pub min_version: MinVersion,
+    /// The key exchange groups offered, in preference order
+    /// (`--tls-groups`); the first gets a key share in the ClientHello.
+    pub groups: KxGroups,
+}
+
 /// Builds the configuration every remote connection uses.
 pub fn build_client(
     material: &ClientMaterial,
-    min_version: MinVersion,
+    policy: &ClientTlsPolicy,
 ) -> Result<LoadedClient, TlsConfigError> {
+    check_groups(&policy.groups, policy.min_version)?;
     let ca_err = |error: String| TlsConfigError::ServerCa {
         path: material.ca.path.clone(),
         error,
@@ -160,10 +174,11 @@ pub fn build_client(
         .enforce_revocation_expiration()
         .build()
         .map_err(|e| ca_err(e.to_string()))?;
-    let builder = ClientConfig::builder_with_provider(provider())
-        .with_protocol_versions(min_version.versions())
-        .map_err(|e| ca_err(e.to_string()))?
-        .with_webpki_verifier(verifier);
+    let builder =
+        ClientConfig::builder_with_provider(Arc::new(provider_with_groups(&policy.groups)))
+            .with_protocol_versions(policy.min_version.versions())
+            .map_err(|e| ca_err(e.to_string()))?
+            .with_webpki_verifier(verifier);
     let (mut config, identity) = match &material.identity {
         Some((cert, key)) => {
             let chain = certificates(cert, "certificate")?;
@@ -200,7 +215,7 @@ pub fn build_client(
 /// for new connections; a broken set keeps the previous one, and says so.
 pub struct ClientReloader {
     paths: ClientTlsPaths,
-    min_version: MinVersion,
+    policy: ClientTlsPolicy,
     last_seen: LastSeen<ClientMaterial>,
     store: Arc<Swap<ClientConfig>>,
 }
@@ -209,13 +224,13 @@ impl ClientReloader {
     /// Reads and builds once; an error here stops the start.
     pub fn start(
         paths: ClientTlsPaths,
-        min_version: MinVersion,
+        policy: ClientTlsPolicy,
     ) -> Result<(Self, LoadedClient), TlsConfigError> {
         let material = ClientMaterial::read(&paths)?;
-        let loaded = build_client(&material, min_version)?;
+        let loaded = build_client(&material, &policy)?;
         let reloader = ClientReloader {
             paths,
-            min_version,
+            policy,
             last_seen: LastSeen::new(material),
             store: Arc::new(Swap::new(loaded.config.clone())),
         };
@@ -232,9 +247,8 @@ impl ClientReloader {
         let Some(seen) = self.last_seen.changed(trigger, read) else {
             return ReloadOutcome::Unchanged;
         };
-        let built = seen.and_then(|material| {
-            build_client(&material, self.min_version).map_err(|e| e.to_string())
-        });
+        let built = seen
+            .and_then(|material| build_client(&material, &self.policy).map_err(|e| e.to_string()));
         match built {
             Ok(loaded) => {
                 let identity = loaded
@@ -286,7 +300,7 @@ mod tests {
         assert_eq!(paths.layout, Some("libnbd/qemu"));
         assert_eq!(paths.ca, out.join("ca-cert.pem"));
         let (mut reloader, loaded) =
-            ClientReloader::start(paths.clone(), MinVersion::Tls12).unwrap();
+            ClientReloader::start(paths.clone(), ClientTlsPolicy::default()).unwrap();
         assert_eq!(loaded.cas, 1);
         assert!(loaded.identity.is_some());
         assert_eq!(reloader.check(Trigger::Poll), ReloadOutcome::Unchanged);

@@ -3,6 +3,7 @@
 //! which a reload may replace at any time.
 
 pub mod client;
+pub mod groups;
 pub mod identity;
 pub mod kernel;
 pub mod key_update;
@@ -21,6 +22,7 @@ use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig};
 use thiserror::Error;
 
+pub use groups::KxGroups;
 pub use identity::{AllowList, CertInfo, PatternError};
 pub use material::{
     DirLayout, Material, PemFile, TlsPaths, TlsSources, KUBERNETES_LAYOUT, QEMU_LAYOUT,
@@ -70,6 +72,8 @@ pub enum TlsConfigError {
     ServerCa { path: PathBuf, error: String },
     #[error("client certificate {0} has no key beside it (client-key.pem, tls.key or --tls-key)")]
     ClientKeyMissing(PathBuf),
+    #[error("--tls-groups {0} has no group TLS 1.2 can use (the ML-KEM groups are TLS 1.3 only): add a classical group (X25519, secp256r1) or pass --tls-min-version 1.3")]
+    GroupsWithoutTls12(KxGroups),
     #[error("--allow-cn, --allow-dns and --allow-uri need a client CA (--tls-client-ca, or ca-cert.pem / ca.crt in --tls-dir)")]
     AllowWithoutCa,
 }
@@ -80,11 +84,28 @@ pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::aws_lc_rs::default_provider())
 }
 
-/// The server's provider: its suites in the order `CipherOrder::Server`
-/// describes (AES-128-GCM before AES-256-GCM, in TLS 1.3 and 1.2 alike;
-/// the rest as rustls has them).
-fn server_provider(order: CipherOrder) -> Arc<rustls::crypto::CryptoProvider> {
+/// The provider of TLS connections (either side): the key exchange
+/// groups `groups` lists, in its order (see `groups` for why rustls's
+/// default order is not used).
+fn provider_with_groups(groups: &KxGroups) -> rustls::crypto::CryptoProvider {
     let mut provider = rustls::crypto::aws_lc_rs::default_provider();
+    provider.kx_groups = groups.to_provider();
+    provider
+}
+
+/// A TLS 1.2 peer must find a group in `groups` if TLS 1.2 is allowed.
+fn check_groups(groups: &KxGroups, min_version: MinVersion) -> Result<(), TlsConfigError> {
+    if min_version == MinVersion::Tls12 && !groups.usable_in_tls12() {
+        return Err(TlsConfigError::GroupsWithoutTls12(groups.clone()));
+    }
+    Ok(())
+}
+
+/// The server's provider: its groups, and its suites in the order
+/// `CipherOrder::Server` describes (AES-128-GCM before AES-256-GCM, in
+/// TLS 1.3 and 1.2 alike; the rest as rustls has them).
+fn server_provider(order: CipherOrder, groups: &KxGroups) -> Arc<rustls::crypto::CryptoProvider> {
+    let mut provider = provider_with_groups(groups);
     if order == CipherOrder::Server {
         // A stable sort: only the AES-128 suites move ahead of their
         // AES-256 counterparts, TLS 1.3 ones still before TLS 1.2 ones.
@@ -159,6 +180,8 @@ pub struct TlsPolicy {
     /// (`--verified-chain-cache`).
     pub verified_chain_cache: usize,
     pub cipher_order: CipherOrder,
+    /// The key exchange groups accepted (`--tls-groups`).
+    pub groups: KxGroups,
 }
 
 impl Default for TlsPolicy {
@@ -171,6 +194,7 @@ impl Default for TlsPolicy {
             secret_extraction: false,
             verified_chain_cache: VERIFIED_CHAIN_CACHE,
             cipher_order: CipherOrder::default(),
+            groups: KxGroups::default(),
         }
     }
 }
@@ -220,9 +244,11 @@ pub fn build(material: &Material, policy: &TlsPolicy) -> Result<Loaded, TlsConfi
         key: material.key.path.clone(),
         error,
     };
-    let builder = ServerConfig::builder_with_provider(server_provider(policy.cipher_order))
-        .with_protocol_versions(policy.min_version.versions())
-        .map_err(rustls_err)?;
+    check_groups(&policy.groups, policy.min_version)?;
+    let builder =
+        ServerConfig::builder_with_provider(server_provider(policy.cipher_order, &policy.groups))
+            .with_protocol_versions(policy.min_version.versions())
+            .map_err(rustls_err)?;
     let (builder, client) = match &material.client_ca {
         Some(ca_file) => {
             let client = client_verifier(ca_file, material.crl.as_ref(), policy)?;

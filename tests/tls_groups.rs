@@ -1,0 +1,254 @@
+//! Key exchange groups (`--tls-groups`): `nbdgw client` to an nbdgw
+//! server negotiates the hybrid X25519MLKEM768 by default, as both ends'
+//! logs and metrics say; GnuTLS clients (qemu-img, libnbd's nbdinfo),
+//! which offer no hybrid, still connect with a classical group; a server
+//! without the hybrid still takes client mode (after a HelloRetryRequest
+//! when it lacks X25519 too); unknown names stop the start.
+
+mod common;
+
+use std::ffi::OsStr;
+use std::path::Path;
+use std::process::Command;
+
+use common::clients::{http_get, nbdinfo_size, qemu_img_info, text};
+use common::process::{start_must_fail, NbdgwProcess};
+use common::{free_port, pattern, run_ok, Env, QemuNbd};
+
+const SIZE: usize = 1 << 20;
+
+fn sample(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no sample {name} in:\n{metrics}"))
+}
+
+fn metrics(admin: u16) -> String {
+    let (code, body) = http_get(admin, "/metrics");
+    assert_eq!(code, 200, "{body}");
+    body
+}
+
+fn sessions_with(group: &str) -> String {
+    format!("nbdgw_tls_sessions_total{{key_exchange=\"{group}\"}}")
+}
+
+/// The nbdgw server in front of `upstream`, with an admin listener.
+fn server(env: &Env, upstream: &Path, admin: u16, extra: &[&str]) -> NbdgwProcess {
+    let certs = env.certs();
+    let admin = format!("127.0.0.1:{admin}");
+    let mut args = vec![
+        OsStr::new("--upstream"),
+        upstream.as_os_str(),
+        OsStr::new("--tls-dir"),
+        certs.as_os_str(),
+        OsStr::new("--admin-listen"),
+        OsStr::new(&admin),
+        OsStr::new("--landlock"),
+        OsStr::new("false"),
+    ];
+    args.extend(extra.iter().map(OsStr::new));
+    NbdgwProcess::start(args)
+}
+
+/// `nbdgw client` on a Unix socket towards `server`, with an admin
+/// listener.
+fn client_mode(env: &Env, server: &NbdgwProcess, admin: u16, extra: &[&str]) -> NbdgwProcess {
+    let socket = env.path("client.sock");
+    let certs = env.certs();
+    let target = format!("localhost:{}", server.port);
+    let admin = format!("127.0.0.1:{admin}");
+    let mut args = vec![
+        OsStr::new("--server"),
+        OsStr::new(&target),
+        OsStr::new("--tls-dir"),
+        certs.as_os_str(),
+        OsStr::new("--admin-listen"),
+        OsStr::new(&admin),
+    ];
+    args.extend(extra.iter().map(OsStr::new));
+    NbdgwProcess::client(socket.as_os_str(), args)
+}
+
+/// nbdcopy through client mode's socket reads the image.
+fn copy_through(env: &Env, client: &NbdgwProcess) {
+    let copy = env.path("copy.img");
+    let _ = std::fs::remove_file(&copy);
+    let uri = format!("nbd+unix:///?socket={}", env.path("client.sock").display());
+    let out = run_ok(Command::new("nbdcopy").arg(&uri).arg(&copy));
+    assert!(out.status.success(), "{}\n{}", text(&out), client.log());
+    assert_eq!(std::fs::read(&copy).unwrap(), pattern(SIZE, 31));
+}
+
+/// The `TLS established` lines of a log.
+fn tls_lines(log: &str) -> Vec<&str> {
+    log.lines()
+        .filter(|l| l.contains("TLS established"))
+        .collect()
+}
+
+#[test]
+fn client_mode_and_server_negotiate_x25519mlkem768_by_default() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", SIZE, 31);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let (server_admin, client_admin) = (free_port(), free_port());
+    let server = server(&env, &upstream.socket, server_admin, &[]);
+    let client = client_mode(&env, &server, client_admin, &[]);
+    copy_through(&env, &client);
+
+    // Both ends say so, each from its own side of the handshake.
+    let hybrid = "key_exchange=X25519MLKEM768";
+    for (who, log) in [("server", server.log()), ("client mode", client.log())] {
+        let lines = tls_lines(&log);
+        assert!(!lines.is_empty(), "{who} logged no TLS session:\n{log}");
+        assert!(
+            lines.iter().all(|l| l.contains(hybrid)),
+            "{who} did not negotiate X25519MLKEM768:\n{}",
+            lines.join("\n")
+        );
+    }
+    let hybrid = sessions_with("X25519MLKEM768");
+    assert!(sample(&metrics(server_admin), &hybrid) >= 1.0);
+    assert!(sample(&metrics(client_admin), &hybrid) >= 1.0);
+    assert!(!metrics(server_admin).contains("key_exchange=\"X25519\""));
+}
+
+#[test]
+fn gnutls_clients_still_connect_with_a_classical_group() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", SIZE, 31);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let admin = free_port();
+    let server = server(&env, &upstream.socket, admin, &[]);
+
+    let out = qemu_img_info(server.port, &env.certs());
+    assert!(out.status.success(), "qemu-img: {}", text(&out));
+    let out = nbdinfo_size(server.port, &env.certs());
+    assert!(out.status.success(), "nbdinfo: {}", text(&out));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        SIZE.to_string()
+    );
+
+    server.wait_for_log("TLS established", 2);
+    let log = server.log();
+    let lines = tls_lines(&log);
+    assert_eq!(lines.len(), 2, "{log}");
+    let classical = ["X25519", "secp256r1", "secp384r1"];
+    for line in &lines {
+        assert!(
+            classical
+                .iter()
+                .any(|g| line.contains(&format!("key_exchange={g} "))),
+            "a GnuTLS client with a group other than a classical one: {line}"
+        );
+    }
+    let metrics = metrics(admin);
+    let counted: f64 = classical
+        .iter()
+        .filter_map(|g| {
+            let name = sessions_with(g);
+            metrics.contains(&name).then(|| sample(&metrics, &name))
+        })
+        .sum();
+    assert_eq!(counted, 2.0, "{metrics}");
+    assert!(!metrics.contains("MLKEM"), "{metrics}");
+}
+
+#[test]
+fn a_server_without_the_hybrid_still_takes_client_mode() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", SIZE, 31);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    // X25519: client mode's ClientHello carries an X25519 share beside
+    // the hybrid's, so no retry. secp384r1: a HelloRetryRequest first.
+    for group in ["X25519", "secp384r1"] {
+        let (server_admin, client_admin) = (free_port(), free_port());
+        let server = server(
+            &env,
+            &upstream.socket,
+            server_admin,
+            &["--tls-groups", group],
+        );
+        let client = client_mode(&env, &server, client_admin, &[]);
+        copy_through(&env, &client);
+        let expected = format!("key_exchange={group} ");
+        for (who, log) in [("server", server.log()), ("client mode", client.log())] {
+            let lines = tls_lines(&log);
+            assert!(
+                !lines.is_empty() && lines.iter().all(|l| l.contains(&expected)),
+                "{who} with a {group}-only server:\n{log}"
+            );
+        }
+        assert!(sample(&metrics(client_admin), &sessions_with(group)) >= 1.0);
+    }
+}
+
+#[test]
+fn client_mode_offers_the_groups_it_is_given() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", SIZE, 31);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let (server_admin, client_admin) = (free_port(), free_port());
+    let server = server(&env, &upstream.socket, server_admin, &[]);
+    // OpenSSL's spelling of P-256.
+    let client = client_mode(&env, &server, client_admin, &["--tls-groups", "P-256"]);
+    copy_through(&env, &client);
+    assert!(sample(&metrics(server_admin), &sessions_with("secp256r1")) >= 1.0);
+    assert!(tls_lines(&client.log())
+        .iter()
+        .all(|l| l.contains("key_exchange=secp256r1 ")));
+}
+
+#[test]
+fn unknown_or_unusable_groups_stop_the_start() {
+    let env = Env::new();
+    let certs = env.certs();
+    let upstream = env.path("none.sock");
+    let serve = |groups: &str, extra: &[&str]| {
+        let mut args = vec![
+            OsStr::new("--upstream"),
+            upstream.as_os_str(),
+            OsStr::new("--tls-dir"),
+            certs.as_os_str(),
+            OsStr::new("--tls-groups"),
+            OsStr::new(groups),
+        ];
+        args.extend(extra.iter().map(OsStr::new));
+        start_must_fail(args)
+    };
+    let err = serve("X25519MLKEM768,X448", &[]);
+    assert!(
+        err.contains("unknown key exchange group \"X448\"") && err.contains("known: "),
+        "{err}"
+    );
+    let err = serve("X25519,x25519", &[]);
+    assert!(err.contains("listed twice"), "{err}");
+    let err = serve("X25519MLKEM768", &[]);
+    assert!(
+        err.contains("has no group TLS 1.2 can use") && err.contains("--tls-min-version 1.3"),
+        "{err}"
+    );
+
+    let client = |groups: &str| {
+        start_must_fail([
+            OsStr::new("client"),
+            OsStr::new("--server"),
+            OsStr::new("localhost:10809"),
+            OsStr::new("--tls-dir"),
+            certs.as_os_str(),
+            OsStr::new("--tls-groups"),
+            OsStr::new(groups),
+        ])
+    };
+    let err = client("X25519Kyber768Draft00");
+    assert!(
+        err.contains("unknown key exchange group \"X25519Kyber768Draft00\""),
+        "{err}"
+    );
+    let err = client("MLKEM768");
+    assert!(err.contains("has no group TLS 1.2 can use"), "{err}");
+}
