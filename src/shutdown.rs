@@ -61,10 +61,11 @@ impl Shutdown {
         *self.0.borrow() >= Phase::Draining
     }
 
-    /// A request read now is to be left unanswered: the connection closes
-    /// at the next request boundary instead (`DrainAnswer::Close`).
-    pub fn closes_instead(&self) -> bool {
-        self.1 == DrainAnswer::Close && self.is_draining()
+    /// What a request read now gets: `None` while running, else the drain's
+    /// answer. Read once per request, so that one request never sees two
+    /// phases (it would be counted left unanswered and answered ESHUTDOWN).
+    pub fn answer_now(&self) -> Option<DrainAnswer> {
+        self.is_draining().then_some(self.1)
     }
 
     pub fn answer(&self) -> DrainAnswer {

@@ -29,7 +29,7 @@ use tokio::net::TcpStream;
 use tracing::{info, warn, Instrument};
 
 use crate::admission::{Admission, HandshakePermit, Place, SessionPermit};
-use crate::config::{Config, Cork};
+use crate::config::Config;
 use crate::logsafe::escape;
 use crate::shutdown::Shutdown;
 use crate::tls::{Grant, SessionGuard};
@@ -187,11 +187,10 @@ async fn run(
     tcp.set_nodelay(true)
         .map_err(ConnError::io(error::Side::Client, "at accept"))?;
     set_liveness_checks(&tcp, config);
-    // A second handle on the same socket for TCP_CORK once the TLS stream
-    // is split into halves.
-    let cork_handle = (config.cork != Cork::Off)
-        .then(|| socket2::SockRef::from(&tcp).try_clone().ok())
-        .flatten();
+    // A second handle on the same socket, once the TLS stream is split
+    // into halves: for TCP_CORK, and to see a drained connection's last
+    // replies acknowledged before it closes.
+    let socket_handle = socket2::SockRef::from(&tcp).try_clone().ok();
     let io = buffered::Buffered::new(CLIENT_READ_BUF, tcp);
     let negotiated = tokio::time::timeout_at(deadline, negotiate(io, handshake_permit, link))
         .await
@@ -228,7 +227,7 @@ async fn run(
                 }),
             };
             let transmit = link.transmit();
-            let relayed = relay::run(ends, cork_handle, &transmit, registered.as_ref());
+            let relayed = relay::run(ends, socket_handle, &transmit, registered.as_ref());
             let ended = until_ended(registered.as_ref(), relayed).await;
             link.admission.prove(peer, &who);
             ended

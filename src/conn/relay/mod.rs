@@ -13,7 +13,8 @@ mod replies;
 mod requests;
 mod writer;
 
-use std::pin::pin;
+use std::future::Future;
+use std::pin::{pin, Pin};
 
 use tokio::io::{AsyncRead, AsyncWrite};
 
@@ -27,7 +28,6 @@ use crate::shutdown::DrainAnswer;
 pub use cache::Cached;
 use cache::{Ahead, ReplyLayer, RequestLayer};
 use flight::Flight;
-use local::{Local, SHUTTING_DOWN};
 pub use replies::max_reply;
 use replies::Replies;
 use requests::Requests;
@@ -38,12 +38,13 @@ use writer::ReplyWriter;
 const UPSTREAM_READ_BUF: usize = 64 * 1024;
 /// Replies nbdgw makes itself, queued for the reply side.
 const LOCAL_QUEUE: usize = 64;
-/// After a drain's close_notify and FIN, how long the client's bytes are
-/// still read, until it closes its side. A client that is told at once
-/// (libnbd polls) closes in a round trip; one that reads only while it
-/// waits for a reply (qemu) is not told until it sends, so this bounds
-/// how long an idle one holds the connection's end.
+/// After a drain's close_notify and FIN, without a socket to ask whether
+/// the client has everything, how long the client's bytes are still read,
+/// until it closes its side.
 const CLOSE_LINGER: std::time::Duration = std::time::Duration::from_secs(1);
+/// How often a lingering connection asks the kernel whether the client
+/// has acknowledged everything.
+const OUTPUT_POLL: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// The two halves of each end of a session in transmission, and how it
 /// was negotiated: the same relay serves a TLS client and a Unix-socket
@@ -59,10 +60,12 @@ pub struct Ends<CR, CW, UR, UW> {
 }
 
 /// Relays until the client disconnects, a drain completes, or a side
-/// fails. Returns why the connection ended.
+/// fails. Returns why the connection ended. `socket` is a second handle on
+/// the client's TCP socket (none in client mode, whose local side is not
+/// TCP to a remote): for TCP_CORK, and to see the last replies delivered.
 pub async fn run<CR, CW, UR, UW>(
     ends: Ends<CR, CW, UR, UW>,
-    cork: Option<socket2::Socket>,
+    socket: Option<socket2::Socket>,
     link: &Transmit<'_>,
     registered: Option<&crate::tls::SessionGuard>,
 ) -> Result<&'static str, ConnError>
@@ -86,7 +89,6 @@ where
         .map(|c| ReplyLayer::new(c.handle.clone(), &ahead));
     let request_cache = cache.map(|c| RequestLayer::new(c, &ahead));
     let (local_tx, local_rx) = mpsc::channel(LOCAL_QUEUE);
-    let drain = local_tx.clone();
     let requests = Requests::new(
         (client_rd, up_wr),
         &flight,
@@ -98,44 +100,25 @@ where
     .ended_by(registered);
     let upstream = Buffered::new(UPSTREAM_READ_BUF, up_rd);
     let lingers = link.shutdown.answer() == DrainAnswer::Eshutdown;
-    let replies = Replies::new(upstream, &flight, local_rx, mode, link.limits.max_payload)
+    let limits = (mode, link.limits.max_payload);
+    let replies = Replies::new(upstream, &flight, local_rx, limits, link.shutdown.clone())
         .cached(reply_cache)
         .lingering(lingers);
-    let mut writer = ReplyWriter::new(client_wr, cork, &link.limits, link.stats);
+    let mut writer = ReplyWriter::new(client_wr, socket, &link.limits, link.stats);
     let mut requests = pin!(requests.run());
     let mut requests_done = false;
     let result = {
-        let mut replies = pin!(replies.run(&mut writer));
-        let mut shutdown = link.shutdown.clone();
-        let mut told_to_drain = false;
-        // The reply side decides when a drained connection ends; the
-        // request side ends on its own only with DISC or an error. The
-        // shutdown is watched here, once per connection rather than once
-        // per request; new requests see it through `is_draining`.
-        loop {
-            tokio::select! {
-                requested = &mut requests, if !requests_done => match requested {
-                    Ok(()) => requests_done = true,
-                    Err(e) => break Err(e),
-                },
-                replied = &mut replies => break replied,
-                () = shutdown.draining(), if !told_to_drain => {
-                    told_to_drain = true;
-                    let _ = drain.send(Local::Drain(SHUTTING_DOWN)).await;
-                }
-            }
-        }
+        let replies = pin!(replies.run(&mut writer));
+        both_sides(requests.as_mut(), replies, &mut requests_done).await
     };
     match result {
         Ok(reason) => {
-            writer.close().await?;
+            let socket = writer.close().await?;
             if !requests_done {
                 // A drain, not the client's DISC: the client may still be
-                // sending. Its bytes are read (and dropped) until it
-                // closes too, for a while: a socket closed with bytes
-                // unread sends a reset and throws away what the kernel
-                // has not sent yet, replies and close_notify included.
-                let _ = tokio::time::timeout(CLOSE_LINGER, &mut requests).await;
+                // sending.
+                let mut shutdown = link.shutdown.clone();
+                linger(requests, socket.as_ref(), &mut shutdown).await;
             }
             Ok(reason)
         }
@@ -144,4 +127,69 @@ where
             Err(e)
         }
     }
+}
+
+/// Polls both sides until the reply side ends (it decides when a drained
+/// connection ends; it watches the shutdown itself) or either fails. The
+/// request side ends on its own only with DISC or when the reply side is
+/// gone.
+async fn both_sides(
+    mut requests: Pin<&mut impl Future<Output = Result<(), ConnError>>>,
+    mut replies: Pin<&mut impl Future<Output = Result<&'static str, ConnError>>>,
+    requests_done: &mut bool,
+) -> Result<&'static str, ConnError> {
+    loop {
+        tokio::select! {
+            requested = &mut requests, if !*requests_done => match requested {
+                Ok(()) => *requests_done = true,
+                Err(e) => return Err(e),
+            },
+            replied = &mut replies => return replied,
+        }
+    }
+}
+
+/// After a drain's close_notify and FIN: the client's bytes are read (and
+/// dropped) until it closes too, or until the kernel holds nothing of ours
+/// unacknowledged, or the grace period ends. A socket closed with bytes
+/// unread, or that receives bytes once closed, is reset, and Linux then
+/// throws away what it has not sent yet: replies and close_notify. Once
+/// the client has acknowledged everything (FIN included), a reset costs
+/// nothing. Without a socket handle (client mode's local side), for at
+/// most `CLOSE_LINGER`.
+async fn linger(
+    mut requests: Pin<&mut impl Future<Output = Result<(), ConnError>>>,
+    socket: Option<&socket2::Socket>,
+    shutdown: &mut crate::shutdown::Shutdown,
+) {
+    let Some(socket) = socket else {
+        let _ = tokio::time::timeout(CLOSE_LINGER, requests).await;
+        return;
+    };
+    let mut poll = tokio::time::interval(OUTPUT_POLL);
+    loop {
+        tokio::select! {
+            _ = &mut requests => return,
+            () = shutdown.cut() => return,
+            _ = poll.tick() => {
+                if output_queue(socket).is_none_or(|queued| queued == 0) {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Bytes the kernel still holds for the client socket, sent or not, with
+/// the FIN: SIOCOUTQ (the same request number as TIOCOUTQ on Linux).
+/// Neither rustix, nix nor socket2 offers it safely, hence the one ioctl.
+#[allow(unsafe_code)]
+fn output_queue(socket: &socket2::Socket) -> Option<u32> {
+    use nix::libc;
+    use std::os::fd::AsRawFd;
+    let mut queued: libc::c_int = 0;
+    // SAFETY: the fd is open for the call (`socket` borrows it), and
+    // SIOCOUTQ writes one c_int through the pointer, which is valid.
+    let rc = unsafe { libc::ioctl(socket.as_raw_fd(), libc::TIOCOUTQ, &mut queued) };
+    (rc == 0).then(|| u32::try_from(queued).unwrap_or(0))
 }

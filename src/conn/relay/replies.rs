@@ -14,7 +14,7 @@ use tokio::sync::mpsc;
 
 use super::cache::{Filling, Purpose, ReplyLayer};
 use super::flight::Flight;
-use super::local::{Local, CLIENT_DISCONNECTED};
+use super::local::{Local, CLIENT_DISCONNECTED, SHUTTING_DOWN};
 use super::writer::ReplyWriter;
 use crate::conn::error::{ConnError, Side};
 use crate::proto::consts::*;
@@ -23,6 +23,7 @@ use crate::proto::transmission::{
     reply_header_len, InFlight, ReplyFrame, ReplyMode, Request,
 };
 use crate::proto::{be_u32, be_u64};
+use crate::shutdown::Shutdown;
 
 /// Beyond its payload, a reply chunk carries its own fields: an offset, an
 /// error code and a message of at most 4 KiB, block-status descriptors.
@@ -59,6 +60,11 @@ pub struct Replies<'a, U> {
     max_reply: u64,
     /// Set by DISC or shutdown: finish what is in flight, then close.
     draining: Option<&'static str>,
+    /// The gateway's shutdown, watched here rather than passed through the
+    /// local queue: a full queue (cache hits or refusals behind a client
+    /// that reads slowly) must not keep the drain from starting, nor the
+    /// relay from polling either side while it waits.
+    shutdown: Shutdown,
     /// When the shutdown's wait for requests already sent ends.
     linger_until: Option<tokio::time::Instant>,
     /// Whether a drained connection waits for requests already sent
@@ -85,10 +91,11 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
         upstream: Buffered<U>,
         flight: &'a Flight,
         local: mpsc::Receiver<Local>,
-        mode: ReplyMode,
-        max_payload: u32,
+        (mode, max_payload): (ReplyMode, u32),
+        shutdown: Shutdown,
     ) -> Self {
         Replies {
+            shutdown,
             upstream,
             flight,
             local,
@@ -122,6 +129,9 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
         writer: &mut ReplyWriter<'_, W>,
     ) -> Result<&'static str, ConnError> {
         loop {
+            if self.draining.is_none() && self.shutdown.is_draining() {
+                self.draining = Some(SHUTTING_DOWN);
+            }
             if let (Some(reason), true) = (self.draining, self.flight.is_empty()) {
                 if reason == CLIENT_DISCONNECTED || !self.local_open || !self.lingers {
                     return Ok(reason);
@@ -239,9 +249,13 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
                 .poll_fill_buf(cx)
                 .map_ok(|b| b.is_empty())
         });
+        let watch_shutdown = self.draining.is_none();
         tokio::select! {
             biased;
             m = self.local.recv(), if self.local_open => Ok(Next::Local(m)),
+            () = self.shutdown.draining(), if watch_shutdown => {
+                Ok(Next::Local(Some(Local::Drain(SHUTTING_DOWN))))
+            }
             r = upstream_ready => match r {
                 Ok(true) => Ok(Next::UpstreamEof),
                 Ok(false) => Ok(Next::Upstream),

@@ -17,7 +17,7 @@ use crate::conn::session::{within_stall, Limits, Transmit};
 use crate::proto::consts::*;
 use crate::proto::transmission::{encode_error_reply, InFlight, ReplyMode, Request};
 use crate::proto::ProtoError;
-use crate::shutdown::Shutdown;
+use crate::shutdown::{DrainAnswer, Shutdown};
 
 /// Request payload is forwarded upstream in pieces of this size, with
 /// room for the header, so that a 256 KiB write (nbdcopy's and fio's usual
@@ -97,67 +97,101 @@ impl<'a, C: AsyncRead + Unpin, U: AsyncWrite + Unpin> Requests<'a, C, U> {
             let max_payload = u64::from(self.limits().max_payload);
             ProtoError::check_limit("request payload", payload, max_payload)
                 .map_err(ConnError::proto(Side::Client))?;
-            self.link
-                .stats
-                .request(command_name(request.command), header_len as u64);
             if request.command == CMD_DISC {
+                self.count(&request);
                 return self.disconnect(header).await;
             }
-            if self.shutdown.closes_instead() {
-                // Never forwarded and never answered: the connection
-                // closes once what was forwarded before the drain is
-                // answered, and the client may send it again elsewhere.
-                // Read on (payload too), so that nothing the client sent
-                // is left unread when the socket closes: that would make
-                // it a reset, which throws away replies not sent yet.
-                self.discard(payload).await?;
-                debug!(
-                    command = command_name(request.command),
-                    cookie = request.cookie,
-                    "request read while draining: left unanswered, the connection closes"
-                );
+            // The phase is read once: what this request gets is decided
+            // by one look, whatever the drain does meanwhile.
+            let draining = self.shutdown.answer_now();
+            // Counted once decided, so that whoever waits for the count
+            // (the tests) sees a request whose fate is sealed.
+            self.count(&request);
+            if draining == Some(DrainAnswer::Close) {
+                self.leave_unanswered(&request, payload).await?;
                 continue;
             }
-            self.flight
-                .claim(request.cookie, InFlight::from(&request))
-                .await;
-            match self.refusal(&request) {
-                Some((error, message)) => {
-                    let queued = self.refuse(&request, payload, error, message).await?;
-                    // Once a drained connection's reply side is done, its
-                    // requests are still read until the client closes (see
-                    // `relay::run`).
-                    if !queued && !self.shutdown.is_draining() {
-                        return Ok(());
-                    }
-                }
-                None => {
-                    // A reload may have ended the session while this
-                    // request was read: it must not reach the upstream.
-                    if let Some(why) = self.registered.and_then(|g| g.signalled()) {
-                        return Err(ConnError::ended(why));
-                    }
-                    let hit = self
-                        .cache
-                        .as_ref()
-                        .and_then(|c| c.answer(self.mode, &request));
-                    match hit {
-                        Some(reply) => {
-                            if self.local.send(reply).await.is_err() {
-                                return Ok(());
-                            }
-                        }
-                        None => self.miss(&request, header, payload).await?,
-                    }
-                    self.read_ahead(&request).await?;
-                }
+            if !self.handle(&request, header, payload, draining).await? {
+                return Ok(());
             }
         }
     }
 
+    fn count(&self, request: &Request) {
+        let header_len = self.mode.request_header_len() as u64;
+        self.link
+            .stats
+            .request(command_name(request.command), header_len);
+    }
+
+    /// A request read after a drain began, with `DrainAnswer::Close`:
+    /// never forwarded and never answered: the connection closes once what
+    /// was forwarded before the drain is answered, and the client may send
+    /// it again elsewhere. Read on (payload too), so that nothing the
+    /// client sent is left unread when the socket closes: that would make
+    /// it a reset, which throws away replies not sent yet.
+    async fn leave_unanswered(&mut self, request: &Request, payload: u64) -> Result<(), ConnError> {
+        self.discard(payload).await?;
+        debug!(
+            command = command_name(request.command),
+            cookie = request.cookie,
+            "request read while draining: left unanswered, the connection closes"
+        );
+        Ok(())
+    }
+
+    /// Refuses, answers from the cache or forwards one request. Returns
+    /// false once the reply side is gone and nothing more is to be read.
+    async fn handle(
+        &mut self,
+        request: &Request,
+        header: &[u8],
+        payload: u64,
+        draining: Option<DrainAnswer>,
+    ) -> Result<bool, ConnError> {
+        self.flight
+            .claim(request.cookie, InFlight::from(request))
+            .await;
+        if let Some((error, message)) = self.refusal(request, draining) {
+            let queued = self.refuse(request, payload, error, message).await?;
+            // Once a drained connection's reply side is done, its requests
+            // are still read until the client closes (see `relay::run`).
+            return Ok(queued || self.shutdown.is_draining());
+        }
+        // A reload may have ended the session while this request was
+        // read: it must not reach the upstream.
+        if let Some(why) = self.registered.and_then(|g| g.signalled()) {
+            return Err(ConnError::ended(why));
+        }
+        let hit = self
+            .cache
+            .as_ref()
+            .and_then(|c| c.answer(self.mode, request));
+        match hit {
+            Some(reply) => {
+                if self.local.send(reply).await.is_err() {
+                    return Ok(false);
+                }
+            }
+            None => self.miss(request, header, payload).await?,
+        }
+        // No read-ahead for a session that is closing: its replies would
+        // only hold the drain up.
+        if draining.is_none() {
+            self.read_ahead(request).await?;
+        }
+        Ok(true)
+    }
+
     /// What nbdgw answers itself instead of forwarding, if anything.
-    fn refusal(&self, request: &Request) -> Option<(u32, &'static str)> {
-        if self.shutdown.is_draining() {
+    /// `draining` is the phase as this request saw it: ESHUTDOWN only when
+    /// the drain answers so (never with `DrainAnswer::Close`).
+    fn refusal(
+        &self,
+        request: &Request,
+        draining: Option<DrainAnswer>,
+    ) -> Option<(u32, &'static str)> {
+        if draining == Some(DrainAnswer::Eshutdown) {
             Some((ESHUTDOWN, "nbdgw is shutting down"))
         } else if self.read_only && request.is_modifying() {
             // The spec asks for EPERM; qemu-nbd itself would answer EINVAL.

@@ -20,9 +20,9 @@ const UNCORKED_BURST_MAX: usize = 64 * 1024;
 pub struct ReplyWriter<'a, W> {
     client: W,
     out: Vec<u8>,
-    /// A second handle on the client socket, for TCP_CORK; none with
-    /// `Cork::Off`.
-    cork: Option<socket2::Socket>,
+    /// A second handle on the client socket, for TCP_CORK (not used with
+    /// `Cork::Off`) and for the drain's linger.
+    socket: Option<socket2::Socket>,
     corked: bool,
     policy: Cork,
     stall_timeout: Option<Duration>,
@@ -32,14 +32,14 @@ pub struct ReplyWriter<'a, W> {
 impl<'a, W: AsyncWrite + Unpin> ReplyWriter<'a, W> {
     pub fn new(
         client: W,
-        cork: Option<socket2::Socket>,
+        socket: Option<socket2::Socket>,
         limits: &Limits,
         stats: &'a Stats,
     ) -> Self {
         ReplyWriter {
             client,
             out: Vec::with_capacity(REPLY_CHUNK),
-            cork: cork.filter(|_| limits.cork != Cork::Off),
+            socket,
             corked: false,
             policy: limits.cork,
             stall_timeout: limits.stall_timeout,
@@ -109,10 +109,11 @@ impl<'a, W: AsyncWrite + Unpin> ReplyWriter<'a, W> {
     }
 
     /// Every reply has been written: close_notify tells the client so.
-    pub async fn close(mut self) -> Result<(), ConnError> {
+    /// Hands back the socket handle, for the linger.
+    pub async fn close(mut self) -> Result<Option<socket2::Socket>, ConnError> {
         self.end_burst().await?;
         let _ = tokio::time::timeout(GOODBYE_TIMEOUT, self.client.shutdown()).await;
-        Ok(())
+        Ok(self.socket.take())
     }
 
     /// The relay failed: release the cork, and end TLS properly where it
@@ -165,7 +166,10 @@ impl<'a, W: AsyncWrite + Unpin> ReplyWriter<'a, W> {
     }
 
     fn set_cork(&mut self, on: bool) {
-        if let (true, Some(socket)) = (self.corked != on, &self.cork) {
+        if self.policy == Cork::Off {
+            return;
+        }
+        if let (true, Some(socket)) = (self.corked != on, &self.socket) {
             let _ = socket.set_tcp_cork(on);
             self.corked = on;
         }
