@@ -435,3 +435,198 @@ fn the_advertised_maximum_block_size_is_clamped_to_max_payload() {
     let field = |at: usize| u32::from_be_bytes(block_size.data[at..at + 4].try_into().unwrap());
     assert_eq!((field(2), field(6), field(10)), (1, 4096, 1 << 20));
 }
+
+/// A gateway in front of a real qemu-nbd, a 64 KiB-block image, and a
+/// client in simple-reply transmission whose receive buffer is small, so
+/// that the gateway's replies back up behind it.
+struct SlowReader {
+    env: Env,
+    _upstream: QemuNbd,
+    image: Vec<u8>,
+    gw: NbdgwProcess,
+    c: RawClient,
+}
+
+const BLOCK: usize = 64 * 1024;
+
+impl SlowReader {
+    fn new(flags: &[&str]) -> Self {
+        let env = Env::new();
+        let path = env.random_image("disk.img", 64 * BLOCK, 11);
+        let upstream = QemuNbd::start(&env, &path, &[]);
+        // Server certificate only: anonymous clients (the raw client has
+        // no certificate).
+        let certs = env.certs();
+        let mut args = vec![
+            "--upstream".into(),
+            upstream.socket.clone().into_os_string(),
+            "--tls-cert".into(),
+            certs.join("server-cert.pem").into_os_string(),
+            "--tls-key".into(),
+            certs.join("server-key.pem").into_os_string(),
+        ];
+        args.extend(flags.iter().map(std::ffi::OsString::from));
+        let gw = NbdgwProcess::start(args);
+        let mut c = RawClient::connect(gw.addr());
+        if let common::raw::Stream::Plain(tcp) = &c.stream {
+            socket2::SockRef::from(tcp)
+                .set_recv_buffer_size(32 * 1024)
+                .unwrap();
+            tcp.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        }
+        assert_eq!(c.greeting(), 3);
+        c.send(&3u32.to_be_bytes());
+        c.starttls(&env.certs());
+        c.go(ReplyMode::Simple);
+        SlowReader {
+            image: std::fs::read(&path).unwrap(),
+            env,
+            _upstream: upstream,
+            gw,
+            c,
+        }
+    }
+
+    fn read_block(&mut self, cookie: u64, block: usize) {
+        let offset = (block * BLOCK) as u64;
+        self.c
+            .send_request(0, CMD_READ, cookie, offset, BLOCK as u64, &[]);
+    }
+
+    /// One simple reply: its cookie, error, and for a read that succeeded,
+    /// whether its data is the image's (the cookie's block is
+    /// `cookie_block(cookie)`). `pace` slows the reading down.
+    fn reply(&mut self, cookie_block: impl Fn(u64) -> usize, pace: Duration) -> (u64, u32) {
+        let mut header = [0u8; 16];
+        self.c
+            .stream
+            .read_exact(&mut header)
+            .expect("a reply header");
+        assert_eq!(header[..4], SIMPLE_REPLY_MAGIC.to_be_bytes());
+        let error = u32::from_be_bytes(header[4..8].try_into().unwrap());
+        let cookie = u64::from_be_bytes(header[8..16].try_into().unwrap());
+        if error == 0 {
+            let mut data = vec![0u8; BLOCK];
+            for piece in data.chunks_mut(8192) {
+                self.c.stream.read_exact(piece).expect("reply data");
+                std::thread::sleep(pace);
+            }
+            let at = cookie_block(cookie) * BLOCK;
+            assert!(
+                data == self.image[at..at + BLOCK],
+                "cookie {cookie}: wrong data"
+            );
+        }
+        (cookie, error)
+    }
+
+    fn sigterm(&self) -> Instant {
+        self.gw.signal("TERM");
+        self.gw
+            .wait_for_log("shutting down: no longer accepting", 1);
+        Instant::now()
+    }
+}
+
+/// The drain must not wait on the queue of replies nbdgw makes itself
+/// (cache hits, refusals): with that queue full behind a client that reads
+/// slowly, the connection froze until the grace period cut it (a0fc9df:
+/// 59 replies, then nothing), dropping requests nbdgw had read. Cached
+/// reads pipelined, unread; SIGTERM; then the client reads: every reply
+/// is right, and close_notify comes long before the 40 s grace.
+#[test]
+fn a_drain_with_cached_replies_queued_behind_a_slow_reader_finishes() {
+    let mut s = SlowReader::new(&["--immutable", "--read-ahead", "0", "--shutdown-grace", "40"]);
+    // Fill the cache, one read at a time.
+    for block in 0..64 {
+        s.read_block(block as u64 + 1, block);
+        let (cookie, error) = s.reply(|c| c as usize - 1, Duration::ZERO);
+        assert_eq!((cookie, error), (block as u64 + 1, 0));
+    }
+    // 400 hits pipelined, replies left unread: more than the gateway's
+    // queue (64) and the sockets hold. The second lets it read what it can
+    // (should it not have filled its queue, the test proves less, and
+    // still passes only if the drain finishes).
+    for i in 0..400u64 {
+        s.read_block(1000 + i, (i % 64) as usize);
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    let started = s.sigterm();
+    let mut answered = 0;
+    loop {
+        let mut first = [0u8; 1];
+        match s.c.stream.read(&mut first) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) => panic!(
+                "{answered} replies after SIGTERM, then {e} ({:?} after it)",
+                started.elapsed()
+            ),
+        }
+        // Put the byte back in front of the rest of the reply.
+        let mut rest = [0u8; 15];
+        s.c.stream.read_exact(&mut rest).expect("a reply header");
+        let error = u32::from_be_bytes(rest[3..7].try_into().unwrap());
+        let cookie = u64::from_be_bytes(rest[7..15].try_into().unwrap());
+        assert!((1000..1400).contains(&cookie), "cookie {cookie}");
+        if error == 0 {
+            let mut data = vec![0u8; BLOCK];
+            s.c.stream.read_exact(&mut data).expect("reply data");
+            let at = ((cookie - 1000) % 64) as usize * BLOCK;
+            assert!(
+                data == s.image[at..at + BLOCK],
+                "cookie {cookie}: wrong data"
+            );
+        } else {
+            assert_eq!(error, ESHUTDOWN, "cookie {cookie}");
+        }
+        answered += 1;
+    }
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(20),
+        "close_notify {took:?} after SIGTERM"
+    );
+    exits_cleanly(&mut s.gw);
+    let log = s.gw.log();
+    assert!(
+        log.contains("reason=\"nbdgw shutting down: nothing left"),
+        "{log}"
+    );
+}
+
+/// Replies written before a drain's close must reach a client that goes
+/// on sending: a socket that receives bytes once closed is reset, and
+/// Linux then drops what it has not sent yet (38 of 64 replies arrived,
+/// the gateway having logged replies=64). 64 reads pipelined before
+/// SIGTERM; the client reads slowly and sends one more request every
+/// 100 ms: all 64 replies arrive, with the image's bytes.
+#[test]
+fn replies_written_before_a_drain_reach_a_slow_client_that_keeps_sending() {
+    let mut s = SlowReader::new(&["--shutdown-grace", "40"]);
+    for block in 0..64 {
+        s.read_block(block as u64 + 1, block);
+    }
+    // Time for the 64 reads to reach the upstream before the drain (4 MiB
+    // of replies then waits in the gateway's buffers and sockets); had
+    // some not, they would be left unanswered and the test would fail.
+    std::thread::sleep(Duration::from_secs(1));
+    let started = s.sigterm();
+    let (mut got, mut sent, mut last_send) = (0, 0u64, Instant::now());
+    while got < 64 {
+        if last_send.elapsed() >= Duration::from_millis(100) {
+            s.c.send_request(0, CMD_READ, 5000 + sent, 0, 4096, &[]);
+            sent += 1;
+            last_send = Instant::now();
+        }
+        let (cookie, error) = s.reply(|c| c as usize - 1, Duration::from_millis(6));
+        if cookie >= 5000 {
+            assert_eq!(error, ESHUTDOWN, "cookie {cookie}");
+            continue;
+        }
+        assert_eq!(error, 0, "cookie {cookie}");
+        got += 1;
+    }
+    assert!(started.elapsed() < Duration::from_secs(30));
+    exits_cleanly(&mut s.gw);
+}
