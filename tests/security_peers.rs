@@ -440,7 +440,7 @@ fn the_advertised_maximum_block_size_is_clamped_to_max_payload() {
 /// client in simple-reply transmission whose receive buffer is small, so
 /// that the gateway's replies back up behind it.
 struct SlowReader {
-    env: Env,
+    _env: Env,
     _upstream: QemuNbd,
     image: Vec<u8>,
     gw: NbdgwProcess,
@@ -480,7 +480,7 @@ impl SlowReader {
         c.go(ReplyMode::Simple);
         SlowReader {
             image: std::fs::read(&path).unwrap(),
-            env,
+            _env: env,
             _upstream: upstream,
             gw,
             c,
