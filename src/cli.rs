@@ -196,6 +196,11 @@ pub struct ClientArgs {
     /// Seconds open connections may finish after SIGTERM or SIGINT.
     #[arg(long, env = "NBDGW_CLIENT_SHUTDOWN_GRACE", default_value_t = config::DEFAULT_SHUTDOWN_GRACE_SECS)]
     pub shutdown_grace: u64,
+    /// While draining, a local request that arrives after the drain
+    /// began: close (unanswered; the connection closes once every earlier
+    /// request is answered) or eshutdown (answered ESHUTDOWN).
+    #[arg(long, env = "NBDGW_CLIENT_DRAIN_ANSWER", value_enum, default_value_t = crate::shutdown::DrainAnswer::Close)]
+    pub drain_answer: crate::shutdown::DrainAnswer,
     /// Plain-HTTP admin endpoints (/healthz, /readyz, /metrics) on this
     /// address, as the server mode's; off by default. /readyz fails
     /// while the last try to reach the server failed.

@@ -214,15 +214,16 @@ fn remove_stale_socket(path: &Path) -> Result<(), ClientError> {
 }
 
 /// Serves local clients until `shutdown` resolves, then lets the
-/// connections finish what is in flight within the grace period.
+/// connections finish what is in flight within the grace period; a
+/// request read after that gets `drain_answer`.
 pub async fn run(
     listener: LocalListener,
     settings: Arc<ClientSettings>,
-    shutdown: impl Future<Output = ()>,
+    (shutdown, drain_answer): (impl Future<Output = ()>, crate::shutdown::DrainAnswer),
 ) -> std::io::Result<()> {
     let mut connections = JoinSet::new();
     let mut next_id: u64 = 0;
-    let (control, phase) = ShutdownControl::new();
+    let (control, phase) = ShutdownControl::answering(drain_answer);
     let mut shutdown = std::pin::pin!(shutdown);
     settings.health.set_accepting(true);
     loop {

@@ -191,7 +191,8 @@ fn client(args: ClientArgs) -> Result<()> {
         }
         client::log_start(&listener, &settings, paths.layout.unwrap_or("files"));
         notify(&[NotifyState::Ready]);
-        client::run(listener, Arc::new(settings), stopping()).await?;
+        let drain_answer = args.drain_answer;
+        client::run(listener, Arc::new(settings), (stopping(), drain_answer)).await?;
         Ok(())
     })
 }

@@ -34,12 +34,6 @@ pub struct ShutdownControl(watch::Sender<Phase>);
 pub struct Shutdown(watch::Receiver<Phase>, DrainAnswer);
 
 impl ShutdownControl {
-    /// Requests read while draining are answered ESHUTDOWN (client mode's
-    /// local clients).
-    pub fn new() -> (Self, Shutdown) {
-        Self::answering(DrainAnswer::Eshutdown)
-    }
-
     pub fn answering(answer: DrainAnswer) -> (Self, Shutdown) {
         let (tx, rx) = watch::channel(Phase::Running);
         (ShutdownControl(tx), Shutdown(rx, answer))

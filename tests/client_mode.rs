@@ -1112,3 +1112,56 @@ fn reconnect_ends_a_cut_reply_larger_than_the_reply_buffer_with_eio_and_goes_on(
     client.wait_for_log("reconnected to the server", 1);
     c.disconnect();
 }
+
+/// Client mode drains as the server mode does: by default a local request
+/// read after the drain began is left unanswered and the connection
+/// closes once the earlier read is answered (a0fc9df, and client mode
+/// before `--drain-answer` was its flag too, answered it ESHUTDOWN, which
+/// qemu hands to the guest). A read held at the upstream behind the
+/// server gateway; SIGTERM to client mode; a second read; the first let
+/// go: its data, then the close, with no answer to the second.
+#[test]
+fn client_mode_at_shutdown_leaves_a_new_request_unanswered_by_default() {
+    use nbdgw::proto::consts::CMD_READ;
+    let env = Env::new();
+    let path = env.random_image("disk.img", SIZE, 3);
+    let upstream = QemuNbd::start(&env, &path, &[]);
+    let relay = common::process::UpstreamCounter::start(&upstream.socket, &env.path("held.sock"));
+    let port = common::free_port();
+    let _gw = gateway_at(&env, &relay.socket, port);
+    let (mut client, local) = loopback_client(&env, &format!("localhost:{port}"), &[]);
+    let mut c = RawClient::handshake(([127, 0, 0, 1], local).into());
+    c.go(ReplyMode::Structured);
+    relay.hold_replies(true);
+    c.send_request(0, CMD_READ, 1, 0, 65536, &[]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while relay.reads() < 1 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the read never reached the upstream"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    client.signal("TERM");
+    client.wait_for_log("shutting down: no longer accepting", 1);
+    c.send_request(0, CMD_READ, 2, 4096, 4096, &[]);
+    relay.hold_replies(false);
+    let image = std::fs::read(&path).unwrap();
+    let reply = c.read_reply(65536);
+    let (cookie, error) = (reply[0].cookie, reply[0].error_code());
+    assert_eq!(
+        cookie, 1,
+        "the read sent during the drain answered, error {error}"
+    );
+    let data = common::raw::assemble(&reply, 1, 0, 65536);
+    assert!(data == image[..65536], "the read in flight came back wrong");
+    let mut rest = Vec::new();
+    use std::io::Read;
+    c.stream.read_to_end(&mut rest).expect("a clean close");
+    assert!(
+        rest.is_empty(),
+        "after the last reply: {rest:02x?}, not the close"
+    );
+    let status = client.wait_exit(Duration::from_secs(10)).expect("exits");
+    assert!(status.success(), "{}", client.log());
+}

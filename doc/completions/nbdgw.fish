@@ -151,6 +151,8 @@ complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l max-payload -d 'L
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l max-option-len -d 'Largest option data (and option reply) in bytes' -r
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l max-connections -d 'Most local connections served at once; more are closed at accept' -r
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l shutdown-grace -d 'Seconds open connections may finish after SIGTERM or SIGINT' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l drain-answer -d 'While draining, a local request that arrives after the drain began: close (unanswered; the connection closes once every earlier request is answered) or eshutdown (answered ESHUTDOWN)' -r -f -a "close\t'Leave it unanswered and close the connection once every request forwarded before the drain is answered: a clean close at a request boundary. qemu with `reconnect-delay` reconnects and sends it again; an ESHUTDOWN answer it would hand to the guest'
+eshutdown\t'Answer it ESHUTDOWN at once, and close once nothing is in flight'"
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l admin-listen -d 'Plain-HTTP admin endpoints (/healthz, /readyz, /metrics) on this address, as the server mode\'s; off by default. /readyz fails while the last try to reach the server failed' -r
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l threads -d 'Worker threads; 0 means one per CPU' -r
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l log-format -d 'Log format; the filter comes from RUST_LOG (default info)' -r -f -a "text\t''
