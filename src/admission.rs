@@ -212,8 +212,9 @@ pub struct Admission {
     slots: Mutex<FairQueue<Source, oneshot::Sender<HandshakePermit>>>,
     bounds: Bounds,
     queue_timeout: Duration,
-    /// The whole time from accept to a session (`--handshake-timeout`):
-    /// a place in line counts against it too.
+    /// The time from accept to a session (`--handshake-timeout`): a place
+    /// in line counts against it too, up to a guaranteed minimum (see
+    /// `session_deadline`).
     handshake_timeout: Duration,
     prefixes: SourcePrefixes,
     /// The sources proven (see `proven`), for `fair`'s classes.
@@ -375,9 +376,21 @@ impl Admission {
         })
     }
 
+    /// By when a connection whose slot came just now must have its
+    /// session: its place's deadline (accept plus `--handshake-timeout`),
+    /// but never less than half of `--handshake-timeout` from now, so that
+    /// a slot that came late in line is not handed over with no time to
+    /// use it (a waiter granted 9.9 s into a 10 s bound had 0.1 s, and a
+    /// real client failed). The wait in line is at most
+    /// `--handshake-timeout`, so the whole time before a session is at
+    /// most one and a half times it.
+    pub fn session_deadline(&self, place_deadline: tokio::time::Instant) -> tokio::time::Instant {
+        place_deadline.max(tokio::time::Instant::now() + self.handshake_timeout / 2)
+    }
+
     /// The handshake slot: at once, or once this connection's turn comes
     /// (within `--handshake-queue-timeout` of accept, and before the
-    /// place's deadline: a slot that would leave no time is no use).
+    /// place's deadline; see `session_deadline` for the time it then has).
     pub async fn handshake(self: &Arc<Self>, place: Place) -> Result<HandshakePermit, Refusal> {
         let Place {
             source,

@@ -451,7 +451,9 @@ pub struct ServeArgs {
     #[arg(long, env = "NBDGW_SOURCE_PREFIX_V6", value_name = "BITS", default_value_t = config::DEFAULT_SOURCE_PREFIX_V6)]
     pub source_prefix_v6: u8,
     /// Seconds a client has from its accept to its session: the wait for
-    /// a handshake slot, the TLS handshake and negotiation together.
+    /// a handshake slot, the TLS handshake and negotiation together; one
+    /// whose slot came late in line still has half of it from then (the
+    /// whole time is at most 1.5 times it).
     #[arg(long, env = "NBDGW_HANDSHAKE_TIMEOUT", default_value_t = config::DEFAULT_HANDSHAKE_TIMEOUT_SECS)]
     pub handshake_timeout: u64,
     /// Seconds an upstream may take, in negotiation, to accept and greet,

@@ -314,3 +314,34 @@ fn tail(text: &str, lines: usize) -> String {
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
 }
+
+/// A client whose turn in line comes late still has time for its
+/// handshake: half of `--handshake-timeout` at least. A silent connection
+/// holds the only handshake slot for the whole `--handshake-timeout 6`;
+/// nbdinfo (libnbd), queued just behind it, gets the slot at about 6 s
+/// from its accept. When the wait used up the bound, it had a few
+/// milliseconds and failed ("handshake timed out"); now it reads the size.
+#[test]
+fn a_client_granted_its_slot_late_in_line_still_has_time_to_negotiate() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", 1 << 20, 29);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let gw = NbdgwProcess::in_front_of(
+        &env,
+        &upstream.socket,
+        &["--max-handshakes", "1", "--handshake-timeout", "6"],
+    );
+    let _silent = TcpStream::connect(gw.addr()).expect("the silent client's connect");
+    // It has the slot once it is logged as accepted.
+    gw.wait_for_log("accepted", 1);
+    let started = Instant::now();
+    let out = common::clients::nbdinfo_size(gw.port, &env.certs());
+    assert!(
+        out.status.success(),
+        "nbdinfo after {:?}: {}; nbdgw log:\n{}",
+        started.elapsed(),
+        common::clients::text(&out),
+        tail(&gw.log(), 20)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "1048576");
+}

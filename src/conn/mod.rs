@@ -65,7 +65,7 @@ pub async fn serve(
     async move {
         let metrics = &config.metrics;
         // One bound from accept to the session: waiting for a handshake
-        // slot uses up the time negotiation has.
+        // slot uses up the time negotiation has, down to a minimum.
         let deadline = place.deadline();
         let handshake = match admission.handshake(place).await {
             Ok(permit) => permit,
@@ -74,6 +74,7 @@ pub async fn serve(
                 return admission.log_refusal(peer, refusal);
             }
         };
+        let deadline = admission.session_deadline(deadline);
         info!("accepted");
         metrics.connections_open.inc();
         let started = Instant::now();
