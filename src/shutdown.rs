@@ -82,3 +82,23 @@ impl Shutdown {
         let _ = self.0.wait_for(|now| *now >= phase).await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One look per request: with `Close`, whatever the phase, a request
+    /// is never to be answered ESHUTDOWN; with `Eshutdown`, only once
+    /// draining.
+    #[test]
+    fn a_request_sees_one_answer_and_close_never_answers_eshutdown() {
+        for answer in [DrainAnswer::Close, DrainAnswer::Eshutdown] {
+            let (control, shutdown) = ShutdownControl::answering(answer);
+            assert_eq!(shutdown.answer_now(), None);
+            for phase in [Phase::Draining, Phase::Cut] {
+                control.enter(phase);
+                assert_eq!(shutdown.answer_now(), Some(answer));
+            }
+        }
+    }
+}

@@ -414,35 +414,7 @@ fn qemu_io_through_a_graceful_restart(extra: &[&str]) -> Restart {
     let port = common::free_port();
     let (admin_a, admin_b) = (common::free_port(), common::free_port());
     let old = gateway_on(&env, &upstream.socket, (port, admin_a), extra);
-    let opts = format!(
-        "driver=nbd,server.type=inet,server.host=localhost,server.port={port},\
-         tls-creds=tls0,reconnect-delay=30"
-    );
-    // qemu-io's pauses only leave the test room to act: each step below
-    // waits for what it needs (a read counted, the listener gone).
-    let mut qemu_io = Command::new("qemu-io");
-    qemu_io
-        .arg("--object")
-        .arg(format!(
-            "tls-creds-x509,id=tls0,dir={},endpoint=client",
-            env.certs().display()
-        ))
-        .args(["--image-opts", &opts]);
-    for c in [
-        "sleep 3000",
-        "aio_read -P 0x41 0 512",
-        "sleep 3000",
-        "aio_read -P 0x41 512 512",
-        "aio_flush",
-        "read -P 0x41 0 4096",
-    ] {
-        qemu_io.args(["-c", c]);
-    }
-    let qemu_io = qemu_io
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("qemu-io");
+    let qemu_io = qemu_io_two_reads_and_a_flush(&env, port);
     old.wait_for_log("negotiated", 1);
     let pause = |sig: &str| {
         common::run_ok(Command::new("kill").args([sig, &upstream.pid().to_string()]));
@@ -467,6 +439,40 @@ fn qemu_io_through_a_graceful_restart(extra: &[&str]) -> Restart {
         old: old.log(),
         new: new.log(),
     }
+}
+
+/// qemu-io with `reconnect-delay=30` to nbdgw on `port`: a read, another,
+/// a flush, a read. Its pauses only leave the test room to act: each step
+/// of the test waits for what it needs (a read counted, the listener
+/// gone).
+fn qemu_io_two_reads_and_a_flush(env: &Env, port: u16) -> std::process::Child {
+    let opts = format!(
+        "driver=nbd,server.type=inet,server.host=localhost,server.port={port},\
+         tls-creds=tls0,reconnect-delay=30"
+    );
+    let mut qemu_io = Command::new("qemu-io");
+    qemu_io
+        .arg("--object")
+        .arg(format!(
+            "tls-creds-x509,id=tls0,dir={},endpoint=client",
+            env.certs().display()
+        ))
+        .args(["--image-opts", &opts]);
+    for c in [
+        "sleep 3000",
+        "aio_read -P 0x41 0 512",
+        "sleep 3000",
+        "aio_read -P 0x41 512 512",
+        "aio_flush",
+        "read -P 0x41 0 4096",
+    ] {
+        qemu_io.args(["-c", c]);
+    }
+    qemu_io
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("qemu-io")
 }
 
 /// The default `--drain-answer close`: both reads return the image's
