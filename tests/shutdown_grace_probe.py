@@ -7,8 +7,8 @@ JSON.
 
     shutdown_grace_probe.py PORT CERT_DIR NBDGW_PID QEMU_NBD_PID ADMIN_PORT
 
-The first read is in flight once nbdgw's metrics count it (it is
-forwarded as it is counted), and only then is SIGTERM sent.
+The first read is in flight once nbdgw's metrics count it (it is counted
+once nbdgw has decided to forward it), and only then is SIGTERM sent.
 
 Every wait is bounded; the upstream is resumed whatever happens.
 """
