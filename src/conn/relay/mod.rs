@@ -111,13 +111,24 @@ where
         let replies = pin!(replies.run(&mut writer));
         both_sides(requests.as_mut(), replies, &mut requests_done).await
     };
+    let requests = (!requests_done).then_some(requests);
+    close_down(result, writer, requests, link.shutdown.clone()).await
+}
+
+/// The end of a relay: once every reply is written, close_notify and FIN,
+/// then, for a drain (`requests` still running: not the client's DISC,
+/// so the client may still be sending), the linger; after a failure, the
+/// writer abandoned.
+async fn close_down<W: AsyncWrite + Unpin>(
+    result: Result<&'static str, ConnError>,
+    writer: ReplyWriter<'_, W>,
+    requests: Option<Pin<&mut impl Future<Output = Result<(), ConnError>>>>,
+    mut shutdown: crate::shutdown::Shutdown,
+) -> Result<&'static str, ConnError> {
     match result {
         Ok(reason) => {
             let socket = writer.close().await?;
-            if !requests_done {
-                // A drain, not the client's DISC: the client may still be
-                // sending.
-                let mut shutdown = link.shutdown.clone();
+            if let Some(requests) = requests {
                 linger(requests, socket.as_ref(), &mut shutdown).await;
             }
             Ok(reason)
