@@ -603,14 +603,20 @@ fn a_drain_with_cached_replies_queued_behind_a_slow_reader_finishes() {
 /// 100 ms: all 64 replies arrive, with the image's bytes.
 #[test]
 fn replies_written_before_a_drain_reach_a_slow_client_that_keeps_sending() {
-    let mut s = SlowReader::new(&["--shutdown-grace", "40"]);
+    let admin = common::free_port();
+    let listen = format!("127.0.0.1:{admin}");
+    let mut s = SlowReader::new(&["--shutdown-grace", "40", "--admin-listen", &listen]);
     for block in 0..64 {
         s.read_block(block as u64 + 1, block);
     }
-    // Time for the 64 reads to reach the upstream before the drain (4 MiB
-    // of replies then waits in the gateway's buffers and sockets); had
-    // some not, they would be left unanswered and the test would fail.
-    std::thread::sleep(Duration::from_secs(1));
+    // All 64 on their way upstream before the drain (a read is counted
+    // once nbdgw has decided to forward it); 4 MiB of replies then waits
+    // in the gateway's buffers and sockets.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while reads_counted(admin) < 64 {
+        assert!(Instant::now() < deadline, "the 64 reads were not all read");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let started = s.sigterm();
     let (mut got, mut sent, mut last_send) = (0, 0u64, Instant::now());
     while got < 64 {
@@ -629,4 +635,13 @@ fn replies_written_before_a_drain_reach_a_slow_client_that_keeps_sending() {
     }
     assert!(started.elapsed() < Duration::from_secs(30));
     exits_cleanly(&mut s.gw);
+}
+
+/// `nbdgw_requests_total{command="READ"}` on an admin port.
+fn reads_counted(admin: u16) -> u64 {
+    let (_, body) = common::clients::http_get(admin, "/metrics");
+    body.lines()
+        .find_map(|l| l.strip_prefix(r#"nbdgw_requests_total{command="READ"} "#))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(0.0) as u64
 }
