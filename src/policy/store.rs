@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
 use thiserror::Error;
-use tracing::{debug, error, info};
+use tracing::{debug, error, info, warn};
 
 use super::{Policy, PolicyError};
 use crate::reload::{ReloadOutcome, Swap, Trigger, Triggers};
@@ -60,6 +60,7 @@ impl PolicyReloader {
     pub fn start(path: PathBuf) -> Result<Self, PolicyLoadError> {
         let (bytes, policy) = read(&path)?;
         info!(path = %path.display(), rules = policy.rule_count(), "access policy loaded");
+        warn_apart(&path, &policy);
         Ok(PolicyReloader {
             store: Arc::new(Swap::new(Arc::new(policy))),
             path,
@@ -123,9 +124,8 @@ impl PolicyReloader {
         }
         self.settling = None;
         let checked = result.and_then(|bytes| {
-            let policy = parse(&self.path, &bytes)?;
-            policy
-                .check_no_wider_than(&self.store.current())
+            let policy = parse(&self.path, &bytes)?
+                .replacing(&self.store.current())
                 .map_err(|error| PolicyLoadError::Invalid {
                     path: self.path.display().to_string(),
                     error,
@@ -149,6 +149,7 @@ impl PolicyReloader {
                     sessions_closed = closed,
                     "access policy reloaded; new connections use it"
                 );
+                warn_apart(&self.path, &policy);
                 self.in_force = bytes;
                 self.last_refusal = None;
                 self.reloaded.inc();
@@ -174,6 +175,15 @@ impl PolicyReloader {
         while let Some(trigger) = triggers.next().await {
             self.check(trigger);
         }
+    }
+}
+
+/// Warns, as `nbdgw policy check` does, of templated rules that may name
+/// the tenant apart: a certificate both bind gets nothing from any
+/// templated rule, and the refusal alone would not say why.
+fn warn_apart(path: &std::path::Path, policy: &Policy) {
+    for (a, b) in policy.unrelated_templates() {
+        warn!(path = %path.display(), "{}", super::apart_warning(a, b));
     }
 }
 
