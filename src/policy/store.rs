@@ -139,6 +139,10 @@ impl PolicyReloader {
                 // Replaced first, then the sessions judged: one recording
                 // its grant meanwhile is judged by the new policy there.
                 self.store.replace(policy.clone());
+                // Counted before any session is told: the count is the
+                // generation `admission` proves sources under, and a
+                // session this reload ends must not end under the old one.
+                self.reloaded.inc();
                 let closed = self
                     .sessions
                     .as_ref()
@@ -152,7 +156,6 @@ impl PolicyReloader {
                 warn_apart(&self.path, &policy);
                 self.in_force = bytes;
                 self.last_refusal = None;
-                self.reloaded.inc();
                 ReloadOutcome::Reloaded
             }
             Err(e) => {
