@@ -445,7 +445,10 @@ impl Admission {
     /// what proved a source under the previous ones. A connection notes
     /// it before its handshake, to prove its source under it alone.
     pub fn generation(&self) -> proven::Generation {
-        (self.tls.reloads_ok.get(), self.metrics.policy_reloads.get())
+        (
+            self.tls.trust_changes.get(),
+            self.metrics.policy_changes.get(),
+        )
     }
 
     /// `identity` (a client certificate's names) was given a session from

@@ -331,6 +331,7 @@ fn configure(
         config.policy = policy.store();
         let m = &config.metrics;
         policy.count_into(m.policy_reloads.clone(), m.policy_reload_failures.clone());
+        policy.count_changes_into(m.policy_changes.clone());
         if args.policy_revoke_closes {
             policy.close_narrowed_in(config.tls.sessions().clone());
         }

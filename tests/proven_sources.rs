@@ -288,3 +288,38 @@ fn a_session_a_reload_closes_does_not_prove_its_source() {
     let _ = session.kill();
     let _ = session.wait();
 }
+
+/// Hostile review of issue 27 item 7: every successful reload unproved
+/// every source, even a SIGHUP with every file unchanged (or a rotation
+/// of the server's own certificate), which revokes nobody. Now only a
+/// change to the client CA, the CRL or the policy does: after such a
+/// SIGHUP the proven source still takes the last reserve slot.
+#[test]
+fn a_reload_changing_nothing_keeps_sources_proven() {
+    let site = PolicySite::new("proven CA", POLICY);
+    let image = site.env.random_image("disk.img", 1 << 20, 12);
+    let upstream = QemuNbd::start(&site.env, &image, &[]);
+    let admin = free_port();
+    let crl = site.env.path("ca-crl.pem");
+    std::fs::write(&crl, site.ca.crl(&[])).unwrap();
+    let gw = gateway(
+        &site,
+        &upstream.socket,
+        admin,
+        &["--tls-crl", crl.to_str().unwrap()],
+    );
+    let _held = prove_and_hold(&site, &gw, admin);
+
+    let tls_before = metric(admin, "nbdgw_tls_reloads_total");
+    let policy_before = metric(admin, "nbdgw_policy_reloads_total");
+    gw.signal("HUP");
+    await_that("the TLS files and the policy reloaded", || {
+        metric(admin, "nbdgw_tls_reloads_total") > tls_before
+            && metric(admin, "nbdgw_policy_reloads_total") > policy_before
+    });
+    let again = connect_from(PROVEN, gw.addr()).expect("connect from 127.0.0.1");
+    await_that("127.0.0.1 still greeted from the reserve", || {
+        greeted(&again)
+    });
+    assert_eq!(metric(admin, "nbdgw_handshakes_waiting"), 0.0);
+}

@@ -50,6 +50,9 @@ pub struct PolicyReloader {
     /// Reloads done and refused, for the metrics.
     reloaded: Counter,
     refusals: Counter,
+    /// Reloads that changed the policy (the generation proven sources are
+    /// proven under; a SIGHUP with the file unchanged changes nothing).
+    changes: Counter,
     /// The established sessions a narrowing reload ends when their access
     /// is narrowed (`--policy-revoke-closes`); `None`: they keep it.
     sessions: Option<Arc<Sessions>>,
@@ -70,6 +73,7 @@ impl PolicyReloader {
             refused: None,
             reloaded: Counter::default(),
             refusals: Counter::default(),
+            changes: Counter::default(),
             sessions: None,
         })
     }
@@ -85,6 +89,11 @@ impl PolicyReloader {
     pub fn count_into(&mut self, reloaded: Counter, refused: Counter) {
         self.reloaded = reloaded;
         self.refusals = refused;
+    }
+
+    /// Counts reloads that change the policy into this.
+    pub fn count_changes_into(&mut self, changes: Counter) {
+        self.changes = changes;
     }
 
     pub fn store(&self) -> Arc<PolicyStore> {
@@ -136,13 +145,17 @@ impl PolicyReloader {
             Ok((bytes, policy)) => {
                 self.refused = None;
                 let policy = Arc::new(policy);
+                let changed = *policy != *self.store.current();
                 // Replaced first, then the sessions judged: one recording
                 // its grant meanwhile is judged by the new policy there.
                 self.store.replace(policy.clone());
-                // Counted before any session is told: the count is the
+                // Counted before any session is told: the changes are the
                 // generation `admission` proves sources under, and a
                 // session this reload ends must not end under the old one.
                 self.reloaded.inc();
+                if changed {
+                    self.changes.inc();
+                }
                 let closed = self
                     .sessions
                     .as_ref()
