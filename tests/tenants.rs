@@ -383,3 +383,96 @@ access = "read-write"
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "1048576");
     assert!(!size(&only_a, "b/db").status.success());
 }
+
+const APART_URI: &str = r#"
+[[rule]]
+exports = ["{ns}/*", "scratch/{sa}"]
+allow = { uri = ["spiffe://cluster.local/ns/{ns}/sa/{sa}"] }
+access = "read-write"
+"#;
+
+const APART_DNS: &str = r#"
+[[rule]]
+exports = ["{tenant}/*", "scratch/{sa}"]
+allow = { dns = ["{sa}.{tenant}.svc"] }
+access = "read-write"
+"#;
+
+/// Hostile review of issue 27 items 5 and 7: rules naming the tenant
+/// `{ns}` and `{tenant}` but sharing `{sa}` gave a certificate with URI
+/// SAN `.../ns/a/sa/x` and DNS SAN `x.b.svc` both `a/db` and `b/db`
+/// (nbdinfo opened both). Now neither; the gateway warns of the two rules
+/// at start and says why it refuses. A reload dropping the DNS rule was
+/// refused as dropping a templated rule; now it is accepted, and the
+/// dropped rule still counts: the certificate still opens neither, while
+/// one binding only the URI rule opens `a/db`.
+#[test]
+fn rules_naming_the_tenant_apart_open_nothing_and_may_be_dropped_live() {
+    let site = PolicySite::new("apart CA", &format!("{APART_URI}{APART_DNS}"));
+    let dir = site.env.path("exports");
+    let mut upstreams = Vec::new();
+    for tenant in ["a", "b"] {
+        std::fs::create_dir_all(dir.join(tenant)).unwrap();
+        let image = site.env.random_image(&format!("{tenant}.img"), 1 << 20, 6);
+        upstreams.push(QemuNbd::start_at(
+            dir.join(format!("{tenant}/db.sock")),
+            &image,
+            &[],
+        ));
+    }
+    let both = site
+        .ca
+        .client("both", &["x.b.svc"], &["spiffe://cluster.local/ns/a/sa/x"], 11)
+        .client_dir(&site.env.path("both"), &site.ca);
+    let uri_only = site
+        .ca
+        .client("uri", &[], &["spiffe://cluster.local/ns/a/sa/x"], 12)
+        .client_dir(&site.env.path("uri"), &site.ca);
+    let gw = site.gateway(
+        &[
+            OsStr::new("--export-dir"),
+            dir.as_os_str(),
+            OsStr::new("--tls-reload-interval"),
+            OsStr::new("0"),
+        ],
+        &[],
+    );
+    let size = |who: &Path, export: &str| {
+        let uri = format!(
+            "nbds://localhost:{}/{export}?tls-certificates={}",
+            gw.port,
+            who.display()
+        );
+        common::run(std::process::Command::new("nbdinfo").arg("--size").arg(uri))
+    };
+    let refused_both = || {
+        for export in ["a/db", "b/db"] {
+            let out = size(&both, export);
+            assert!(
+                !out.status.success(),
+                "the certificate binding a and b opened {export}: {}",
+                String::from_utf8_lossy(&out.stdout)
+            );
+        }
+    };
+    refused_both();
+    let log = gw.log();
+    assert!(
+        log.contains("rules 1 (line 2) and 2 (line 7) use placeholder sets in their exports neither of which contains the other"),
+        "{log}"
+    );
+    assert!(
+        log.contains("templated rules grant it nothing: its names are bound by templated rules that name the tenant apart"),
+        "{log}"
+    );
+
+    // Dropping the DNS rule live (during an incident, say).
+    std::fs::write(&site.policy, APART_URI).unwrap();
+    gw.signal("HUP");
+    gw.wait_for_log("access policy reloaded", 1);
+    refused_both();
+    let out = size(&uri_only, "a/db");
+    assert!(out.status.success(), "{}", common::clients::text(&out));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "1048576");
+    assert!(!size(&uri_only, "b/db").status.success());
+}
