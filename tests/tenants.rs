@@ -422,7 +422,12 @@ fn rules_naming_the_tenant_apart_open_nothing_and_may_be_dropped_live() {
     }
     let both = site
         .ca
-        .client("both", &["x.b.svc"], &["spiffe://cluster.local/ns/a/sa/x"], 11)
+        .client(
+            "both",
+            &["x.b.svc"],
+            &["spiffe://cluster.local/ns/a/sa/x"],
+            11,
+        )
         .client_dir(&site.env.path("both"), &site.ca);
     let uri_only = site
         .ca
@@ -475,4 +480,76 @@ fn rules_naming_the_tenant_apart_open_nothing_and_may_be_dropped_live() {
     assert!(out.status.success(), "{}", common::clients::text(&out));
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "1048576");
     assert!(!size(&uri_only, "b/db").status.success());
+}
+
+/// Hostile review of issue 27 item 7(b): a reload dropping a templated
+/// rule was refused (it could have let in a certificate the one-tenant
+/// check kept out), so an operator could not tighten during an incident.
+/// Now it is accepted and the dropped rule keeps counting in the check:
+/// the certificate naming `a` by URI and `b` by DNS still opens nothing.
+#[test]
+fn a_reload_dropping_a_templated_rule_is_accepted_and_it_still_counts() {
+    let uri_rule = r#"
+[[rule]]
+exports = ["{ns}/*"]
+allow = { uri = ["spiffe://cluster.local/ns/{ns}/sa/*"] }
+access = "read-write"
+"#;
+    let dns_rule = r#"
+[[rule]]
+exports = ["{ns}/*"]
+allow = { dns = ["*.{ns}.svc"] }
+access = "read-write"
+"#;
+    let site = PolicySite::new("drop CA", &format!("{uri_rule}{dns_rule}"));
+    let dir = site.env.path("exports");
+    std::fs::create_dir_all(dir.join("a")).unwrap();
+    let image = site.env.random_image("a.img", 1 << 20, 4);
+    let _a = QemuNbd::start_at(dir.join("a/db.sock"), &image, &[]);
+    let client = |name: &str, dns: &[&str], serial| {
+        site.ca
+            .client(name, dns, &["spiffe://cluster.local/ns/a/sa/x"], serial)
+            .client_dir(&site.env.path(name), &site.ca)
+    };
+    let both = client("both", &["vm.b.svc"], 21);
+    let only_a = client("only-a", &[], 22);
+    let gw = site.gateway(
+        &[
+            OsStr::new("--export-dir"),
+            dir.as_os_str(),
+            OsStr::new("--tls-reload-interval"),
+            OsStr::new("0"),
+        ],
+        &[],
+    );
+    let opens = |who: &Path| {
+        let uri = format!(
+            "nbds://localhost:{}/a/db?tls-certificates={}",
+            gw.port,
+            who.display()
+        );
+        common::run(std::process::Command::new("nbdinfo").arg("--size").arg(uri))
+            .status
+            .success()
+    };
+    assert!(!opens(&both));
+    assert!(opens(&only_a));
+
+    std::fs::write(&site.policy, uri_rule).unwrap();
+    gw.signal("HUP");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let log = loop {
+        let log = gw.log();
+        if log.contains("access policy reload") {
+            break log;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no reload logged: {log}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(log.contains("access policy reloaded"), "{log}");
+    assert!(!opens(&both), "the dropped rule stopped counting");
+    assert!(opens(&only_a));
 }
