@@ -810,8 +810,9 @@ fn a_certificate_binding_two_tenants_across_rules_gets_neither() {
 }
 
 /// Placeholders are compared by name across rules; a certificate bound by
-/// rules that share no placeholder (`{ns}` in one, `{team}` in another)
-/// is not known to be one tenant and gets nothing from either. Rules
+/// rules whose placeholder sets are not nested (`{ns}` in one, `{team}`
+/// in another) is not known to be one tenant and gets nothing from
+/// either. Rules
 /// sharing the tenant's placeholder may use more (`{ns}/{sa}`).
 #[test]
 fn rules_naming_the_tenant_differently_fail_closed() {
