@@ -378,6 +378,14 @@ access = "read-write"
             String::from_utf8_lossy(&out.stdout)
         );
     }
+    // The refusal says why (hostile review: it did not).
+    let log = gw.log();
+    assert!(
+        log.contains(
+            "templated rules grant it nothing: its names bind two tenants across templated rules"
+        ),
+        "{log}"
+    );
     let out = size(&only_a, "a/db");
     assert!(out.status.success(), "{}", common::clients::text(&out));
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "1048576");
