@@ -335,6 +335,7 @@ fn configure(
         config.policy = policy.store();
         let m = &config.metrics;
         policy.count_into(m.policy_reloads.clone(), m.policy_reload_failures.clone());
+        policy.count_changes_into(m.policy_changes.clone());
         if args.policy_revoke_closes {
             policy.close_narrowed_in(config.tls.sessions().clone());
         }
@@ -543,8 +544,14 @@ mod debug_probe {
 
 fn export_table(args: &ServeArgs) -> Result<Option<nbdgw::exports::ExportTable>> {
     // An owner check that checks nothing must not look like one. Unset,
-    // it is the strict default (same).
-    if args.export_dir.is_none() && args.export_dir_owner.is_some() {
+    // it is the strict default (same). An explicit `any` (the old
+    // default, which checks nothing anyway) is accepted alone, so a
+    // deployment that set it everywhere keeps starting.
+    let checks = !matches!(
+        args.export_dir_owner,
+        None | Some(nbdgw::exports::OwnerCheck::Any)
+    );
+    if args.export_dir.is_none() && checks {
         bail!("--export-dir-owner (NBDGW_EXPORT_DIR_OWNER) needs --export-dir: it checks only the sockets found there");
     }
     let owner = args.export_dir_owner.unwrap_or_default();

@@ -94,6 +94,9 @@ pub struct Metrics {
     pub proven_sources: Gauge,
     pub policy_reloads: Counter,
     pub policy_reload_failures: Counter,
+    /// Policy reloads that changed the policy (not exported): the policy
+    /// half of the generation a proven source is proven under.
+    pub policy_changes: Counter,
     pub admin_connections_open: Gauge,
     pub admin_connections_refused: Counter,
     pub cache: CacheMetrics,
@@ -213,6 +216,7 @@ impl Metrics {
             handshakes_refused: Family::default(),
             proven_sources: Gauge::default(),
             policy_reloads: Counter::default(),
+            policy_changes: Counter::default(),
             policy_reload_failures: Counter::default(),
             admin_connections_open: Gauge::default(),
             admin_connections_refused: Counter::default(),

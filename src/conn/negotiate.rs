@@ -461,10 +461,25 @@ impl<'a> Negotiation<'a> {
     }
 
     fn log_refused(&self, export: &str) {
+        // When the templated rules withheld it for the one-tenant check,
+        // say so: otherwise the operator sees a refusal the rules seem to
+        // contradict (`nbdgw policy explain` shows the bindings).
+        let Some((why, _)) = self.policy.two_tenants(&self.identity) else {
+            info!(
+                client = %self.identity,
+                export = %Escaped(export),
+                "refused: the policy does not open this export to this client"
+            );
+            return;
+        };
+        let why = match why {
+            crate::policy::NotOneTenant::Apart => "its names are bound by templated rules that name the tenant apart (placeholder sets not nested)",
+            crate::policy::NotOneTenant::TwoValues => "its names bind two tenants across templated rules",
+        };
         info!(
             client = %self.identity,
             export = %Escaped(export),
-            "refused: the policy does not open this export to this client"
+            "refused: the policy does not open this export to this client; templated rules grant it nothing: {why} (one certificate, one tenant; see nbdgw policy explain)"
         );
     }
 
