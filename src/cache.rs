@@ -92,6 +92,33 @@ pub enum Change {
     Resized,
 }
 
+/// How an upstream's reply to a read broke the protocol (a metric's
+/// label: a fixed few).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Chunks that overlap.
+    Overlap,
+    /// A chunk outside the read (or longer than it).
+    Outside,
+    /// Success with bytes no chunk covered.
+    Uncovered,
+}
+
+impl Fault {
+    pub fn label(self) -> &'static str {
+        match self {
+            Fault::Overlap => "overlap",
+            Fault::Outside => "outside",
+            Fault::Uncovered => "uncovered",
+        }
+    }
+}
+
+/// At most one warning of an upstream's faulty replies this often: the
+/// upstream may be a tenant's, and every read of it could fault. The
+/// metric counts them all.
+const FAULT_WARNING_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
 impl Change {
     pub fn label(self) -> &'static str {
         match self {
@@ -507,6 +534,9 @@ impl BlockMap {
 pub struct ReadCache {
     map: Mutex<BlockMap>,
     metrics: CacheMetrics,
+    /// When an upstream's fault was last warned of, and how many came
+    /// since without a warning.
+    fault_warned: Mutex<Option<(std::time::Instant, u64)>>,
 }
 
 impl ReadCache {
@@ -519,6 +549,7 @@ impl ReadCache {
         Arc::new(ReadCache {
             map: Mutex::new(BlockMap::new(capacity, block_size)),
             metrics,
+            fault_warned: Mutex::new(None),
         })
     }
 
@@ -650,6 +681,37 @@ impl Handle {
             self.read_ahead_wasted(fetched.saturating_sub(kept));
         }
         self.cache.count(events);
+    }
+
+    /// The upstream's reply to a read of `offset..offset + length` broke
+    /// the protocol (`kind`); `what` says how and what came of it, for
+    /// the log. Counted always, warned of at most once in
+    /// `FAULT_WARNING_EVERY`.
+    pub fn upstream_fault(&self, kind: Fault, (offset, length): (u64, u64), what: &str) {
+        self.cache.metrics.upstream_fault(kind.label());
+        let now = std::time::Instant::now();
+        let mut warned = self
+            .cache
+            .fault_warned
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let not_logged = match &mut *warned {
+            Some((at, quiet)) if now.duration_since(*at) < FAULT_WARNING_EVERY => {
+                *quiet += 1;
+                return;
+            }
+            Some((_, quiet)) => *quiet,
+            None => 0,
+        };
+        *warned = Some((now, 0));
+        drop(warned);
+        tracing::warn!(
+            offset,
+            length,
+            kind = kind.label(),
+            not_logged,
+            "read cache: the upstream {what} (one such warning in 10 s at most; not_logged counts those since the last, the metric nbdgw_cache_upstream_faults_total all of them)"
+        );
     }
 
     /// Read-ahead bytes fetched but not cached (already there, or the
