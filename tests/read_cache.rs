@@ -636,6 +636,8 @@ fn a_tenant_directory_name_reused_by_a_new_tenant_is_read_afresh() {
     let a = filled(&env, "a.img", b'A', size);
     let b = filled(&env, "b.img", b'B', size);
     let mut old = QemuNbd::start_at(tenant.join("golden.sock"), &a, &[]);
+    let admin = common::free_port();
+    let admin_at = format!("127.0.0.1:{admin}");
     let gw = gateway_process(
         &env,
         &[
@@ -643,12 +645,21 @@ fn a_tenant_directory_name_reused_by_a_new_tenant_is_read_afresh() {
             dir.as_os_str(),
             OsStr::new("--immutable-export"),
             OsStr::new("*/golden"),
+            OsStr::new("--admin-listen"),
+            OsStr::new(&admin_at),
         ],
     );
     assert_all(
         &copy_through(&env, gw.port, "t1/golden", "a1.img"),
         b'A',
         "tenant 1",
+    );
+    // The old tenant's bytes are in the cache: what follows shows they
+    // are not served, not that nothing was cached.
+    let (_, metrics) = http_get(admin, "/metrics");
+    assert!(
+        metric(&metrics, "nbdgw_cache_bytes") as usize >= size,
+        "{metrics}"
     );
     old.kill();
     std::fs::remove_dir_all(&tenant).unwrap();
@@ -663,6 +674,11 @@ fn a_tenant_directory_name_reused_by_a_new_tenant_is_read_afresh() {
         &copy_through(&env, gw.port, "t1/golden", "b1.img"),
         b'B',
         "the new tenant through the gateway",
+    );
+    let (_, metrics) = http_get(admin, "/metrics");
+    assert!(
+        metrics.contains("nbdgw_cache_generations_ended_total{reason=\"replaced\"} 1"),
+        "{metrics}"
     );
 }
 
