@@ -846,6 +846,15 @@ mod tests {
         assert_eq!(events.ended, Some(Change::Replaced));
         let (_, events) = map.open(&key("a"), other_pid, 4096, 1);
         assert_eq!(events.ended, Some(Change::Resized));
+        // Only the socket file differing (the same pid, as a server in a
+        // pid namespace nbdgw cannot see reads 0 each time, or a server
+        // that bound its socket again) is another server too.
+        let current = map.open(&key("a"), other_pid, 4096, 1).0;
+        let mut other_file = other_pid;
+        other_file.file = crate::exports::SocketFile::test_file(99);
+        let (fourth, events) = map.open(&key("a"), other_file, 4096, 1);
+        assert_ne!(fourth, current);
+        assert_eq!(events.ended, Some(Change::Replaced));
     }
 
     #[test]
