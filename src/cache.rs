@@ -52,6 +52,11 @@ pub const DEFAULT_READ_AHEAD: u32 = 1024 * 1024;
 /// `--read-ahead-depth` when not given: one request filling while the
 /// client reads what the other brought.
 pub const DEFAULT_READ_AHEAD_DEPTH: u32 = 2;
+/// `--cache-fill-depth` when not given. A fill holds the whole blocks of
+/// a client read that missed (at most 2 MiB and two blocks) until its
+/// reply is complete, so this bounds a connection's fill buffers to about
+/// 36 MiB; a boot's reads, far shorter, need a few.
+pub const DEFAULT_CACHE_FILL_DEPTH: u32 = 16;
 /// Distinct export generations remembered at once. With `--immutable` on
 /// a single `--upstream`, a client chooses export names; past this many,
 /// exports with no block cached are forgotten, and new ones go uncached.

@@ -1093,3 +1093,55 @@ fn overlap_is_still_checked_after_a_reply_has_too_many_ranges() {
         gw.log()
     );
 }
+
+/// A connection's fills in flight are bounded (`--cache-fill-depth`):
+/// each holds its blocks' buffer until its reply is complete. A FAKE
+/// upstream begins its reply to every fill read (a whole 64 KiB block)
+/// with 4 KiB of data and never finishes it; a read as the client sent it
+/// (4 KiB) it answers whole. With a depth of 2, a client's third read
+/// pipelined behind two that became fills goes upstream as it came and
+/// is answered. (Before: every read became a fill, and the third hung
+/// with the others.)
+#[test]
+fn fills_in_flight_per_connection_are_bounded() {
+    use common::fake_upstream::{chunk, good_read, Answer, Asked};
+    fn script(_: usize, read: Asked) -> Answer {
+        let Asked {
+            cookie,
+            offset,
+            length,
+        } = read;
+        if length != 65536 {
+            return good_read(read).into();
+        }
+        let mut c = chunk(0, REPLY_TYPE_OFFSET_DATA, cookie, 8 + 4096);
+        c.extend_from_slice(&offset.to_be_bytes());
+        c.extend(std::iter::repeat_n(7u8, 4096));
+        c.into()
+    }
+    let env = Env::new();
+    let fake = common::fake_upstream::scripted(&env.path("fake.sock"), 8 << 20, script);
+    let gw = NbdgwProcess::in_front_of(
+        &env,
+        &fake.socket,
+        &[
+            "--immutable",
+            "--read-ahead",
+            "0",
+            "--cache-fill-depth",
+            "2",
+        ],
+    );
+    let mut client = common::clients::connect_as(gw.addr(), &env.certs());
+    client.go(ReplyMode::Structured);
+    for (cookie, offset) in [(1, 0), (2, 1 << 20), (3, 2 << 20)] {
+        client.send_request(0, CMD_READ, cookie, offset, 4096, &[]);
+    }
+    // The raw client gives up after 10 s without a reply.
+    let reply = client.read_reply(4096);
+    assert_eq!(
+        common::raw::assemble(&reply, 3, 2 << 20, 4096),
+        [7; 4096],
+        "the read past the fill depth"
+    );
+}

@@ -37,6 +37,8 @@ pub struct Cached {
     pub read_ahead: u32,
     /// Read-ahead requests in flight at most.
     pub depth: u32,
+    /// Fill reads in flight at most (`--cache-fill-depth`).
+    pub fills: u32,
 }
 
 /// Why nbdgw sent a read of its own.
@@ -50,8 +52,7 @@ pub enum Purpose {
 }
 
 /// nbdgw's own reads in flight, by cookie: the request side adds, the
-/// reply side takes away. At most `depth` read-aheads, and one fill per
-/// client read in flight.
+/// reply side takes away. At most `depth` read-aheads and `fills` fills.
 #[derive(Default)]
 pub struct Ahead {
     cookies: Mutex<HashMap<u64, Purpose>>,
@@ -91,6 +92,14 @@ impl Ahead {
         cookies
             .values()
             .filter(|p| matches!(p, Purpose::ReadAhead { .. }))
+            .count()
+    }
+
+    fn fills(&self) -> usize {
+        let cookies = self.lock();
+        cookies
+            .values()
+            .filter(|p| matches!(p, Purpose::Fill(_)))
             .count()
     }
 
@@ -258,14 +267,21 @@ impl<'a> RequestLayer<'a> {
     /// For a READ that missed: the read of the whole blocks around it to
     /// send upstream instead, whose reply fills the cache and answers the
     /// client. `None` (forward the request as it is) for a read too long
-    /// to answer from the cache, or not within the export.
+    /// to answer from the cache, or not within the export, or when the
+    /// connection has as many fills in flight as it may (each holds a
+    /// buffer of its blocks until its reply is complete).
     pub fn fill(&mut self, request: &Request, flight: &Flight) -> Option<Request> {
         if request.command != CMD_READ {
             return None;
         }
         let size = self.cached.handle.size();
+        let room = self.ahead.fills() < self.cached.fills as usize;
         let end = match request.offset.checked_add(request.length) {
-            Some(end) if request.length != 0 && request.length <= MAX_HIT && end <= size => end,
+            Some(end)
+                if request.length != 0 && request.length <= MAX_HIT && end <= size && room =>
+            {
+                end
+            }
             _ => {
                 self.cached.handle.count_upstream_read();
                 return None;
