@@ -157,6 +157,8 @@ pub struct Events {
     pub dropped: u64,
     /// A generation ended, and why.
     pub ended: Option<Change>,
+    /// A session's server no longer answers at its socket: not cached.
+    pub superseded: bool,
     pub read_ahead_used: u64,
     pub read_ahead_wasted: u64,
     /// Bytes added (positive) or removed.
@@ -224,15 +226,24 @@ impl BlockMap {
     /// The generation of `key` as a session now sees it (the server it
     /// reached, `size` and `flags` as that server reported them): the
     /// current one if they match, else a new one, the old one's blocks
-    /// dropped. `None` when too many exports are known already.
+    /// dropped. `None` when too many exports are known already, or when
+    /// the server is not the one the export knows and `current` (asked
+    /// then, under the cache's lock) says it no longer answers at the
+    /// socket: a session of a server since replaced, opening late, never
+    /// takes the export back from the new server's generation.
     pub fn open(
         &mut self,
         key: &ExportKey,
         incarnation: Incarnation,
-        size: u64,
-        flags: u16,
+        (size, flags): (u64, u16),
+        current: impl FnOnce() -> bool,
     ) -> (Option<Generation>, Events) {
         let mut events = Events::default();
+        let known = self.exports.get(key).map(|state| state.incarnation);
+        if known != Some(incarnation) && !current() {
+            events.superseded = true;
+            return (None, events);
+        }
         if let Some(state) = self.exports.get(key) {
             let change = if state.incarnation != incarnation {
                 Change::Replaced
@@ -574,14 +585,16 @@ impl ReadCache {
 
     /// A session's view of an export: `None` when the cache cannot take
     /// one more export.
+    /// `current` says whether the session's server still answers at the
+    /// socket (see `BlockMap::open`).
     pub fn open(
         self: &Arc<Self>,
         key: &ExportKey,
         incarnation: Incarnation,
-        size: u64,
-        flags: u16,
+        (size, flags): (u64, u16),
+        current: impl FnOnce() -> bool,
     ) -> Option<Handle> {
-        let (generation, events) = self.lock().open(key, incarnation, size, flags);
+        let (generation, events) = self.lock().open(key, incarnation, (size, flags), current);
         self.count(events);
         if let Some(change) = events.ended {
             self.metrics.generation_ended(change.label());
@@ -760,7 +773,7 @@ mod tests {
     fn a_read_is_answered_only_when_every_block_it_touches_is_cached() {
         let img = image(10 * 1024 + 100);
         let mut map = BlockMap::new(1 << 20, 1024);
-        let (g, _) = map.open(&key("a"), server(1), img.len() as u64, 1);
+        let (g, _) = map.open(&key("a"), server(1), (img.len() as u64, 1), || true);
         let g = g.unwrap();
         // Partial blocks at both ends are not kept.
         map.insert(g, 500, &img[500..3500], false);
@@ -796,12 +809,21 @@ mod tests {
     fn another_size_or_flags_drops_the_exports_blocks() {
         let img = image(8192);
         let mut map = BlockMap::new(1 << 20, 1024);
-        let g = map.open(&key("a"), server(1), 8192, 1).0.unwrap();
-        let other = map.open(&key("b"), server(1), 8192, 1).0.unwrap();
+        let g = map
+            .open(&key("a"), server(1), (8192, 1), || true)
+            .0
+            .unwrap();
+        let other = map
+            .open(&key("b"), server(1), (8192, 1), || true)
+            .0
+            .unwrap();
         map.insert(g, 0, &img, false);
         map.insert(other, 0, &img, false);
-        assert_eq!(map.open(&key("a"), server(1), 8192, 1).0, Some(g));
-        let (g2, events) = map.open(&key("a"), server(1), 4096, 1);
+        assert_eq!(
+            map.open(&key("a"), server(1), (8192, 1), || true).0,
+            Some(g)
+        );
+        let (g2, events) = map.open(&key("a"), server(1), (4096, 1), || true);
         assert_eq!(events.dropped, 8);
         let g2 = g2.unwrap();
         assert_ne!(g, g2);
@@ -810,7 +832,7 @@ mod tests {
         // The old generation can no longer fill.
         map.insert(g, 0, &img, false);
         assert_eq!(map.blocks(), 8);
-        let (_, events) = map.open(&key("a"), server(1), 4096, 3);
+        let (_, events) = map.open(&key("a"), server(1), (4096, 3), || true);
         assert_eq!(events.dropped, 0);
         assert!(map.lookup(other, 0, 8192).0.is_some());
     }
@@ -820,11 +842,14 @@ mod tests {
         let a = vec![b'A'; 8192];
         let b = vec![b'B'; 8192];
         let mut map = BlockMap::new(1 << 20, 1024);
-        let old = map.open(&key("a"), server(1), 8192, 1).0.unwrap();
+        let old = map
+            .open(&key("a"), server(1), (8192, 1), || true)
+            .0
+            .unwrap();
         map.insert(old, 0, &a, false);
         map.set_pending(old, 0, 8192, true);
         // Another server (socket file and process), same size and flags.
-        let (new, events) = map.open(&key("a"), server(2), 8192, 1);
+        let (new, events) = map.open(&key("a"), server(2), (8192, 1), || true);
         let new = new.unwrap();
         assert_ne!(new, old);
         assert_eq!(events.ended, Some(Change::Replaced));
@@ -843,29 +868,58 @@ mod tests {
         // The same server again: the same generation. Only the server's
         // pid differing (a pid of another process, the same file) is
         // another server too.
-        assert_eq!(map.open(&key("a"), server(2), 8192, 1).0, Some(new));
+        assert_eq!(
+            map.open(&key("a"), server(2), (8192, 1), || true).0,
+            Some(new)
+        );
         let mut other_pid = server(2);
         other_pid.pid += 1;
-        let (third, events) = map.open(&key("a"), other_pid, 8192, 1);
+        let (third, events) = map.open(&key("a"), other_pid, (8192, 1), || true);
         assert_ne!(third, Some(new));
         assert_eq!(events.ended, Some(Change::Replaced));
-        let (_, events) = map.open(&key("a"), other_pid, 4096, 1);
+        let (_, events) = map.open(&key("a"), other_pid, (4096, 1), || true);
         assert_eq!(events.ended, Some(Change::Resized));
         // Only the socket file differing (the same pid, as a server in a
         // pid namespace nbdgw cannot see reads 0 each time, or a server
         // that bound its socket again) is another server too.
-        let current = map.open(&key("a"), other_pid, 4096, 1).0;
+        let current = map.open(&key("a"), other_pid, (4096, 1), || true).0;
         let mut other_file = other_pid;
         other_file.file = crate::exports::SocketFile::test_file(99);
-        let (fourth, events) = map.open(&key("a"), other_file, 4096, 1);
+        let (fourth, events) = map.open(&key("a"), other_file, (4096, 1), || true);
         assert_ne!(fourth, current);
         assert_eq!(events.ended, Some(Change::Replaced));
     }
 
     #[test]
+    fn a_session_of_a_replaced_server_never_takes_the_generation_back() {
+        let mut map = BlockMap::new(1 << 20, 1024);
+        let old = map.open(&key("a"), server(1), (8192, 1), || true).0;
+        // The new server's first session, then one of the old server's
+        // that negotiated meanwhile and opens late: its server no longer
+        // answers at the socket, and it is not cached.
+        let new = map.open(&key("a"), server(2), (8192, 1), || true).0;
+        assert_ne!(new, old);
+        let (late, events) = map.open(&key("a"), server(1), (8192, 1), || false);
+        assert_eq!(late, None);
+        assert!(events.superseded);
+        assert_eq!(events.ended, None);
+        // The new server's generation stands; its sessions are not asked
+        // about the socket again.
+        let again = map.open(&key("a"), server(2), (8192, 1), || {
+            panic!("the known server checked again")
+        });
+        assert_eq!(again.0, new);
+        // The first session of all is checked too.
+        assert_eq!(map.open(&key("b"), server(1), (8192, 1), || false).0, None);
+    }
+
+    #[test]
     fn blocks_read_again_outlive_a_single_pass() {
         let mut map = BlockMap::new(4 * 1024, 1024);
-        let g = map.open(&key("a"), server(1), 1 << 20, 0).0.unwrap();
+        let g = map
+            .open(&key("a"), server(1), (1 << 20, 0), || true)
+            .0
+            .unwrap();
         let hot = image(1024);
         map.insert(g, 0, &hot, false);
         for _ in 0..3 {
@@ -887,7 +941,10 @@ mod tests {
     #[test]
     fn read_ahead_is_used_once_or_wasted_on_eviction() {
         let mut map = BlockMap::new(2 * 1024, 1024);
-        let g = map.open(&key("a"), server(1), 1 << 20, 0).0.unwrap();
+        let g = map
+            .open(&key("a"), server(1), (1 << 20, 0), || true)
+            .0
+            .unwrap();
         let data = image(2048);
         map.insert(g, 0, &data, true);
         assert_eq!(map.lookup(g, 0, 100).1.read_ahead_used, 1024);
@@ -900,7 +957,10 @@ mod tests {
     #[test]
     fn a_forgotten_range_drops_every_block_it_touches() {
         let mut map = BlockMap::new(1 << 20, 1024);
-        let g = map.open(&key("a"), server(1), 8192, 0).0.unwrap();
+        let g = map
+            .open(&key("a"), server(1), (8192, 0), || true)
+            .0
+            .unwrap();
         map.insert(g, 0, &image(8192), false);
         map.forget(g, 1500, 1000);
         assert_eq!(map.blocks(), 6);
@@ -914,7 +974,10 @@ mod tests {
     #[test]
     fn holes_are_zeros() {
         let mut map = BlockMap::new(1 << 20, 1024);
-        let g = map.open(&key("a"), server(1), 1 << 20, 0).0.unwrap();
+        let g = map
+            .open(&key("a"), server(1), (1 << 20, 0), || true)
+            .0
+            .unwrap();
         map.insert_zeros(g, 0, 4096, false);
         assert_eq!(concat(map.lookup(g, 10, 4000).0.unwrap()), vec![0; 4000]);
     }
@@ -931,7 +994,10 @@ mod tests {
     #[test]
     fn a_zero_capacity_holds_nothing() {
         let mut map = BlockMap::new(0, 1024);
-        let g = map.open(&key("a"), server(1), 1 << 20, 0).0.unwrap();
+        let g = map
+            .open(&key("a"), server(1), (1 << 20, 0), || true)
+            .0
+            .unwrap();
         map.insert(g, 0, &image(4096), false);
         assert_eq!(map.blocks(), 0);
     }
@@ -939,10 +1005,13 @@ mod tests {
     #[test]
     fn exports_are_bounded() {
         let mut map = BlockMap::new(1 << 20, 1024);
-        let first = map.open(&key("keep"), server(1), 4096, 0).0.unwrap();
+        let first = map
+            .open(&key("keep"), server(1), (4096, 0), || true)
+            .0
+            .unwrap();
         map.insert(first, 0, &image(1024), false);
         for i in 0..MAX_EXPORTS + 10 {
-            map.open(&key(&i.to_string()), server(1), 4096, 0);
+            map.open(&key(&i.to_string()), server(1), (4096, 0), || true);
         }
         assert!(map.exports.len() <= MAX_EXPORTS);
         assert!(map.lookup(first, 0, 1024).0.is_some());
@@ -959,7 +1028,7 @@ mod tests {
             let img = image(20_000);
             let size = img.len() as u64;
             let mut map = BlockMap::new(capacity_blocks * 1024, 1024);
-            let g = map.open(&key("a"), server(1), size, 0).0.unwrap();
+            let g = map.open(&key("a"), server(1), (size, 0), || true).0.unwrap();
             for (fill, offset, length) in ops {
                 let length = length.min(size - offset);
                 let range = offset as usize..(offset + length) as usize;
@@ -980,7 +1049,7 @@ mod tests {
             let size = img.len() as u64;
             let length = length.min(size - offset);
             let mut map = BlockMap::new(1 << 20, 1024);
-            let g = map.open(&key("a"), server(1), size, 0).0.unwrap();
+            let g = map.open(&key("a"), server(1), (size, 0), || true).0.unwrap();
             // The enclosing aligned range, as read-ahead and a client
             // read of whole blocks would bring.
             let start = offset / 1024 * 1024;
