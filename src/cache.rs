@@ -103,7 +103,7 @@ pub enum Change {
 pub enum Fault {
     /// Chunks that overlap.
     Overlap,
-    /// A chunk outside the read (or longer than it).
+    /// A chunk outside the read.
     Outside,
     /// Success with bytes no chunk covered.
     Uncovered,

@@ -1145,3 +1145,103 @@ fn fills_in_flight_per_connection_are_bounded() {
         "the read past the fill depth"
     );
 }
+
+/// Read-ahead longer than any client read nbdgw caches as it comes
+/// (`--read-ahead 4 MiB`) is still cached: a FAKE upstream answering
+/// every read whole (bytes of 7), a client reading 16 MiB on in 1 MiB
+/// reads; the read-ahead windows grow to 4 MiB, each reply one chunk.
+#[test]
+fn read_ahead_longer_than_a_teed_client_read_is_cached() {
+    use common::fake_upstream::{good_read, Answer, Asked};
+    fn script(_: usize, read: Asked) -> Answer {
+        good_read(read).into()
+    }
+    let env = Env::new();
+    let fake = common::fake_upstream::scripted(&env.path("fake.sock"), 32 << 20, script);
+    let admin = common::free_port();
+    let admin_at = format!("127.0.0.1:{admin}");
+    let gw = NbdgwProcess::in_front_of(
+        &env,
+        &fake.socket,
+        &[
+            "--immutable",
+            "--read-ahead",
+            "4194304",
+            "--admin-listen",
+            &admin_at,
+        ],
+    );
+    let mut client = common::clients::connect_as(gw.addr(), &env.certs());
+    client.go(ReplyMode::Structured);
+    for i in 0..16u64 {
+        assert_eq!(client.read(i + 1, i << 20, 1 << 20), vec![7; 1 << 20]);
+    }
+    client.disconnect();
+    let (_, metrics) = http_get(admin, "/metrics");
+    assert!(
+        !metrics.contains("nbdgw_cache_upstream_faults_total{"),
+        "{metrics}"
+    );
+    let read_ahead = metric(&metrics, "nbdgw_cache_read_ahead_bytes_total");
+    assert!(
+        read_ahead >= 8 << 20,
+        "read ahead: {read_ahead}\n{}",
+        gw.log()
+    );
+}
+
+/// A chunk outside the read it answers makes the whole reply untrusted:
+/// a FAKE upstream answers a client's read of 2 MiB and 4 KiB (cached as
+/// it comes) with 64 KiB of ones at 0, then 4 KiB of bytes of 7 running
+/// past the read's end. The block of ones is forgotten; a later reader
+/// gets the upstream's bytes. (Before: the stray chunk was only left
+/// uncached, and the ones stayed.)
+#[test]
+fn a_chunk_outside_its_read_makes_the_reply_untrusted() {
+    use common::fake_upstream::{chunk, good_read, Answer, Asked};
+    const LENGTH: u32 = (2 << 20) + 4096;
+    fn script(_: usize, read: Asked) -> Answer {
+        let Asked {
+            cookie,
+            offset,
+            length,
+        } = read;
+        if length != LENGTH {
+            return good_read(read).into();
+        }
+        let mut c = chunk(0, REPLY_TYPE_OFFSET_DATA, cookie, 8 + 65536);
+        c.extend_from_slice(&offset.to_be_bytes());
+        c.extend(std::iter::repeat_n(1u8, 65536));
+        c.extend(chunk(
+            REPLY_FLAG_DONE,
+            REPLY_TYPE_OFFSET_DATA,
+            cookie,
+            8 + 4096,
+        ));
+        c.extend_from_slice(&(offset + u64::from(LENGTH) - 100).to_be_bytes());
+        c.extend(std::iter::repeat_n(7u8, 4096));
+        c.into()
+    }
+    let env = Env::new();
+    let fake = common::fake_upstream::scripted(&env.path("fake.sock"), 8 << 20, script);
+    let gw = NbdgwProcess::in_front_of(&env, &fake.socket, &["--immutable", "--read-ahead", "0"]);
+    let mut first = common::clients::connect_as(gw.addr(), &env.certs());
+    first.go(ReplyMode::Structured);
+    first.send_request(0, CMD_READ, 1, 0, LENGTH.into(), &[]);
+    first.read_reply(LENGTH as usize);
+    first.disconnect();
+    let mut later = common::clients::connect_as(gw.addr(), &env.certs());
+    later.go(ReplyMode::Structured);
+    let got = later.read(2, 0, 4096);
+    later.disconnect();
+    let ones = got.iter().filter(|&&b| b == 1).count();
+    assert!(
+        got == [7; 4096],
+        "an untrusted reply's block still cached: {ones} of 4096 bytes are ones"
+    );
+    assert!(
+        gw.log().contains("a chunk outside the read"),
+        "{}",
+        gw.log()
+    );
+}

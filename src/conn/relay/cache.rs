@@ -413,9 +413,9 @@ impl<'a> ReplyLayer<'a> {
     }
 
     /// A chunk of `req`'s reply (under `cookie`) that says nothing
-    /// believable (outside the read, or longer than it): the rest of the
-    /// reply is not cached, and what the read covers is forgotten.
-    pub fn untrusted(&self, cookie: u64, req: &InFlight) {
+    /// believable (outside the read): the rest of the reply is not
+    /// cached, and what the read covers is forgotten.
+    fn untrusted(&self, cookie: u64, req: &InFlight) {
         self.lock().entry(cookie).or_default().stopped = true;
         self.handle.forget(req.offset, req.length);
         self.handle.upstream_fault(
@@ -550,11 +550,6 @@ impl Filling {
 
     pub fn error(&mut self, error: u32) {
         self.error = self.error.or(Some(error));
-    }
-
-    /// A chunk that cannot belong to the read (longer than it).
-    pub fn stray(&mut self) {
-        self.fault(Fault::Outside);
     }
 
     fn place(&mut self, offset: u64, length: u64) -> bool {

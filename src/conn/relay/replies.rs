@@ -359,20 +359,10 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
                 .append_from(&mut self.upstream, frame.payload_len)
                 .await;
         };
-        if frame.payload_len > TEE_MAX {
-            // Longer than the read it answers: a chunk no correct server
-            // sends. Passed on (or, for nbdgw's own read, dropped) without
-            // being buffered, and nothing of the reply is believed.
-            self.untrusted_chunk(frame.cookie, req, purpose);
-            return match ours {
-                false => {
-                    writer
-                        .append_from(&mut self.upstream, frame.payload_len)
-                        .await
-                }
-                true => self.discard(frame.payload_len).await,
-            };
-        }
+        // parse_reply holds each chunk to the read it answers (data no
+        // longer than the read, after its 8-byte offset; a hole of 12
+        // bytes): what is buffered is at most a read nbdgw tees, `TEE_MAX`
+        // or its own read-ahead (`--read-ahead`, at most `--max-payload`).
         self.read_into_cache(frame, req, purpose).await?;
         if !ours {
             writer.append(&self.scratch).await?;
@@ -381,31 +371,6 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
         // every idle connection.
         if self.scratch.capacity() > TEE_MAX as usize {
             self.scratch = Vec::new();
-        }
-        Ok(())
-    }
-
-    /// A chunk of `cookie`'s reply that says nothing believable: a fill
-    /// fails, a reply that fills the cache as it comes stops doing so and
-    /// forgets what it filled.
-    fn untrusted_chunk(&mut self, cookie: u64, req: &InFlight, purpose: Option<Purpose>) {
-        if let Some(filling) = self.filling(cookie, Some(req), purpose) {
-            filling.stray();
-        } else if let Some(cache) = &self.cache {
-            cache.untrusted(cookie, req);
-        }
-    }
-
-    /// Reads `len` bytes of the upstream's and drops them.
-    async fn discard(&mut self, len: u64) -> Result<(), ConnError> {
-        let copied = tokio::io::copy(&mut (&mut self.upstream).take(len), &mut tokio::io::sink())
-            .await
-            .map_err(ConnError::io(Side::Upstream, "in the middle of a reply"))?;
-        if copied != len {
-            return Err(ConnError::closed(
-                Side::Upstream,
-                "in the middle of a reply",
-            ));
         }
         Ok(())
     }
@@ -515,8 +480,8 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
         req: &InFlight,
         purpose: Option<Purpose>,
     ) -> Result<(), ConnError> {
-        // Bounded by the caller: at most `TEE_MAX`. Read into spare
-        // capacity, which is not zeroed first.
+        // Bounded by parse_reply: at most the read's length and a chunk's
+        // fields. Read into spare capacity, which is not zeroed first.
         self.scratch.clear();
         self.scratch.reserve(frame.payload_len as usize);
         let read = (&mut self.upstream)
