@@ -43,10 +43,10 @@ pub fn max_reply(max_payload: u32) -> u64 {
 /// it. A few round trips of a slow link; an idle session still closes in
 /// a blink.
 const SHUTDOWN_LINGER: std::time::Duration = std::time::Duration::from_millis(250);
-/// Read replies on a cached session longer than this are relayed as they
-/// come, uncached: a client's long reads would otherwise keep a buffer as
-/// long as `--max-payload` on its connection. Fill reads (at most
-/// `MAX_HIT` and a block either side) always fit.
+/// Client reads on a cached session longer than this are relayed as they
+/// come, wholly uncached: a client's long reads would otherwise keep a
+/// buffer as long as `--max-payload` on its connection. Fill reads (at
+/// most `MAX_HIT` and a block either side) always fit.
 const TEE_MAX: u64 = super::cache::MAX_HIT + 2 * crate::cache::BLOCK_SIZE + 8;
 
 pub struct Replies<'a, U> {
