@@ -847,6 +847,43 @@ mod tests {
         assert_eq!(in_dir.file_now(), None);
     }
 
+    /// A server started again at the same path binds a new socket file,
+    /// told from the old one although ext4 hands the unlinked inode's
+    /// number to the new one (as it did here): its change time differs.
+    #[test]
+    fn a_socket_bound_again_at_the_same_path_is_another_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.sock");
+        // Made first, so that it does not take the freed inode.
+        let probe = dir.path().join("probe");
+        std::fs::write(&probe, "").unwrap();
+        let first = UnixListener::bind(&path).unwrap();
+        let before = SocketFile::at(&path).unwrap();
+        drop(first);
+        std::fs::remove_file(&path).unwrap();
+        // Kernels before 6.13 stamp a change time from a clock that moves
+        // a few milliseconds at a time: a bind within the same tick is
+        // not told apart (the README says so). Wait for the tick to pass,
+        // seen on a file touched now.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            std::fs::write(&probe, "").unwrap();
+            let now = std::fs::metadata(&probe).unwrap();
+            let now_ns = i128::from(now.ctime()) * 1_000_000_000 + i128::from(now.ctime_nsec());
+            if now_ns > before.ctime_ns {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the clock never moved"
+            );
+            std::thread::yield_now();
+        }
+        let _second = UnixListener::bind(&path).unwrap();
+        let after = SocketFile::at(&path).unwrap();
+        assert_ne!(before, after);
+    }
+
     #[test]
     fn a_socket_file_is_found_only_where_a_socket_is() {
         let dir = tempfile::tempdir().unwrap();

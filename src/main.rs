@@ -590,6 +590,7 @@ fn read_cache(args: &ServeArgs, config: &mut Config) -> Result<()> {
     }
     config.read_ahead = args.read_ahead;
     config.read_ahead_depth = args.read_ahead_depth;
+    config.cache_fill_depth = args.cache_fill_depth;
     if immutable.any() && args.cache_size > 0 {
         config.cache = Some(nbdgw::cache::ReadCache::with_block_size(
             args.cache_size,
@@ -601,6 +602,7 @@ fn read_cache(args: &ServeArgs, config: &mut Config) -> Result<()> {
             cache_block_size = args.cache_block_size,
             read_ahead = args.read_ahead,
             read_ahead_depth = args.read_ahead_depth,
+            cache_fill_depth = args.cache_fill_depth,
             "read cache on for immutable exports"
         );
     }

@@ -34,6 +34,12 @@ pub struct GenerationEnd {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct UpstreamFault {
+    /// One of `cache::Fault::label`'s.
+    pub kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct Command {
     pub command: &'static str,
 }
@@ -146,6 +152,9 @@ pub struct CacheMetrics {
     /// Exports' generations ended, by why: `replaced` (another server
     /// answers at the socket) or `resized` (another size or flags).
     pub generations_ended: Family<GenerationEnd, Counter>,
+    /// Replies to reads on cached exports that broke the protocol, by
+    /// kind (one of `cache::Fault::label`'s): nothing of them is cached.
+    pub upstream_faults: Family<UpstreamFault, Counter>,
     /// Bytes read ahead into the cache.
     pub read_ahead_bytes: Counter,
     /// Of those, bytes a client then read from the cache.
@@ -164,6 +173,14 @@ impl CacheMetrics {
     pub fn generation_ended(&self, reason: &'static str) {
         self.generations_ended
             .get_or_create(&GenerationEnd { reason })
+            .inc();
+    }
+
+    /// An upstream's reply broke the protocol in the way `kind` says, one
+    /// of `cache::Fault::label`'s.
+    pub fn upstream_fault(&self, kind: &'static str) {
+        self.upstream_faults
+            .get_or_create(&UpstreamFault { kind })
             .inc();
     }
 }
@@ -442,6 +459,11 @@ impl Metrics {
             "cache_generations_ended",
             "Read cache generations ended, by reason: replaced (another server answers at the export's socket) or resized (another size or flags)",
             c.generations_ended.clone(),
+        );
+        r.register(
+            "cache_upstream_faults",
+            "Replies to reads of cached exports that broke the protocol, by kind: overlap (chunks that overlap), outside (a chunk outside the read), uncovered (success with bytes no chunk covered); nothing of them is cached",
+            c.upstream_faults.clone(),
         );
         r.register(
             "cache_bytes",

@@ -12,7 +12,6 @@ use std::ffi::{OsStr, OsString};
 use std::os::unix::fs::{lchown, symlink, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
 use common::clients::connect_as;
 use common::process::NbdgwProcess;
@@ -123,11 +122,7 @@ impl QemuNbdAs {
             .stdin(Stdio::null())
             .spawn()
             .expect("setpriv (util-linux) and qemu-nbd");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !socket.exists() {
-            assert!(Instant::now() < deadline, "qemu-nbd as {uid}: no socket");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        common::wait_until_unix_listening(socket, &format!("qemu-nbd as {uid}"));
         QemuNbdAs { child }
     }
 }

@@ -230,6 +230,7 @@ async fn run(
                     handle,
                     read_ahead: config.read_ahead,
                     depth: config.read_ahead_depth,
+                    fills: config.cache_fill_depth,
                 }),
             };
             let transmit = link.transmit();
