@@ -22,14 +22,18 @@
 //!   same export with the same framing, checks that its size and
 //!   transmission flags are unchanged, and sends the kept requests again
 //!   from where they are kept, in their original order, before any new
-//!   one.
+//!   one, reading the server's replies meanwhile (a server that blocks
+//!   while its replies do not fit on the way back stops reading).
 //!
 //! A connection is good once a reply other than ESHUTDOWN has come on it.
 //! The backoff (0.1 s doubling to 2 s) goes on across drops until one is
 //! good: after a good connection drops, the first try is at once. One
 //! deadline, `--reconnect-timeout`, runs from the first drop with requests
-//! in flight until a connection is good and those requests are answered;
-//! further drops do not restart it. When it passes, every request in
+//! in flight until a connection is good (a slow request on a connection
+//! that answers is the stall timeout's business); further drops do not
+//! restart it. A request given to a connection that replaced a dropped
+//! one and has not answered yet starts it too (after an idle drop, or
+//! past the deadline). When it passes, every request in
 //! flight gets EIO and, until a connection is good again, a new request
 //! gets EIO at once while no connection is up (one that is up is given
 //! it); the tries go on in the background, so the local connection
@@ -110,6 +114,12 @@ const KEPT_CAPACITY: usize = 1024 * 1024;
 /// until it has), when `--reply-buffer` is smaller.
 const EARLY_ROOM: usize = 64 * 1024;
 
+/// Replies waiting for the local client beyond which a request that would
+/// be answered EIO at once waits instead: a client that writes and never
+/// reads does not grow them without bound. The bound is at least
+/// `--reply-buffer`'s replies, which wait there too.
+const OUT_BACKLOG: usize = 1024 * 1024;
+
 type Reconnect = Pin<Box<dyn Future<Output = Result<Reopened, String>> + Send + Sync>>;
 
 enum Link {
@@ -121,10 +131,15 @@ enum Link {
 
 /// A request passed on and not yet wholly answered.
 struct Kept {
+    /// Its place in the line: numbers only grow, so the replay's place
+    /// survives the removal of any answered request before it.
+    seq: u64,
     /// Known once its header is whole (the last one may be in part).
     cookie: u64,
     /// Its header and payload as passed on so far.
     bytes: Vec<u8>,
+    /// How many of `bytes` went on the current connection.
+    sent: usize,
     /// It was in flight at a drop: the reconnect deadline runs until it
     /// is answered.
     resent: bool,
@@ -203,10 +218,14 @@ pub struct Reconnecting {
     writer_blocked: bool,
     /// Why requests fail, for the EIO replies.
     failed: String,
-    /// Sending the kept requests again on a new connection: the next one
-    /// and how much of it is written. Nothing is read meanwhile, and
-    /// nothing is copied: they are written from `kept` itself.
-    replay: Option<(usize, usize)>,
+    /// Sending the kept requests again on a new connection: the `seq` of
+    /// the next one (how much of it is written is its `sent`). Replies
+    /// are read meanwhile (a server blocked sending them would stop
+    /// reading the replay), and nothing is copied: they are written from
+    /// `kept` itself.
+    replay: Option<u64>,
+    /// The `seq` the next kept request gets.
+    next_seq: u64,
     /// A reply other than ESHUTDOWN came on this connection.
     good: bool,
     /// This connection replaced one that dropped (for the metrics).
@@ -214,9 +233,9 @@ pub struct Reconnecting {
     /// The wait before the first try after a drop: none after a good
     /// connection, else the backoff where it was.
     wait: Duration,
-    /// One deadline from the first drop with requests in flight until a
-    /// connection is good and they are answered; drops in between do not
-    /// restart it.
+    /// One deadline from the first drop with requests in flight (or the
+    /// first request to a connection after a drop) until a connection is
+    /// good; drops in between do not restart it.
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
     /// The deadline passed: until a connection is good, a request fails at
     /// once while none is up (tries go on in the background).
@@ -276,6 +295,7 @@ impl Reconnecting {
             writer_blocked: false,
             failed: String::new(),
             replay: None,
+            next_seq: 0,
             good: false,
             after_drop: false,
             // The first connection has not answered yet either.
@@ -397,7 +417,10 @@ impl Reconnecting {
         self.link = Link::Up(Box::new(reopened.conn));
         self.wait = reopened.next_wait;
         self.good = false;
-        self.replay = (!self.kept.is_empty()).then_some((0, 0));
+        for kept in &mut self.kept {
+            kept.sent = 0;
+        }
+        self.replay = self.kept.front().map(|k| k.seq);
         self.refresh_standing();
     }
 
@@ -591,10 +614,11 @@ impl Reconnecting {
         self.settle();
     }
 
-    /// The deadline ends once the connection is good and what went
-    /// through a drop is answered.
+    /// The deadline ends once the connection is good: it answers, and a
+    /// slow request on it is the stall timeout's business, not a reason
+    /// to drop it.
     fn settle(&mut self) {
-        if self.good && self.resent == 0 {
+        if self.good {
             self.deadline = None;
         }
         self.refresh_standing();
@@ -622,6 +646,7 @@ impl Reconnecting {
             .min(usize::try_from(self.payload_left).unwrap_or(usize::MAX));
         if let Some(kept) = self.kept.back_mut() {
             kept.bytes.extend_from_slice(&bytes[..n]);
+            kept.sent += n;
         }
         self.held += n;
         self.payload_left -= n as u64;
@@ -642,17 +667,21 @@ impl Reconnecting {
             // buffer).
             self.held += KEPT_OVERHEAD;
             self.kept.push_back(Kept {
+                seq: self.next_seq,
                 cookie: 0,
                 bytes: Vec::with_capacity(header_len),
+                sent: 0,
                 resent: false,
                 shut: false,
             });
+            self.next_seq += 1;
         }
         let Some(kept) = self.kept.back_mut() else {
             return Ok(bytes.len());
         };
         let n = (header_len - self.head_len).min(bytes.len());
         kept.bytes.extend_from_slice(&bytes[..n]);
+        kept.sent += n;
         self.head_len += n;
         self.held += n;
         if self.head_len < header_len {
@@ -687,9 +716,18 @@ impl Reconnecting {
     /// The last request is whole: a reply that came before its payload
     /// had passed goes up now.
     fn passed(&mut self) {
-        let Some(cookie) = self.early_done.take() else {
+        if let Some(cookie) = self.kept.back().map(|k| k.cookie) {
+            self.release_early(cookie);
+        }
+    }
+
+    /// The request `cookie` went whole on this connection: if its last
+    /// reply came before, that reply goes up now and the request is done.
+    fn release_early(&mut self, cookie: u64) {
+        if self.early_done != Some(cookie) {
             return;
-        };
+        }
+        self.early_done = None;
         if let Some(mut held) = self.held_replies.remove(&cookie) {
             self.held_reply_bytes -= held.capacity() + HELD_OVERHEAD;
             push_out(&mut self.out, &mut self.out_at, &mut held);
@@ -782,18 +820,45 @@ impl Reconnecting {
     fn whole(&mut self, frame: ReplyFrame) -> io::Result<()> {
         self.need = Need::Magic;
         let cookie = frame.cookie;
+        if self.early_done == Some(cookie) {
+            // Its last reply came already (held until the request has
+            // passed): a second one is the server's error, not to be
+            // passed up twice or to undo the first.
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "the server replied again to a request it had answered",
+            ));
+        }
         let can_hold = !self.answered_in_part.contains(&cookie);
         if self.shut_chunks.contains(&cookie) || (can_hold && self.says_shutdown(&frame)) {
             self.hold_shutdown(frame);
             return Ok(());
         }
         self.mark_good();
-        let writing = self.payload_left > 0 && self.kept.back().is_some_and(|k| k.cookie == cookie);
-        if writing {
+        if self.writing(cookie) {
             return self.hold_early(frame);
         }
         self.pass_up(frame);
         Ok(())
+    }
+
+    /// Whether the request `cookie` is still going to the server on this
+    /// connection (its payload passing, or its replay under way): a reply
+    /// to it is held until it has gone, so that its entry stays where
+    /// its bytes come from.
+    fn writing(&self, cookie: u64) -> bool {
+        if self.payload_left > 0 && self.kept.back().is_some_and(|k| k.cookie == cookie) {
+            return true;
+        }
+        let Some(seq) = self.replay else {
+            return false;
+        };
+        let at = self.kept.partition_point(|k| k.seq < seq);
+        // The last one may have its header in part: no cookie yet.
+        let header_whole = at + 1 < self.kept.len() || self.head_len == 0;
+        self.kept
+            .get(at)
+            .is_some_and(|k| header_whole && k.cookie == cookie && k.sent < k.bytes.len())
     }
 
     /// Assembles reply messages; whole ones go to `out`.
@@ -884,29 +949,37 @@ impl Reconnecting {
     }
 
     /// Writes the kept requests to a new connection, from `kept` itself,
-    /// then flushes them.
+    /// then flushes them. Requests answered meanwhile leave `kept`: the
+    /// place is a `seq`, which their removal does not move.
     fn poll_replay(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), String>> {
-        let Link::Up(conn) = &mut self.link else {
-            return Poll::Ready(Ok(()));
-        };
         let failed =
             |e: &dyn std::fmt::Display| format!("sending the requests in flight again: {e}");
-        while let Some((at, from)) = self.replay {
-            let Some(kept) = self.kept.get(at) else {
+        while let Some(seq) = self.replay {
+            let at = self.kept.partition_point(|k| k.seq < seq);
+            let Link::Up(conn) = &mut self.link else {
+                return Poll::Ready(Ok(()));
+            };
+            let Some(kept) = self.kept.get_mut(at) else {
                 std::task::ready!(Pin::new(conn.as_mut()).poll_flush(cx))
                     .map_err(|e| failed(&e))?;
                 self.replay = None;
+                // A new request may have waited for the replay.
+                self.wake_writer();
                 break;
             };
-            if from == kept.bytes.len() {
-                self.replay = Some((at + 1, 0));
+            if kept.sent == kept.bytes.len() {
+                let cookie = kept.cookie;
+                self.replay = Some(kept.seq + 1);
+                if at + 1 < self.kept.len() || !self.passing() {
+                    self.release_early(cookie);
+                }
                 continue;
             }
             let written =
-                std::task::ready!(Pin::new(conn.as_mut()).poll_write(cx, &kept.bytes[from..]));
+                std::task::ready!(Pin::new(conn.as_mut()).poll_write(cx, &kept.bytes[kept.sent..]));
             match written {
                 Ok(0) => return Poll::Ready(Err(failed(&"the connection took nothing"))),
-                Ok(n) => self.replay = Some((at, from + n)),
+                Ok(n) => kept.sent += n,
                 Err(e) => return Poll::Ready(Err(failed(&e))),
             }
         }
@@ -947,7 +1020,11 @@ impl Reconnecting {
         }
         let n = buf.remaining().min(self.out.len() - self.out_at);
         buf.put_slice(&self.out[self.out_at..self.out_at + n]);
+        let was_backlogged = self.backlogged();
         self.out_at += n;
+        if was_backlogged && !self.backlogged() {
+            self.wake_writer();
+        }
         if self.out_at == self.out.len() {
             self.out.clear();
             self.out_at = 0;
@@ -966,9 +1043,10 @@ impl Reconnecting {
     /// `bytes` went to the server.
     fn wrote(&mut self, cx: &mut Context<'_>, bytes: &[u8]) -> io::Result<usize> {
         self.record(bytes)?;
-        if self.failing && !self.good && self.deadline.is_none() {
-            // Past the deadline, a connection that has not answered yet
-            // gets as long again to answer this request: a silent server
+        if !self.good && (self.failing || self.after_drop) && self.deadline.is_none() {
+            // A connection that replaced a dropped one (after an idle
+            // drop, or past the deadline) and has not answered yet gets
+            // --reconnect-timeout to answer this request: a silent server
             // fails it in time too.
             self.arm_deadline();
             self.poll_deadline(cx);
@@ -980,14 +1058,27 @@ impl Reconnecting {
         Ok(bytes.len())
     }
 
+    /// Whether the replies waiting for the local client are past the
+    /// bound beyond which an EIO answer waits (only a whole request: one
+    /// being written is taken to its end).
+    fn backlogged(&self) -> bool {
+        !self.passing() && self.out.len() - self.out_at > OUT_BACKLOG
+    }
+
     /// Past the deadline with no connection up (or the export changed):
-    /// the request is taken and answered EIO at once.
-    fn swallow(&mut self, cx: &mut Context<'_>, buf: &[u8]) -> io::Result<usize> {
+    /// the request is taken and answered EIO at once, unless the local
+    /// client has left too many answers unread: then it waits for them
+    /// to be read.
+    fn swallow(&mut self, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        if self.backlogged() {
+            self.write_waiting = Some(cx.waker().clone());
+            return Poll::Pending;
+        }
         self.writer_blocked = false;
         self.record(buf)?;
         self.fail_kept();
         cx.waker().wake_by_ref();
-        Ok(buf.len())
+        Poll::Ready(Ok(buf.len()))
     }
 }
 
@@ -1037,7 +1128,9 @@ impl AsyncRead for Reconnecting {
             if !std::task::ready!(this.drive(cx)) {
                 continue;
             }
-            if let Err(why) = std::task::ready!(this.poll_replay(cx)) {
+            // The replay goes on while replies are read: a server blocked
+            // sending them does not read it.
+            if let Poll::Ready(Err(why)) = this.poll_replay(cx) {
                 this.lost(&why);
                 continue;
             }
@@ -1065,13 +1158,13 @@ impl AsyncWrite for Reconnecting {
             if let Link::Changed = this.link {
                 // Nothing will be sent any more: each request is answered
                 // EIO at once, so the local client hears of it.
-                return Poll::Ready(this.swallow(cx, buf));
+                return this.swallow(cx, buf);
             }
             if this.poll_deadline(cx) {
                 continue;
             }
             match this.drive(cx) {
-                Poll::Pending if this.failing => return Poll::Ready(this.swallow(cx, buf)),
+                Poll::Pending if this.failing => return this.swallow(cx, buf),
                 Poll::Pending if this.deadline.is_none() => {
                     // A request waits for a connection: the deadline runs.
                     this.arm_deadline();
@@ -1084,9 +1177,17 @@ impl AsyncWrite for Reconnecting {
                 Poll::Ready(false) => continue,
                 Poll::Ready(true) => this.writer_blocked = false,
             }
-            if let Err(why) = std::task::ready!(this.poll_replay(cx)) {
-                this.lost(&why);
-                continue;
+            match this.poll_replay(cx) {
+                Poll::Ready(Ok(())) => {}
+                Poll::Ready(Err(why)) => {
+                    this.lost(&why);
+                    continue;
+                }
+                Poll::Pending => {
+                    // Reading replies may finish the replay.
+                    this.write_waiting = Some(cx.waker().clone());
+                    return Poll::Pending;
+                }
             }
             // A new request waits while the kept ones fill the buffer (one
             // is always let through, however large), and while a server
@@ -1121,9 +1222,16 @@ impl AsyncWrite for Reconnecting {
                 Poll::Ready(false) => return Poll::Ready(Ok(())),
                 Poll::Ready(true) => {}
             }
-            if let Err(why) = std::task::ready!(this.poll_replay(cx)) {
-                this.lost(&why);
-                continue;
+            match this.poll_replay(cx) {
+                Poll::Ready(Ok(())) => {}
+                Poll::Ready(Err(why)) => {
+                    this.lost(&why);
+                    continue;
+                }
+                Poll::Pending => {
+                    this.write_waiting = Some(cx.waker().clone());
+                    return Poll::Pending;
+                }
             }
             let Link::Up(conn) = &mut this.link else {
                 continue;
@@ -1246,5 +1354,64 @@ mod tests {
         // A simple reply: EIO for cookie 3.
         assert_eq!(r.out[4..8], EIO.to_be_bytes());
         assert_eq!(r.out[8..16], 3u64.to_be_bytes());
+    }
+
+    fn simple_reply(cookie: u64, error: u32) -> Vec<u8> {
+        let mut b = SIMPLE_REPLY_MAGIC.to_be_bytes().to_vec();
+        b.extend_from_slice(&error.to_be_bytes());
+        b.extend_from_slice(&cookie.to_be_bytes());
+        b
+    }
+
+    /// Issue 27 follow-up: a reply to a write whose payload was still
+    /// passing left its cookie in the table, so a second reply was taken
+    /// too: passed up twice, or (ESHUTDOWN) it deleted the held success
+    /// and the request was later forgotten with no reply at all.
+    #[test]
+    fn a_second_reply_to_a_write_answered_before_its_payload_passed_is_refused() {
+        for second in [0, ESHUTDOWN] {
+            let mut r = detached();
+            let mut write = request(CMD_WRITE, 4, 8);
+            write.extend_from_slice(b"payload!");
+            r.record(&write[..30]).unwrap();
+            r.follow_replies(&simple_reply(4, 0)).unwrap();
+            // Held until the payload has passed.
+            assert!(r.out.is_empty());
+            let again = r.follow_replies(&simple_reply(4, second));
+            assert_eq!(
+                again.map_err(|e| e.kind()).err(),
+                Some(io::ErrorKind::InvalidData),
+                "a second reply (error {second}) was taken"
+            );
+        }
+    }
+
+    /// Issue 27 follow-up: past the deadline, a local client that writes
+    /// requests and never reads got EIO answers appended without bound.
+    #[test]
+    fn failing_requests_wait_while_their_answers_are_not_read() {
+        let mut r = detached();
+        r.failed = "nbdgw client: test".into();
+        let mut cx = Context::from_waker(Waker::noop());
+        let read = request(CMD_READ, 5, 4096);
+        let mut waited = false;
+        for _ in 0..4 * OUT_BACKLOG / 16 {
+            match Pin::new(&mut r).poll_write(&mut cx, &read) {
+                Poll::Ready(written) => assert_eq!(written.unwrap(), read.len()),
+                Poll::Pending => {
+                    waited = true;
+                    break;
+                }
+            }
+        }
+        let backlog = r.out.len() - r.out_at;
+        assert!(waited, "never waited; {backlog} bytes of answers unread");
+        assert!(backlog <= OUT_BACKLOG + 16, "{backlog}");
+        // Reading the answers lets the next request through.
+        let mut buf = vec![0u8; backlog];
+        let mut into = ReadBuf::new(&mut buf);
+        assert!(Pin::new(&mut r).poll_read(&mut cx, &mut into).is_ready());
+        assert!(r.write_waiting.is_none(), "the writer was not woken");
+        assert!(Pin::new(&mut r).poll_write(&mut cx, &read).is_ready());
     }
 }
