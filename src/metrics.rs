@@ -560,7 +560,7 @@ impl Metrics {
     }
 }
 
-/// What `/healthz` and `/readyz` report.
+/// What `/healthz`, `/readyz` and `/server` report.
 #[derive(Default)]
 pub struct Health {
     accepting: AtomicBool,
@@ -626,6 +626,17 @@ impl Health {
         if self.upstream_down.load(Ordering::Relaxed) {
             return Err("upstream unavailable");
         }
+        // Not the connections reconnecting (client mode's --reconnect):
+        // the server is a dependency, and a not-ready sidecar takes the
+        // whole pod out of its Service while the server restarts. Their
+        // state is `server_state`'s, and the gauges'.
+        Ok(())
+    }
+
+    /// Client mode with --reconnect: `Ok` when no local connection is
+    /// reconnecting to the server, else a fixed one-line reason (for the
+    /// admin listener's `/server`).
+    pub fn server_state(&self) -> Result<(), &'static str> {
         if self.unreachable.load(Ordering::Relaxed) > 0 {
             return Err("server unreachable past --reconnect-timeout");
         }
