@@ -216,7 +216,7 @@ impl Metrics {
         metrics.register_exports(&mut registry);
         metrics.register_cache(&mut registry);
         if tls.is_none() {
-            metrics.register_reconnects(&mut registry);
+            metrics.reconnects.register(&mut registry);
         }
         Metrics {
             registry,
@@ -225,10 +225,10 @@ impl Metrics {
     }
 }
 
-impl Metrics {
+impl ReconnectMetrics {
     /// Client mode's `--reconnect` counters.
-    fn register_reconnects(&self, r: &mut Registry) {
-        let m = &self.reconnects;
+    fn register(&self, r: &mut Registry) {
+        let m = self;
         r.register(
             "reconnect_tries",
             "Tries to open the server's export again after a drop, by outcome",
@@ -260,7 +260,9 @@ impl Metrics {
             m.unreachable.clone(),
         );
     }
+}
 
+impl Metrics {
     fn register_connections(&self, r: &mut Registry) {
         let m = self;
         r.register(

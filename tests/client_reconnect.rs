@@ -222,20 +222,22 @@ fn payload(s: &mut UnixStream, req: &Req) -> Option<Vec<u8>> {
     Some(data)
 }
 
+/// What the fake server does with one request.
+enum Step {
+    Answer(Vec<u8>),
+    /// Nothing (the request left unanswered).
+    Skip,
+    /// Close the connection.
+    End,
+}
+
 fn serve(mut s: UnixStream, fault: Fault, state: &FakeState) {
     let Some(structured) = negotiate(&mut s) else {
         return;
     };
     state.negotiated.fetch_add(1, Ordering::SeqCst);
-    if fault == Fault::StopReading {
-        // Waits for a request to arrive before taking the fault.
-        let mut one = [0u8; 1];
-        if s.peek_first(&mut one) && !state.fault_taken.swap(true, Ordering::SeqCst) {
-            while !state.close_first.load(Ordering::SeqCst) {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            return;
-        }
+    if fault == Fault::StopReading && stop_reading(&s, state) {
+        return;
     }
     let mut faulty = None;
     while let Some(req) = read_request(&mut s, state) {
@@ -245,45 +247,10 @@ fn serve(mut s: UnixStream, fault: Fault, state: &FakeState) {
         let faulty = *faulty.get_or_insert_with(|| {
             fault != Fault::StopReading && !state.fault_taken.swap(true, Ordering::SeqCst)
         });
-        let answer = match (faulty, fault, req.command) {
-            (_, _, CMD_DISC) => return,
-            (true, Fault::Shutdown, command) => {
-                if command == CMD_WRITE && payload(&mut s, &req).is_none() {
-                    return;
-                }
-                state.shutdown_answers.fetch_add(1, Ordering::SeqCst);
-                ack(structured, req.cookie, ESHUTDOWN)
-            }
-            (true, Fault::EarlyWriteReply, CMD_READ) => continue,
-            (true, Fault::DropThenSilent, _) => return,
-            (false, Fault::DropThenSilent, _) => {
-                if req.command == CMD_WRITE && payload(&mut s, &req).is_none() {
-                    return;
-                }
-                continue;
-            }
-            (true, Fault::HoldReplies, _) => match hold(&mut s, &req, state) {
-                true => continue,
-                false => return,
-            },
-            (true, Fault::EarlyWriteReply, CMD_WRITE) => {
-                if s.write_all(&ack(structured, req.cookie, 0)).is_err() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_secs(1));
-                let _ = payload(&mut s, &req);
-                return;
-            }
-            (_, _, CMD_WRITE) => {
-                let Some(data) = payload(&mut s, &req) else {
-                    return;
-                };
-                let at = req.offset as usize;
-                state.disk.lock().unwrap()[at..at + data.len()].copy_from_slice(&data);
-                ack(structured, req.cookie, 0)
-            }
-            (_, _, CMD_READ) => read_reply(structured, &req, &state.disk.lock().unwrap()),
-            _ => ack(structured, req.cookie, 0),
+        let answer = match step(&mut s, (faulty, fault), &req, structured, state) {
+            Step::Answer(answer) => answer,
+            Step::Skip => continue,
+            Step::End => return,
         };
         let slow = state.slow.load(Ordering::SeqCst);
         if !faulty && slow != 0 && req.cookie == slow {
@@ -293,6 +260,71 @@ fn serve(mut s: UnixStream, fault: Fault, state: &FakeState) {
             return;
         }
     }
+}
+
+/// `Fault::StopReading`: once a request has come, the first connection
+/// to see one reads nothing more until told to close. Whether it did.
+fn stop_reading(s: &UnixStream, state: &FakeState) -> bool {
+    let mut one = [0u8; 1];
+    if !s.peek_first(&mut one) || state.fault_taken.swap(true, Ordering::SeqCst) {
+        return false;
+    }
+    while !state.close_first.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    true
+}
+
+/// What the fake server does with `req`, on a connection that is the
+/// faulty one or not.
+fn step(
+    s: &mut UnixStream,
+    (faulty, fault): (bool, Fault),
+    req: &Req,
+    structured: bool,
+    state: &FakeState,
+) -> Step {
+    let reply = match (faulty, fault, req.command) {
+        (_, _, CMD_DISC) => return Step::End,
+        (true, Fault::Shutdown, command) => {
+            if command == CMD_WRITE && payload(s, req).is_none() {
+                return Step::End;
+            }
+            state.shutdown_answers.fetch_add(1, Ordering::SeqCst);
+            ack(structured, req.cookie, ESHUTDOWN)
+        }
+        (true, Fault::EarlyWriteReply, CMD_READ) => return Step::Skip,
+        (true, Fault::DropThenSilent, _) => return Step::End,
+        (false, Fault::DropThenSilent, _) => {
+            if req.command == CMD_WRITE && payload(s, req).is_none() {
+                return Step::End;
+            }
+            return Step::Skip;
+        }
+        (true, Fault::HoldReplies, _) => match hold(s, req, state) {
+            true => return Step::Skip,
+            false => return Step::End,
+        },
+        (true, Fault::EarlyWriteReply, CMD_WRITE) => {
+            if s.write_all(&ack(structured, req.cookie, 0)).is_err() {
+                return Step::End;
+            }
+            std::thread::sleep(Duration::from_secs(1));
+            let _ = payload(s, req);
+            return Step::End;
+        }
+        (_, _, CMD_WRITE) => {
+            let Some(data) = payload(s, req) else {
+                return Step::End;
+            };
+            let at = req.offset as usize;
+            state.disk.lock().unwrap()[at..at + data.len()].copy_from_slice(&data);
+            ack(structured, req.cookie, 0)
+        }
+        (_, _, CMD_READ) => read_reply(structured, req, &state.disk.lock().unwrap()),
+        _ => ack(structured, req.cookie, 0),
+    };
+    Step::Answer(reply)
 }
 
 /// How late the fake server answers `FakeState::slow`.
