@@ -196,9 +196,11 @@ pub struct ClientArgs {
     /// Seconds open connections may finish after SIGTERM or SIGINT.
     #[arg(long, env = "NBDGW_CLIENT_SHUTDOWN_GRACE", default_value_t = config::DEFAULT_SHUTDOWN_GRACE_SECS)]
     pub shutdown_grace: u64,
-    /// Plain-HTTP admin endpoints (/healthz, /readyz, /metrics) on this
-    /// address, as the server mode's; off by default. /readyz fails
-    /// while the last try to reach the server failed.
+    /// Plain-HTTP admin endpoints (/healthz, /readyz, /server, /metrics)
+    /// on this address, as the server mode's; off by default. /readyz
+    /// fails while the last try to reach the server failed; /server
+    /// fails while a --reconnect connection is reconnecting (/readyz
+    /// stays ready).
     #[arg(long, env = "NBDGW_CLIENT_ADMIN_LISTEN", value_name = "HOST:PORT")]
     pub admin_listen: Option<SocketAddr>,
     /// Worker threads; 0 means one per CPU.

@@ -184,7 +184,7 @@ fn client(args: ClientArgs) -> Result<()> {
         tokio::spawn(reloader.watch(seconds_or_off(args.tls_reload_interval)));
         if let Some(admin) = admin {
             let admin = async_listener(admin)?;
-            info!(admin = %display_addr(&admin), "admin endpoints: /healthz /readyz /metrics");
+            info!(admin = %display_addr(&admin), "admin endpoints: /healthz /readyz /server /metrics");
             let limits = nbdgw::admin::AdminLimits::default();
             let (metrics, health) = (settings.metrics.clone(), settings.health.clone());
             tokio::spawn(nbdgw::admin::serve(admin, metrics, health, limits));

@@ -246,7 +246,7 @@ impl Metrics {
         metrics.register_exports(&mut registry);
         metrics.register_cache(&mut registry);
         if tls.is_none() {
-            metrics.register_reconnects(&mut registry);
+            metrics.reconnects.register(&mut registry);
         }
         Metrics {
             registry,
@@ -255,10 +255,10 @@ impl Metrics {
     }
 }
 
-impl Metrics {
+impl ReconnectMetrics {
     /// Client mode's `--reconnect` counters.
-    fn register_reconnects(&self, r: &mut Registry) {
-        let m = &self.reconnects;
+    fn register(&self, r: &mut Registry) {
+        let m = self;
         r.register(
             "reconnect_tries",
             "Tries to open the server's export again after a drop, by outcome",
@@ -290,7 +290,9 @@ impl Metrics {
             m.unreachable.clone(),
         );
     }
+}
 
+impl Metrics {
     fn register_connections(&self, r: &mut Registry) {
         let m = self;
         r.register(
@@ -608,7 +610,7 @@ impl Metrics {
     }
 }
 
-/// What `/healthz` and `/readyz` report.
+/// What `/healthz`, `/readyz` and `/server` report.
 #[derive(Default)]
 pub struct Health {
     accepting: AtomicBool,
@@ -674,6 +676,17 @@ impl Health {
         if self.upstream_down.load(Ordering::Relaxed) {
             return Err("upstream unavailable");
         }
+        // Not the connections reconnecting (client mode's --reconnect):
+        // the server is a dependency, and a not-ready sidecar takes the
+        // whole pod out of its Service while the server restarts. Their
+        // state is `server_state`'s, and the gauges'.
+        Ok(())
+    }
+
+    /// Client mode with --reconnect: `Ok` when no local connection is
+    /// reconnecting to the server, else a fixed one-line reason (for the
+    /// admin listener's `/server`).
+    pub fn server_state(&self) -> Result<(), &'static str> {
         if self.unreachable.load(Ordering::Relaxed) > 0 {
             return Err("server unreachable past --reconnect-timeout");
         }

@@ -152,7 +152,7 @@ complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l max-payload -d 'L
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l max-option-len -d 'Largest option data (and option reply) in bytes' -r
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l max-connections -d 'Most local connections served at once; more are closed at accept' -r
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l shutdown-grace -d 'Seconds open connections may finish after SIGTERM or SIGINT' -r
-complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l admin-listen -d 'Plain-HTTP admin endpoints (/healthz, /readyz, /metrics) on this address, as the server mode\'s; off by default. /readyz fails while the last try to reach the server failed' -r
+complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l admin-listen -d 'Plain-HTTP admin endpoints (/healthz, /readyz, /server, /metrics) on this address, as the server mode\'s; off by default. /readyz fails while the last try to reach the server failed; /server fails while a --reconnect connection is reconnecting (/readyz stays ready)' -r
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l threads -d 'Worker threads; 0 means one per CPU' -r
 complete -c nbdgw -n "__fish_nbdgw_using_subcommand client" -l log-format -d 'Log format; the filter comes from RUST_LOG (default info)' -r -f -a "text\t''
 json\t''"
