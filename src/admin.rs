@@ -1,8 +1,10 @@
 //! The admin listener (`--admin-listen`): plain HTTP for probes and
 //! scrapers on localhost or the pod network. `/healthz` is 200 while the
 //! accept loop runs; `/readyz` is 200 only with the upstream reachable and
-//! no shutdown under way (503 and a one-line reason otherwise);
-//! `/metrics` is the Prometheus text format.
+//! no shutdown under way (503 and a one-line reason otherwise); `/server`
+//! is 503 while a local connection of client mode's `--reconnect` is
+//! reconnecting to the server (not `/readyz`'s business: the server is a
+//! dependency); `/metrics` is the Prometheus text format.
 
 use std::convert::Infallible;
 use std::path::PathBuf;
@@ -178,6 +180,10 @@ fn respond(
             Ok(()) => text(StatusCode::OK, "ready\n".into()),
             Err(reason) => text(StatusCode::SERVICE_UNAVAILABLE, format!("{reason}\n")),
         },
+        "/server" => match health.server_state() {
+            Ok(()) => text(StatusCode::OK, "ok\n".into()),
+            Err(reason) => text(StatusCode::SERVICE_UNAVAILABLE, format!("{reason}\n")),
+        },
         "/metrics" => {
             let mut response = text(StatusCode::OK, metrics.encode());
             response.headers_mut().insert(
@@ -190,7 +196,7 @@ fn respond(
         }
         _ => text(
             StatusCode::NOT_FOUND,
-            "try /healthz, /readyz or /metrics\n".into(),
+            "try /healthz, /readyz, /server or /metrics\n".into(),
         ),
     }
 }

@@ -319,16 +319,35 @@ impl Admission {
     }
 
     fn slots(&self) -> MutexGuard<'_, FairQueue<Source, oneshot::Sender<HandshakePermit>>> {
+        self.slots_seen().0
+    }
+
+    /// The queue, and the generation it was brought up to date with.
+    fn slots_seen(
+        &self,
+    ) -> (
+        MutexGuard<'_, FairQueue<Source, oneshot::Sender<HandshakePermit>>>,
+        proven::Generation,
+    ) {
         // A reload (TLS files or policy) since the last look: what was
-        // proven before it is forgotten, in the queue's lines too.
-        let reloaded = self.proven().reloaded(self.generation());
+        // proven before it is forgotten, in the queue's lines too, and
+        // in the metric.
+        let generation = self.generation();
+        let reloaded = {
+            let mut proven = self.proven();
+            let reloaded = proven.reloaded(generation);
+            if reloaded {
+                self.metrics.proven_sources.set(proven.len() as i64);
+            }
+            reloaded
+        };
         // Every change is made whole under the lock (no call in it can
         // panic half way), so a poisoned one is still consistent.
         let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
         if reloaded {
             slots.demote_all();
         }
-        slots
+        (slots, generation)
     }
 
     fn show(&self, queue: &FairQueue<Source, oneshot::Sender<HandshakePermit>>) {
@@ -343,9 +362,13 @@ impl Admission {
     /// room is told so through its own task.
     pub fn arrive(self: &Arc<Self>, peer: SocketAddr) -> Result<Place, Refusal> {
         let source = self.prefixes.source_of(peer.ip());
-        let proven = self.is_proven(source);
         let (tx, granted) = oneshot::channel();
-        let mut slots = self.slots();
+        // Judged under the lock and the generation the queue was brought
+        // up to date with: judged before, a reload in between would let
+        // a source proven under the old files into the reserve of a queue
+        // that has already demoted it.
+        let (mut slots, generation) = self.slots_seen();
+        let proven = self.proven().is_proven(source, generation);
         let arrival = slots.arrive(source, proven, tx);
         self.show(&slots);
         drop(slots);
@@ -460,24 +483,34 @@ impl Admission {
     }
 
     /// The TLS files and policy in force, as reload counts: a reload ends
-    /// what proved a source under the previous ones.
-    fn generation(&self) -> proven::Generation {
-        (self.tls.reloads_ok.get(), self.metrics.policy_reloads.get())
-    }
-
-    fn is_proven(&self, source: Source) -> bool {
-        self.proven().is_proven(source, self.generation())
+    /// what proved a source under the previous ones. A connection notes
+    /// it before its handshake, to prove its source under it alone.
+    pub fn generation(&self) -> proven::Generation {
+        (
+            self.tls.trust_changes.get(),
+            self.metrics.policy_changes.get(),
+        )
     }
 
     /// `identity` (a client certificate's names) was given a session from
     /// `peer` and opened an export, or such a session ended: its source is
     /// proven for `--source-memory`, and its waiters may take the reserve.
-    pub fn prove(self: &Arc<Self>, peer: SocketAddr, identity: &Identity) {
-        if *identity == Identity::Anonymous {
+    /// `since`: the generation the connection started under; if a reload
+    /// came since, the certificate or policy that let it in may no longer
+    /// hold, and nothing is proven.
+    pub fn prove(
+        self: &Arc<Self>,
+        peer: SocketAddr,
+        identity: &Identity,
+        since: proven::Generation,
+    ) {
+        if *identity == Identity::Anonymous || since != self.generation() {
             return;
         }
         let source = self.prefixes.source_of(peer.ip());
-        let generation = self.generation();
+        // Stored under `since`: a reload racing this makes it stale at
+        // once (an entry is live only under its own generation).
+        let generation = since;
         let (proved, known) = {
             let mut proven = self.proven();
             (proven.prove(source, identity, generation), proven.len())
@@ -742,9 +775,14 @@ mod tests {
         assert!(!first.proven);
         drop(first);
         let host = Identity::of(Some(&crate::tls::CertInfo::with_names("host", &[], &[])));
-        a.prove(peer("203.0.113.1", 1), &Identity::Anonymous);
-        assert!(!a.is_proven(a.prefixes.source_of(peer("203.0.113.1", 1).ip())));
-        a.prove(peer("203.0.113.1", 1), &host);
+        a.prove(peer("203.0.113.1", 1), &Identity::Anonymous, a.generation());
+        let source = a.prefixes.source_of(peer("203.0.113.1", 1).ip());
+        assert!(!a.proven().is_proven(source, a.generation()));
+        // Proven under a generation a reload has left behind: nothing.
+        let (tls, policy) = a.generation();
+        a.prove(peer("203.0.113.1", 1), &host, (tls, policy + 1));
+        assert!(!a.proven().is_proven(source, a.generation()));
+        a.prove(peer("203.0.113.1", 1), &host, a.generation());
         // An unproven source holds the unproven share; the next waits
         // though a slot is free.
         let held = a

@@ -52,6 +52,11 @@ pub const DEFAULT_READ_AHEAD: u32 = 1024 * 1024;
 /// `--read-ahead-depth` when not given: one request filling while the
 /// client reads what the other brought.
 pub const DEFAULT_READ_AHEAD_DEPTH: u32 = 2;
+/// `--cache-fill-depth` when not given. A fill holds the whole blocks of
+/// a client read that missed (at most 2 MiB and two blocks) until its
+/// reply is complete, so this bounds a connection's fill buffers to about
+/// 36 MiB; a boot's reads, far shorter, need a few.
+pub const DEFAULT_CACHE_FILL_DEPTH: u32 = 16;
 /// Distinct export generations remembered at once. With `--immutable` on
 /// a single `--upstream`, a client chooses export names; past this many,
 /// exports with no block cached are forgotten, and new ones go uncached.
@@ -92,6 +97,33 @@ pub enum Change {
     Resized,
 }
 
+/// How an upstream's reply to a read broke the protocol (a metric's
+/// label: a fixed few).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Chunks that overlap.
+    Overlap,
+    /// A chunk outside the read.
+    Outside,
+    /// Success with bytes no chunk covered.
+    Uncovered,
+}
+
+impl Fault {
+    pub fn label(self) -> &'static str {
+        match self {
+            Fault::Overlap => "overlap",
+            Fault::Outside => "outside",
+            Fault::Uncovered => "uncovered",
+        }
+    }
+}
+
+/// At most one warning of an upstream's faulty replies this often: the
+/// upstream may be a tenant's, and every read of it could fault. The
+/// metric counts them all.
+const FAULT_WARNING_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
 impl Change {
     pub fn label(self) -> &'static str {
         match self {
@@ -125,6 +157,8 @@ pub struct Events {
     pub dropped: u64,
     /// A generation ended, and why.
     pub ended: Option<Change>,
+    /// A session's server no longer answers at its socket: not cached.
+    pub superseded: bool,
     pub read_ahead_used: u64,
     pub read_ahead_wasted: u64,
     /// Bytes added (positive) or removed.
@@ -192,15 +226,24 @@ impl BlockMap {
     /// The generation of `key` as a session now sees it (the server it
     /// reached, `size` and `flags` as that server reported them): the
     /// current one if they match, else a new one, the old one's blocks
-    /// dropped. `None` when too many exports are known already.
+    /// dropped. `None` when too many exports are known already, or when
+    /// the server is not the one the export knows and `current` (asked
+    /// then, under the cache's lock) says it no longer answers at the
+    /// socket: a session of a server since replaced, opening late, never
+    /// takes the export back from the new server's generation.
     pub fn open(
         &mut self,
         key: &ExportKey,
         incarnation: Incarnation,
-        size: u64,
-        flags: u16,
+        (size, flags): (u64, u16),
+        current: impl FnOnce() -> bool,
     ) -> (Option<Generation>, Events) {
         let mut events = Events::default();
+        let known = self.exports.get(key).map(|state| state.incarnation);
+        if known != Some(incarnation) && !current() {
+            events.superseded = true;
+            return (None, events);
+        }
         if let Some(state) = self.exports.get(key) {
             let change = if state.incarnation != incarnation {
                 Change::Replaced
@@ -507,6 +550,9 @@ impl BlockMap {
 pub struct ReadCache {
     map: Mutex<BlockMap>,
     metrics: CacheMetrics,
+    /// When an upstream's fault was last warned of, and how many came
+    /// since without a warning.
+    fault_warned: Mutex<Option<(std::time::Instant, u64)>>,
 }
 
 impl ReadCache {
@@ -519,6 +565,7 @@ impl ReadCache {
         Arc::new(ReadCache {
             map: Mutex::new(BlockMap::new(capacity, block_size)),
             metrics,
+            fault_warned: Mutex::new(None),
         })
     }
 
@@ -538,14 +585,16 @@ impl ReadCache {
 
     /// A session's view of an export: `None` when the cache cannot take
     /// one more export.
+    /// `current` says whether the session's server still answers at the
+    /// socket (see `BlockMap::open`).
     pub fn open(
         self: &Arc<Self>,
         key: &ExportKey,
         incarnation: Incarnation,
-        size: u64,
-        flags: u16,
+        (size, flags): (u64, u16),
+        current: impl FnOnce() -> bool,
     ) -> Option<Handle> {
-        let (generation, events) = self.lock().open(key, incarnation, size, flags);
+        let (generation, events) = self.lock().open(key, incarnation, (size, flags), current);
         self.count(events);
         if let Some(change) = events.ended {
             self.metrics.generation_ended(change.label());
@@ -652,6 +701,37 @@ impl Handle {
         self.cache.count(events);
     }
 
+    /// The upstream's reply to a read of `offset..offset + length` broke
+    /// the protocol (`kind`); `what` says how and what came of it, for
+    /// the log. Counted always, warned of at most once in
+    /// `FAULT_WARNING_EVERY`.
+    pub fn upstream_fault(&self, kind: Fault, (offset, length): (u64, u64), what: &str) {
+        self.cache.metrics.upstream_fault(kind.label());
+        let now = std::time::Instant::now();
+        let mut warned = self
+            .cache
+            .fault_warned
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let not_logged = match &mut *warned {
+            Some((at, quiet)) if now.duration_since(*at) < FAULT_WARNING_EVERY => {
+                *quiet += 1;
+                return;
+            }
+            Some((_, quiet)) => *quiet,
+            None => 0,
+        };
+        *warned = Some((now, 0));
+        drop(warned);
+        tracing::warn!(
+            offset,
+            length,
+            kind = kind.label(),
+            not_logged,
+            "read cache: the upstream {what} (one such warning in 10 s at most; not_logged counts those since the last, the metric nbdgw_cache_upstream_faults_total all of them)"
+        );
+    }
+
     /// Read-ahead bytes fetched but not cached (already there, or the
     /// export changed meanwhile) count as wasted.
     pub fn read_ahead_wasted(&self, bytes: u64) {
@@ -693,7 +773,7 @@ mod tests {
     fn a_read_is_answered_only_when_every_block_it_touches_is_cached() {
         let img = image(10 * 1024 + 100);
         let mut map = BlockMap::new(1 << 20, 1024);
-        let (g, _) = map.open(&key("a"), server(1), img.len() as u64, 1);
+        let (g, _) = map.open(&key("a"), server(1), (img.len() as u64, 1), || true);
         let g = g.unwrap();
         // Partial blocks at both ends are not kept.
         map.insert(g, 500, &img[500..3500], false);
@@ -729,12 +809,21 @@ mod tests {
     fn another_size_or_flags_drops_the_exports_blocks() {
         let img = image(8192);
         let mut map = BlockMap::new(1 << 20, 1024);
-        let g = map.open(&key("a"), server(1), 8192, 1).0.unwrap();
-        let other = map.open(&key("b"), server(1), 8192, 1).0.unwrap();
+        let g = map
+            .open(&key("a"), server(1), (8192, 1), || true)
+            .0
+            .unwrap();
+        let other = map
+            .open(&key("b"), server(1), (8192, 1), || true)
+            .0
+            .unwrap();
         map.insert(g, 0, &img, false);
         map.insert(other, 0, &img, false);
-        assert_eq!(map.open(&key("a"), server(1), 8192, 1).0, Some(g));
-        let (g2, events) = map.open(&key("a"), server(1), 4096, 1);
+        assert_eq!(
+            map.open(&key("a"), server(1), (8192, 1), || true).0,
+            Some(g)
+        );
+        let (g2, events) = map.open(&key("a"), server(1), (4096, 1), || true);
         assert_eq!(events.dropped, 8);
         let g2 = g2.unwrap();
         assert_ne!(g, g2);
@@ -743,7 +832,7 @@ mod tests {
         // The old generation can no longer fill.
         map.insert(g, 0, &img, false);
         assert_eq!(map.blocks(), 8);
-        let (_, events) = map.open(&key("a"), server(1), 4096, 3);
+        let (_, events) = map.open(&key("a"), server(1), (4096, 3), || true);
         assert_eq!(events.dropped, 0);
         assert!(map.lookup(other, 0, 8192).0.is_some());
     }
@@ -753,11 +842,14 @@ mod tests {
         let a = vec![b'A'; 8192];
         let b = vec![b'B'; 8192];
         let mut map = BlockMap::new(1 << 20, 1024);
-        let old = map.open(&key("a"), server(1), 8192, 1).0.unwrap();
+        let old = map
+            .open(&key("a"), server(1), (8192, 1), || true)
+            .0
+            .unwrap();
         map.insert(old, 0, &a, false);
         map.set_pending(old, 0, 8192, true);
         // Another server (socket file and process), same size and flags.
-        let (new, events) = map.open(&key("a"), server(2), 8192, 1);
+        let (new, events) = map.open(&key("a"), server(2), (8192, 1), || true);
         let new = new.unwrap();
         assert_ne!(new, old);
         assert_eq!(events.ended, Some(Change::Replaced));
@@ -776,20 +868,58 @@ mod tests {
         // The same server again: the same generation. Only the server's
         // pid differing (a pid of another process, the same file) is
         // another server too.
-        assert_eq!(map.open(&key("a"), server(2), 8192, 1).0, Some(new));
+        assert_eq!(
+            map.open(&key("a"), server(2), (8192, 1), || true).0,
+            Some(new)
+        );
         let mut other_pid = server(2);
         other_pid.pid += 1;
-        let (third, events) = map.open(&key("a"), other_pid, 8192, 1);
+        let (third, events) = map.open(&key("a"), other_pid, (8192, 1), || true);
         assert_ne!(third, Some(new));
         assert_eq!(events.ended, Some(Change::Replaced));
-        let (_, events) = map.open(&key("a"), other_pid, 4096, 1);
+        let (_, events) = map.open(&key("a"), other_pid, (4096, 1), || true);
         assert_eq!(events.ended, Some(Change::Resized));
+        // Only the socket file differing (the same pid, as a server in a
+        // pid namespace nbdgw cannot see reads 0 each time, or a server
+        // that bound its socket again) is another server too.
+        let current = map.open(&key("a"), other_pid, (4096, 1), || true).0;
+        let mut other_file = other_pid;
+        other_file.file = crate::exports::SocketFile::test_file(99);
+        let (fourth, events) = map.open(&key("a"), other_file, (4096, 1), || true);
+        assert_ne!(fourth, current);
+        assert_eq!(events.ended, Some(Change::Replaced));
+    }
+
+    #[test]
+    fn a_session_of_a_replaced_server_never_takes_the_generation_back() {
+        let mut map = BlockMap::new(1 << 20, 1024);
+        let old = map.open(&key("a"), server(1), (8192, 1), || true).0;
+        // The new server's first session, then one of the old server's
+        // that negotiated meanwhile and opens late: its server no longer
+        // answers at the socket, and it is not cached.
+        let new = map.open(&key("a"), server(2), (8192, 1), || true).0;
+        assert_ne!(new, old);
+        let (late, events) = map.open(&key("a"), server(1), (8192, 1), || false);
+        assert_eq!(late, None);
+        assert!(events.superseded);
+        assert_eq!(events.ended, None);
+        // The new server's generation stands; its sessions are not asked
+        // about the socket again.
+        let again = map.open(&key("a"), server(2), (8192, 1), || {
+            panic!("the known server checked again")
+        });
+        assert_eq!(again.0, new);
+        // The first session of all is checked too.
+        assert_eq!(map.open(&key("b"), server(1), (8192, 1), || false).0, None);
     }
 
     #[test]
     fn blocks_read_again_outlive_a_single_pass() {
         let mut map = BlockMap::new(4 * 1024, 1024);
-        let g = map.open(&key("a"), server(1), 1 << 20, 0).0.unwrap();
+        let g = map
+            .open(&key("a"), server(1), (1 << 20, 0), || true)
+            .0
+            .unwrap();
         let hot = image(1024);
         map.insert(g, 0, &hot, false);
         for _ in 0..3 {
@@ -811,7 +941,10 @@ mod tests {
     #[test]
     fn read_ahead_is_used_once_or_wasted_on_eviction() {
         let mut map = BlockMap::new(2 * 1024, 1024);
-        let g = map.open(&key("a"), server(1), 1 << 20, 0).0.unwrap();
+        let g = map
+            .open(&key("a"), server(1), (1 << 20, 0), || true)
+            .0
+            .unwrap();
         let data = image(2048);
         map.insert(g, 0, &data, true);
         assert_eq!(map.lookup(g, 0, 100).1.read_ahead_used, 1024);
@@ -824,7 +957,10 @@ mod tests {
     #[test]
     fn a_forgotten_range_drops_every_block_it_touches() {
         let mut map = BlockMap::new(1 << 20, 1024);
-        let g = map.open(&key("a"), server(1), 8192, 0).0.unwrap();
+        let g = map
+            .open(&key("a"), server(1), (8192, 0), || true)
+            .0
+            .unwrap();
         map.insert(g, 0, &image(8192), false);
         map.forget(g, 1500, 1000);
         assert_eq!(map.blocks(), 6);
@@ -838,7 +974,10 @@ mod tests {
     #[test]
     fn holes_are_zeros() {
         let mut map = BlockMap::new(1 << 20, 1024);
-        let g = map.open(&key("a"), server(1), 1 << 20, 0).0.unwrap();
+        let g = map
+            .open(&key("a"), server(1), (1 << 20, 0), || true)
+            .0
+            .unwrap();
         map.insert_zeros(g, 0, 4096, false);
         assert_eq!(concat(map.lookup(g, 10, 4000).0.unwrap()), vec![0; 4000]);
     }
@@ -855,7 +994,10 @@ mod tests {
     #[test]
     fn a_zero_capacity_holds_nothing() {
         let mut map = BlockMap::new(0, 1024);
-        let g = map.open(&key("a"), server(1), 1 << 20, 0).0.unwrap();
+        let g = map
+            .open(&key("a"), server(1), (1 << 20, 0), || true)
+            .0
+            .unwrap();
         map.insert(g, 0, &image(4096), false);
         assert_eq!(map.blocks(), 0);
     }
@@ -863,10 +1005,13 @@ mod tests {
     #[test]
     fn exports_are_bounded() {
         let mut map = BlockMap::new(1 << 20, 1024);
-        let first = map.open(&key("keep"), server(1), 4096, 0).0.unwrap();
+        let first = map
+            .open(&key("keep"), server(1), (4096, 0), || true)
+            .0
+            .unwrap();
         map.insert(first, 0, &image(1024), false);
         for i in 0..MAX_EXPORTS + 10 {
-            map.open(&key(&i.to_string()), server(1), 4096, 0);
+            map.open(&key(&i.to_string()), server(1), (4096, 0), || true);
         }
         assert!(map.exports.len() <= MAX_EXPORTS);
         assert!(map.lookup(first, 0, 1024).0.is_some());
@@ -883,7 +1028,7 @@ mod tests {
             let img = image(20_000);
             let size = img.len() as u64;
             let mut map = BlockMap::new(capacity_blocks * 1024, 1024);
-            let g = map.open(&key("a"), server(1), size, 0).0.unwrap();
+            let g = map.open(&key("a"), server(1), (size, 0), || true).0.unwrap();
             for (fill, offset, length) in ops {
                 let length = length.min(size - offset);
                 let range = offset as usize..(offset + length) as usize;
@@ -904,7 +1049,7 @@ mod tests {
             let size = img.len() as u64;
             let length = length.min(size - offset);
             let mut map = BlockMap::new(1 << 20, 1024);
-            let g = map.open(&key("a"), server(1), size, 0).0.unwrap();
+            let g = map.open(&key("a"), server(1), (size, 0), || true).0.unwrap();
             // The enclosing aligned range, as read-ahead and a client
             // read of whole blocks would bring.
             let start = offset / 1024 * 1024;

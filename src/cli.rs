@@ -201,9 +201,11 @@ pub struct ClientArgs {
     /// request is answered) or eshutdown (answered ESHUTDOWN).
     #[arg(long, env = "NBDGW_CLIENT_DRAIN_ANSWER", value_enum, default_value_t = crate::shutdown::DrainAnswer::Close)]
     pub drain_answer: crate::shutdown::DrainAnswer,
-    /// Plain-HTTP admin endpoints (/healthz, /readyz, /metrics) on this
-    /// address, as the server mode's; off by default. /readyz fails
-    /// while the last try to reach the server failed.
+    /// Plain-HTTP admin endpoints (/healthz, /readyz, /server, /metrics)
+    /// on this address, as the server mode's; off by default. /readyz
+    /// fails while the last try to reach the server failed; /server
+    /// fails while a --reconnect connection is reconnecting (/readyz
+    /// stays ready).
     #[arg(long, env = "NBDGW_CLIENT_ADMIN_LISTEN", value_name = "HOST:PORT")]
     pub admin_listen: Option<SocketAddr>,
     /// Worker threads; 0 means one per CPU.
@@ -385,6 +387,12 @@ pub struct ServeArgs {
     /// Read-ahead requests one connection may have in flight at once.
     #[arg(long, env = "NBDGW_READ_AHEAD_DEPTH", value_name = "N", default_value_t = crate::cache::DEFAULT_READ_AHEAD_DEPTH, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub read_ahead_depth: u32,
+    /// Reads that missed the cache one connection may have in flight at
+    /// once as fills (widened to whole blocks, answered from a buffer
+    /// when the reply is complete); past this, a read goes upstream as
+    /// it came, and is cached as its reply passes if it is short.
+    #[arg(long, env = "NBDGW_CACHE_FILL_DEPTH", value_name = "N", default_value_t = crate::cache::DEFAULT_CACHE_FILL_DEPTH, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub cache_fill_depth: u32,
     /// TOML file saying which client identities may open which exports,
     /// read-write or read-only; reloaded like the TLS files, and a reload
     /// may only narrow it. Without it every admitted client may open every

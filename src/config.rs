@@ -111,6 +111,8 @@ pub struct Config {
     pub read_ahead: u32,
     /// Read-ahead requests one connection may have in flight.
     pub read_ahead_depth: u32,
+    /// Fill reads one connection may have in flight.
+    pub cache_fill_depth: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -178,6 +180,7 @@ impl Config {
             cache: None,
             read_ahead: crate::cache::DEFAULT_READ_AHEAD,
             read_ahead_depth: crate::cache::DEFAULT_READ_AHEAD_DEPTH,
+            cache_fill_depth: crate::cache::DEFAULT_CACHE_FILL_DEPTH,
         }
     }
 }

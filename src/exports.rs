@@ -416,7 +416,13 @@ pub struct ExportTable {
     fixed: Vec<Export>,
     dir: Option<PathBuf>,
     owner: OwnerCheck,
+    /// Sockets the owner check hid and a warning named (each once).
+    hidden: std::sync::Arc<std::sync::Mutex<std::collections::HashSet<(PathBuf, u32)>>>,
 }
+
+/// Hidden sockets warned of at most; a local user planting sockets by
+/// the thousand gets one line saying the rest go unlogged.
+const HIDDEN_WARNED: usize = 256;
 
 impl ExportTable {
     pub fn new(fixed: Vec<Export>, dir: Option<PathBuf>) -> Result<Self, ExportError> {
@@ -429,6 +435,7 @@ impl ExportTable {
             fixed,
             dir,
             owner: OwnerCheck::default(),
+            hidden: Default::default(),
         })
     }
 
@@ -530,10 +537,45 @@ impl ExportTable {
             .filter_map(|(file_name, path)| {
                 let name = file_name.strip_suffix(SOCKET_SUFFIX)?;
                 let meta = std::fs::symlink_metadata(&path).ok()?;
-                let served = meta.file_type().is_socket() && self.owner.admits(dir_uid, meta.uid());
-                (served && is_plain_file_name(name)).then(|| name.to_string())
+                if !meta.file_type().is_socket() || !is_plain_file_name(name) {
+                    return None;
+                }
+                if !self.owner.admits(dir_uid, meta.uid()) {
+                    self.warn_hidden(&path, dir_uid, meta.uid());
+                    return None;
+                }
+                Some(name.to_string())
             })
             .collect()
+    }
+}
+
+impl ExportTable {
+    /// A socket the owner check hides is logged once at WARN (at start
+    /// and whenever a listing finds it): since `same` became the default,
+    /// a deployment whose servers run as another user than the directory's
+    /// owner would otherwise just see its exports vanish.
+    fn warn_hidden(&self, path: &Path, dir_uid: u32, uid: u32) {
+        let mut hidden = self.hidden.lock().unwrap_or_else(|e| e.into_inner());
+        let key = (path.to_path_buf(), uid);
+        if hidden.len() > HIDDEN_WARNED || hidden.contains(&key) {
+            return;
+        }
+        if hidden.len() == HIDDEN_WARNED {
+            hidden.insert(key);
+            tracing::warn!(
+                "export-dir: more sockets hidden by the owner check; not logged further"
+            );
+            return;
+        }
+        hidden.insert(key);
+        tracing::warn!(
+            socket = %Escaped(&path.display().to_string()),
+            socket_uid = uid,
+            dir_uid,
+            owner = %self.owner,
+            "export-dir: socket not served, its owner fails --export-dir-owner; if its server is trusted, run it as the directory's owner, or pass --export-dir-owner UID (that uid's directories only) or --export-dir-owner any"
+        );
     }
 }
 
@@ -803,6 +845,43 @@ mod tests {
         // the name leads to no file the checks allow now.
         assert_ne!(Some(file), SocketFile::at(&dir.path().join("decoy.sock")));
         assert_eq!(in_dir.file_now(), None);
+    }
+
+    /// A server started again at the same path binds a new socket file,
+    /// told from the old one although ext4 hands the unlinked inode's
+    /// number to the new one (as it did here): its change time differs.
+    #[test]
+    fn a_socket_bound_again_at_the_same_path_is_another_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.sock");
+        // Made first, so that it does not take the freed inode.
+        let probe = dir.path().join("probe");
+        std::fs::write(&probe, "").unwrap();
+        let first = UnixListener::bind(&path).unwrap();
+        let before = SocketFile::at(&path).unwrap();
+        drop(first);
+        std::fs::remove_file(&path).unwrap();
+        // Kernels before 6.13 stamp a change time from a clock that moves
+        // a few milliseconds at a time: a bind within the same tick is
+        // not told apart (the README says so). Wait for the tick to pass,
+        // seen on a file touched now.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            std::fs::write(&probe, "").unwrap();
+            let now = std::fs::metadata(&probe).unwrap();
+            let now_ns = i128::from(now.ctime()) * 1_000_000_000 + i128::from(now.ctime_nsec());
+            if now_ns > before.ctime_ns {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the clock never moved"
+            );
+            std::thread::yield_now();
+        }
+        let _second = UnixListener::bind(&path).unwrap();
+        let after = SocketFile::at(&path).unwrap();
+        assert_ne!(before, after);
     }
 
     #[test]

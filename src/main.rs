@@ -184,7 +184,7 @@ fn client(args: ClientArgs) -> Result<()> {
         tokio::spawn(reloader.watch(seconds_or_off(args.tls_reload_interval)));
         if let Some(admin) = admin {
             let admin = async_listener(admin)?;
-            info!(admin = %display_addr(&admin), "admin endpoints: /healthz /readyz /metrics");
+            info!(admin = %display_addr(&admin), "admin endpoints: /healthz /readyz /server /metrics");
             let limits = nbdgw::admin::AdminLimits::default();
             let (metrics, health) = (settings.metrics.clone(), settings.health.clone());
             tokio::spawn(nbdgw::admin::serve(admin, metrics, health, limits));
@@ -336,6 +336,7 @@ fn configure(
         config.policy = policy.store();
         let m = &config.metrics;
         policy.count_into(m.policy_reloads.clone(), m.policy_reload_failures.clone());
+        policy.count_changes_into(m.policy_changes.clone());
         if args.policy_revoke_closes {
             policy.close_narrowed_in(config.tls.sessions().clone());
         }
@@ -544,8 +545,14 @@ mod debug_probe {
 
 fn export_table(args: &ServeArgs) -> Result<Option<nbdgw::exports::ExportTable>> {
     // An owner check that checks nothing must not look like one. Unset,
-    // it is the strict default (same).
-    if args.export_dir.is_none() && args.export_dir_owner.is_some() {
+    // it is the strict default (same). An explicit `any` (the old
+    // default, which checks nothing anyway) is accepted alone, so a
+    // deployment that set it everywhere keeps starting.
+    let checks = !matches!(
+        args.export_dir_owner,
+        None | Some(nbdgw::exports::OwnerCheck::Any)
+    );
+    if args.export_dir.is_none() && checks {
         bail!("--export-dir-owner (NBDGW_EXPORT_DIR_OWNER) needs --export-dir: it checks only the sockets found there");
     }
     let owner = args.export_dir_owner.unwrap_or_default();
@@ -584,6 +591,7 @@ fn read_cache(args: &ServeArgs, config: &mut Config) -> Result<()> {
     }
     config.read_ahead = args.read_ahead;
     config.read_ahead_depth = args.read_ahead_depth;
+    config.cache_fill_depth = args.cache_fill_depth;
     if immutable.any() && args.cache_size > 0 {
         config.cache = Some(nbdgw::cache::ReadCache::with_block_size(
             args.cache_size,
@@ -595,6 +603,7 @@ fn read_cache(args: &ServeArgs, config: &mut Config) -> Result<()> {
             cache_block_size = args.cache_block_size,
             read_ahead = args.read_ahead,
             read_ahead_depth = args.read_ahead_depth,
+            cache_fill_depth = args.cache_fill_depth,
             "read cache on for immutable exports"
         );
     }

@@ -34,6 +34,12 @@ pub struct GenerationEnd {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct UpstreamFault {
+    /// One of `cache::Fault::label`'s.
+    pub kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct Command {
     pub command: &'static str,
 }
@@ -94,6 +100,9 @@ pub struct Metrics {
     pub proven_sources: Gauge,
     pub policy_reloads: Counter,
     pub policy_reload_failures: Counter,
+    /// Policy reloads that changed the policy (not exported): the policy
+    /// half of the generation a proven source is proven under.
+    pub policy_changes: Counter,
     pub admin_connections_open: Gauge,
     pub admin_connections_refused: Counter,
     pub cache: CacheMetrics,
@@ -143,6 +152,9 @@ pub struct CacheMetrics {
     /// Exports' generations ended, by why: `replaced` (another server
     /// answers at the socket) or `resized` (another size or flags).
     pub generations_ended: Family<GenerationEnd, Counter>,
+    /// Replies to reads on cached exports that broke the protocol, by
+    /// kind (one of `cache::Fault::label`'s): nothing of them is cached.
+    pub upstream_faults: Family<UpstreamFault, Counter>,
     /// Bytes read ahead into the cache.
     pub read_ahead_bytes: Counter,
     /// Of those, bytes a client then read from the cache.
@@ -161,6 +173,14 @@ impl CacheMetrics {
     pub fn generation_ended(&self, reason: &'static str) {
         self.generations_ended
             .get_or_create(&GenerationEnd { reason })
+            .inc();
+    }
+
+    /// An upstream's reply broke the protocol in the way `kind` says, one
+    /// of `cache::Fault::label`'s.
+    pub fn upstream_fault(&self, kind: &'static str) {
+        self.upstream_faults
+            .get_or_create(&UpstreamFault { kind })
             .inc();
     }
 }
@@ -213,6 +233,7 @@ impl Metrics {
             handshakes_refused: Family::default(),
             proven_sources: Gauge::default(),
             policy_reloads: Counter::default(),
+            policy_changes: Counter::default(),
             policy_reload_failures: Counter::default(),
             admin_connections_open: Gauge::default(),
             admin_connections_refused: Counter::default(),
@@ -225,7 +246,7 @@ impl Metrics {
         metrics.register_exports(&mut registry);
         metrics.register_cache(&mut registry);
         if tls.is_none() {
-            metrics.register_reconnects(&mut registry);
+            metrics.reconnects.register(&mut registry);
         }
         Metrics {
             registry,
@@ -234,10 +255,10 @@ impl Metrics {
     }
 }
 
-impl Metrics {
+impl ReconnectMetrics {
     /// Client mode's `--reconnect` counters.
-    fn register_reconnects(&self, r: &mut Registry) {
-        let m = &self.reconnects;
+    fn register(&self, r: &mut Registry) {
+        let m = self;
         r.register(
             "reconnect_tries",
             "Tries to open the server's export again after a drop, by outcome",
@@ -269,7 +290,9 @@ impl Metrics {
             m.unreachable.clone(),
         );
     }
+}
 
+impl Metrics {
     fn register_connections(&self, r: &mut Registry) {
         let m = self;
         r.register(
@@ -440,6 +463,11 @@ impl Metrics {
             c.generations_ended.clone(),
         );
         r.register(
+            "cache_upstream_faults",
+            "Replies to reads of cached exports that broke the protocol, by kind: overlap (chunks that overlap), outside (a chunk outside the read), uncovered (success with bytes no chunk covered); nothing of them is cached",
+            c.upstream_faults.clone(),
+        );
+        r.register(
             "cache_bytes",
             "Bytes held in the read cache",
             c.cached_bytes.clone(),
@@ -582,7 +610,7 @@ impl Metrics {
     }
 }
 
-/// What `/healthz` and `/readyz` report.
+/// What `/healthz`, `/readyz` and `/server` report.
 #[derive(Default)]
 pub struct Health {
     accepting: AtomicBool,
@@ -648,6 +676,17 @@ impl Health {
         if self.upstream_down.load(Ordering::Relaxed) {
             return Err("upstream unavailable");
         }
+        // Not the connections reconnecting (client mode's --reconnect):
+        // the server is a dependency, and a not-ready sidecar takes the
+        // whole pod out of its Service while the server restarts. Their
+        // state is `server_state`'s, and the gauges'.
+        Ok(())
+    }
+
+    /// Client mode with --reconnect: `Ok` when no local connection is
+    /// reconnecting to the server, else a fixed one-line reason (for the
+    /// admin listener's `/server`).
+    pub fn server_state(&self) -> Result<(), &'static str> {
         if self.unreachable.load(Ordering::Relaxed) > 0 {
             return Err("server unreachable past --reconnect-timeout");
         }

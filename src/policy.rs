@@ -64,8 +64,6 @@ pub enum PolicyError {
     },
     #[error("rule {rule} of the new policy may grant what the running one does not ({why}); access can only be narrowed while nbdgw runs: restart it to widen access")]
     Wider { rule: usize, why: String },
-    #[error("rule {rule} of the running policy (exports {exports:?}) is templated and the new policy drops it or one of its identity patterns: a certificate it kept out for binding two tenants across rules could then get one tenant's exports; while nbdgw runs a templated rule can only have its access lowered: restart it to drop one")]
-    DropsTemplated { rule: usize, exports: Vec<String> },
 }
 
 /// A place in the policy file, counted from 1 (columns in characters).
@@ -80,7 +78,7 @@ impl PolicyError {
     pub fn location(&self) -> Option<Location> {
         match self {
             PolicyError::Syntax { at, .. } | PolicyError::Rule { at, .. } => *at,
-            PolicyError::Wider { .. } | PolicyError::DropsTemplated { .. } => None,
+            PolicyError::Wider { .. } => None,
         }
     }
 
@@ -90,7 +88,7 @@ impl PolicyError {
         match self {
             PolicyError::Syntax { message, .. } => format!("not a valid policy file: {message}"),
             PolicyError::Rule { rule, problem, .. } => format!("rule {rule}: {problem}"),
-            PolicyError::Wider { .. } | PolicyError::DropsTemplated { .. } => self.to_string(),
+            PolicyError::Wider { .. } => self.to_string(),
         }
     }
 }
@@ -253,17 +251,43 @@ type Bindings = BTreeMap<String, String>;
 /// value)` pairs.
 pub type RuleBindings = (RuleRef, Vec<(String, String)>);
 
+/// Why a certificate is not one tenant across the templated rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotOneTenant {
+    /// Two rules it binds use placeholder sets neither of which contains
+    /// the other (`{ns}` and `{team}`, or `{ns}, {sa}` and `{tenant},
+    /// {sa}`): they may name the tenant apart, so whatever values it
+    /// binds, it is not known to be one tenant.
+    Apart,
+    /// Its names bind one placeholder to two values (`{ns}` = `a` by its
+    /// URI SAN, `b` by its DNS SAN).
+    TwoValues,
+}
+
 /// One certificate, one tenant, across the whole policy: every binding
 /// the certificate's names make in templated rules (kept to the
 /// placeholders those rules' exports use) must agree with every other on
-/// each placeholder they share, and share at least one. So two rules that
-/// each grant `{ns}/*` cannot give a certificate whose URI SAN binds `a`
-/// in one and whose DNS SAN binds `b` in the other both tenants, and a
-/// rule naming its tenant `{team}` cannot be played off against one
-/// naming it `{ns}` (the certificate gets nothing from either: fail
-/// closed; name the tenant alike in every rule). `sets` are the
-/// placeholder sets of the rules that bound anything, each once.
-fn one_tenant(all: &[Bindings], sets: &[Vec<&str>]) -> bool {
+/// each placeholder they share, and the placeholder sets of the rules
+/// that bound anything must be nested (of any two, one contains the
+/// other). Sharing one placeholder is not enough: rules naming the
+/// tenant `{ns}` in one and `{tenant}` in the other, both also using
+/// `{sa}`, would agree on `{sa}` and still give a certificate binding
+/// `a` in one and `b` in the other both tenants. Nested sets leave each
+/// placeholder one value that every rule using it sees, so two rules
+/// that each grant `{ns}/*` cannot give a certificate whose URI SAN binds
+/// `a` in one and whose DNS SAN binds `b` in the other both tenants, and
+/// rules naming the tenant apart (`{ns}` and `{team}`) grant a
+/// certificate both bind nothing (fail closed; name the tenant alike in
+/// every rule). `sets` are the placeholder sets of the rules that bound
+/// anything, each once.
+fn one_tenant(all: &[Bindings], sets: &[Vec<&str>]) -> Result<(), NotOneTenant> {
+    let nested = sets
+        .iter()
+        .enumerate()
+        .all(|(i, a)| sets[i + 1..].iter().all(|b| nested(a, b)));
+    if !nested {
+        return Err(NotOneTenant::Apart);
+    }
     let mut seen = Bindings::new();
     let agree = all.iter().flatten().all(|(name, value)| {
         seen.entry(name.clone())
@@ -271,12 +295,25 @@ fn one_tenant(all: &[Bindings], sets: &[Vec<&str>]) -> bool {
             .as_str()
             == value
     });
-    agree
-        && sets.iter().enumerate().all(|(i, a)| {
-            sets[i + 1..]
-                .iter()
-                .all(|b| a.iter().any(|name| b.contains(name)))
-        })
+    if agree {
+        Ok(())
+    } else {
+        Err(NotOneTenant::TwoValues)
+    }
+}
+
+/// Whether one of two placeholder sets contains the other.
+fn nested(a: &[&str], b: &[&str]) -> bool {
+    a.iter().all(|name| b.contains(name)) || b.iter().all(|name| a.contains(name))
+}
+
+/// What `nbdgw policy check` and the gateway (at start and each reload)
+/// say of two templated rules whose placeholder sets are not nested.
+pub fn apart_warning(a: RuleRef, b: RuleRef) -> String {
+    format!(
+        "rules {} (line {}) and {} (line {}) use placeholder sets in their exports neither of which contains the other (they may name the tenant apart): a certificate both bind is not known to be one tenant and gets nothing from any templated rule; name the tenant alike in both",
+        a.number, a.line, b.number, b.line
+    )
 }
 
 /// The rules in force. Without `--policy` it is [`Policy::open`].
@@ -284,13 +321,23 @@ fn one_tenant(all: &[Bindings], sets: &[Vec<&str>]) -> bool {
 pub struct Policy {
     /// None: every admitted client may open every export read-write.
     rules: Option<Vec<Rule>>,
+    /// Templated rules (or identity patterns of them) that a policy
+    /// earlier in this process had and a reload dropped. They grant
+    /// nothing, but still count in the one-tenant check
+    /// ([`Policy::one_tenant`]) for the life of the process: a certificate
+    /// a dropped rule kept out for binding two tenants stays out, so
+    /// dropping a templated rule only ever narrows.
+    retired: Vec<Rule>,
 }
 
 impl Policy {
     /// Every client the `--allow-*` flags admit may open every export
     /// read-write (nbdgw without `--policy`).
     pub fn open() -> Self {
-        Policy { rules: None }
+        Policy {
+            rules: None,
+            retired: Vec::new(),
+        }
     }
 
     /// How many rules; `None` for the open policy.
@@ -322,7 +369,10 @@ impl Policy {
                 })
             })
             .collect::<Result<_, _>>()?;
-        Ok(Policy { rules: Some(rules) })
+        Ok(Policy {
+            rules: Some(rules),
+            retired: Vec::new(),
+        })
     }
 
     /// The access `cert` has to `export`, if any.
@@ -339,7 +389,7 @@ impl Policy {
                 rule: None,
             });
         };
-        let tenant = one_tenant_in(rules, cert);
+        let tenant = self.one_tenant(cert).is_ok();
         rules
             .iter()
             .enumerate()
@@ -363,7 +413,7 @@ impl Policy {
         let Some(rules) = &self.rules else {
             return Vec::new();
         };
-        let tenant = one_tenant_in(rules, cert);
+        let tenant = self.one_tenant(cert).is_ok();
         rules
             .iter()
             .enumerate()
@@ -380,15 +430,14 @@ impl Policy {
             .collect()
     }
 
-    /// When `cert`'s names bind two tenants across the templated rules
-    /// (so those rules grant it nothing): every binding they made, with
-    /// its rule, for `nbdgw policy explain` to show. `None` when the
-    /// certificate is one tenant (or the policy is open).
-    pub fn two_tenants(&self, cert: &CertInfo) -> Option<Vec<RuleBindings>> {
+    /// When `cert` is not one tenant across the templated rules (so
+    /// those rules grant it nothing): why, and every binding they made,
+    /// with its rule, for `nbdgw policy explain` and the refusal log to
+    /// show. `None` when the certificate is one tenant (or the policy is
+    /// open). Rules a reload dropped count too but are not listed.
+    pub fn two_tenants(&self, cert: &CertInfo) -> Option<(NotOneTenant, Vec<RuleBindings>)> {
         let rules = self.rules.as_ref()?;
-        if one_tenant_in(rules, cert) {
-            return None;
-        }
+        let why = self.one_tenant(cert).err()?;
         let mut seen = Vec::new();
         for (i, rule) in rules.iter().enumerate().filter(|(_, r)| r.templated()) {
             for bindings in rule.tenant_bindings(cert) {
@@ -399,13 +448,14 @@ impl Policy {
                 }
             }
         }
-        Some(seen)
+        Some((why, seen))
     }
 
-    /// Pairs of templated rules whose exports share no placeholder: a
-    /// certificate both bind is not known to be one tenant, so it gets
-    /// nothing from any templated rule (see [`one_tenant`]). Said by
-    /// `nbdgw policy check`, since that is rarely what was meant.
+    /// Pairs of templated rules whose exports' placeholder sets are not
+    /// nested (neither contains the other): a certificate both bind is
+    /// not known to be one tenant, so it gets nothing from any templated
+    /// rule (see [`one_tenant`]). Said by `nbdgw policy check` and logged
+    /// at start and at each reload, since that is rarely what was meant.
     pub fn unrelated_templates(&self) -> Vec<(RuleRef, RuleRef)> {
         let Some(rules) = &self.rules else {
             return Vec::new();
@@ -419,12 +469,32 @@ impl Policy {
         let mut pairs = Vec::new();
         for (i, (a, used_a)) in templated.iter().enumerate() {
             for (b, used_b) in &templated[i + 1..] {
-                if !used_a.iter().any(|name| used_b.contains(name)) {
+                if !nested(used_a, used_b) {
                     pairs.push((*a, *b));
                 }
             }
         }
         pairs
+    }
+
+    /// Whether `cert` is one tenant across every templated rule of this
+    /// policy and those reloads retired (see [`one_tenant`]).
+    fn one_tenant(&self, cert: &CertInfo) -> Result<(), NotOneTenant> {
+        let mut all = Vec::new();
+        let mut sets: Vec<Vec<&str>> = Vec::new();
+        let rules = self.rules.iter().flatten().chain(&self.retired);
+        for rule in rules.filter(|rule| rule.templated()) {
+            let bound = rule.tenant_bindings(cert);
+            if bound.is_empty() {
+                continue;
+            }
+            let used = rule.used();
+            if !sets.contains(&used) {
+                sets.push(used);
+            }
+            all.extend(bound);
+        }
+        one_tenant(&all, &sets)
     }
 
     /// Whether any rule admits `cert` at all, to any export: an identity
@@ -435,7 +505,7 @@ impl Policy {
         let Some(rules) = &self.rules else {
             return true;
         };
-        let tenant = one_tenant_in(rules, cert);
+        let tenant = self.one_tenant(cert).is_ok();
         rules.iter().any(|rule| {
             (tenant || !rule.templated())
                 && rule.identities.iter().any(|identity| {
@@ -448,10 +518,38 @@ impl Policy {
         })
     }
 
+    /// This policy as the replacement of `running` at a reload: refused
+    /// if it might grant what `running` does not
+    /// ([`Policy::check_no_wider_than`]); else carrying, as retired, the
+    /// templated rules `running` had (or had retired) that this one drops
+    /// or drops an identity pattern of. One certificate, one tenant is
+    /// judged across the templated rules together, so a dropped rule
+    /// could otherwise give a certificate it kept out what it binds in
+    /// the others; retired, it still counts and grants nothing, so a
+    /// reload dropping it only narrows.
+    pub fn replacing(mut self, running: &Policy) -> Result<Policy, PolicyError> {
+        self.check_no_wider_than(running)?;
+        let kept = self.rules.clone().unwrap_or_default();
+        let dropped = running
+            .rules
+            .iter()
+            .flatten()
+            .chain(&running.retired)
+            .filter(|old| old.templated() && !kept.iter().any(|rule| rule.keeps(old)));
+        for old in dropped {
+            if !self.retired.iter().any(|done| done.keeps(old)) {
+                self.retired.push(old.clone());
+            }
+        }
+        Ok(self)
+    }
+
     /// Refuses a replacement that might grant any identity an export, or
     /// an access, the running policy does not. Judged rule by rule and
     /// conservatively: a rule the running one does not plainly cover is
-    /// refused even if it happens to grant nothing new.
+    /// refused even if it happens to grant nothing new. Sound only with
+    /// the running policy's dropped templated rules carried as retired:
+    /// use [`Policy::replacing`].
     pub fn check_no_wider_than(&self, running: &Policy) -> Result<(), PolicyError> {
         let Some(running) = &running.rules else {
             return Ok(());
@@ -462,21 +560,6 @@ impl Policy {
                 why: "no policy admits everyone read-write".into(),
             });
         };
-        // One certificate, one tenant is judged across the templated
-        // rules together, so dropping one of them (or an identity pattern
-        // of one) could give a certificate it kept out what it binds in
-        // the others: each must stay, with its identity patterns and its
-        // exports' placeholders, in some rule of the new file.
-        if let Some((i, gone)) = running
-            .iter()
-            .enumerate()
-            .find(|(_, old)| old.templated() && !new.iter().any(|rule| rule.keeps(old)))
-        {
-            return Err(PolicyError::DropsTemplated {
-                rule: i + 1,
-                exports: gone.exports.iter().map(|e| e.text.clone()).collect(),
-            });
-        }
         for (i, rule) in new.iter().enumerate() {
             if !running.iter().any(|old| old.covers(rule)) {
                 let exports: Vec<&str> = rule.exports.iter().map(|e| e.text.as_str()).collect();
@@ -488,25 +571,6 @@ impl Policy {
         }
         Ok(())
     }
-}
-
-/// Whether `cert` is one tenant across every templated rule of `rules`
-/// (see [`one_tenant`]).
-fn one_tenant_in(rules: &[Rule], cert: &CertInfo) -> bool {
-    let mut all = Vec::new();
-    let mut sets: Vec<Vec<&str>> = Vec::new();
-    for rule in rules.iter().filter(|rule| rule.templated()) {
-        let bound = rule.tenant_bindings(cert);
-        if bound.is_empty() {
-            continue;
-        }
-        let used = rule.used();
-        if !sets.contains(&used) {
-            sets.push(used);
-        }
-        all.extend(bound);
-    }
-    one_tenant(&all, &sets)
 }
 
 impl Rule {
@@ -603,7 +667,7 @@ impl Rule {
     /// If this rule admits `cert` to `export`: the identity pattern that
     /// matched, and what it bound. `one_tenant`: whether the certificate
     /// is one tenant across the policy's templated rules
-    /// ([`one_tenant_in`]); if not, a templated rule admits it nowhere.
+    /// ([`Policy::one_tenant`]); if not, a templated rule admits it nowhere.
     fn admitting(
         &self,
         cert: &CertInfo,

@@ -13,7 +13,7 @@ use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -64,6 +64,9 @@ struct FakeState {
     shutdown_answers: AtomicUsize,
     /// Requests the faulty connection read and left unanswered.
     unanswered: AtomicUsize,
+    /// A cookie the connections after the faulty one answer `SLOW` late
+    /// (0: none): a slow request on a connection that answers.
+    slow: AtomicU64,
     disk: Mutex<Vec<u8>>,
 }
 
@@ -219,20 +222,22 @@ fn payload(s: &mut UnixStream, req: &Req) -> Option<Vec<u8>> {
     Some(data)
 }
 
+/// What the fake server does with one request.
+enum Step {
+    Answer(Vec<u8>),
+    /// Nothing (the request left unanswered).
+    Skip,
+    /// Close the connection.
+    End,
+}
+
 fn serve(mut s: UnixStream, fault: Fault, state: &FakeState) {
     let Some(structured) = negotiate(&mut s) else {
         return;
     };
     state.negotiated.fetch_add(1, Ordering::SeqCst);
-    if fault == Fault::StopReading {
-        // Waits for a request to arrive before taking the fault.
-        let mut one = [0u8; 1];
-        if s.peek_first(&mut one) && !state.fault_taken.swap(true, Ordering::SeqCst) {
-            while !state.close_first.load(Ordering::SeqCst) {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            return;
-        }
+    if fault == Fault::StopReading && stop_reading(&s, state) {
+        return;
     }
     let mut faulty = None;
     while let Some(req) = read_request(&mut s, state) {
@@ -242,51 +247,88 @@ fn serve(mut s: UnixStream, fault: Fault, state: &FakeState) {
         let faulty = *faulty.get_or_insert_with(|| {
             fault != Fault::StopReading && !state.fault_taken.swap(true, Ordering::SeqCst)
         });
-        let answer = match (faulty, fault, req.command) {
-            (_, _, CMD_DISC) => return,
-            (true, Fault::Shutdown, command) => {
-                if command == CMD_WRITE && payload(&mut s, &req).is_none() {
-                    return;
-                }
-                state.shutdown_answers.fetch_add(1, Ordering::SeqCst);
-                ack(structured, req.cookie, ESHUTDOWN)
-            }
-            (true, Fault::EarlyWriteReply, CMD_READ) => continue,
-            (true, Fault::DropThenSilent, _) => return,
-            (false, Fault::DropThenSilent, _) => {
-                if req.command == CMD_WRITE && payload(&mut s, &req).is_none() {
-                    return;
-                }
-                continue;
-            }
-            (true, Fault::HoldReplies, _) => match hold(&mut s, &req, state) {
-                true => continue,
-                false => return,
-            },
-            (true, Fault::EarlyWriteReply, CMD_WRITE) => {
-                if s.write_all(&ack(structured, req.cookie, 0)).is_err() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_secs(1));
-                let _ = payload(&mut s, &req);
-                return;
-            }
-            (_, _, CMD_WRITE) => {
-                let Some(data) = payload(&mut s, &req) else {
-                    return;
-                };
-                let at = req.offset as usize;
-                state.disk.lock().unwrap()[at..at + data.len()].copy_from_slice(&data);
-                ack(structured, req.cookie, 0)
-            }
-            (_, _, CMD_READ) => read_reply(structured, &req, &state.disk.lock().unwrap()),
-            _ => ack(structured, req.cookie, 0),
+        let answer = match step(&mut s, (faulty, fault), &req, structured, state) {
+            Step::Answer(answer) => answer,
+            Step::Skip => continue,
+            Step::End => return,
         };
+        let slow = state.slow.load(Ordering::SeqCst);
+        if !faulty && slow != 0 && req.cookie == slow {
+            std::thread::sleep(SLOW);
+        }
         if s.write_all(&answer).is_err() {
             return;
         }
     }
 }
+
+/// `Fault::StopReading`: once a request has come, the first connection
+/// to see one reads nothing more until told to close. Whether it did.
+fn stop_reading(s: &UnixStream, state: &FakeState) -> bool {
+    let mut one = [0u8; 1];
+    if !s.peek_first(&mut one) || state.fault_taken.swap(true, Ordering::SeqCst) {
+        return false;
+    }
+    while !state.close_first.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    true
+}
+
+/// What the fake server does with `req`, on a connection that is the
+/// faulty one or not.
+fn step(
+    s: &mut UnixStream,
+    (faulty, fault): (bool, Fault),
+    req: &Req,
+    structured: bool,
+    state: &FakeState,
+) -> Step {
+    let reply = match (faulty, fault, req.command) {
+        (_, _, CMD_DISC) => return Step::End,
+        (true, Fault::Shutdown, command) => {
+            if command == CMD_WRITE && payload(s, req).is_none() {
+                return Step::End;
+            }
+            state.shutdown_answers.fetch_add(1, Ordering::SeqCst);
+            ack(structured, req.cookie, ESHUTDOWN)
+        }
+        (true, Fault::EarlyWriteReply, CMD_READ) => return Step::Skip,
+        (true, Fault::DropThenSilent, _) => return Step::End,
+        (false, Fault::DropThenSilent, _) => {
+            if req.command == CMD_WRITE && payload(s, req).is_none() {
+                return Step::End;
+            }
+            return Step::Skip;
+        }
+        (true, Fault::HoldReplies, _) => match hold(s, req, state) {
+            true => return Step::Skip,
+            false => return Step::End,
+        },
+        (true, Fault::EarlyWriteReply, CMD_WRITE) => {
+            if s.write_all(&ack(structured, req.cookie, 0)).is_err() {
+                return Step::End;
+            }
+            std::thread::sleep(Duration::from_secs(1));
+            let _ = payload(s, req);
+            return Step::End;
+        }
+        (_, _, CMD_WRITE) => {
+            let Some(data) = payload(s, req) else {
+                return Step::End;
+            };
+            let at = req.offset as usize;
+            state.disk.lock().unwrap()[at..at + data.len()].copy_from_slice(&data);
+            ack(structured, req.cookie, 0)
+        }
+        (_, _, CMD_READ) => read_reply(structured, req, &state.disk.lock().unwrap()),
+        _ => ack(structured, req.cookie, 0),
+    };
+    Step::Answer(reply)
+}
+
+/// How late the fake server answers `FakeState::slow`.
+const SLOW: Duration = Duration::from_secs(12);
 
 /// `Fault::HoldReplies`: reads the request and answers nothing; after
 /// `HOLD_UNTIL` of them, waits to be told to close. Whether to go on.
@@ -436,7 +478,11 @@ fn a_server_that_drops_every_first_request_is_given_up_after_the_timeout_without
         handshakes <= bound + 1 && reconnected <= bound,
         "{handshakes} sessions, {reconnected} reconnects in {seconds:.1} s"
     );
-    assert_eq!(ready, 503, "{why}");
+    // Ready all the same (the server is a dependency: a sidecar not
+    // ready takes the whole pod out of its Service); /server says it.
+    assert_eq!((ready, why.trim()), (200, "ready"));
+    let (code, why) = http_get(admin, "/server");
+    assert_eq!(code, 503, "{why}");
     let why = why.trim();
     assert!(
         why == "reconnecting to the server" || why == "server unreachable past --reconnect-timeout",
@@ -719,8 +765,14 @@ fn a_drop_with_48_mib_of_writes_kept_replays_them_without_a_second_copy() {
 /// The server mode on `port` in front of `upstream`, so that a restart
 /// comes back where `nbdgw client` reconnects to.
 fn gateway_at(env: &Env, upstream: &Path, port: u16) -> NbdgwProcess {
+    gateway_draining(env, upstream, port, &[])
+}
+
+/// `gateway_at` with `extra` flags (a drain answer).
+fn gateway_draining(env: &Env, upstream: &Path, port: u16, extra: &[&str]) -> NbdgwProcess {
     let mut cmd = Command::new(common::process::nbdgw_binary());
-    cmd.arg("--tls-dir")
+    cmd.args(extra)
+        .arg("--tls-dir")
         .arg(env.certs())
         .arg("--upstream")
         .arg(upstream)
@@ -731,13 +783,17 @@ fn gateway_at(env: &Env, upstream: &Path, port: u16) -> NbdgwProcess {
     process
 }
 
-#[test]
-fn a_qd1_loop_through_client_mode_sees_no_error_while_the_server_restarts_gracefully() {
+/// A QD1 libnbd read/write loop through client mode while the server
+/// gateway, draining with `drain`, gets SIGTERM and is started again,
+/// three times: what the loop saw, and the ESHUTDOWN answers client mode
+/// held.
+fn qd1_loop_through_graceful_restarts(drain: &str) -> (serde_json::Value, f64) {
     let env = Env::new();
     let image = env.random_image("disk.img", SIZE, 31);
     let upstream = QemuNbd::start(&env, &image, &[]);
     let server_port = common::free_port();
-    let mut server = gateway_at(&env, &upstream.socket, server_port);
+    let flags = ["--drain-answer", drain];
+    let mut server = gateway_draining(&env, &upstream.socket, server_port, &flags);
     let (client, port, admin) =
         reconnecting_client(&env, server_port, &["--reconnect-timeout", "30"]);
     let stop = env.path("stop");
@@ -754,11 +810,12 @@ fn a_qd1_loop_through_client_mode_sees_no_error_while_the_server_restarts_gracef
     for round in 0..3 {
         // The loop runs a while against this server, then SIGTERM: the
         // request in flight finishes, the next ones are answered
-        // ESHUTDOWN (or the connection closed) until it exits.
+        // ESHUTDOWN or left for a close at a request boundary, as
+        // `drain` says, until it exits.
         std::thread::sleep(Duration::from_millis(700));
         server.signal("TERM");
         assert!(server.wait_exit(Duration::from_secs(30)).is_some());
-        server = gateway_at(&env, &upstream.socket, server_port);
+        server = gateway_draining(&env, &upstream.socket, server_port, &flags);
         client.wait_for_log("reconnected to the server", round + 1);
     }
     std::thread::sleep(Duration::from_millis(700));
@@ -767,15 +824,33 @@ fn a_qd1_loop_through_client_mode_sees_no_error_while_the_server_restarts_gracef
         .unwrap_or_else(|e| panic!("no summary from the loop ({e}):\n{}", client.log()));
     assert!(probe.wait().unwrap().success());
     let (_, metrics) = http_get(admin, "/metrics");
-    eprintln!(
-        "{summary}; ESHUTDOWN answers held: {}",
-        sample(&metrics, "nbdgw_reconnect_shutdown_answers_held_total")
-    );
+    let held = sample(&metrics, "nbdgw_reconnect_shutdown_answers_held_total");
+    eprintln!("--drain-answer {drain}: {summary}; ESHUTDOWN answers held: {held}");
+    drop(server);
+    (summary, held)
+}
+
+fn assert_no_error(summary: &serde_json::Value) {
     assert_eq!(summary["error_count"], 0, "{summary}");
     assert_eq!(summary["mismatches"], 0, "{summary}");
     assert_eq!(summary["final_equal"], true, "{summary}");
     assert!(summary["requests"].as_u64().unwrap() > 100, "{summary}");
-    drop(server);
+}
+
+#[test]
+fn a_qd1_loop_through_client_mode_sees_no_error_while_the_server_restarts_gracefully() {
+    // The server's default drain: a close at a request boundary.
+    let (summary, _) = qd1_loop_through_graceful_restarts("close");
+    assert_no_error(&summary);
+}
+
+#[test]
+fn a_qd1_loop_sees_no_error_while_the_server_restarts_answering_eshutdown() {
+    // The other drain: requests after the drain began are answered
+    // ESHUTDOWN, which client mode holds and sends again.
+    let (summary, held) = qd1_loop_through_graceful_restarts("eshutdown");
+    assert_no_error(&summary);
+    assert!(held > 0.0, "no ESHUTDOWN answer was held: {summary}");
 }
 
 #[test]
@@ -802,4 +877,146 @@ fn past_the_timeout_a_server_that_answers_nothing_fails_each_request_in_time() {
     drop(probe.stdin.take());
     assert!(probe.wait().unwrap().success());
     drop(server);
+}
+
+/// `c` waits for a reply up to 60 s (not the raw client's 10 s): long
+/// enough for any deadline here, so that a failure shows the answer.
+fn patient(c: RawClient) -> RawClient {
+    if let common::raw::Stream::Plain(tcp) = &c.stream {
+        tcp.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    }
+    c
+}
+
+/// Issue 27 follow-up: the replay read no replies, so a server that
+/// answers in order and blocks while its reply does not fit on the way
+/// back (as qemu-nbd does; a fake server here, to drop the connection
+/// with every request kept) stopped reading it: 16 reads of 8 MiB, then
+/// 32 writes of 1 MiB, all kept at a drop, all ended in EIO at the
+/// deadline.
+#[test]
+fn with_a_fake_server_a_replay_of_large_reads_then_writes_reads_replies_as_it_goes() {
+    const MIB: usize = 1 << 20;
+    let env = Env::new();
+    let fake = FakeServer::start(&env.path("fake.sock"), Fault::HoldReplies);
+    let server = NbdgwProcess::in_front_of(&env, &fake.socket, &["--landlock", "false"]);
+    let (client, port, _admin) =
+        reconnecting_client(&env, server.port, &["--reconnect-timeout", "15"]);
+    let mut c = patient(raw_client(port, ReplyMode::Structured));
+    for k in 0..16u64 {
+        c.send_request(0, CMD_READ, k + 1, 0, (8 * MIB) as u64, &[]);
+    }
+    for k in 16..HOLD_UNTIL as u64 {
+        c.write(k + 1, (k % 32) * MIB as u64, &common::pattern(MIB, k));
+    }
+    let waited = Instant::now();
+    while fake.state.unanswered.load(Ordering::SeqCst) < HOLD_UNTIL {
+        assert!(
+            waited.elapsed() < Duration::from_secs(60),
+            "the requests did not arrive"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    fake.state.close_first.store(true, Ordering::SeqCst);
+    // The fake answers in order: the reads see the disk before the
+    // writes.
+    for _ in 0..HOLD_UNTIL {
+        let reply = c.read_reply(0);
+        let cookie = reply[0].cookie;
+        for chunk in &reply {
+            assert_eq!(
+                chunk.error_code(),
+                0,
+                "cookie {cookie}: {}",
+                chunk.error_message()
+            );
+        }
+        if cookie <= 16 {
+            let data = common::raw::assemble(&reply, cookie, 0, 8 * MIB);
+            assert!(data.iter().all(|&b| b == 7), "cookie {cookie}: wrong bytes");
+        }
+    }
+    assert_eq!(fake.bad_requests(), 0);
+    let disk = fake.state.disk.lock().unwrap();
+    for k in 16..HOLD_UNTIL {
+        let at = (k % 32) * MIB;
+        assert_eq!(
+            disk[at..at + MIB],
+            common::pattern(MIB, k as u64)[..],
+            "write {k}"
+        );
+    }
+    drop(disk);
+    assert_eq!(client.count_in_log("reconnected to the server"), 1);
+    c.disconnect();
+}
+
+/// Issue 27 follow-up: after an idle drop, a request given to the new
+/// connection, which never answers (a fake server), had no deadline.
+#[test]
+fn after_an_idle_drop_a_request_to_a_fake_server_that_never_answers_fails_at_the_deadline() {
+    let env = Env::new();
+    let fake = FakeServer::start(&env.path("fake.sock"), Fault::HoldReplies);
+    let port0 = common::free_port();
+    let mut server = gateway_at(&env, &fake.socket, port0);
+    let (client, port, _admin) = reconnecting_client(&env, port0, &["--reconnect-timeout", "3"]);
+    let mut c = patient(raw_client(port, ReplyMode::Structured));
+    // Idle: the gateway goes away and comes back.
+    server.signal("KILL");
+    assert!(server.wait_exit(Duration::from_secs(10)).is_some());
+    let _server = gateway_at(&env, &fake.socket, port0);
+    client.wait_for_log("reconnected to the server", 1);
+    c.send_request(0, CMD_READ, 1, 0, 4096, &[]);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let reply = c.read_reply(0);
+        let _ = tx.send(reply.iter().map(|ch| ch.error_code()).collect::<Vec<_>>());
+    });
+    let got = rx
+        .recv_timeout(Duration::from_secs(40))
+        .unwrap_or_else(|_| panic!("no answer within 40 s with --reconnect-timeout 3"));
+    assert_eq!(got, [EIO]);
+}
+
+/// Issue 27 follow-up: the deadline ran until every request that went
+/// through the drop was answered, so a connection that answers was
+/// dropped, and a slow request failed, when one of them took longer
+/// than --reconnect-timeout (a fake server answers it 12 s late).
+#[test]
+fn a_slow_request_on_a_connection_that_answers_is_not_failed_by_the_deadline() {
+    let env = Env::new();
+    let fake = FakeServer::start(&env.path("fake.sock"), Fault::HoldReplies);
+    let server = NbdgwProcess::in_front_of(&env, &fake.socket, &["--landlock", "false"]);
+    let (client, port, _admin) =
+        reconnecting_client(&env, server.port, &["--reconnect-timeout", "5"]);
+    // The slow answer comes after SLOW.
+    let mut c = patient(raw_client(port, ReplyMode::Structured));
+    // The last request is the slow one: the others are answered first.
+    fake.state.slow.store(HOLD_UNTIL as u64, Ordering::SeqCst);
+    for k in 1..=HOLD_UNTIL as u64 {
+        c.send_request(0, CMD_READ, k, 0, 4096, &[]);
+    }
+    let waited = Instant::now();
+    while fake.state.unanswered.load(Ordering::SeqCst) < HOLD_UNTIL {
+        assert!(
+            waited.elapsed() < Duration::from_secs(60),
+            "the requests did not arrive"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    fake.state.close_first.store(true, Ordering::SeqCst);
+    for _ in 0..HOLD_UNTIL {
+        let reply = c.read_reply(0);
+        let cookie = reply[0].cookie;
+        for chunk in &reply {
+            assert_eq!(
+                chunk.error_code(),
+                0,
+                "cookie {cookie}: {}",
+                chunk.error_message()
+            );
+        }
+    }
+    assert_eq!(client.count_in_log("reconnected to the server"), 1);
+    c.disconnect();
 }

@@ -12,7 +12,6 @@ use std::ffi::{OsStr, OsString};
 use std::os::unix::fs::{lchown, symlink, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
 use common::clients::connect_as;
 use common::process::NbdgwProcess;
@@ -123,11 +122,7 @@ impl QemuNbdAs {
             .stdin(Stdio::null())
             .spawn()
             .expect("setpriv (util-linux) and qemu-nbd");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !socket.exists() {
-            assert!(Instant::now() < deadline, "qemu-nbd as {uid}: no socket");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        common::wait_until_unix_listening(socket, &format!("qemu-nbd as {uid}"));
         QemuNbdAs { child }
     }
 }
@@ -210,4 +205,55 @@ fn by_default_a_socket_another_user_planted_is_not_served() {
     let any = gateway(&env, &dir, &[("NBDGW_EXPORT_DIR_OWNER", OsStr::new("any"))]);
     assert_eq!(listed(&any, &env), ["team/db", "team/planted"]);
     assert_eq!(info(&any, &env, "team/planted"), REP_ACK);
+}
+
+/// Hostile review of issue 27 item 7: with `same` the default, a socket
+/// the owner check hides just vanished from LIST, with no word at WARN
+/// to say why or which flag would serve it. Now one line per socket, at
+/// start and not again at the next listing.
+#[test]
+fn a_socket_the_owner_check_hides_is_warned_of_once() {
+    let env = Env::new();
+    std::fs::set_permissions(env.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let dir = env.path("exports");
+    std::fs::create_dir_all(dir.join("team")).unwrap();
+    std::fs::set_permissions(dir.join("team"), std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let _planted = QemuNbdAs::start(
+        NOBODY,
+        &dir.join("team/planted.sock"),
+        &image(&env, "p.img"),
+    );
+    let gw = gateway(&env, &dir, &[]);
+    let warning = "export-dir: socket not served, its owner fails --export-dir-owner";
+    gw.wait_for_log(warning, 1);
+    assert_eq!(listed(&gw, &env), Vec::<String>::new());
+    assert_eq!(listed(&gw, &env), Vec::<String>::new());
+    let log = gw.log();
+    let line = log.lines().find(|l| l.contains(warning)).unwrap();
+    assert!(line.contains("WARN"), "{line}");
+    assert!(line.contains("socket_uid=65534"), "{line}");
+    assert!(line.contains("--export-dir-owner any"), "{line}");
+    assert_eq!(gw.count_in_log(warning), 1, "{log}");
+}
+
+/// Hostile review of issue 27 item 7: `NBDGW_EXPORT_DIR_OWNER=any`
+/// without `--export-dir` stopped nbdgw from starting, though `any` was
+/// the default before and checks nothing. An explicit `any` alone is
+/// accepted again; `same` or a uid alone (an owner check that would check
+/// nothing) is still refused.
+#[test]
+fn an_explicit_any_owner_without_an_export_dir_starts() {
+    let env = Env::new();
+    let upstream = QemuNbd::start(&env, &image(&env, "u.img"), &[]);
+    let gw = NbdgwProcess::in_front_of(&env, &upstream.socket, &["--export-dir-owner", "any"]);
+    drop(gw);
+    for owner in ["same", "1000"] {
+        let message = common::process::start_must_fail([
+            "--upstream",
+            upstream.socket.to_str().unwrap(),
+            "--export-dir-owner",
+            owner,
+        ]);
+        assert!(message.contains("needs --export-dir"), "{owner}: {message}");
+    }
 }

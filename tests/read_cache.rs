@@ -636,6 +636,8 @@ fn a_tenant_directory_name_reused_by_a_new_tenant_is_read_afresh() {
     let a = filled(&env, "a.img", b'A', size);
     let b = filled(&env, "b.img", b'B', size);
     let mut old = QemuNbd::start_at(tenant.join("golden.sock"), &a, &[]);
+    let admin = common::free_port();
+    let admin_at = format!("127.0.0.1:{admin}");
     let gw = gateway_process(
         &env,
         &[
@@ -643,12 +645,21 @@ fn a_tenant_directory_name_reused_by_a_new_tenant_is_read_afresh() {
             dir.as_os_str(),
             OsStr::new("--immutable-export"),
             OsStr::new("*/golden"),
+            OsStr::new("--admin-listen"),
+            OsStr::new(&admin_at),
         ],
     );
     assert_all(
         &copy_through(&env, gw.port, "t1/golden", "a1.img"),
         b'A',
         "tenant 1",
+    );
+    // The old tenant's bytes are in the cache: what follows shows they
+    // are not served, not that nothing was cached.
+    let (_, metrics) = http_get(admin, "/metrics");
+    assert!(
+        metric(&metrics, "nbdgw_cache_bytes") as usize >= size,
+        "{metrics}"
     );
     old.kill();
     std::fs::remove_dir_all(&tenant).unwrap();
@@ -663,6 +674,11 @@ fn a_tenant_directory_name_reused_by_a_new_tenant_is_read_afresh() {
         &copy_through(&env, gw.port, "t1/golden", "b1.img"),
         b'B',
         "the new tenant through the gateway",
+    );
+    let (_, metrics) = http_get(admin, "/metrics");
+    assert!(
+        metrics.contains("nbdgw_cache_generations_ended_total{reason=\"replaced\"} 1"),
+        "{metrics}"
     );
 }
 
@@ -903,4 +919,329 @@ fn bad_cache_flags_are_refused_at_start() {
         let stderr = common::process::start_must_fail(base(&extra));
         assert!(stderr.contains(says), "{extra:?}: {stderr}");
     }
+}
+
+/// Whether the data chunk comes before the hole in `long_read_reply`.
+const DATA_FIRST: u64 = 1;
+
+/// A FAKE upstream's reply to a read longer than `MAX_HIT` (2 MiB) on its
+/// first connection: one OFFSET_DATA chunk of the whole read (bytes of 7,
+/// longer than a reply nbdgw would buffer), and an OFFSET_HOLE chunk of
+/// 64 KiB overlapping it at 64 KiB, in the order `data_first` says. Every
+/// other read gets bytes of 7.
+fn long_read_reply(
+    connection: usize,
+    read: common::fake_upstream::Asked,
+    data_first: bool,
+) -> common::fake_upstream::Answer {
+    use common::fake_upstream::{chunk, good_read, Asked};
+    let Asked {
+        cookie,
+        offset,
+        length,
+    } = read;
+    if connection > 0 || length <= (2 << 20) {
+        return good_read(read).into();
+    }
+    let flags = |last: bool| if last { REPLY_FLAG_DONE } else { 0 };
+    let mut data = chunk(
+        flags(!data_first),
+        REPLY_TYPE_OFFSET_DATA,
+        cookie,
+        8 + length,
+    );
+    data.extend_from_slice(&offset.to_be_bytes());
+    data.extend(std::iter::repeat_n(7u8, length as usize));
+    let mut hole = chunk(flags(data_first), REPLY_TYPE_OFFSET_HOLE, cookie, 12);
+    hole.extend_from_slice(&(offset + 65536).to_be_bytes());
+    hole.extend_from_slice(&65536u32.to_be_bytes());
+    if data_first {
+        data.extend(hole);
+        data.into()
+    } else {
+        hole.extend(data);
+        hole.into()
+    }
+}
+
+/// A client's read of 4 MiB through the gateway, answered by `script`,
+/// then a later session's read of 4 KiB inside the range two of its
+/// chunks disagreed on: what that later read got.
+fn read_after_a_long_read(script: common::fake_upstream::Script, at: u64) -> (Vec<u8>, String) {
+    let env = Env::new();
+    let fake = common::fake_upstream::scripted(&env.path("fake.sock"), 8 << 20, script);
+    let gw = NbdgwProcess::in_front_of(&env, &fake.socket, &["--immutable", "--read-ahead", "0"]);
+    let mut first = common::clients::connect_as(gw.addr(), &env.certs());
+    first.go(ReplyMode::Structured);
+    first.send_request(0, CMD_READ, 1, 0, 4 << 20, &[]);
+    first.read_reply(4 << 20);
+    first.disconnect();
+    let mut later = common::clients::connect_as(gw.addr(), &env.certs());
+    later.go(ReplyMode::Structured);
+    let got = later.read(2, at, 4096);
+    later.disconnect();
+    (got, gw.log())
+}
+
+/// A client's read longer than `MAX_HIT` is relayed wholly uncached: a
+/// FAKE upstream's reply to it with a data chunk too long to buffer and a
+/// small hole overlapping it leaves no zeros in the cache, whichever
+/// chunk comes first. (Before: the data chunk was streamed unrecorded and
+/// the hole, short enough to tee, was cached as zeros.)
+#[test]
+fn a_long_relayed_reads_overlapping_hole_is_not_cached_data_first() {
+    fn script(c: usize, read: common::fake_upstream::Asked) -> common::fake_upstream::Answer {
+        long_read_reply(c, read, DATA_FIRST == 1)
+    }
+    let (got, _) = read_after_a_long_read(script, 70_000);
+    let zeros = got.iter().filter(|&&b| b == 0).count();
+    assert!(
+        got == [7; 4096],
+        "cached zeros from an overlapping hole: {zeros} of 4096"
+    );
+}
+
+/// The same, the hole first.
+#[test]
+fn a_long_relayed_reads_overlapping_hole_is_not_cached_hole_first() {
+    fn script(c: usize, read: common::fake_upstream::Asked) -> common::fake_upstream::Answer {
+        long_read_reply(c, read, DATA_FIRST != 1)
+    }
+    let (got, _) = read_after_a_long_read(script, 70_000);
+    let zeros = got.iter().filter(|&&b| b == 0).count();
+    assert!(
+        got == [7; 4096],
+        "cached zeros from an overlapping hole: {zeros} of 4096"
+    );
+}
+
+/// Overlap is checked for a reply's whole length: a FAKE upstream answers
+/// a client's read of 2 MiB and 4 KiB (too long to answer from a fill,
+/// short enough to cache as it comes) with 64 KiB of ones at 0, 70
+/// one-byte chunks with gaps between them (more separate ranges than
+/// nbdgw records), then a hole over the first 64 KiB. The block of ones
+/// is forgotten when the hole contradicts it, although the reply stopped
+/// being cached at the 65th range. (Before: once the ranges ran out,
+/// nothing was checked.)
+#[test]
+fn overlap_is_still_checked_after_a_reply_has_too_many_ranges() {
+    use common::fake_upstream::{chunk, good_read, Answer, Asked};
+    const LENGTH: u32 = (2 << 20) + 4096;
+    fn script(_: usize, read: Asked) -> Answer {
+        let Asked {
+            cookie,
+            offset,
+            length,
+        } = read;
+        if length != LENGTH {
+            return good_read(read).into();
+        }
+        let mut c = chunk(0, REPLY_TYPE_OFFSET_DATA, cookie, 8 + 65536);
+        c.extend_from_slice(&offset.to_be_bytes());
+        c.extend(std::iter::repeat_n(1u8, 65536));
+        for i in 0..70u64 {
+            c.extend(chunk(0, REPLY_TYPE_OFFSET_DATA, cookie, 9));
+            c.extend_from_slice(&(offset + 200_000 + 2 * i).to_be_bytes());
+            c.push(7);
+        }
+        c.extend(chunk(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_HOLE, cookie, 12));
+        c.extend_from_slice(&offset.to_be_bytes());
+        c.extend_from_slice(&65536u32.to_be_bytes());
+        c.into()
+    }
+    let env = Env::new();
+    let fake = common::fake_upstream::scripted(&env.path("fake.sock"), 8 << 20, script);
+    let admin = common::free_port();
+    let admin_at = format!("127.0.0.1:{admin}");
+    let gw = NbdgwProcess::in_front_of(
+        &env,
+        &fake.socket,
+        &[
+            "--immutable",
+            "--read-ahead",
+            "0",
+            "--admin-listen",
+            &admin_at,
+        ],
+    );
+    let mut first = common::clients::connect_as(gw.addr(), &env.certs());
+    first.go(ReplyMode::Structured);
+    // Twice: each reply is a fault counted, warned of once in 10 s.
+    for cookie in [1, 3] {
+        first.send_request(0, CMD_READ, cookie, 0, LENGTH.into(), &[]);
+        first.read_reply(LENGTH as usize);
+    }
+    first.disconnect();
+    let mut later = common::clients::connect_as(gw.addr(), &env.certs());
+    later.go(ReplyMode::Structured);
+    let got = later.read(2, 0, 4096);
+    later.disconnect();
+    let ones = got.iter().filter(|&&b| b == 1).count();
+    assert!(
+        got == [7; 4096],
+        "a contradicted block still cached: {ones} of 4096 bytes are ones"
+    );
+    let (_, metrics) = http_get(admin, "/metrics");
+    assert!(
+        metrics.contains("nbdgw_cache_upstream_faults_total{kind=\"overlap\"} 2"),
+        "{metrics}"
+    );
+    assert_eq!(
+        gw.count_in_log("chunks that overlap in one reply"),
+        1,
+        "{}",
+        gw.log()
+    );
+}
+
+/// A connection's fills in flight are bounded (`--cache-fill-depth`):
+/// each holds its blocks' buffer until its reply is complete. A FAKE
+/// upstream begins its reply to every fill read (a whole 64 KiB block)
+/// with 4 KiB of data and never finishes it; a read as the client sent it
+/// (4 KiB) it answers whole. With a depth of 2, a client's third read
+/// pipelined behind two that became fills goes upstream as it came and
+/// is answered. (Before: every read became a fill, and the third hung
+/// with the others.)
+#[test]
+fn fills_in_flight_per_connection_are_bounded() {
+    use common::fake_upstream::{chunk, good_read, Answer, Asked};
+    fn script(_: usize, read: Asked) -> Answer {
+        let Asked {
+            cookie,
+            offset,
+            length,
+        } = read;
+        if length != 65536 {
+            return good_read(read).into();
+        }
+        let mut c = chunk(0, REPLY_TYPE_OFFSET_DATA, cookie, 8 + 4096);
+        c.extend_from_slice(&offset.to_be_bytes());
+        c.extend(std::iter::repeat_n(7u8, 4096));
+        c.into()
+    }
+    let env = Env::new();
+    let fake = common::fake_upstream::scripted(&env.path("fake.sock"), 8 << 20, script);
+    let gw = NbdgwProcess::in_front_of(
+        &env,
+        &fake.socket,
+        &[
+            "--immutable",
+            "--read-ahead",
+            "0",
+            "--cache-fill-depth",
+            "2",
+        ],
+    );
+    let mut client = common::clients::connect_as(gw.addr(), &env.certs());
+    client.go(ReplyMode::Structured);
+    for (cookie, offset) in [(1, 0), (2, 1 << 20), (3, 2 << 20)] {
+        client.send_request(0, CMD_READ, cookie, offset, 4096, &[]);
+    }
+    // The raw client gives up after 10 s without a reply.
+    let reply = client.read_reply(4096);
+    assert_eq!(
+        common::raw::assemble(&reply, 3, 2 << 20, 4096),
+        [7; 4096],
+        "the read past the fill depth"
+    );
+}
+
+/// Read-ahead longer than any client read nbdgw caches as it comes
+/// (`--read-ahead 4 MiB`) is still cached: a FAKE upstream answering
+/// every read whole (bytes of 7), a client reading 16 MiB on in 1 MiB
+/// reads; the read-ahead windows grow to 4 MiB, each reply one chunk.
+#[test]
+fn read_ahead_longer_than_a_teed_client_read_is_cached() {
+    use common::fake_upstream::{good_read, Answer, Asked};
+    fn script(_: usize, read: Asked) -> Answer {
+        good_read(read).into()
+    }
+    let env = Env::new();
+    let fake = common::fake_upstream::scripted(&env.path("fake.sock"), 32 << 20, script);
+    let admin = common::free_port();
+    let admin_at = format!("127.0.0.1:{admin}");
+    let gw = NbdgwProcess::in_front_of(
+        &env,
+        &fake.socket,
+        &[
+            "--immutable",
+            "--read-ahead",
+            "4194304",
+            "--admin-listen",
+            &admin_at,
+        ],
+    );
+    let mut client = common::clients::connect_as(gw.addr(), &env.certs());
+    client.go(ReplyMode::Structured);
+    for i in 0..16u64 {
+        assert_eq!(client.read(i + 1, i << 20, 1 << 20), vec![7; 1 << 20]);
+    }
+    client.disconnect();
+    let (_, metrics) = http_get(admin, "/metrics");
+    assert!(
+        !metrics.contains("nbdgw_cache_upstream_faults_total{"),
+        "{metrics}"
+    );
+    let read_ahead = metric(&metrics, "nbdgw_cache_read_ahead_bytes_total");
+    assert!(
+        read_ahead >= 8 << 20,
+        "read ahead: {read_ahead}\n{}",
+        gw.log()
+    );
+}
+
+/// A chunk outside the read it answers makes the whole reply untrusted:
+/// a FAKE upstream answers a client's read of 2 MiB and 4 KiB (cached as
+/// it comes) with 64 KiB of ones at 0, then 4 KiB of bytes of 7 running
+/// past the read's end. The block of ones is forgotten; a later reader
+/// gets the upstream's bytes. (Before: the stray chunk was only left
+/// uncached, and the ones stayed.)
+#[test]
+fn a_chunk_outside_its_read_makes_the_reply_untrusted() {
+    use common::fake_upstream::{chunk, good_read, Answer, Asked};
+    const LENGTH: u32 = (2 << 20) + 4096;
+    fn script(_: usize, read: Asked) -> Answer {
+        let Asked {
+            cookie,
+            offset,
+            length,
+        } = read;
+        if length != LENGTH {
+            return good_read(read).into();
+        }
+        let mut c = chunk(0, REPLY_TYPE_OFFSET_DATA, cookie, 8 + 65536);
+        c.extend_from_slice(&offset.to_be_bytes());
+        c.extend(std::iter::repeat_n(1u8, 65536));
+        c.extend(chunk(
+            REPLY_FLAG_DONE,
+            REPLY_TYPE_OFFSET_DATA,
+            cookie,
+            8 + 4096,
+        ));
+        c.extend_from_slice(&(offset + u64::from(LENGTH) - 100).to_be_bytes());
+        c.extend(std::iter::repeat_n(7u8, 4096));
+        c.into()
+    }
+    let env = Env::new();
+    let fake = common::fake_upstream::scripted(&env.path("fake.sock"), 8 << 20, script);
+    let gw = NbdgwProcess::in_front_of(&env, &fake.socket, &["--immutable", "--read-ahead", "0"]);
+    let mut first = common::clients::connect_as(gw.addr(), &env.certs());
+    first.go(ReplyMode::Structured);
+    first.send_request(0, CMD_READ, 1, 0, LENGTH.into(), &[]);
+    first.read_reply(LENGTH as usize);
+    first.disconnect();
+    let mut later = common::clients::connect_as(gw.addr(), &env.certs());
+    later.go(ReplyMode::Structured);
+    let got = later.read(2, 0, 4096);
+    later.disconnect();
+    let ones = got.iter().filter(|&&b| b == 1).count();
+    assert!(
+        got == [7; 4096],
+        "an untrusted reply's block still cached: {ones} of 4096 bytes are ones"
+    );
+    assert!(
+        gw.log().contains("a chunk outside the read"),
+        "{}",
+        gw.log()
+    );
 }

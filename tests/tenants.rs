@@ -378,8 +378,186 @@ access = "read-write"
             String::from_utf8_lossy(&out.stdout)
         );
     }
+    // The refusal says why (hostile review: it did not).
+    let log = gw.log();
+    assert!(
+        log.contains(
+            "templated rules grant it nothing: its names bind two tenants across templated rules"
+        ),
+        "{log}"
+    );
     let out = size(&only_a, "a/db");
     assert!(out.status.success(), "{}", common::clients::text(&out));
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "1048576");
     assert!(!size(&only_a, "b/db").status.success());
+}
+
+const APART_URI: &str = r#"
+[[rule]]
+exports = ["{ns}/*", "scratch/{sa}"]
+allow = { uri = ["spiffe://cluster.local/ns/{ns}/sa/{sa}"] }
+access = "read-write"
+"#;
+
+const APART_DNS: &str = r#"
+[[rule]]
+exports = ["{tenant}/*", "scratch/{sa}"]
+allow = { dns = ["{sa}.{tenant}.svc"] }
+access = "read-write"
+"#;
+
+/// Hostile review of issue 27 items 5 and 7: rules naming the tenant
+/// `{ns}` and `{tenant}` but sharing `{sa}` gave a certificate with URI
+/// SAN `.../ns/a/sa/x` and DNS SAN `x.b.svc` both `a/db` and `b/db`
+/// (nbdinfo opened both). Now neither; the gateway warns of the two rules
+/// at start and says why it refuses. A reload dropping the DNS rule was
+/// refused as dropping a templated rule; now it is accepted, and the
+/// dropped rule still counts: the certificate still opens neither, while
+/// one binding only the URI rule opens `a/db`.
+#[test]
+fn rules_naming_the_tenant_apart_open_nothing_and_may_be_dropped_live() {
+    let site = PolicySite::new("apart CA", &format!("{APART_URI}{APART_DNS}"));
+    let dir = site.env.path("exports");
+    let mut upstreams = Vec::new();
+    for tenant in ["a", "b"] {
+        std::fs::create_dir_all(dir.join(tenant)).unwrap();
+        let image = site.env.random_image(&format!("{tenant}.img"), 1 << 20, 6);
+        upstreams.push(QemuNbd::start_at(
+            dir.join(format!("{tenant}/db.sock")),
+            &image,
+            &[],
+        ));
+    }
+    let both = site
+        .ca
+        .client(
+            "both",
+            &["x.b.svc"],
+            &["spiffe://cluster.local/ns/a/sa/x"],
+            11,
+        )
+        .client_dir(&site.env.path("both"), &site.ca);
+    let uri_only = site
+        .ca
+        .client("uri", &[], &["spiffe://cluster.local/ns/a/sa/x"], 12)
+        .client_dir(&site.env.path("uri"), &site.ca);
+    let gw = site.gateway(
+        &[
+            OsStr::new("--export-dir"),
+            dir.as_os_str(),
+            OsStr::new("--tls-reload-interval"),
+            OsStr::new("0"),
+        ],
+        &[],
+    );
+    let size = |who: &Path, export: &str| {
+        let uri = format!(
+            "nbds://localhost:{}/{export}?tls-certificates={}",
+            gw.port,
+            who.display()
+        );
+        common::run(std::process::Command::new("nbdinfo").arg("--size").arg(uri))
+    };
+    let refused_both = || {
+        for export in ["a/db", "b/db"] {
+            let out = size(&both, export);
+            assert!(
+                !out.status.success(),
+                "the certificate binding a and b opened {export}: {}",
+                String::from_utf8_lossy(&out.stdout)
+            );
+        }
+    };
+    refused_both();
+    let log = gw.log();
+    assert!(
+        log.contains("rules 1 (line 2) and 2 (line 7) use placeholder sets in their exports neither of which contains the other"),
+        "{log}"
+    );
+    assert!(
+        log.contains("templated rules grant it nothing: its names are bound by templated rules that name the tenant apart"),
+        "{log}"
+    );
+
+    // Dropping the DNS rule live (during an incident, say).
+    std::fs::write(&site.policy, APART_URI).unwrap();
+    gw.signal("HUP");
+    gw.wait_for_log("access policy reloaded", 1);
+    refused_both();
+    let out = size(&uri_only, "a/db");
+    assert!(out.status.success(), "{}", common::clients::text(&out));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "1048576");
+    assert!(!size(&uri_only, "b/db").status.success());
+}
+
+/// Hostile review of issue 27 item 7(b): a reload dropping a templated
+/// rule was refused (it could have let in a certificate the one-tenant
+/// check kept out), so an operator could not tighten during an incident.
+/// Now it is accepted and the dropped rule keeps counting in the check:
+/// the certificate naming `a` by URI and `b` by DNS still opens nothing.
+#[test]
+fn a_reload_dropping_a_templated_rule_is_accepted_and_it_still_counts() {
+    let uri_rule = r#"
+[[rule]]
+exports = ["{ns}/*"]
+allow = { uri = ["spiffe://cluster.local/ns/{ns}/sa/*"] }
+access = "read-write"
+"#;
+    let dns_rule = r#"
+[[rule]]
+exports = ["{ns}/*"]
+allow = { dns = ["*.{ns}.svc"] }
+access = "read-write"
+"#;
+    let site = PolicySite::new("drop CA", &format!("{uri_rule}{dns_rule}"));
+    let dir = site.env.path("exports");
+    std::fs::create_dir_all(dir.join("a")).unwrap();
+    let image = site.env.random_image("a.img", 1 << 20, 4);
+    let _a = QemuNbd::start_at(dir.join("a/db.sock"), &image, &[]);
+    let client = |name: &str, dns: &[&str], serial| {
+        site.ca
+            .client(name, dns, &["spiffe://cluster.local/ns/a/sa/x"], serial)
+            .client_dir(&site.env.path(name), &site.ca)
+    };
+    let both = client("both", &["vm.b.svc"], 21);
+    let only_a = client("only-a", &[], 22);
+    let gw = site.gateway(
+        &[
+            OsStr::new("--export-dir"),
+            dir.as_os_str(),
+            OsStr::new("--tls-reload-interval"),
+            OsStr::new("0"),
+        ],
+        &[],
+    );
+    let opens = |who: &Path| {
+        let uri = format!(
+            "nbds://localhost:{}/a/db?tls-certificates={}",
+            gw.port,
+            who.display()
+        );
+        common::run(std::process::Command::new("nbdinfo").arg("--size").arg(uri))
+            .status
+            .success()
+    };
+    assert!(!opens(&both));
+    assert!(opens(&only_a));
+
+    std::fs::write(&site.policy, uri_rule).unwrap();
+    gw.signal("HUP");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let log = loop {
+        let log = gw.log();
+        if log.contains("access policy reload") {
+            break log;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no reload logged: {log}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(log.contains("access policy reloaded"), "{log}");
+    assert!(!opens(&both), "the dropped rule stopped counting");
+    assert!(opens(&only_a));
 }

@@ -183,6 +183,9 @@ async fn run(
     link: &Link<'_>,
 ) -> Result<&'static str, ConnError> {
     let config = link.config;
+    // The TLS files and policy this connection is judged under: its
+    // source is proven only if no reload came since (see `prove`).
+    let generation = link.admission.generation();
     // Before the TLS handshake: in TLS 1.3 the client speaks last, and
     // Nagle would hold its first request behind our unacknowledged data.
     tcp.set_nodelay(true)
@@ -206,8 +209,10 @@ async fn run(
         } => {
             // Its certificate was given a session and an export: the
             // source has proven itself; again when the session ends, so
-            // a host whose VMs stay connected for days stays proven.
-            link.admission.prove(peer, &who);
+            // a host whose VMs stay connected for days stays proven. Both
+            // only under the TLS files and policy the connection started
+            // under: a reload since may have revoked what let it in.
+            link.admission.prove(peer, &who, generation);
             let session::Session {
                 tls,
                 upstream,
@@ -225,12 +230,17 @@ async fn run(
                     handle,
                     read_ahead: config.read_ahead,
                     depth: config.read_ahead_depth,
+                    fills: config.cache_fill_depth,
                 }),
             };
             let transmit = link.transmit();
             let relayed = relay::run(ends, socket_handle, &transmit, registered.as_ref());
             let ended = until_ended(registered.as_ref(), relayed).await;
-            link.admission.prove(peer, &who);
+            // Never after a reload ended it (its certificate revoked, its
+            // access narrowed); `prove` also checks the generation.
+            if !matches!(ended, Err(ConnError::Revoked | ConnError::PolicyNarrowed)) {
+                link.admission.prove(peer, &who, generation);
+            }
             ended
         }
     }

@@ -461,10 +461,25 @@ impl<'a> Negotiation<'a> {
     }
 
     fn log_refused(&self, export: &str) {
+        // When the templated rules withheld it for the one-tenant check,
+        // say so: otherwise the operator sees a refusal the rules seem to
+        // contradict (`nbdgw policy explain` shows the bindings).
+        let Some((why, _)) = self.policy.two_tenants(&self.identity) else {
+            info!(
+                client = %self.identity,
+                export = %Escaped(export),
+                "refused: the policy does not open this export to this client"
+            );
+            return;
+        };
+        let why = match why {
+            crate::policy::NotOneTenant::Apart => "its names are bound by templated rules that name the tenant apart (placeholder sets not nested)",
+            crate::policy::NotOneTenant::TwoValues => "its names bind two tenants across templated rules",
+        };
         info!(
             client = %self.identity,
             export = %Escaped(export),
-            "refused: the policy does not open this export to this client"
+            "refused: the policy does not open this export to this client; templated rules grant it nothing: {why} (one certificate, one tenant; see nbdgw policy explain)"
         );
     }
 
@@ -736,15 +751,22 @@ impl<'a> Negotiation<'a> {
         };
         // A session that reached a server whose socket has been replaced
         // since (a new server started while this one negotiated) neither
-        // takes the new server's generation away nor is cached.
-        if crate::exports::socket_file_now(&key.socket, in_dir) != Some(incarnation.file) {
-            info!(export = %Escaped(export), "read cache: the upstream was replaced while this session negotiated; not cached");
-            return None;
-        }
+        // takes the new server's generation away nor is cached. Checked
+        // by the cache under its lock, only when the server is not the
+        // one the export knows, so that no other session's open comes
+        // between the check and the generation changing hands.
+        let current = || {
+            let current =
+                crate::exports::socket_file_now(&key.socket, in_dir) == Some(incarnation.file);
+            if !current {
+                info!(export = %Escaped(export), "read cache: the upstream was replaced while this session negotiated; not cached");
+            }
+            current
+        };
         // What the upstream offers only to clients of some framing says
         // nothing of the export: clients of every framing share blocks.
         let flags = tflags & !(TFLAG_SEND_DF | TFLAG_BLOCK_STAT_PAYLOAD);
-        cache.open(&key, incarnation, size, flags)
+        cache.open(&key, incarnation, (size, flags), current)
     }
 
     /// What the audit trail says of the session entering transmission on

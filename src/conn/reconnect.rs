@@ -22,14 +22,18 @@
 //!   same export with the same framing, checks that its size and
 //!   transmission flags are unchanged, and sends the kept requests again
 //!   from where they are kept, in their original order, before any new
-//!   one.
+//!   one, reading the server's replies meanwhile (a server that blocks
+//!   while its replies do not fit on the way back stops reading).
 //!
 //! A connection is good once a reply other than ESHUTDOWN has come on it.
 //! The backoff (0.1 s doubling to 2 s) goes on across drops until one is
 //! good: after a good connection drops, the first try is at once. One
 //! deadline, `--reconnect-timeout`, runs from the first drop with requests
-//! in flight until a connection is good and those requests are answered;
-//! further drops do not restart it. When it passes, every request in
+//! in flight until a connection is good (a slow request on a connection
+//! that answers is the stall timeout's business); further drops do not
+//! restart it. A request given to a connection that replaced a dropped
+//! one and has not answered yet starts it too (after an idle drop, or
+//! past the deadline). When it passes, every request in
 //! flight gets EIO and, until a connection is good again, a new request
 //! gets EIO at once while no connection is up (one that is up is given
 //! it); the tries go on in the background, so the local connection
@@ -42,7 +46,11 @@
 //! gets EIO and the stream ends, which closes the local connection: a
 //! different disk is never served.
 
+mod deadline;
+mod kept;
+mod link;
 mod reopen;
+mod replies;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
@@ -53,19 +61,12 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tracing::{error, info, warn};
 
 use self::reopen::Reopened;
 use super::relayed::Framing;
 use super::remote::RemoteTls;
 use crate::client::ClientSettings;
-use crate::logsafe::Escaped;
-use crate::metrics::Outcome;
-use crate::proto::consts::*;
-use crate::proto::transmission::{
-    encode_error_reply, parse_reply, reply_header_len, InFlight, InFlightTable, ReplyFrame,
-    ReplyMode, Request,
-};
+use crate::proto::transmission::{InFlightTable, ReplyFrame, ReplyMode};
 
 /// How the export was opened, to open it again the same way.
 #[derive(Debug, Clone)]
@@ -110,6 +111,12 @@ const KEPT_CAPACITY: usize = 1024 * 1024;
 /// until it has), when `--reply-buffer` is smaller.
 const EARLY_ROOM: usize = 64 * 1024;
 
+/// Replies waiting for the local client beyond which a request that would
+/// be answered EIO at once waits instead: a client that writes and never
+/// reads does not grow them without bound. The bound is at least
+/// `--reply-buffer`'s replies, which wait there too.
+const OUT_BACKLOG: usize = 1024 * 1024;
+
 type Reconnect = Pin<Box<dyn Future<Output = Result<Reopened, String>> + Send + Sync>>;
 
 enum Link {
@@ -121,10 +128,15 @@ enum Link {
 
 /// A request passed on and not yet wholly answered.
 struct Kept {
+    /// Its place in the line: numbers only grow, so the replay's place
+    /// survives the removal of any answered request before it.
+    seq: u64,
     /// Known once its header is whole (the last one may be in part).
     cookie: u64,
     /// Its header and payload as passed on so far.
     bytes: Vec<u8>,
+    /// How many of `bytes` went on the current connection.
+    sent: usize,
     /// It was in flight at a drop: the reconnect deadline runs until it
     /// is answered.
     resent: bool,
@@ -203,10 +215,14 @@ pub struct Reconnecting {
     writer_blocked: bool,
     /// Why requests fail, for the EIO replies.
     failed: String,
-    /// Sending the kept requests again on a new connection: the next one
-    /// and how much of it is written. Nothing is read meanwhile, and
-    /// nothing is copied: they are written from `kept` itself.
-    replay: Option<(usize, usize)>,
+    /// Sending the kept requests again on a new connection: the `seq` of
+    /// the next one (how much of it is written is its `sent`). Replies
+    /// are read meanwhile (a server blocked sending them would stop
+    /// reading the replay), and nothing is copied: they are written from
+    /// `kept` itself.
+    replay: Option<u64>,
+    /// The `seq` the next kept request gets.
+    next_seq: u64,
     /// A reply other than ESHUTDOWN came on this connection.
     good: bool,
     /// This connection replaced one that dropped (for the metrics).
@@ -214,9 +230,9 @@ pub struct Reconnecting {
     /// The wait before the first try after a drop: none after a good
     /// connection, else the backoff where it was.
     wait: Duration,
-    /// One deadline from the first drop with requests in flight until a
-    /// connection is good and they are answered; drops in between do not
-    /// restart it.
+    /// One deadline from the first drop with requests in flight (or the
+    /// first request to a connection after a drop) until a connection is
+    /// good; drops in between do not restart it.
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
     /// The deadline passed: until a connection is good, a request fails at
     /// once while none is up (tries go on in the background).
@@ -276,6 +292,7 @@ impl Reconnecting {
             writer_blocked: false,
             failed: String::new(),
             replay: None,
+            next_seq: 0,
             good: false,
             after_drop: false,
             // The first connection has not answered yet either.
@@ -311,602 +328,38 @@ impl Reconnecting {
         }
     }
 
-    /// Brings the link up: `Ready(true)` when up, `Ready(false)` once the
-    /// export changed.
-    fn drive(&mut self, cx: &mut Context<'_>) -> Poll<bool> {
-        let done = match &mut self.link {
-            Link::Up(_) => return Poll::Ready(true),
-            Link::Changed => return Poll::Ready(false),
-            Link::Reconnecting(future) => std::task::ready!(future.as_mut().poll(cx)),
-        };
-        match done {
-            Ok(reopened) => {
-                self.reopened(reopened);
-                Poll::Ready(true)
-            }
-            Err(what) => {
-                self.give_up(&what);
-                Poll::Ready(false)
-            }
-        }
-    }
-
-    /// Polls the deadline: true if it passed now.
-    fn poll_deadline(&mut self, cx: &mut Context<'_>) -> bool {
-        let passed = self
-            .deadline
-            .as_mut()
-            .is_some_and(|d| d.as_mut().poll(cx).is_ready());
-        if passed {
-            self.time_out();
-        }
-        passed
-    }
-
-    fn arm_deadline(&mut self) {
-        let timeout = self
-            .settings
-            .reconnect
-            .map_or(Duration::ZERO, |r| r.timeout);
-        self.deadline = Some(Box::pin(tokio::time::sleep(timeout)));
-        self.refresh_standing();
-    }
-
-    fn refresh_standing(&mut self) {
-        let up = matches!(self.link, Link::Up(_));
-        let standing = match self.link {
-            Link::Changed => Standing::Fine,
-            _ if self.failing && !up => Standing::Unreachable,
-            Link::Reconnecting(_) => Standing::Reconnecting,
-            _ if self.failing || self.deadline.is_some() => Standing::Reconnecting,
-            _ => Standing::Fine,
-        };
-        self.set_standing(standing);
-    }
-
-    fn set_standing(&mut self, standing: Standing) {
-        if self.standing == standing {
-            return;
-        }
-        let (health, gauges) = (&self.settings.health, &self.settings.metrics.reconnects);
-        for (which, on) in [(self.standing, false), (standing, true)] {
-            let delta = if on { 1 } else { -1 };
-            match which {
-                Standing::Fine => {}
-                Standing::Reconnecting => {
-                    health.set_reconnecting(on);
-                    gauges.reconnecting.inc_by(delta);
-                }
-                Standing::Unreachable => {
-                    health.set_unreachable(on);
-                    gauges.unreachable.inc_by(delta);
-                }
-            }
-        }
-        self.standing = standing;
-    }
-
-    /// A new connection opened the export: the kept requests go first.
-    fn reopened(&mut self, reopened: Reopened) {
-        info!(
-            tries = reopened.tries,
-            requests_sent_again = self.kept.len(),
-            failing = self.failing,
-            "reconnected to the server (--reconnect)"
-        );
-        self.link = Link::Up(Box::new(reopened.conn));
-        self.wait = reopened.next_wait;
-        self.good = false;
-        self.replay = (!self.kept.is_empty()).then_some((0, 0));
-        self.refresh_standing();
-    }
-
-    fn start_reconnect(&mut self) {
-        let future = reopen::until_open(
-            self.settings.clone(),
-            self.opened.clone(),
-            self.wait,
-            self.progress.clone(),
-        );
-        self.link = Link::Reconnecting(Box::pin(future));
-        self.good = false;
-        self.after_drop = true;
-        self.refresh_standing();
-    }
-
-    /// The connection dropped: start over, with what is kept.
-    fn lost(&mut self, why: &str) {
-        let replies_held = self.drop_connection();
-        warn!(
-            error = %Escaped(why),
-            in_flight = self.kept.len(),
-            replies_held,
-            replies_cut = self.answered_in_part.len(),
-            "connection to the server lost; reconnecting (--reconnect)"
-        );
-        self.cut_replies();
-        for kept in &mut self.kept {
-            if !kept.resent {
-                kept.resent = true;
-                self.resent += 1;
-            }
-        }
-        if self.failing {
-            // Past the deadline: nothing waits for a connection.
-            self.fail_kept();
-        } else if self.resent > 0 && self.deadline.is_none() {
-            self.arm_deadline();
-        }
-        self.start_reconnect();
-    }
-
-    /// Forgets what the dropped connection was in the middle of: how many
-    /// replies were held unfinished (their requests are still kept).
-    fn drop_connection(&mut self) -> usize {
-        self.message.clear();
-        self.need = Need::Magic;
-        self.replay = None;
-        self.server_going = false;
-        self.shut_chunks.clear();
-        self.early_done = None;
-        for kept in &mut self.kept {
-            kept.shut = false;
-        }
-        self.held_reply_bytes = 0;
-        std::mem::take(&mut self.held_replies).len()
-    }
-
-    /// Those with a reply in part on the local connection cannot be asked
-    /// again: their reply ends here, with EIO.
-    fn cut_replies(&mut self) {
-        for cookie in std::mem::take(&mut self.answered_in_part) {
-            if let Some(request) = self.table.remove(cookie) {
-                let message = "nbdgw client: the server was lost in the middle of this reply";
-                encode_error_reply(self.mode, cookie, &request, EIO, message, &mut self.out);
-                self.settings.metrics.error(EIO);
-                self.forget(cookie);
-            }
-        }
-    }
-
-    /// No connection was good within --reconnect-timeout: every request
-    /// in flight gets EIO; later ones fail at once until one is good, and
-    /// the tries go on in the background, so that the connection serves
-    /// again once the server does.
-    fn time_out(&mut self) {
-        self.deadline = None;
-        let (tries, last) = {
-            let progress = reopen::progress(&self.progress);
-            (progress.tries, progress.last.clone())
-        };
-        let last = if last.is_empty() {
-            "connections opened, none answered".to_string()
-        } else {
-            format!("last: {last}")
-        };
-        self.failed = format!(
-            "nbdgw client: no connection within --reconnect-timeout answered ({tries} tries failed; {last})"
-        );
-        error!(
-            error = %Escaped(&self.failed),
-            in_flight = self.kept.len(),
-            "no server connection answered within --reconnect-timeout; the requests in flight fail with EIO, and new ones fail at once until the server answers again (--reconnect)"
-        );
-        self.settings
-            .metrics
-            .reconnects
-            .give_ups
-            .get_or_create(&Outcome { outcome: "timeout" })
-            .inc();
-        self.failing = true;
-        if let Link::Up(_) = self.link {
-            // Its replies to what fails now must not come after the EIO.
-            self.drop_connection();
-            self.cut_replies();
-            self.wait = self.wait.max(reopen::FIRST_DELAY);
-            self.start_reconnect();
-        }
-        self.fail_kept();
-        self.refresh_standing();
-    }
-
-    /// The export changed: every request in flight gets EIO, and the
-    /// stream ends, which closes the local connection.
-    fn give_up(&mut self, what: &str) {
-        let why = format!("the export changed: {what}");
-        error!(
-            error = %Escaped(&why),
-            in_flight = self.kept.len(),
-            "giving up on the server; the requests in flight fail with EIO and the local connection closes"
-        );
-        self.settings
-            .metrics
-            .reconnects
-            .give_ups
-            .get_or_create(&Outcome {
-                outcome: "export_changed",
-            })
-            .inc();
-        self.failed = format!("nbdgw client: {why}");
-        self.link = Link::Changed;
-        self.deadline = None;
-        self.failing = false;
-        // Nothing is held here: `lost` dropped it, and nothing is read
-        // while reconnecting.
-        self.fail_kept();
-        self.refresh_standing();
-    }
-
-    /// Every whole kept request gets EIO; one being written stays kept
-    /// until it is whole (its bytes still come).
-    fn fail_kept(&mut self) {
-        let passing = if self.passing() {
-            self.kept.pop_back()
-        } else {
-            None
-        };
-        for kept in std::mem::take(&mut self.kept) {
-            if let Some(request) = self.table.remove(kept.cookie) {
-                let (mode, cookie) = (self.mode, kept.cookie);
-                encode_error_reply(mode, cookie, &request, EIO, &self.failed, &mut self.out);
-                self.settings.metrics.error(EIO);
-            }
-        }
-        self.held = 0;
-        self.resent = 0;
-        if let Some(kept) = passing {
-            self.held = kept.bytes.len() + KEPT_OVERHEAD;
-            self.resent = usize::from(kept.resent);
-            self.kept.push_back(kept);
-        }
-        self.wake_writer();
-    }
-
-    fn forget(&mut self, cookie: u64) {
-        if let Some(at) = self.kept.iter().position(|k| k.cookie == cookie) {
-            if let Some(kept) = self.kept.remove(at) {
-                self.held = self.held.saturating_sub(kept.bytes.len() + KEPT_OVERHEAD);
-                self.resent -= usize::from(kept.resent);
-            }
-        }
-        self.wake_writer();
-        self.settle();
-    }
-
-    /// A reply other than ESHUTDOWN came: this connection is good.
-    fn mark_good(&mut self) {
-        if self.good {
-            return;
-        }
-        self.good = true;
-        self.wait = Duration::ZERO;
-        if std::mem::take(&mut self.after_drop) {
-            self.settings.metrics.reconnects.good.inc();
-        }
-        if self.failing {
-            info!("the server answers again; requests pass again (--reconnect)");
-            self.failing = false;
-        }
-        *reopen::progress(&self.progress) = reopen::Progress::default();
-        self.settle();
-    }
-
-    /// The deadline ends once the connection is good and what went
-    /// through a drop is answered.
-    fn settle(&mut self) {
-        if self.good && self.resent == 0 {
-            self.deadline = None;
-        }
-        self.refresh_standing();
-    }
-
-    /// Follows the requests in the bytes passed on (or, failing, taken).
-    /// A header is kept from its first byte: a drop in its middle replays
-    /// the part already written, and the rest follows it.
-    fn record(&mut self, mut bytes: &[u8]) -> io::Result<()> {
-        while !bytes.is_empty() {
-            let n = if self.payload_left > 0 {
-                self.record_payload(bytes)
-            } else {
-                self.record_header(bytes)?
-            };
-            bytes = &bytes[n..];
-        }
-        Ok(())
-    }
-
-    /// Payload bytes of the last request: how many of `bytes` were its.
-    fn record_payload(&mut self, bytes: &[u8]) -> usize {
-        let n = bytes
-            .len()
-            .min(usize::try_from(self.payload_left).unwrap_or(usize::MAX));
-        if let Some(kept) = self.kept.back_mut() {
-            kept.bytes.extend_from_slice(&bytes[..n]);
-        }
-        self.held += n;
-        self.payload_left -= n as u64;
-        if self.payload_left == 0 {
-            self.passed();
-        }
-        n
-    }
-
-    /// Header bytes of the next request: how many of `bytes` were its.
-    fn record_header(&mut self, bytes: &[u8]) -> io::Result<usize> {
-        let header_len = self.mode.request_header_len();
-        if self.head_len == 0 {
-            // The memory a kept request costs beyond its bytes (its
-            // vector, its place in the line and in the in-flight table)
-            // counts too: otherwise many small requests hold several
-            // times --replay-buffer (measured: 134 MB for a 16 MiB
-            // buffer).
-            self.held += KEPT_OVERHEAD;
-            self.kept.push_back(Kept {
-                cookie: 0,
-                bytes: Vec::with_capacity(header_len),
-                resent: false,
-                shut: false,
-            });
-        }
-        let Some(kept) = self.kept.back_mut() else {
-            return Ok(bytes.len());
-        };
-        let n = (header_len - self.head_len).min(bytes.len());
-        kept.bytes.extend_from_slice(&bytes[..n]);
-        self.head_len += n;
-        self.held += n;
-        if self.head_len < header_len {
-            return Ok(n);
-        }
-        self.head_len = 0;
-        let request = Request::parse(self.mode, &kept.bytes[..header_len])
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-        if request.command == CMD_DISC {
-            // No reply comes, and the server's end follows.
-            self.disconnecting = true;
-            if let Some(kept) = self.kept.pop_back() {
-                self.held = self.held.saturating_sub(kept.bytes.len() + KEPT_OVERHEAD);
-                self.resent -= usize::from(kept.resent);
-            }
-            return Ok(n);
-        }
-        kept.cookie = request.cookie;
-        self.table.insert(request.cookie, InFlight::from(&request));
-        self.payload_left = request.payload_len(self.mode);
-        // The payload follows (the relay checked it against
-        // --max-payload): room for it at once, not doubled as it comes,
-        // so the memory kept is what --replay-buffer counts.
-        kept.bytes
-            .reserve_exact(usize::try_from(self.payload_left).unwrap_or(0));
-        if self.payload_left == 0 {
-            self.passed();
-        }
-        Ok(n)
-    }
-
-    /// The last request is whole: a reply that came before its payload
-    /// had passed goes up now.
-    fn passed(&mut self) {
-        let Some(cookie) = self.early_done.take() else {
-            return;
-        };
-        if let Some(mut held) = self.held_replies.remove(&cookie) {
-            self.held_reply_bytes -= held.capacity() + HELD_OVERHEAD;
-            push_out(&mut self.out, &mut self.out_at, &mut held);
-        }
-        self.table.remove(cookie);
-        self.answered_in_part.remove(&cookie);
-        self.forget(cookie);
-    }
-
-    /// Whether a whole message is the server's ESHUTDOWN, in a simple
-    /// reply or an error chunk.
-    fn says_shutdown(&self, frame: &ReplyFrame) -> bool {
-        if frame.kind == 0 {
-            return frame.simple_error == ESHUTDOWN;
-        }
-        let header = self.message.len() - frame.payload_len as usize;
-        frame.is_error_chunk()
-            && self
-                .message
-                .get(header..header + 4)
-                .is_some_and(|e| e == ESHUTDOWN.to_be_bytes())
-    }
-
-    /// An ESHUTDOWN answer (or a later chunk of one) does not go up: its
-    /// request stays kept, to be sent again on the next connection.
-    fn hold_shutdown(&mut self, frame: ReplyFrame) {
-        let cookie = frame.cookie;
-        self.message.clear();
-        if let Some(held) = self.held_replies.remove(&cookie) {
-            self.held_reply_bytes -= held.capacity() + HELD_OVERHEAD;
-        }
-        if !self.server_going {
-            info!("the server is shutting down (ESHUTDOWN): its answers are held back and the requests sent again on a new connection (--reconnect)");
-            self.server_going = true;
-        }
-        if !frame.done {
-            self.shut_chunks.insert(cookie);
-            return;
-        }
-        self.shut_chunks.remove(&cookie);
-        self.settings.metrics.reconnects.shutdown_answers_held.inc();
-        let whole = self.kept.len() - usize::from(self.head_len > 0);
-        if let Some(kept) = self
-            .kept
-            .iter_mut()
-            .take(whole)
-            .find(|k| k.cookie == cookie)
-        {
-            kept.shut = true;
-        }
-    }
-
-    /// The server is going and has answered everything it was sent (the
-    /// rest ESHUTDOWN): time to drop it and go to the next.
-    fn server_done(&self) -> bool {
-        let whole = self.kept.len() - usize::from(self.passing());
-        self.server_going
-            && self.shut_chunks.is_empty()
-            && self.kept.iter().take(whole).all(|k| k.shut)
-    }
-
-    /// A reply to the write being passed on, before its payload has: held
-    /// until it has (the entry must stay where the payload goes).
-    fn hold_early(&mut self, frame: ReplyFrame) -> io::Result<()> {
-        let held = self.held_replies.entry(frame.cookie).or_default();
-        let before = if held.is_empty() {
-            0
-        } else {
-            held.capacity() + HELD_OVERHEAD
-        };
-        held.extend_from_slice(&self.message);
-        self.held_reply_bytes = self.held_reply_bytes - before + held.capacity() + HELD_OVERHEAD;
-        self.message.clear();
-        if self.held_reply_bytes > self.reply_buffer().max(EARLY_ROOM) {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "the server's replies to a write whose payload it has not had outgrew --reply-buffer",
-            ));
-        }
-        if frame.done {
-            self.early_done = Some(frame.cookie);
-        }
-        Ok(())
-    }
-
-    /// A whole reply message: up it goes, and a last one frees its request.
-    /// A structured reply's earlier chunks are held until its last one,
-    /// while `--reply-buffer` has room: then a drop in between loses
-    /// nothing the local client has seen, and the request is asked again.
-    fn whole(&mut self, frame: ReplyFrame) -> io::Result<()> {
-        self.need = Need::Magic;
-        let cookie = frame.cookie;
-        let can_hold = !self.answered_in_part.contains(&cookie);
-        if self.shut_chunks.contains(&cookie) || (can_hold && self.says_shutdown(&frame)) {
-            self.hold_shutdown(frame);
-            return Ok(());
-        }
-        self.mark_good();
-        let writing = self.payload_left > 0 && self.kept.back().is_some_and(|k| k.cookie == cookie);
-        if writing {
-            return self.hold_early(frame);
-        }
-        self.pass_up(frame);
-        Ok(())
-    }
-
-    /// Assembles reply messages; whole ones go to `out`.
-    fn follow_replies(&mut self, mut data: &[u8]) -> io::Result<()> {
-        let invalid = |e| io::Error::new(io::ErrorKind::InvalidData, e);
-        while !data.is_empty() {
-            match self.need {
-                Need::Magic => {
-                    let n = (4 - self.message.len()).min(data.len());
-                    self.message.extend_from_slice(&data[..n]);
-                    data = &data[n..];
-                    if self.message.len() == 4 {
-                        let magic = u32::from_be_bytes([
-                            self.message[0],
-                            self.message[1],
-                            self.message[2],
-                            self.message[3],
-                        ]);
-                        self.need =
-                            Need::Header(reply_header_len(self.mode, magic).map_err(invalid)?);
-                    }
-                }
-                Need::Header(len) => {
-                    let n = (len - self.message.len()).min(data.len());
-                    self.message.extend_from_slice(&data[..n]);
-                    data = &data[n..];
-                    if self.message.len() == len {
-                        let frame =
-                            parse_reply(self.mode, &self.message, &self.table, self.max_reply)
-                                .map_err(invalid)?;
-                        match frame.payload_len {
-                            0 => self.whole(frame)?,
-                            left => self.need = Need::Payload(frame, left),
-                        }
-                    }
-                }
-                Need::Payload(frame, left) => {
-                    let n = data.len().min(usize::try_from(left).unwrap_or(usize::MAX));
-                    self.message.extend_from_slice(&data[..n]);
-                    data = &data[n..];
-                    match left - n as u64 {
-                        0 => self.whole(frame)?,
-                        left => self.need = Need::Payload(frame, left),
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// A reply message for the local client, or held with its earlier
-    /// chunks while `--reply-buffer` has room.
-    fn pass_up(&mut self, frame: ReplyFrame) {
-        let cookie = frame.cookie;
-        // A held entry costs its buffer's capacity and its place in the
-        // map. Holding this message grows the entry to at most twice its
-        // capacity, or to exactly what it then holds.
-        let (before, capacity, used) = match self.held_replies.get(&cookie) {
-            Some(held) => (held.capacity() + HELD_OVERHEAD, held.capacity(), held.len()),
-            None => (0, 0, 0),
-        };
-        let at_most = (2 * capacity).max(used + self.message.len()) + HELD_OVERHEAD;
-        if !frame.done
-            && !self.answered_in_part.contains(&cookie)
-            && self.held_reply_bytes - before + at_most <= self.reply_buffer()
-        {
-            // Copied, not moved: the message buffer may be far larger
-            // than this message (it assembled a large one before).
-            let held = self.held_replies.entry(cookie).or_default();
-            held.extend_from_slice(&self.message);
-            self.held_reply_bytes =
-                self.held_reply_bytes - before + held.capacity() + HELD_OVERHEAD;
-            self.message.clear();
-            return;
-        }
-        if let Some(mut held) = self.held_replies.remove(&cookie) {
-            self.held_reply_bytes -= held.capacity() + HELD_OVERHEAD;
-            push_out(&mut self.out, &mut self.out_at, &mut held);
-        }
-        push_out(&mut self.out, &mut self.out_at, &mut self.message);
-        if frame.done {
-            self.table.remove(frame.cookie);
-            self.answered_in_part.remove(&frame.cookie);
-            self.forget(frame.cookie);
-        } else {
-            self.answered_in_part.insert(frame.cookie);
-        }
-    }
-
     /// Writes the kept requests to a new connection, from `kept` itself,
-    /// then flushes them.
+    /// then flushes them. Requests answered meanwhile leave `kept`: the
+    /// place is a `seq`, which their removal does not move.
     fn poll_replay(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), String>> {
-        let Link::Up(conn) = &mut self.link else {
-            return Poll::Ready(Ok(()));
-        };
         let failed =
             |e: &dyn std::fmt::Display| format!("sending the requests in flight again: {e}");
-        while let Some((at, from)) = self.replay {
-            let Some(kept) = self.kept.get(at) else {
+        while let Some(seq) = self.replay {
+            let at = self.kept.partition_point(|k| k.seq < seq);
+            let Link::Up(conn) = &mut self.link else {
+                return Poll::Ready(Ok(()));
+            };
+            let Some(kept) = self.kept.get_mut(at) else {
                 std::task::ready!(Pin::new(conn.as_mut()).poll_flush(cx))
                     .map_err(|e| failed(&e))?;
                 self.replay = None;
+                // A new request may have waited for the replay.
+                self.wake_writer();
                 break;
             };
-            if from == kept.bytes.len() {
-                self.replay = Some((at + 1, 0));
+            if kept.sent == kept.bytes.len() {
+                let cookie = kept.cookie;
+                self.replay = Some(kept.seq + 1);
+                if at + 1 < self.kept.len() || !self.passing() {
+                    self.release_early(cookie);
+                }
                 continue;
             }
             let written =
-                std::task::ready!(Pin::new(conn.as_mut()).poll_write(cx, &kept.bytes[from..]));
+                std::task::ready!(Pin::new(conn.as_mut()).poll_write(cx, &kept.bytes[kept.sent..]));
             match written {
                 Ok(0) => return Poll::Ready(Err(failed(&"the connection took nothing"))),
-                Ok(n) => self.replay = Some((at, from + n)),
+                Ok(n) => kept.sent += n,
                 Err(e) => return Poll::Ready(Err(failed(&e))),
             }
         }
@@ -947,7 +400,11 @@ impl Reconnecting {
         }
         let n = buf.remaining().min(self.out.len() - self.out_at);
         buf.put_slice(&self.out[self.out_at..self.out_at + n]);
+        let was_backlogged = self.backlogged();
         self.out_at += n;
+        if was_backlogged && !self.backlogged() {
+            self.wake_writer();
+        }
         if self.out_at == self.out.len() {
             self.out.clear();
             self.out_at = 0;
@@ -966,9 +423,10 @@ impl Reconnecting {
     /// `bytes` went to the server.
     fn wrote(&mut self, cx: &mut Context<'_>, bytes: &[u8]) -> io::Result<usize> {
         self.record(bytes)?;
-        if self.failing && !self.good && self.deadline.is_none() {
-            // Past the deadline, a connection that has not answered yet
-            // gets as long again to answer this request: a silent server
+        if !self.good && (self.failing || self.after_drop) && self.deadline.is_none() {
+            // A connection that replaced a dropped one (after an idle
+            // drop, or past the deadline) and has not answered yet gets
+            // --reconnect-timeout to answer this request: a silent server
             // fails it in time too.
             self.arm_deadline();
             self.poll_deadline(cx);
@@ -980,14 +438,27 @@ impl Reconnecting {
         Ok(bytes.len())
     }
 
+    /// Whether the replies waiting for the local client are past the
+    /// bound beyond which an EIO answer waits (only a whole request: one
+    /// being written is taken to its end).
+    fn backlogged(&self) -> bool {
+        !self.passing() && self.out.len() - self.out_at > OUT_BACKLOG
+    }
+
     /// Past the deadline with no connection up (or the export changed):
-    /// the request is taken and answered EIO at once.
-    fn swallow(&mut self, cx: &mut Context<'_>, buf: &[u8]) -> io::Result<usize> {
+    /// the request is taken and answered EIO at once, unless the local
+    /// client has left too many answers unread: then it waits for them
+    /// to be read.
+    fn swallow(&mut self, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        if self.backlogged() {
+            self.write_waiting = Some(cx.waker().clone());
+            return Poll::Pending;
+        }
         self.writer_blocked = false;
         self.record(buf)?;
         self.fail_kept();
         cx.waker().wake_by_ref();
-        Ok(buf.len())
+        Poll::Ready(Ok(buf.len()))
     }
 }
 
@@ -1037,7 +508,9 @@ impl AsyncRead for Reconnecting {
             if !std::task::ready!(this.drive(cx)) {
                 continue;
             }
-            if let Err(why) = std::task::ready!(this.poll_replay(cx)) {
+            // The replay goes on while replies are read: a server blocked
+            // sending them does not read it.
+            if let Poll::Ready(Err(why)) = this.poll_replay(cx) {
                 this.lost(&why);
                 continue;
             }
@@ -1065,13 +538,13 @@ impl AsyncWrite for Reconnecting {
             if let Link::Changed = this.link {
                 // Nothing will be sent any more: each request is answered
                 // EIO at once, so the local client hears of it.
-                return Poll::Ready(this.swallow(cx, buf));
+                return this.swallow(cx, buf);
             }
             if this.poll_deadline(cx) {
                 continue;
             }
             match this.drive(cx) {
-                Poll::Pending if this.failing => return Poll::Ready(this.swallow(cx, buf)),
+                Poll::Pending if this.failing => return this.swallow(cx, buf),
                 Poll::Pending if this.deadline.is_none() => {
                     // A request waits for a connection: the deadline runs.
                     this.arm_deadline();
@@ -1084,9 +557,17 @@ impl AsyncWrite for Reconnecting {
                 Poll::Ready(false) => continue,
                 Poll::Ready(true) => this.writer_blocked = false,
             }
-            if let Err(why) = std::task::ready!(this.poll_replay(cx)) {
-                this.lost(&why);
-                continue;
+            match this.poll_replay(cx) {
+                Poll::Ready(Ok(())) => {}
+                Poll::Ready(Err(why)) => {
+                    this.lost(&why);
+                    continue;
+                }
+                Poll::Pending => {
+                    // Reading replies may finish the replay.
+                    this.write_waiting = Some(cx.waker().clone());
+                    return Poll::Pending;
+                }
             }
             // A new request waits while the kept ones fill the buffer (one
             // is always let through, however large), and while a server
@@ -1121,9 +602,16 @@ impl AsyncWrite for Reconnecting {
                 Poll::Ready(false) => return Poll::Ready(Ok(())),
                 Poll::Ready(true) => {}
             }
-            if let Err(why) = std::task::ready!(this.poll_replay(cx)) {
-                this.lost(&why);
-                continue;
+            match this.poll_replay(cx) {
+                Poll::Ready(Ok(())) => {}
+                Poll::Ready(Err(why)) => {
+                    this.lost(&why);
+                    continue;
+                }
+                Poll::Pending => {
+                    this.write_waiting = Some(cx.waker().clone());
+                    return Poll::Pending;
+                }
             }
             let Link::Up(conn) = &mut this.link else {
                 continue;
@@ -1146,6 +634,7 @@ impl AsyncWrite for Reconnecting {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proto::consts::*;
 
     fn settings() -> Arc<ClientSettings> {
         let tls = rustls::ClientConfig::builder_with_provider(crate::tls::provider())
@@ -1246,5 +735,64 @@ mod tests {
         // A simple reply: EIO for cookie 3.
         assert_eq!(r.out[4..8], EIO.to_be_bytes());
         assert_eq!(r.out[8..16], 3u64.to_be_bytes());
+    }
+
+    fn simple_reply(cookie: u64, error: u32) -> Vec<u8> {
+        let mut b = SIMPLE_REPLY_MAGIC.to_be_bytes().to_vec();
+        b.extend_from_slice(&error.to_be_bytes());
+        b.extend_from_slice(&cookie.to_be_bytes());
+        b
+    }
+
+    /// Issue 27 follow-up: a reply to a write whose payload was still
+    /// passing left its cookie in the table, so a second reply was taken
+    /// too: passed up twice, or (ESHUTDOWN) it deleted the held success
+    /// and the request was later forgotten with no reply at all.
+    #[test]
+    fn a_second_reply_to_a_write_answered_before_its_payload_passed_is_refused() {
+        for second in [0, ESHUTDOWN] {
+            let mut r = detached();
+            let mut write = request(CMD_WRITE, 4, 8);
+            write.extend_from_slice(b"payload!");
+            r.record(&write[..30]).unwrap();
+            r.follow_replies(&simple_reply(4, 0)).unwrap();
+            // Held until the payload has passed.
+            assert!(r.out.is_empty());
+            let again = r.follow_replies(&simple_reply(4, second));
+            assert_eq!(
+                again.map_err(|e| e.kind()).err(),
+                Some(io::ErrorKind::InvalidData),
+                "a second reply (error {second}) was taken"
+            );
+        }
+    }
+
+    /// Issue 27 follow-up: past the deadline, a local client that writes
+    /// requests and never reads got EIO answers appended without bound.
+    #[test]
+    fn failing_requests_wait_while_their_answers_are_not_read() {
+        let mut r = detached();
+        r.failed = "nbdgw client: test".into();
+        let mut cx = Context::from_waker(Waker::noop());
+        let read = request(CMD_READ, 5, 4096);
+        let mut waited = false;
+        for _ in 0..4 * OUT_BACKLOG / 16 {
+            match Pin::new(&mut r).poll_write(&mut cx, &read) {
+                Poll::Ready(written) => assert_eq!(written.unwrap(), read.len()),
+                Poll::Pending => {
+                    waited = true;
+                    break;
+                }
+            }
+        }
+        let backlog = r.out.len() - r.out_at;
+        assert!(waited, "never waited; {backlog} bytes of answers unread");
+        assert!(backlog <= OUT_BACKLOG + 16, "{backlog}");
+        // Reading the answers lets the next request through.
+        let mut buf = vec![0u8; backlog];
+        let mut into = ReadBuf::new(&mut buf);
+        assert!(Pin::new(&mut r).poll_read(&mut cx, &mut into).is_ready());
+        assert!(r.write_waiting.is_none(), "the writer was not woken");
+        assert!(Pin::new(&mut r).poll_write(&mut cx, &read).is_ready());
     }
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
 use thiserror::Error;
-use tracing::{debug, error, info};
+use tracing::{debug, error, info, warn};
 
 use super::{Policy, PolicyError};
 use crate::reload::{ReloadOutcome, Swap, Trigger, Triggers};
@@ -50,6 +50,9 @@ pub struct PolicyReloader {
     /// Reloads done and refused, for the metrics.
     reloaded: Counter,
     refusals: Counter,
+    /// Reloads that changed the policy (the generation proven sources are
+    /// proven under; a SIGHUP with the file unchanged changes nothing).
+    changes: Counter,
     /// The established sessions a narrowing reload ends when their access
     /// is narrowed (`--policy-revoke-closes`); `None`: they keep it.
     sessions: Option<Arc<Sessions>>,
@@ -60,6 +63,7 @@ impl PolicyReloader {
     pub fn start(path: PathBuf) -> Result<Self, PolicyLoadError> {
         let (bytes, policy) = read(&path)?;
         info!(path = %path.display(), rules = policy.rule_count(), "access policy loaded");
+        warn_apart(&path, &policy);
         Ok(PolicyReloader {
             store: Arc::new(Swap::new(Arc::new(policy))),
             path,
@@ -69,6 +73,7 @@ impl PolicyReloader {
             refused: None,
             reloaded: Counter::default(),
             refusals: Counter::default(),
+            changes: Counter::default(),
             sessions: None,
         })
     }
@@ -84,6 +89,11 @@ impl PolicyReloader {
     pub fn count_into(&mut self, reloaded: Counter, refused: Counter) {
         self.reloaded = reloaded;
         self.refusals = refused;
+    }
+
+    /// Counts reloads that change the policy into this.
+    pub fn count_changes_into(&mut self, changes: Counter) {
+        self.changes = changes;
     }
 
     pub fn store(&self) -> Arc<PolicyStore> {
@@ -123,9 +133,8 @@ impl PolicyReloader {
         }
         self.settling = None;
         let checked = result.and_then(|bytes| {
-            let policy = parse(&self.path, &bytes)?;
-            policy
-                .check_no_wider_than(&self.store.current())
+            let policy = parse(&self.path, &bytes)?
+                .replacing(&self.store.current())
                 .map_err(|error| PolicyLoadError::Invalid {
                     path: self.path.display().to_string(),
                     error,
@@ -136,9 +145,17 @@ impl PolicyReloader {
             Ok((bytes, policy)) => {
                 self.refused = None;
                 let policy = Arc::new(policy);
+                let changed = *policy != *self.store.current();
                 // Replaced first, then the sessions judged: one recording
                 // its grant meanwhile is judged by the new policy there.
                 self.store.replace(policy.clone());
+                // Counted before any session is told: the changes are the
+                // generation `admission` proves sources under, and a
+                // session this reload ends must not end under the old one.
+                self.reloaded.inc();
+                if changed {
+                    self.changes.inc();
+                }
                 let closed = self
                     .sessions
                     .as_ref()
@@ -149,9 +166,9 @@ impl PolicyReloader {
                     sessions_closed = closed,
                     "access policy reloaded; new connections use it"
                 );
+                warn_apart(&self.path, &policy);
                 self.in_force = bytes;
                 self.last_refusal = None;
-                self.reloaded.inc();
                 ReloadOutcome::Reloaded
             }
             Err(e) => {
@@ -174,6 +191,15 @@ impl PolicyReloader {
         while let Some(trigger) = triggers.next().await {
             self.check(trigger);
         }
+    }
+}
+
+/// Warns, as `nbdgw policy check` does, of templated rules that may name
+/// the tenant apart: a certificate both bind gets nothing from any
+/// templated rule, and the refusal alone would not say why.
+fn warn_apart(path: &std::path::Path, policy: &Policy) {
+    for (a, b) in policy.unrelated_templates() {
+        warn!(path = %path.display(), "{}", super::apart_warning(a, b));
     }
 }
 

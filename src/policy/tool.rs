@@ -11,7 +11,7 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::CertificateDer;
 use thiserror::Error;
 
-use super::{load, Decision, Grant, PolicyLoadError, RuleBindings};
+use super::{load, Decision, Grant, NotOneTenant, PolicyLoadError, RuleBindings};
 use crate::logsafe::Escaped;
 use crate::proto::name::{export_name, NameError};
 use crate::tls::CertInfo;
@@ -53,16 +53,7 @@ pub fn check(path: &Path) -> Result<Checked, ToolError> {
     let warnings = policy
         .unrelated_templates()
         .into_iter()
-        .map(|(a, b)| {
-            format!(
-                "{}: rules {} (line {}) and {} (line {}) share no placeholder in their exports: a certificate both bind is not known to be one tenant and gets nothing from any templated rule; name the tenant alike in both",
-                path.display(),
-                a.number,
-                a.line,
-                b.number,
-                b.line
-            )
-        })
+        .map(|(a, b)| format!("{}: {}", path.display(), super::apart_warning(a, b)))
         .collect();
     Ok(Checked {
         rules: policy.rule_count().unwrap_or(0),
@@ -111,9 +102,10 @@ pub struct Explanation {
     pub decision: Option<Decision>,
     /// Every rule granting the export, in file order.
     pub grants: Vec<Grant>,
-    /// What the certificate's names bound in templated rules, when they
-    /// bound two tenants (so those rules grant it nothing).
-    pub two_tenants: Option<Vec<RuleBindings>>,
+    /// Why the certificate is not one tenant across the templated rules
+    /// (so those rules grant it nothing), and what its names bound in
+    /// them.
+    pub two_tenants: Option<(NotOneTenant, Vec<RuleBindings>)>,
 }
 
 impl Explanation {
@@ -170,13 +162,14 @@ impl fmt::Display for Explanation {
 impl Explanation {
     /// Why templated rules grant nothing, when that is why.
     fn show_two_tenants(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let Some(bound) = &self.two_tenants else {
+        let Some((why, bound)) = &self.two_tenants else {
             return Ok(());
         };
-        writeln!(
-            f,
-            "templated rules grant this certificate nothing: its names bind two tenants (one certificate, one tenant, across all rules):"
-        )?;
+        let why = match why {
+            NotOneTenant::Apart => "its names are bound by rules that name the tenant apart (their exports' placeholder sets are not nested, so one certificate is not known to be one tenant; name the tenant alike in every rule)",
+            NotOneTenant::TwoValues => "its names bind two tenants, one placeholder to two values (one certificate, one tenant, across all rules)",
+        };
+        writeln!(f, "templated rules grant this certificate nothing: {why}:")?;
         for (rule, bindings) in bound {
             write!(f, "  rule {} (line {}):", rule.number, rule.line)?;
             for (i, (name, value)) in bindings.iter().enumerate() {

@@ -29,6 +29,11 @@ pub struct TlsStore {
     /// Shared with the metrics registry.
     pub reloads_ok: Counter,
     pub reloads_failed: Counter,
+    /// Reloads that changed the client CA or the CRL (what decides whose
+    /// certificate is good): the TLS half of the generation a proven
+    /// source is proven under. A reload changing only the server's own
+    /// certificate and key, or nothing (a SIGHUP), revokes nobody.
+    pub trust_changes: Counter,
     /// Unix times, for alerts before expiry.
     pub certificate_not_after: Gauge,
     pub client_ca_not_after: Gauge,
@@ -45,6 +50,7 @@ impl TlsStore {
             sessions: Arc::default(),
             reloads_ok: Counter::default(),
             reloads_failed: Counter::default(),
+            trust_changes: Counter::default(),
             certificate_not_after: Gauge::default(),
             client_ca_not_after: Gauge::default(),
         }
@@ -82,7 +88,12 @@ pub struct Reloader {
     /// stays broken is reported once, not on every poll.
     last_seen: LastSeen<Material>,
     served: CertInfo,
+    /// The client CA and CRL in force, to tell a reload that changes
+    /// them (see [`TlsStore::trust_changes`]).
+    trust: Trust,
 }
+
+type Trust = (Option<crate::tls::PemFile>, Option<crate::tls::PemFile>);
 
 impl Reloader {
     /// The first load: unlike a reload, its failure stops start-up.
@@ -107,6 +118,7 @@ impl Reloader {
                 store.note_expiry(&loaded);
                 store
             },
+            trust: (material.client_ca.clone(), material.crl.clone()),
             last_seen: LastSeen::new(material),
             served: loaded.served,
         })
@@ -141,6 +153,13 @@ impl Reloader {
             Ok((loaded, material)) => {
                 log_loaded(&loaded, &material, "reloaded");
                 self.store.reloads_ok.inc();
+                let trust = (material.client_ca, material.crl);
+                if trust != self.trust {
+                    // Before the new configuration and the revocations:
+                    // nothing it ends may end under the old generation.
+                    self.store.trust_changes.inc();
+                    self.trust = trust;
+                }
                 self.store.note_expiry(&loaded);
                 self.store.replace(loaded.config);
                 self.served = loaded.served;

@@ -197,15 +197,24 @@ fn spawn_qemu_nbd(socket: &Path, image: &Path, extra: &[String]) -> Child {
         .stdin(Stdio::null())
         .spawn()
         .expect("qemu-nbd must be installed (apt-get install qemu-utils)");
+    wait_until_unix_listening(socket, "qemu-nbd");
+    child
+}
+
+/// Waits (10 s at most) until a connection to `socket` succeeds: its file
+/// appears at bind, before listen, and a connect then is refused. The
+/// probe connection is closed at once (a qemu-nbd given `--persistent`
+/// goes on serving).
+pub fn wait_until_unix_listening(socket: &Path, what: &str) {
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !socket.exists() {
+    while std::os::unix::net::UnixStream::connect(socket).is_err() {
         assert!(
             Instant::now() < deadline,
-            "qemu-nbd did not create its socket"
+            "{what} did not start listening on {}",
+            socket.display()
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    child
 }
 
 impl Drop for QemuNbd {

@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
 
-use crate::cache::Handle;
+use crate::cache::{Fault, Handle};
 use crate::proto::consts::*;
 use crate::proto::transmission::{encode_read_reply_header, InFlight, ReplyMode, Request};
 
@@ -37,6 +37,8 @@ pub struct Cached {
     pub read_ahead: u32,
     /// Read-ahead requests in flight at most.
     pub depth: u32,
+    /// Fill reads in flight at most (`--cache-fill-depth`).
+    pub fills: u32,
 }
 
 /// Why nbdgw sent a read of its own.
@@ -50,8 +52,7 @@ pub enum Purpose {
 }
 
 /// nbdgw's own reads in flight, by cookie: the request side adds, the
-/// reply side takes away. At most `depth` read-aheads, and one fill per
-/// client read in flight.
+/// reply side takes away. At most `depth` read-aheads and `fills` fills.
 #[derive(Default)]
 pub struct Ahead {
     cookies: Mutex<HashMap<u64, Purpose>>,
@@ -91,6 +92,14 @@ impl Ahead {
         cookies
             .values()
             .filter(|p| matches!(p, Purpose::ReadAhead { .. }))
+            .count()
+    }
+
+    fn fills(&self) -> usize {
+        let cookies = self.lock();
+        cookies
+            .values()
+            .filter(|p| matches!(p, Purpose::Fill(_)))
             .count()
     }
 
@@ -258,14 +267,21 @@ impl<'a> RequestLayer<'a> {
     /// For a READ that missed: the read of the whole blocks around it to
     /// send upstream instead, whose reply fills the cache and answers the
     /// client. `None` (forward the request as it is) for a read too long
-    /// to answer from the cache, or not within the export.
+    /// to answer from the cache, or not within the export, or when the
+    /// connection has as many fills in flight as it may (each holds a
+    /// buffer of its blocks until its reply is complete).
     pub fn fill(&mut self, request: &Request, flight: &Flight) -> Option<Request> {
         if request.command != CMD_READ {
             return None;
         }
         let size = self.cached.handle.size();
+        let room = self.ahead.fills() < self.cached.fills as usize;
         let end = match request.offset.checked_add(request.length) {
-            Some(end) if request.length != 0 && request.length <= MAX_HIT && end <= size => end,
+            Some(end)
+                if request.length != 0 && request.length <= MAX_HIT && end <= size && room =>
+            {
+                end
+            }
             _ => {
                 self.cached.handle.count_upstream_read();
                 return None;
@@ -326,19 +342,25 @@ pub struct ReplyLayer<'a> {
 /// Past this many separate ranges in one reply (chunks out of order with
 /// gaps between them, which no server this was tried with sends), the
 /// rest of the reply is relayed without being cached: what is kept per
-/// reply stays small without a flag.
+/// reply stays small without a flag. Its later chunks are still checked
+/// against the ranges recorded, so that one contradicting a block cached
+/// earlier has it forgotten.
 const MAX_RANGES: usize = 64;
 
 /// The byte ranges one reply's chunks covered: sorted, disjoint, merged
-/// where they touch. `spoiled`: the rest of the reply is not cached.
+/// where they touch, at most `MAX_RANGES`. `stopped`: the rest of the
+/// reply is not cached (it contradicted itself, or a range of it went
+/// unrecorded, which a later chunk could overlap unseen).
 #[derive(Default)]
 struct Seen {
     ranges: Vec<(u64, u64)>,
-    spoiled: bool,
+    stopped: bool,
 }
 
 impl Seen {
-    /// Adds `from..to`; false if it overlaps a range already covered.
+    /// Adds `from..to`; false if it overlaps a range already covered. A
+    /// range that would be the `MAX_RANGES + 1`th is not recorded, and
+    /// stops the reply's caching.
     fn add(&mut self, from: u64, to: u64) -> bool {
         // The first range ending after `from`: the only one that can
         // overlap, and where the new one goes.
@@ -355,7 +377,8 @@ impl Seen {
             }
             (true, false) => self.ranges[at - 1].1 = to,
             (false, true) => self.ranges[at].0 = from,
-            (false, false) => self.ranges.insert(at, (from, to)),
+            (false, false) if self.ranges.len() < MAX_RANGES => self.ranges.insert(at, (from, to)),
+            (false, false) => self.stopped = true,
         }
         true
     }
@@ -389,6 +412,19 @@ impl<'a> ReplyLayer<'a> {
         }
     }
 
+    /// A chunk of `req`'s reply (under `cookie`) that says nothing
+    /// believable (outside the read): the rest of the reply is not
+    /// cached, and what the read covers is forgotten.
+    fn untrusted(&self, cookie: u64, req: &InFlight) {
+        self.lock().entry(cookie).or_default().stopped = true;
+        self.handle.forget(req.offset, req.length);
+        self.handle.upstream_fault(
+            Fault::Outside,
+            (req.offset, req.length),
+            "sent a chunk outside the read; the blocks the read touches are not cached",
+        );
+    }
+
     /// The reply under `cookie` is complete (or failed).
     pub fn reply_done(&self, cookie: u64) {
         self.lock().remove(&cookie);
@@ -403,31 +439,31 @@ impl<'a> ReplyLayer<'a> {
     /// upstream contradicts itself: the blocks it touches, which the
     /// earlier chunk may have filled, are forgotten, and nothing more of
     /// the reply is cached. (A reader that hit those blocks between the
-    /// two chunks got the earlier chunk's bytes.)
+    /// two chunks got the earlier chunk's bytes.) Every chunk is checked,
+    /// also once the reply is no longer cached. A chunk outside the read
+    /// is `untrusted`.
     fn admit(&self, cookie: u64, req: &InFlight, offset: u64, length: u64) -> bool {
-        if !within(req, offset, length) || length == 0 {
+        if length == 0 {
+            return false;
+        }
+        if !within(req, offset, length) {
+            self.untrusted(cookie, req);
             return false;
         }
         let mut seen = self.lock();
         let reply = seen.entry(cookie).or_default();
-        if reply.spoiled {
-            return false;
-        }
         if !reply.add(offset, offset + length) {
-            reply.spoiled = true;
+            reply.stopped = true;
             drop(seen);
             self.handle.forget(offset, length);
-            tracing::warn!(
-                offset,
-                length,
-                "read cache: the upstream sent chunks that overlap in one reply; the blocks they touch are not cached"
+            self.handle.upstream_fault(
+                Fault::Overlap,
+                (offset, length),
+                "sent chunks that overlap in one reply; the blocks they touch are not cached",
             );
             return false;
         }
-        if reply.ranges.len() > MAX_RANGES {
-            reply.spoiled = true;
-        }
-        !reply.spoiled
+        !reply.stopped
     }
 }
 
@@ -484,8 +520,8 @@ pub struct Filling {
     buf: Vec<u8>,
     coverage: Coverage,
     error: Option<u32>,
-    /// What made the reply one nbdgw cannot vouch for, for the log.
-    fault: Option<&'static str>,
+    /// What made the reply one nbdgw cannot vouch for.
+    fault: Option<Fault>,
 }
 
 impl Filling {
@@ -524,43 +560,49 @@ impl Filling {
         };
         if !within(&req, offset, length) {
             // Data outside what was asked: the reply cannot be trusted.
-            self.fault("a chunk outside the read");
+            self.fault(Fault::Outside);
             return false;
         }
         let from = offset - self.base;
         if !self.coverage.mark(from, from + length) {
             // The protocol forbids a chunk overlapping an earlier one:
             // which of the two is the export's bytes is anyone's guess.
-            self.fault("chunks that overlap");
+            self.fault(Fault::Overlap);
             return false;
         }
         true
     }
 
-    fn fault(&mut self, what: &'static str) {
+    fn fault(&mut self, what: Fault) {
         self.fault = self.fault.or(Some(what));
         self.error(EIO);
     }
 
     /// The data to answer the client's `request` with, or the error; on
-    /// success the whole blocks go to `keep` (the cache) first.
+    /// success the whole blocks go to `keep` (the cache) first. A reply
+    /// that broke the protocol goes to `faulty` (the metric and the log),
+    /// once per read, as the read fails with nothing of it cached.
     pub fn finish(
         mut self,
         request: &Request,
         keep: impl FnOnce(u64, &[u8]),
+        faulty: impl FnOnce(Fault, (u64, u64), &str),
     ) -> Result<Vec<u8>, u32> {
         // A successful read covers every byte exactly once.
         if self.error.is_none() && !self.coverage.complete() {
-            self.fault("success with bytes no chunk covered");
+            self.fault(Fault::Uncovered);
         }
         if let Some(error) = self.error {
             if let Some(fault) = self.fault {
-                // The upstream broke the protocol: said once per read, as
-                // the read fails, with nothing of it cached.
-                tracing::warn!(
-                    offset = self.base,
-                    length = self.buf.len(),
-                    "read cache: the upstream answered a read with {fault}; the client's read fails with EIO and nothing of it is cached"
+                let what = match fault {
+                    Fault::Overlap => "chunks that overlap",
+                    Fault::Outside => "a chunk outside the read",
+                    Fault::Uncovered => "success with bytes no chunk covered",
+                };
+                faulty(
+                    fault,
+                    (self.base, self.buf.len() as u64),
+                    &format!("answered a read with {what}; the client's read fails with EIO and nothing of it is cached"),
                 );
             }
             return Err(error);
@@ -691,9 +733,11 @@ mod tests {
         f.hole(128 * K, 64 * K);
         let mut kept = None;
         let data = f
-            .finish(&client_read(120 * K, 16 * K), |at, b| {
-                kept = Some((at, b.len()))
-            })
+            .finish(
+                &client_read(120 * K, 16 * K),
+                |at, b| kept = Some((at, b.len())),
+                |_, _, _| {},
+            )
             .unwrap();
         assert_eq!(kept, Some((64 * K, 128 * 1024)));
         assert_eq!(&data[..8 * 1024], &[7; 8 * 1024]);
@@ -706,16 +750,16 @@ mod tests {
         let read = client_read(64 * K, 4 * K);
         let mut short = fill_of(64 * K, 64 * K);
         short.data(64 * K, &[1; 4096]);
-        assert_eq!(short.finish(&read, never), Err(EIO));
+        assert_eq!(short.finish(&read, never, |_, _, _| {}), Err(EIO));
         let mut failed = fill_of(64 * K, 64 * K);
         failed.data(64 * K, &[1; 64 * 1024]);
         failed.error(ENOSPC);
         failed.error(EINVAL);
-        assert_eq!(failed.finish(&read, never), Err(ENOSPC));
+        assert_eq!(failed.finish(&read, never, |_, _, _| {}), Err(ENOSPC));
         let mut stray = fill_of(64 * K, 64 * K);
         stray.data(64 * K, &[1; 64 * 1024]);
         stray.data(0, &[1; 4096]);
-        assert_eq!(stray.finish(&read, never), Err(EIO));
+        assert_eq!(stray.finish(&read, never, |_, _, _| {}), Err(EIO));
     }
 
     #[test]
@@ -727,17 +771,19 @@ mod tests {
         let mut f = fill_of(64 * K, 64 * K);
         f.data(64 * K, &[1; 32 * 1024]);
         f.data(80 * K, &[2; 32 * 1024]);
-        assert_eq!(f.finish(&read, never), Err(EIO));
+        assert_eq!(f.finish(&read, never, |_, _, _| {}), Err(EIO));
         // A hole overlapping data is the same.
         let mut f = fill_of(64 * K, 64 * K);
         f.data(64 * K, &[1; 64 * 1024]);
         f.hole(100 * K, 1);
-        assert_eq!(f.finish(&read, never), Err(EIO));
+        assert_eq!(f.finish(&read, never, |_, _, _| {}), Err(EIO));
         // Covered in any order, exactly once: the data.
         let mut f = fill_of(64 * K, 64 * K + 100);
         f.data(64 * K + 3, &[3; 64 * 1024 + 97]);
         f.hole(64 * K, 3);
-        let data = f.finish(&client_read(64 * K, 8), |_, _| {}).unwrap();
+        let data = f
+            .finish(&client_read(64 * K, 8), |_, _| {}, |_, _, _| {})
+            .unwrap();
         assert_eq!(data, [0, 0, 0, 3, 3, 3, 3, 3]);
     }
 
@@ -766,6 +812,23 @@ mod tests {
         assert_eq!(seen.ranges, [(0, 400), (500, 600)]);
         assert!(seen.add(400, 500));
         assert_eq!(seen.ranges, [(0, 600)]);
+    }
+
+    #[test]
+    fn past_the_range_cap_caching_stops_and_overlaps_are_still_seen() {
+        let mut seen = Seen::default();
+        for i in 0..MAX_RANGES as u64 {
+            assert!(seen.add(i * 10, i * 10 + 5));
+        }
+        assert!(!seen.stopped);
+        // One more separate range: not recorded, and caching stops.
+        assert!(seen.add(10_000, 10_001));
+        assert!(seen.stopped);
+        assert_eq!(seen.ranges.len(), MAX_RANGES);
+        // Touching ranges still merge; overlaps with recorded ones are seen.
+        assert!(seen.add(5, 10));
+        assert!(!seen.add(0, 1));
+        assert!(!seen.add(634, 636));
     }
 
     #[test]

@@ -44,10 +44,10 @@ pub fn max_reply(max_payload: u32) -> u64 {
 /// it. A few round trips of a slow link; an idle session still closes in
 /// a blink.
 const SHUTDOWN_LINGER: std::time::Duration = std::time::Duration::from_millis(250);
-/// Read replies on a cached session longer than this are relayed as they
-/// come, uncached: a client's long reads would otherwise keep a buffer as
-/// long as `--max-payload` on its connection. Fill reads (at most
-/// `MAX_HIT` and a block either side) always fit.
+/// Client reads on a cached session longer than this are relayed as they
+/// come, wholly uncached: a client's long reads would otherwise keep a
+/// buffer as long as `--max-payload` on its connection. Fill reads (at
+/// most `MAX_HIT` and a block either side) always fit.
 const TEE_MAX: u64 = super::cache::MAX_HIT + 2 * crate::cache::BLOCK_SIZE + 8;
 
 pub struct Replies<'a, U> {
@@ -265,13 +265,51 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
     }
 
     /// One reply message: header (its magic tells how long), then its
-    /// payload straight into the writer.
+    /// payload straight into the writer (or, read whole, into the cache).
     async fn relay_one<W: AsyncWrite + Unpin>(
         &mut self,
         writer: &mut ReplyWriter<'_, W>,
     ) -> Result<(), ConnError> {
-        let eof = || ConnError::io(Side::Upstream, "in the middle of a reply");
         let mut header = [0u8; EXTENDED_REPLY_LEN];
+        let (header_len, frame) = self.read_header(&mut header).await?;
+        // parse_reply found the cookie in flight.
+        let req = self.flight.lock().table.get(frame.cookie);
+        // A reply to nbdgw's own read fills the cache, and reaches the
+        // client only as the answer to the read it was widened from.
+        let purpose = self
+            .cache
+            .as_ref()
+            .and_then(|c| c.ahead.purpose(frame.cookie));
+        let ours = purpose.is_some();
+        if !ours {
+            writer.append(&header[..header_len]).await?;
+        }
+        if frame.is_error_chunk() {
+            self.relay_error_chunk(&frame, req.as_ref(), purpose, writer)
+                .await?;
+        } else {
+            self.relay_payload(&frame, req.as_ref(), purpose, writer)
+                .await?;
+        }
+        if frame.simple_error != 0 {
+            if !ours {
+                writer.metrics().error(frame.simple_error);
+            } else if let Some(filling) = self.filling(frame.cookie, req.as_ref(), purpose) {
+                filling.error(frame.simple_error);
+            }
+        }
+        if frame.done {
+            self.reply_done(frame.cookie, purpose, writer).await?;
+        }
+        Ok(())
+    }
+
+    /// A reply's header, into `header`: its length and what it says.
+    async fn read_header(
+        &mut self,
+        header: &mut [u8; EXTENDED_REPLY_LEN],
+    ) -> Result<(usize, ReplyFrame), ConnError> {
+        let eof = || ConnError::io(Side::Upstream, "in the middle of a reply");
         self.upstream
             .read_exact(&mut header[..4])
             .await
@@ -290,78 +328,101 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
             self.max_reply,
         )
         .map_err(ConnError::proto(Side::Upstream))?;
-        // parse_reply found the cookie in flight.
-        let req = self.flight.lock().table.get(frame.cookie);
-        // A reply to nbdgw's own read fills the cache, and reaches the
-        // client only as the answer to the read it was widened from.
-        let purpose = self
-            .cache
-            .as_ref()
-            .and_then(|c| c.ahead.purpose(frame.cookie));
-        let ours = purpose.is_some();
-        if !ours {
-            writer.append(&header[..header_len]).await?;
-        }
-        if frame.is_error_chunk() {
-            // Small (a message of at most 4 KiB): read whole and checked,
-            // so a message longer than its chunk never reaches the client.
-            let mut payload = vec![0u8; frame.payload_len as usize];
-            self.upstream
-                .read_exact(&mut payload)
-                .await
-                .map_err(eof())?;
-            check_error_payload(frame.kind, &payload).map_err(ConnError::proto(Side::Upstream))?;
-            let error = u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]);
-            if ours {
-                if let Some(filling) = self.filling(frame.cookie, req.as_ref(), purpose) {
-                    filling.error(error);
-                }
-            } else {
-                writer.metrics().error(error);
-                writer.append(&payload).await?;
-            }
-        } else if let (Some(req), true) = (
-            req.filter(|r| r.command == CMD_READ),
-            self.cache.is_some() && frame.payload_len > 0 && (ours || frame.payload_len <= TEE_MAX),
-        ) {
-            self.read_into_cache(&frame, &req, purpose).await?;
-            if !ours {
-                writer.append(&self.scratch).await?;
-            }
-            // A long read-ahead reply must not leave its buffer behind on
-            // every idle connection.
-            if self.scratch.capacity() > TEE_MAX as usize {
-                self.scratch = Vec::new();
+        Ok((header_len, frame))
+    }
+
+    /// An error chunk: small (a message of at most 4 KiB), read whole and
+    /// checked, so a message longer than its chunk never reaches the
+    /// client.
+    async fn relay_error_chunk<W: AsyncWrite + Unpin>(
+        &mut self,
+        frame: &ReplyFrame,
+        req: Option<&InFlight>,
+        purpose: Option<Purpose>,
+        writer: &mut ReplyWriter<'_, W>,
+    ) -> Result<(), ConnError> {
+        let eof = || ConnError::io(Side::Upstream, "in the middle of a reply");
+        let mut payload = vec![0u8; frame.payload_len as usize];
+        self.upstream
+            .read_exact(&mut payload)
+            .await
+            .map_err(eof())?;
+        check_error_payload(frame.kind, &payload).map_err(ConnError::proto(Side::Upstream))?;
+        let error = u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]);
+        if purpose.is_some() {
+            if let Some(filling) = self.filling(frame.cookie, req, purpose) {
+                filling.error(error);
             }
         } else {
-            writer
+            writer.metrics().error(error);
+            writer.append(&payload).await?;
+        }
+        Ok(())
+    }
+
+    /// A chunk's payload (not an error's): streamed to the client as it
+    /// comes, or, for a read whose reply the cache takes, read whole and
+    /// given to the cache on its way. Whether the cache takes a reply is
+    /// decided by the read, not by each chunk: nbdgw's own reads, and
+    /// client reads at most `TEE_MAX` long. A longer client read is
+    /// relayed wholly uncached, so that no chunk of it is cached without
+    /// every other chunk of its reply having been seen (a small chunk
+    /// could overlap a long one streamed past unrecorded).
+    async fn relay_payload<W: AsyncWrite + Unpin>(
+        &mut self,
+        frame: &ReplyFrame,
+        req: Option<&InFlight>,
+        purpose: Option<Purpose>,
+        writer: &mut ReplyWriter<'_, W>,
+    ) -> Result<(), ConnError> {
+        let ours = purpose.is_some();
+        let teed = req
+            .filter(|r| r.command == CMD_READ)
+            .filter(|r| self.cache.is_some() && (ours || r.length <= TEE_MAX));
+        let Some(req) = teed.filter(|_| frame.payload_len > 0) else {
+            return writer
                 .append_from(&mut self.upstream, frame.payload_len)
-                .await?;
+                .await;
+        };
+        // parse_reply holds each chunk to the read it answers (data no
+        // longer than the read, after its 8-byte offset; a hole of 12
+        // bytes): what is buffered is at most a read nbdgw tees, `TEE_MAX`
+        // or its own read-ahead (`--read-ahead`, at most `--max-payload`).
+        self.read_into_cache(frame, req, purpose).await?;
+        if !ours {
+            writer.append(&self.scratch).await?;
         }
-        if frame.simple_error != 0 {
-            if !ours {
-                writer.metrics().error(frame.simple_error);
-            } else if let Some(filling) = self.filling(frame.cookie, req.as_ref(), purpose) {
-                filling.error(frame.simple_error);
-            }
+        // A long read-ahead reply must not leave its buffer behind on
+        // every idle connection.
+        if self.scratch.capacity() > TEE_MAX as usize {
+            self.scratch = Vec::new();
         }
-        if frame.done {
-            if let Some(cache) = &self.cache {
-                cache.reply_done(frame.cookie);
-            }
-            let Some(purpose) = purpose else {
-                return self.finish(frame.cookie, writer).await;
-            };
-            if let Some(cache) = &self.cache {
-                // Before completing, so that a client request reusing the
-                // cookie is never taken for one of nbdgw's.
-                cache.ahead.done(frame.cookie);
-            }
-            self.flight.complete(frame.cookie);
-            let filling = self.fills.remove(&frame.cookie);
-            if let Purpose::Fill(request) = purpose {
-                self.answer_fill(&request, filling, writer).await?;
-            }
+        Ok(())
+    }
+
+    /// `cookie`'s reply is complete: a client's is finished, one of
+    /// nbdgw's own leaves the flight (and a fill answers its client).
+    async fn reply_done<W: AsyncWrite + Unpin>(
+        &mut self,
+        cookie: u64,
+        purpose: Option<Purpose>,
+        writer: &mut ReplyWriter<'_, W>,
+    ) -> Result<(), ConnError> {
+        if let Some(cache) = &self.cache {
+            cache.reply_done(cookie);
+        }
+        let Some(purpose) = purpose else {
+            return self.finish(cookie, writer).await;
+        };
+        if let Some(cache) = &self.cache {
+            // Before completing, so that a client request reusing the
+            // cookie is never taken for one of nbdgw's.
+            cache.ahead.done(cookie);
+        }
+        self.flight.complete(cookie);
+        let filling = self.fills.remove(&cookie);
+        if let Purpose::Fill(request) = purpose {
+            self.answer_fill(&request, filling, writer).await?;
         }
         Ok(())
     }
@@ -394,7 +455,12 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
     ) -> Result<(), ConnError> {
         let answer = match (filling, &self.cache) {
             (Some(filling), Some(cache)) => {
-                filling.finish(request, |at, blocks| cache.handle.fill(at, blocks, false))
+                let handle = &cache.handle;
+                filling.finish(
+                    request,
+                    |at, blocks| handle.fill(at, blocks, false),
+                    |fault, range, what| handle.upstream_fault(fault, range, what),
+                )
             }
             // A reply with no data, hole or error for a read.
             _ => Err(EIO),
@@ -439,58 +505,43 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
         req: &InFlight,
         purpose: Option<Purpose>,
     ) -> Result<(), ConnError> {
-        let eof = || ConnError::io(Side::Upstream, "in the middle of a reply");
-        // Bounded by parse_reply: at most the longest reply accepted. Read
-        // into spare capacity, which is not zeroed first.
+        // Bounded by parse_reply: at most the read's length and a chunk's
+        // fields. Read into spare capacity, which is not zeroed first.
         self.scratch.clear();
         self.scratch.reserve(frame.payload_len as usize);
         let read = (&mut self.upstream)
             .take(frame.payload_len)
             .read_to_end(&mut self.scratch)
             .await
-            .map_err(eof())?;
+            .map_err(ConnError::io(Side::Upstream, "in the middle of a reply"))?;
         if read as u64 != frame.payload_len {
             return Err(ConnError::closed(
                 Side::Upstream,
                 "in the middle of a reply",
             ));
         }
-        let Some(cache) = &self.cache else {
-            return Ok(());
-        };
-        let payload = &self.scratch[..];
-        let offset = || payload.get(..8).map(|b| be_u64(b, 0));
         if let Some(Purpose::Fill(_)) = purpose {
             let filling = self
                 .fills
                 .entry(frame.cookie)
                 .or_insert_with(|| Filling::new(req));
-            match frame.kind {
-                0 if frame.simple_error == 0 => filling.data(req.offset, payload),
-                REPLY_TYPE_OFFSET_DATA => match offset() {
-                    Some(offset) => filling.data(offset, &payload[8..]),
-                    None => filling.error(EIO),
-                },
-                REPLY_TYPE_OFFSET_HOLE => match (offset(), payload.get(8..12)) {
-                    (Some(offset), Some(len)) => filling.hole(offset, be_u32(len, 0).into()),
-                    _ => filling.error(EIO),
-                },
-                _ => filling.error(EIO),
-            }
+            fill_from_chunk(filling, frame, req, &self.scratch);
             return Ok(());
         }
+        let Some(cache) = &self.cache else {
+            return Ok(());
+        };
+        let payload = &self.scratch[..];
         let ours = purpose.is_some();
-        match frame.kind {
-            0 if frame.simple_error == 0 => {
+        match (frame.kind, chunk_offset(payload)) {
+            (0, _) if frame.simple_error == 0 => {
                 cache.data(frame.cookie, req, req.offset, payload, ours)
             }
-            REPLY_TYPE_OFFSET_DATA => {
-                if let Some(offset) = offset() {
-                    cache.data(frame.cookie, req, offset, &payload[8..], ours);
-                }
+            (REPLY_TYPE_OFFSET_DATA, Some(offset)) => {
+                cache.data(frame.cookie, req, offset, &payload[8..], ours)
             }
-            REPLY_TYPE_OFFSET_HOLE => {
-                if let (Some(offset), Some(len)) = (offset(), payload.get(8..12)) {
+            (REPLY_TYPE_OFFSET_HOLE, Some(offset)) => {
+                if let Some(len) = payload.get(8..12) {
                     cache.hole(frame.cookie, req, offset, be_u32(len, 0).into(), ours);
                 }
             }
@@ -509,5 +560,24 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
             writer.metrics().answered(command_name(command), took);
         }
         writer.end_of_reply().await
+    }
+}
+
+/// The offset an OFFSET_DATA or OFFSET_HOLE chunk's payload starts with.
+fn chunk_offset(payload: &[u8]) -> Option<u64> {
+    payload.get(..8).map(|b| be_u64(b, 0))
+}
+
+/// What a chunk of a fill read's reply (`payload`, of `frame`) says of
+/// the export's bytes, into the fill.
+fn fill_from_chunk(filling: &mut Filling, frame: &ReplyFrame, req: &InFlight, payload: &[u8]) {
+    match (frame.kind, chunk_offset(payload)) {
+        (0, _) if frame.simple_error == 0 => filling.data(req.offset, payload),
+        (REPLY_TYPE_OFFSET_DATA, Some(offset)) => filling.data(offset, &payload[8..]),
+        (REPLY_TYPE_OFFSET_HOLE, Some(offset)) => match payload.get(8..12) {
+            Some(len) => filling.hole(offset, be_u32(len, 0).into()),
+            None => filling.error(EIO),
+        },
+        _ => filling.error(EIO),
     }
 }
