@@ -45,7 +45,11 @@ pub enum ConnError {
         when: &'static str,
         after: Duration,
     },
-    #[error("negotiation not finished within {0:?} of accept")]
+    /// `--handshake-timeout` (a connection whose slot came late in line
+    /// had half of it from then, see `Admission::session_deadline`).
+    #[error(
+        "negotiation not finished within {0:?} of accept (or of a late handshake slot, half of it)"
+    )]
     HandshakeTimeout(Duration),
     #[error("idle for {0:?} with no request in flight")]
     IdleTimeout(Duration),
