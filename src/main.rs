@@ -105,36 +105,10 @@ fn certs(args: CertsArgs) -> Result<()> {
 /// socket is touched, then the local listener served.
 fn client(args: ClientArgs) -> Result<()> {
     use nbdgw::client::{self, ClientSettings, LocalListener};
-    use nbdgw::tls::client::{ClientReloader, ClientTlsPolicy, ClientTlsSources};
     init_logging(args.log_format);
     let (host, port) = client::parse_server(&args.server)?;
     let server_name = client::server_name(args.server_name.as_deref().unwrap_or(&host))?;
-    let sources = ClientTlsSources {
-        dir: args.tls_dir.clone(),
-        ca: args.tls_ca.clone(),
-        cert: args.tls_cert.clone(),
-        key: args.tls_key.clone(),
-    };
-    let paths = sources.resolve().context("client TLS files")?;
-    let policy = ClientTlsPolicy {
-        min_version: args.tls_min_version,
-        groups: args.tls_groups.clone(),
-    };
-    let (reloader, loaded) =
-        ClientReloader::start(paths.clone(), policy).context("client TLS files")?;
-    let identity = loaded
-        .identity
-        .as_ref()
-        .map_or_else(|| "none".to_string(), |i| i.to_string());
-    info!(
-        layout = paths.layout.unwrap_or("files"),
-        ca = %paths.ca.display(),
-        cas = loaded.cas,
-        crls = loaded.crls,
-        client_certificate = %identity,
-        server_name = ?server_name,
-        "client TLS loaded"
-    );
+    let (paths, reloader) = client_tls(&args, &server_name)?;
     let keepalive = (args.tcp_keepalive > 0).then(|| Keepalive {
         idle: Duration::from_secs(args.tcp_keepalive),
         ..Keepalive::default()
@@ -189,11 +163,68 @@ fn client(args: ClientArgs) -> Result<()> {
             let (metrics, health) = (settings.metrics.clone(), settings.health.clone());
             tokio::spawn(nbdgw::admin::serve(admin, metrics, health, limits));
         }
-        client::log_start(&listener, &settings, paths.layout.unwrap_or("files"));
+        client::log_start(
+            &listener,
+            &settings,
+            paths.layout.unwrap_or("files"),
+            &args.tls_groups,
+        );
         notify(&[NotifyState::Ready]);
         client::run(listener, Arc::new(settings), stopping()).await?;
         Ok(())
     })
+}
+
+/// Client mode's first load of its TLS files, whose failure stops the
+/// start; the groups are checked first, so that their error is not
+/// reported as one of the files'.
+fn client_tls(
+    args: &ClientArgs,
+    server_name: &rustls::pki_types::ServerName<'static>,
+) -> Result<(
+    nbdgw::tls::client::ClientTlsPaths,
+    nbdgw::tls::client::ClientReloader,
+)> {
+    use nbdgw::tls::client::{ClientReloader, ClientTlsPolicy, ClientTlsSources};
+    check_groups(&args.tls_groups, args.tls_min_version)?;
+    let sources = ClientTlsSources {
+        dir: args.tls_dir.clone(),
+        ca: args.tls_ca.clone(),
+        cert: args.tls_cert.clone(),
+        key: args.tls_key.clone(),
+    };
+    let paths = sources.resolve().context("client TLS files")?;
+    let policy = ClientTlsPolicy {
+        min_version: args.tls_min_version,
+        groups: args.tls_groups.clone(),
+    };
+    let (reloader, loaded) =
+        ClientReloader::start(paths.clone(), policy).context("client TLS files")?;
+    let identity = loaded
+        .identity
+        .as_ref()
+        .map_or_else(|| "none".to_string(), |i| i.to_string());
+    info!(
+        layout = paths.layout.unwrap_or("files"),
+        ca = %paths.ca.display(),
+        cas = loaded.cas,
+        crls = loaded.crls,
+        client_certificate = %identity,
+        server_name = ?server_name,
+        "client TLS loaded"
+    );
+    Ok((paths, reloader))
+}
+
+/// `--tls-groups`, either mode: a list with no group TLS 1.2 can use
+/// while TLS 1.2 is allowed stops the start; a pure ML-KEM list is
+/// taken, with a warning.
+fn check_groups(groups: &nbdgw::tls::KxGroups, min_version: nbdgw::tls::MinVersion) -> Result<()> {
+    nbdgw::tls::check_groups(groups, min_version)?;
+    if let Some(warning) = groups.pure_mlkem_warning() {
+        warn!("{warning}");
+    }
+    Ok(())
 }
 
 /// `--threads`: 0 is one per CPU.
@@ -683,6 +714,7 @@ fn tls_reloader(args: &ServeArgs, secret_extraction: bool) -> Result<Reloader> {
         cipher_order: args.tls_cipher_order,
         groups: args.tls_groups.clone(),
     };
+    check_groups(&args.tls_groups, args.tls_min_version)?;
     Reloader::start(sources, policy).context("loading the TLS files")
 }
 
