@@ -104,48 +104,12 @@ fn certs(args: CertsArgs) -> Result<()> {
 /// `nbdgw client`: the files read and the settings fixed before any
 /// socket is touched, then the local listener served.
 fn client(args: ClientArgs) -> Result<()> {
-    use nbdgw::client::{self, ClientSettings, LocalListener};
+    use nbdgw::client::{self, LocalListener};
     init_logging(args.log_format);
     let (host, port) = client::parse_server(&args.server)?;
     let server_name = client::server_name(args.server_name.as_deref().unwrap_or(&host))?;
     let (paths, reloader) = client_tls(&args, &server_name)?;
-    let keepalive = (args.tcp_keepalive > 0).then(|| Keepalive {
-        idle: Duration::from_secs(args.tcp_keepalive),
-        ..Keepalive::default()
-    });
-    if args.server_timeout >= args.handshake_timeout {
-        warn!(
-            server_timeout = args.server_timeout,
-            handshake_timeout = args.handshake_timeout,
-            "--server-timeout is not below --handshake-timeout: a local client waiting on a slow server is cut before it hears why"
-        );
-    }
-    let mut max_connections = args.max_connections;
-    fit_client_fd_limit(&mut max_connections, args.admin_listen.is_some())?;
-    let settings = ClientSettings {
-        server: args.server.clone(),
-        host,
-        port,
-        server_name,
-        tls: reloader.store(),
-        server_timeout: Duration::from_secs(args.server_timeout),
-        handshake_timeout: Duration::from_secs(args.handshake_timeout),
-        idle_timeout: seconds_or_off(args.idle_timeout),
-        stall_timeout: seconds_or_off(args.stall_timeout),
-        keepalive,
-        max_payload: args.max_payload,
-        max_option_len: args.max_option_len,
-        max_connections,
-        cork: nbdgw::config::Cork::Deferred,
-        shutdown_grace: Duration::from_secs(args.shutdown_grace),
-        reconnect: args.reconnect.then(|| client::Reconnect {
-            timeout: Duration::from_secs(args.reconnect_timeout),
-            replay_buffer: args.replay_buffer,
-            reply_buffer: args.reply_buffer,
-        }),
-        metrics: Arc::new(nbdgw::metrics::Metrics::client_mode()),
-        health: Arc::default(),
-    };
+    let settings = client_settings(&args, (host, port, server_name), reloader.store())?;
     let admin = args
         .admin_listen
         .map(|addr| {
@@ -172,6 +136,53 @@ fn client(args: ClientArgs) -> Result<()> {
         notify(&[NotifyState::Ready]);
         client::run(listener, Arc::new(settings), stopping()).await?;
         Ok(())
+    })
+}
+
+/// Client mode's settings from its flags; `server` is the server's host,
+/// port and the name its certificate must carry.
+fn client_settings(
+    args: &ClientArgs,
+    (host, port, server_name): (String, u16, rustls::pki_types::ServerName<'static>),
+    tls: Arc<nbdgw::reload::Swap<rustls::ClientConfig>>,
+) -> Result<nbdgw::client::ClientSettings> {
+    use nbdgw::client::{self, ClientSettings};
+    let keepalive = (args.tcp_keepalive > 0).then(|| Keepalive {
+        idle: Duration::from_secs(args.tcp_keepalive),
+        ..Keepalive::default()
+    });
+    if args.server_timeout >= args.handshake_timeout {
+        warn!(
+            server_timeout = args.server_timeout,
+            handshake_timeout = args.handshake_timeout,
+            "--server-timeout is not below --handshake-timeout: a local client waiting on a slow server is cut before it hears why"
+        );
+    }
+    let mut max_connections = args.max_connections;
+    fit_client_fd_limit(&mut max_connections, args.admin_listen.is_some())?;
+    Ok(ClientSettings {
+        server: args.server.clone(),
+        host,
+        port,
+        server_name,
+        tls,
+        server_timeout: Duration::from_secs(args.server_timeout),
+        handshake_timeout: Duration::from_secs(args.handshake_timeout),
+        idle_timeout: seconds_or_off(args.idle_timeout),
+        stall_timeout: seconds_or_off(args.stall_timeout),
+        keepalive,
+        max_payload: args.max_payload,
+        max_option_len: args.max_option_len,
+        max_connections,
+        cork: nbdgw::config::Cork::Deferred,
+        shutdown_grace: Duration::from_secs(args.shutdown_grace),
+        reconnect: args.reconnect.then(|| client::Reconnect {
+            timeout: Duration::from_secs(args.reconnect_timeout),
+            replay_buffer: args.replay_buffer,
+            reply_buffer: args.reply_buffer,
+        }),
+        metrics: Arc::new(nbdgw::metrics::Metrics::client_mode()),
+        health: Arc::default(),
     })
 }
 

@@ -490,6 +490,28 @@ fn write_in(dir: &Path, name: &str, text: &str) -> PathBuf {
     path
 }
 
+/// nbd-client, refused, failed on its own (not killed by its timeout)
+/// and left the kernel no disk.
+fn refused_without_a_disk(
+    nbd_client: &'static str,
+    device: &Path,
+    attach: &Output,
+    started: Instant,
+    who: &str,
+) {
+    let _detach = Detach(nbd_client, device);
+    assert!(
+        !attach.status.success(),
+        "{who}: attached\n{}",
+        output(attach)
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(110),
+        "{who}: nbd-client hung until killed"
+    );
+    assert_eq!(sectors(device), 0, "{who}: the kernel has a disk");
+}
+
 #[test]
 fn nbd_client_own_tls_with_a_refused_certificate_gets_no_disk() {
     let Some(nbd_client) = kernel_nbd() else {
@@ -549,17 +571,7 @@ fn nbd_client_own_tls_with_a_refused_certificate_gets_no_disk() {
             pattern_reaches_the_image(&rig, &device, 36, who, false);
             continue;
         }
-        let _detach = Detach(nbd_client, &device);
-        assert!(
-            !attach.status.success(),
-            "{who}: attached\n{}",
-            output(&attach)
-        );
-        assert!(
-            started.elapsed() < Duration::from_secs(110),
-            "{who}: nbd-client hung until killed"
-        );
-        assert_eq!(sectors(&device), 0, "{who}: the kernel has a disk");
+        refused_without_a_disk(nbd_client, &device, &attach, started, who);
         server.wait_for_log(refusals[n - 1], 1);
     }
 }

@@ -298,12 +298,7 @@ fn groups_survive_a_certificate_reload_on_both_sides() {
     let image = env.random_image("disk.img", SIZE, 31);
     let upstream = QemuNbd::start(&env, &image, &[]);
     let (ca, live) = (env.path("ca"), env.path("live"));
-    let kept = run_ok(
-        Command::new(common::process::nbdgw_binary())
-            .args(["certs", "--keep-ca-key", "--out"])
-            .arg(&ca),
-    );
-    assert!(kept.status.success(), "{}", text(&kept));
+    keep_a_ca(&ca);
     issue_from(&ca, &live, false);
     let (server_admin, client_admin) = (free_port(), free_port());
     let no_poll = ["--tls-reload-interval", "0"];
@@ -350,22 +345,41 @@ fn groups_survive_a_certificate_reload_on_both_sides() {
     // A connection after the reload: both ends still agree on secp384r1
     // (client mode's secp256r1 share is refused: a HelloRetryRequest).
     copy_through(&env, &client);
-    for (who, log) in [("server", server.log()), ("client mode", client.log())] {
-        let lines = tls_lines(&log);
-        assert!(
-            lines.len() > before,
-            "{who}: no session after the reload:\n{log}"
-        );
-        assert!(
-            lines.iter().all(|l| l.contains("key_exchange=secp384r1 ")),
-            "{who} after the reload:\n{}",
-            lines.join("\n")
-        );
-    }
+    let after = all_sessions_with("secp384r1", &[&server, &client], before);
     let sessions = sessions_with("secp384r1");
-    let after = tls_lines(&server.log()).len() as f64;
-    assert_eq!(sample(&metrics(server_admin), &sessions), after);
-    assert_eq!(sample(&metrics(client_admin), &sessions), after);
+    assert_eq!(sample(&metrics(server_admin), &sessions), after as f64);
+    assert_eq!(sample(&metrics(client_admin), &sessions), after as f64);
+}
+
+/// A CA whose key `nbdgw certs` keeps, in `dir`.
+fn keep_a_ca(dir: &Path) {
+    let kept = run_ok(
+        Command::new(common::process::nbdgw_binary())
+            .args(["certs", "--keep-ca-key", "--out"])
+            .arg(dir),
+    );
+    assert!(kept.status.success(), "{}", text(&kept));
+}
+
+/// Every TLS session of each process negotiated `group`, and each has
+/// more than `before`; returns how many the first has.
+fn all_sessions_with(group: &str, processes: &[&NbdgwProcess], before: usize) -> usize {
+    let expected = format!("key_exchange={group} ");
+    let counts: Vec<usize> = processes
+        .iter()
+        .map(|p| {
+            let log = p.log();
+            let lines = tls_lines(&log);
+            assert!(lines.len() > before, "no new session:\n{log}");
+            assert!(
+                lines.iter().all(|l| l.contains(&expected)),
+                "a session without {group}:\n{}",
+                lines.join("\n")
+            );
+            lines.len()
+        })
+        .collect();
+    counts[0]
 }
 
 #[test]
