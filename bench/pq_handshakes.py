@@ -189,7 +189,10 @@ def main():
             procs.stop()
 
 
-def run(procs, tmp, args):
+def setup(procs, tmp):
+    """The upstream, the servers, client mode and a relay in front of each
+    case's server; returns the cases (URI, nbdgw processes whose CPU
+    counts: "server", "client") and the relays (hello sizes) by name."""
     subprocess.run([procs.nbdgw, "certs", "--out", os.path.join(tmp, "certs")], check=True,
                    capture_output=True)
     image = os.path.join(tmp, "disk.img")
@@ -211,8 +214,6 @@ def run(procs, tmp, args):
         relays[key] = Relay(port)
         return relays[key].port
 
-    # Each case: the URI the driver connects to, and the nbdgw processes
-    # whose CPU counts ("server", "client").
     hy, hy_sock = procs.client_mode("client-hybrid", relay_for("pair hybrid", sport), [])
     cl, cl_sock = procs.client_mode("client-classical", relay_for("pair classical", sport),
                                     ["--tls-groups", CLASSICAL])
@@ -224,7 +225,12 @@ def run(procs, tmp, args):
     if procs.base:
         base, bport = procs.server("server-base", procs.base, upstream, [])
         cases["gnutls base"] = (nbds(relay_for("gnutls base", bport)), {"server": base})
+    return cases, relays
 
+
+def measure(cases, args):
+    """Every case each round, the order rotated: CPU us per handshake of
+    each process, and handshakes per second, one sample per round."""
     names = list(cases)
     cpu = {(n, who): [] for n in names for who in cases[n][1]}
     rate = {n: [] for n in names}
@@ -238,16 +244,22 @@ def run(procs, tmp, args):
                 cpu[(name, k)].append((cpu_seconds(p.pid) - before[k]) * 1e6 / args.handshakes)
             rate[name].append(result["per_s"])
         print(f"round {r + 1}/{args.rounds}: {' > '.join(order)}", file=sys.stderr)
+    return cpu, rate
 
-    def span(xs, fmt="{:.0f}"):
-        return f"{fmt.format(statistics.median(xs))} ({fmt.format(min(xs))}–{fmt.format(max(xs))})"
 
+def span(xs, fmt="{:.0f}"):
+    return f"{fmt.format(statistics.median(xs))} ({fmt.format(min(xs))}–{fmt.format(max(xs))})"
+
+
+def run(procs, tmp, args):
+    cases, relays = setup(procs, tmp)
+    cpu, rate = measure(cases, args)
     print(f"{args.rounds} rounds of {args.handshakes} handshakes per case, order rotated each round;"
           " medians (min–max over rounds)\n")
     print("| case | server CPU us/handshake | client mode CPU us/handshake | handshakes/s |"
           " ClientHello bytes | ServerHello bytes |")
     print("|---|---|---|---|---|---|")
-    for name in names:
+    for name in cases:
         hellos = relays[name].hellos
         ch = sorted({c for c, _ in hellos})
         sh = sorted({s for _, s in hellos})

@@ -133,8 +133,9 @@ pub struct ClientArgs {
     /// comma-separated, as rustls and OpenSSL name them: X25519MLKEM768
     /// (hybrid post-quantum), secp256r1MLKEM768, X25519, secp256r1
     /// (P-256), secp384r1 (P-384), MLKEM768, MLKEM1024. The first gets a
-    /// key share in the ClientHello (a hybrid's X25519 half too); a
-    /// server with neither costs a HelloRetryRequest.
+    /// key share in the ClientHello (with the default order, a hybrid's
+    /// X25519 half too); a server with neither costs a HelloRetryRequest.
+    /// Pure ML-KEM groups are an expert's choice (a warning at start).
     #[arg(long, env = "NBDGW_CLIENT_TLS_GROUPS", value_name = "GROUPS", default_value = crate::tls::groups::DEFAULT_GROUPS, value_parser = crate::tls::KxGroups::parse)]
     pub tls_groups: crate::tls::KxGroups,
     /// Seconds between looks at the TLS files for changes (a new CA

@@ -288,11 +288,17 @@ async fn accept(listener: &LocalListener) -> std::io::Result<(Stream, String)> {
 }
 
 /// Logged once at start.
-pub fn log_start(listener: &LocalListener, settings: &ClientSettings, tls: &str) {
+pub fn log_start(
+    listener: &LocalListener,
+    settings: &ClientSettings,
+    tls: &str,
+    groups: &crate::tls::KxGroups,
+) {
     info!(
         listen = %listener.describe(),
         server = %settings.server,
         tls = %tls,
+        %groups,
         "nbdgw client listening"
     );
 }

@@ -104,11 +104,101 @@ fn certs(args: CertsArgs) -> Result<()> {
 /// `nbdgw client`: the files read and the settings fixed before any
 /// socket is touched, then the local listener served.
 fn client(args: ClientArgs) -> Result<()> {
-    use nbdgw::client::{self, ClientSettings, LocalListener};
-    use nbdgw::tls::client::{ClientReloader, ClientTlsPolicy, ClientTlsSources};
+    use nbdgw::client::{self, LocalListener};
     init_logging(args.log_format);
     let (host, port) = client::parse_server(&args.server)?;
     let server_name = client::server_name(args.server_name.as_deref().unwrap_or(&host))?;
+    let (paths, reloader) = client_tls(&args, &server_name)?;
+    let settings = client_settings(&args, (host, port, server_name), reloader.store())?;
+    let admin = args
+        .admin_listen
+        .map(|addr| {
+            std::net::TcpListener::bind(addr).with_context(|| format!("--admin-listen {addr}"))
+        })
+        .transpose()?;
+    let runtime = runtime(worker_threads(args.threads))?;
+    runtime.block_on(async move {
+        let listener = LocalListener::bind(&args.listen)?;
+        tokio::spawn(reloader.watch(seconds_or_off(args.tls_reload_interval)));
+        if let Some(admin) = admin {
+            let admin = async_listener(admin)?;
+            info!(admin = %display_addr(&admin), "admin endpoints: /healthz /readyz /server /metrics");
+            let limits = nbdgw::admin::AdminLimits::default();
+            let (metrics, health) = (settings.metrics.clone(), settings.health.clone());
+            tokio::spawn(nbdgw::admin::serve(admin, metrics, health, limits));
+        }
+        client::log_start(
+            &listener,
+            &settings,
+            paths.layout.unwrap_or("files"),
+            &args.tls_groups,
+        );
+        notify(&[NotifyState::Ready]);
+        let drain_answer = args.drain_answer;
+        client::run(listener, Arc::new(settings), (stopping(), drain_answer)).await?;
+        Ok(())
+    })
+}
+
+/// Client mode's settings from its flags; `server` is the server's host,
+/// port and the name its certificate must carry.
+fn client_settings(
+    args: &ClientArgs,
+    (host, port, server_name): (String, u16, rustls::pki_types::ServerName<'static>),
+    tls: Arc<nbdgw::reload::Swap<rustls::ClientConfig>>,
+) -> Result<nbdgw::client::ClientSettings> {
+    use nbdgw::client::{self, ClientSettings};
+    let keepalive = (args.tcp_keepalive > 0).then(|| Keepalive {
+        idle: Duration::from_secs(args.tcp_keepalive),
+        ..Keepalive::default()
+    });
+    if args.server_timeout >= args.handshake_timeout {
+        warn!(
+            server_timeout = args.server_timeout,
+            handshake_timeout = args.handshake_timeout,
+            "--server-timeout is not below --handshake-timeout: a local client waiting on a slow server is cut before it hears why"
+        );
+    }
+    let mut max_connections = args.max_connections;
+    fit_client_fd_limit(&mut max_connections, args.admin_listen.is_some())?;
+    Ok(ClientSettings {
+        server: args.server.clone(),
+        host,
+        port,
+        server_name,
+        tls,
+        server_timeout: Duration::from_secs(args.server_timeout),
+        handshake_timeout: Duration::from_secs(args.handshake_timeout),
+        idle_timeout: seconds_or_off(args.idle_timeout),
+        stall_timeout: seconds_or_off(args.stall_timeout),
+        keepalive,
+        max_payload: args.max_payload,
+        max_option_len: args.max_option_len,
+        max_connections,
+        cork: nbdgw::config::Cork::Deferred,
+        shutdown_grace: Duration::from_secs(args.shutdown_grace),
+        reconnect: args.reconnect.then(|| client::Reconnect {
+            timeout: Duration::from_secs(args.reconnect_timeout),
+            replay_buffer: args.replay_buffer,
+            reply_buffer: args.reply_buffer,
+        }),
+        metrics: Arc::new(nbdgw::metrics::Metrics::client_mode()),
+        health: Arc::default(),
+    })
+}
+
+/// Client mode's first load of its TLS files, whose failure stops the
+/// start; the groups are checked first, so that their error is not
+/// reported as one of the files'.
+fn client_tls(
+    args: &ClientArgs,
+    server_name: &rustls::pki_types::ServerName<'static>,
+) -> Result<(
+    nbdgw::tls::client::ClientTlsPaths,
+    nbdgw::tls::client::ClientReloader,
+)> {
+    use nbdgw::tls::client::{ClientReloader, ClientTlsPolicy, ClientTlsSources};
+    check_groups(&args.tls_groups, args.tls_min_version)?;
     let sources = ClientTlsSources {
         dir: args.tls_dir.clone(),
         ca: args.tls_ca.clone(),
@@ -135,66 +225,18 @@ fn client(args: ClientArgs) -> Result<()> {
         server_name = ?server_name,
         "client TLS loaded"
     );
-    let keepalive = (args.tcp_keepalive > 0).then(|| Keepalive {
-        idle: Duration::from_secs(args.tcp_keepalive),
-        ..Keepalive::default()
-    });
-    if args.server_timeout >= args.handshake_timeout {
-        warn!(
-            server_timeout = args.server_timeout,
-            handshake_timeout = args.handshake_timeout,
-            "--server-timeout is not below --handshake-timeout: a local client waiting on a slow server is cut before it hears why"
-        );
+    Ok((paths, reloader))
+}
+
+/// `--tls-groups`, either mode: a list with no group TLS 1.2 can use
+/// while TLS 1.2 is allowed stops the start; a pure ML-KEM list is
+/// taken, with a warning.
+fn check_groups(groups: &nbdgw::tls::KxGroups, min_version: nbdgw::tls::MinVersion) -> Result<()> {
+    nbdgw::tls::check_groups(groups, min_version)?;
+    if let Some(warning) = groups.pure_mlkem_warning() {
+        warn!("{warning}");
     }
-    let mut max_connections = args.max_connections;
-    fit_client_fd_limit(&mut max_connections, args.admin_listen.is_some())?;
-    let settings = ClientSettings {
-        server: args.server.clone(),
-        host,
-        port,
-        server_name,
-        tls: reloader.store(),
-        server_timeout: Duration::from_secs(args.server_timeout),
-        handshake_timeout: Duration::from_secs(args.handshake_timeout),
-        idle_timeout: seconds_or_off(args.idle_timeout),
-        stall_timeout: seconds_or_off(args.stall_timeout),
-        keepalive,
-        max_payload: args.max_payload,
-        max_option_len: args.max_option_len,
-        max_connections,
-        cork: nbdgw::config::Cork::Deferred,
-        shutdown_grace: Duration::from_secs(args.shutdown_grace),
-        reconnect: args.reconnect.then(|| client::Reconnect {
-            timeout: Duration::from_secs(args.reconnect_timeout),
-            replay_buffer: args.replay_buffer,
-            reply_buffer: args.reply_buffer,
-        }),
-        metrics: Arc::new(nbdgw::metrics::Metrics::client_mode()),
-        health: Arc::default(),
-    };
-    let admin = args
-        .admin_listen
-        .map(|addr| {
-            std::net::TcpListener::bind(addr).with_context(|| format!("--admin-listen {addr}"))
-        })
-        .transpose()?;
-    let runtime = runtime(worker_threads(args.threads))?;
-    runtime.block_on(async move {
-        let listener = LocalListener::bind(&args.listen)?;
-        tokio::spawn(reloader.watch(seconds_or_off(args.tls_reload_interval)));
-        if let Some(admin) = admin {
-            let admin = async_listener(admin)?;
-            info!(admin = %display_addr(&admin), "admin endpoints: /healthz /readyz /server /metrics");
-            let limits = nbdgw::admin::AdminLimits::default();
-            let (metrics, health) = (settings.metrics.clone(), settings.health.clone());
-            tokio::spawn(nbdgw::admin::serve(admin, metrics, health, limits));
-        }
-        client::log_start(&listener, &settings, paths.layout.unwrap_or("files"));
-        notify(&[NotifyState::Ready]);
-        let drain_answer = args.drain_answer;
-        client::run(listener, Arc::new(settings), (stopping(), drain_answer)).await?;
-        Ok(())
-    })
+    Ok(())
 }
 
 /// `--threads`: 0 is one per CPU.
@@ -684,6 +726,7 @@ fn tls_reloader(args: &ServeArgs, secret_extraction: bool) -> Result<Reloader> {
         cipher_order: args.tls_cipher_order,
         groups: args.tls_groups.clone(),
     };
+    check_groups(&args.tls_groups, args.tls_min_version)?;
     Reloader::start(sources, policy).context("loading the TLS files")
 }
 

@@ -242,6 +242,8 @@ impl Metrics {
             registry: Registry::default(),
         };
         metrics.register_connections(&mut registry);
+        metrics.register_handshakes(&mut registry);
+        metrics.register_kernel_tls(&mut registry);
         metrics.register_requests(&mut registry, tls);
         metrics.register_exports(&mut registry);
         metrics.register_cache(&mut registry);
@@ -326,6 +328,22 @@ impl Metrics {
             m.sessions_refused.clone(),
         );
         r.register(
+            "received_bytes",
+            "Request bytes received from clients",
+            m.bytes_received.clone(),
+        );
+        r.register(
+            "sent_bytes",
+            "Reply bytes sent to clients",
+            m.bytes_sent.clone(),
+        );
+    }
+
+    /// The handshake slots and queue (`--max-handshakes`), and the
+    /// sources remembered as proven.
+    fn register_handshakes(&self, r: &mut Registry) {
+        let m = self;
+        r.register(
             "handshakes_in_progress",
             "Handshake slots (--max-handshakes) held now",
             m.handshakes_in_progress.clone(),
@@ -355,6 +373,11 @@ impl Metrics {
             "Sources remembered as proven (a client of theirs opened an export with a certificate within --source-memory)",
             m.proven_sources.clone(),
         );
+    }
+
+    /// Sessions handed to the kernel, and their key updates.
+    fn register_kernel_tls(&self, r: &mut Registry) {
+        let m = self;
         r.register(
             "kernel_tls_sessions",
             "TLS sessions handed to the kernel (kTLS) after the handshake",
@@ -369,16 +392,6 @@ impl Metrics {
             "tls_key_updates",
             "TLS 1.3 key updates followed on kernel TLS sessions: rx the client's, tx nbdgw's own",
             m.tls_key_updates.clone(),
-        );
-        r.register(
-            "received_bytes",
-            "Request bytes received from clients",
-            m.bytes_received.clone(),
-        );
-        r.register(
-            "sent_bytes",
-            "Reply bytes sent to clients",
-            m.bytes_sent.clone(),
         );
     }
 

@@ -203,78 +203,40 @@ fn ecdsa_files(env: &Env) -> ServerFiles {
     }
 }
 
-/// An RSA server certificate for localhost from a throw-away RSA CA,
-/// made with openssl (`nbdgw certs` makes ECDSA keys only).
+/// An RSA server certificate for localhost from a throw-away RSA CA
+/// (`nbdgw certs` makes ECDSA keys only), made with rcgen on aws-lc-rs,
+/// which can generate RSA keys: no openssl in the test VM, and no
+/// seconds of prime search in a TCG guest's openssl.
 fn rsa_files(env: &Env) -> ServerFiles {
+    use rcgen::{
+        BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
+        KeyPair, PKCS_RSA_SHA256,
+    };
     let dir = env.path("rsa");
     std::fs::create_dir_all(&dir).unwrap();
-    let openssl = |args: &[&str]| {
-        let out = run(Command::new("openssl").current_dir(&dir).args(args));
-        assert!(
-            out.status.success(),
-            "openssl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+    let rsa = || KeyPair::generate_for(&PKCS_RSA_SHA256).expect("an RSA-2048 key");
+    let ca_key = rsa();
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.distinguished_name
+        .push(DnType::CommonName, "RSA test CA");
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_pem = ca.self_signed(&ca_key).unwrap().pem();
+    let issuer = Issuer::new(ca, ca_key);
+    let key = rsa();
+    let mut leaf = CertificateParams::new(vec!["localhost".into(), "127.0.0.1".into()]).unwrap();
+    leaf.distinguished_name
+        .push(DnType::CommonName, "localhost");
+    leaf.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    let cert = leaf.signed_by(&key, &issuer).unwrap();
+    let write = |name: &str, text: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        path
     };
-    openssl(
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "ca-key.pem",
-        ]
-        .into_iter()
-        .chain([
-            "-out",
-            "ca-cert.pem",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=RSA test CA",
-        ])
-        .collect::<Vec<_>>(),
-    );
-    openssl(&[
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "server-key.pem",
-        "-out",
-        "server.csr",
-        "-subj",
-        "/CN=localhost",
-    ]);
-    std::fs::write(
-        dir.join("ext"),
-        "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
-    )
-    .unwrap();
-    openssl(&[
-        "x509",
-        "-req",
-        "-in",
-        "server.csr",
-        "-CA",
-        "ca-cert.pem",
-        "-CAkey",
-        "ca-key.pem",
-        "-CAcreateserial",
-        "-days",
-        "2",
-        "-out",
-        "server-cert.pem",
-        "-extfile",
-        "ext",
-    ]);
     ServerFiles {
-        cert: dir.join("server-cert.pem"),
-        key: dir.join("server-key.pem"),
-        ca: dir.join("ca-cert.pem"),
+        cert: write("server-cert.pem", &cert.pem()),
+        key: write("server-key.pem", &key.serialize_pem()),
+        ca: write("ca-cert.pem", &ca_pem),
         kind: "RSA",
     }
 }
@@ -375,6 +337,106 @@ fn only_cipher(env: &Env, keep: &str) -> PathBuf {
     file
 }
 
+/// What every attach of the suite test shares: nbd-client, its
+/// identity, the image's qemu-nbd, the test's files.
+struct Rig<'a> {
+    nbd_client: &'static str,
+    identity: (&'a Path, &'a Path),
+    upstream: &'a QemuNbd,
+    env: &'a Env,
+}
+
+/// The suites both nbd-client and nbdgw have: GnuTLS's cipher name, the
+/// TLS 1.2 suite's name after its key exchange and signature.
+const SUITES: [(&str, &str); 3] = [
+    ("AES-128-GCM", "AES_128_GCM_SHA256"),
+    ("AES-256-GCM", "AES_256_GCM_SHA384"),
+    ("CHACHA20-POLY1305", "CHACHA20_POLY1305_SHA256"),
+];
+
+/// The pattern written through `device` (formatted and checked first
+/// if `format`) is in the image; the device is detached after.
+fn pattern_reaches_the_image(rig: &Rig, device: &Path, seed: u64, what: &str, format: bool) {
+    let detach = Detach(rig.nbd_client, device);
+    if format {
+        format_and_check(device);
+    }
+    let data = pattern_through_the_kernel(device, seed);
+    drop(detach);
+    assert!(
+        rig.upstream.read_direct()[SIZE - TAIL..] == data[..],
+        "{what}: the image does not hold the pattern"
+    );
+}
+
+/// nbd-client as it comes, its own choice among nbdgw's: the whole disk
+/// formatted and checked, a pattern written; secp256r1, the group
+/// GnuTLS's NORMAL offers first (README, key exchange).
+fn as_it_comes(rig: &Rig, files: &ServerFiles, client_ca: &Path) {
+    let server = tls_gateway(rig.upstream, files, client_ca, &[]);
+    let device = Path::new("/dev/nbd1");
+    let attach = attach_with_tls(
+        rig.nbd_client,
+        device,
+        server.port,
+        &files.ca,
+        rig.identity,
+        None,
+    );
+    assert!(
+        attach.status.success(),
+        "nbd-client: {}\nserver log:\n{}",
+        output(&attach),
+        server.log()
+    );
+    pattern_reaches_the_image(rig, device, 34, "as it comes", true);
+    let line = last_tls_line(&server);
+    assert!(
+        line.contains(
+            "tls_version=Some(TLSv1_2) cipher_suite=Some(TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256)"
+        ) && line.contains("key_exchange=secp256r1 ")
+            && line.contains("client=subject \"CN=test-client\""),
+        "{line}"
+    );
+}
+
+/// nbd-client with `cipher` the only one in common with nbdgw: the
+/// server's log names `suite`, and a pattern reaches the image.
+fn only_suite(
+    rig: &Rig,
+    server: &NbdgwProcess,
+    files: &ServerFiles,
+    device: &Path,
+    (cipher, suite): (&str, &str),
+    seed: u64,
+) {
+    let only = only_cipher(rig.env, cipher);
+    let attach = attach_with_tls(
+        rig.nbd_client,
+        device,
+        server.port,
+        &files.ca,
+        rig.identity,
+        Some(&only),
+    );
+    assert!(
+        attach.status.success(),
+        "nbd-client with {} only, {} certificate: {}\nserver log:\n{}",
+        cipher,
+        files.kind,
+        output(&attach),
+        server.log()
+    );
+    let what = format!("{cipher}, {}", files.kind);
+    pattern_reaches_the_image(rig, device, seed, &what, false);
+    let expected = format!(
+        "tls_version=Some(TLSv1_2) cipher_suite=Some(TLS_ECDHE_{}_WITH_{suite})",
+        files.kind
+    );
+    let line = last_tls_line(server);
+    assert!(line.contains(&expected), "expected {expected}: {line}");
+}
+
 #[test]
 fn nbd_client_own_tls_attaches_through_the_gateway_with_every_suite() {
     let Some(nbd_client) = kernel_nbd() else {
@@ -384,85 +446,70 @@ fn nbd_client_own_tls_attaches_through_the_gateway_with_every_suite() {
     let image = env.random_image("disk.img", SIZE, 33);
     let upstream = QemuNbd::start(&env, &image, &[]);
     let certs = env.certs();
-    let identity = (certs.join("client-cert.pem"), certs.join("client-key.pem"));
-    let identity = (identity.0.as_path(), identity.1.as_path());
+    let (cert, key) = (certs.join("client-cert.pem"), certs.join("client-key.pem"));
+    let rig = Rig {
+        nbd_client,
+        identity: (&cert, &key),
+        upstream: &upstream,
+        env: &env,
+    };
     let client_ca = certs.join("ca-cert.pem");
-
-    // As nbd-client comes: its own choice among nbdgw's, the whole disk.
-    let ecdsa = ecdsa_files(&env);
-    let server = tls_gateway(&upstream, &ecdsa, &client_ca, &[]);
-    let device = Path::new("/dev/nbd1");
-    let attach = attach_with_tls(nbd_client, device, server.port, &ecdsa.ca, identity, None);
-    assert!(
-        attach.status.success(),
-        "nbd-client: {}\nserver log:\n{}",
-        output(&attach),
-        server.log()
-    );
-    let detach = Detach(nbd_client, device);
-    format_and_check(device);
-    let data = pattern_through_the_kernel(device, 34);
-    drop(detach);
-    assert!(
-        upstream.read_direct()[SIZE - TAIL..] == data[..],
-        "the image does not hold the pattern"
-    );
-    let line = last_tls_line(&server);
-    assert!(
-        line.contains(
-            "tls_version=Some(TLSv1_2) cipher_suite=Some(TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256)"
-        ) && line.contains("client=subject \"CN=test-client\""),
-        "{line}"
-    );
-    drop(server);
+    as_it_comes(&rig, &ecdsa_files(&env), &client_ca);
 
     // Each suite both sides have, the only one in common in turn.
-    let suites = [
-        ("AES-128-GCM", "AES_128_GCM_SHA256"),
-        ("AES-256-GCM", "AES_256_GCM_SHA384"),
-        ("CHACHA20-POLY1305", "CHACHA20_POLY1305_SHA256"),
-    ];
     let mut seed = 40;
-    for (n, files) in [ecdsa, rsa_files(&env)].iter().enumerate() {
+    for (n, files) in [ecdsa_files(&env), rsa_files(&env)].iter().enumerate() {
         let server = tls_gateway(&upstream, files, &client_ca, &[]);
-        for (m, (cipher, suite)) in suites.iter().enumerate() {
+        for (m, &suite) in SUITES.iter().enumerate() {
             seed += 1;
             // A device of its own each time: a detached one may be busy
             // for a moment while the kernel lets it go.
-            let device = PathBuf::from(format!("/dev/nbd{}", 2 + n * suites.len() + m));
-            let only = only_cipher(&env, cipher);
-            let attach = attach_with_tls(
-                nbd_client,
-                &device,
-                server.port,
-                &files.ca,
-                identity,
-                Some(&only),
-            );
-            assert!(
-                attach.status.success(),
-                "nbd-client with {} only, {} certificate: {}\nserver log:\n{}",
-                cipher,
-                files.kind,
-                output(&attach),
-                server.log()
-            );
-            let detach = Detach(nbd_client, &device);
-            let data = pattern_through_the_kernel(&device, seed);
-            drop(detach);
-            assert!(
-                upstream.read_direct()[SIZE - TAIL..] == data[..],
-                "{cipher}, {}: the image does not hold the pattern",
-                files.kind
-            );
-            let expected = format!(
-                "tls_version=Some(TLSv1_2) cipher_suite=Some(TLS_ECDHE_{}_WITH_{suite})",
-                files.kind
-            );
-            let line = last_tls_line(&server);
-            assert!(line.contains(&expected), "expected {expected}: {line}");
+            let device = PathBuf::from(format!("/dev/nbd{}", 2 + n * SUITES.len() + m));
+            only_suite(&rig, &server, files, &device, suite, seed);
         }
     }
+}
+
+/// A CA, the server's certificate from it, written in `dir`.
+fn refusal_pki(dir: &Path) -> (Ca, ServerFiles) {
+    std::fs::create_dir_all(dir).unwrap();
+    let ca = Ca::new("kernel test CA");
+    let leaf = ca.server("localhost");
+    let files = ServerFiles {
+        cert: write_in(dir, "server-cert.pem", &leaf.cert),
+        key: write_in(dir, "server-key.pem", &leaf.key),
+        ca: write_in(dir, "ca-cert.pem", &ca.pem),
+        kind: "ECDSA",
+    };
+    (ca, files)
+}
+
+fn write_in(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// nbd-client, refused, failed on its own (not killed by its timeout)
+/// and left the kernel no disk.
+fn refused_without_a_disk(
+    nbd_client: &'static str,
+    device: &Path,
+    attach: &Output,
+    started: Instant,
+    who: &str,
+) {
+    let _detach = Detach(nbd_client, device);
+    assert!(
+        !attach.status.success(),
+        "{who}: attached\n{}",
+        output(attach)
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(110),
+        "{who}: nbd-client hung until killed"
+    );
+    assert_eq!(sectors(device), 0, "{who}: the kernel has a disk");
 }
 
 #[test]
@@ -473,21 +520,8 @@ fn nbd_client_own_tls_with_a_refused_certificate_gets_no_disk() {
     let env = Env::new();
     let image = env.random_image("disk.img", SIZE, 35);
     let upstream = QemuNbd::start(&env, &image, &[]);
-    let ca = Ca::new("kernel test CA");
     let dir = env.path("pki");
-    std::fs::create_dir_all(&dir).unwrap();
-    let write = |name: &str, text: &str| {
-        let path = dir.join(name);
-        std::fs::write(&path, text).unwrap();
-        path
-    };
-    let leaf = ca.server("localhost");
-    let files = ServerFiles {
-        cert: write("server-cert.pem", &leaf.cert),
-        key: write("server-key.pem", &leaf.key),
-        ca: write("ca-cert.pem", &ca.pem),
-        kind: "ECDSA",
-    };
+    let (ca, files) = refusal_pki(&dir);
     let server = tls_gateway(&upstream, &files, &files.ca, &["--allow-cn", "kernel-host"]);
     let other_ca = Ca::new("another CA");
     let clients = [
@@ -509,8 +543,8 @@ fn nbd_client_own_tls_with_a_refused_certificate_gets_no_disk() {
         "TLS handshake failed: peer sent no certificates",
     ];
     for (n, (who, leaf)) in clients.iter().enumerate() {
-        let cert = write(&format!("client-{n}-cert.pem"), &leaf.cert);
-        let key = write(&format!("client-{n}-key.pem"), &leaf.key);
+        let cert = write_in(&dir, &format!("client-{n}-cert.pem"), &leaf.cert);
+        let key = write_in(&dir, &format!("client-{n}-key.pem"), &leaf.key);
         let device = PathBuf::from(format!("/dev/nbd{}", 10 + n));
         let started = Instant::now();
         let attach = attach_with_tls(
@@ -528,23 +562,16 @@ fn nbd_client_own_tls_with_a_refused_certificate_gets_no_disk() {
                 output(&attach),
                 server.log()
             );
-            let detach = Detach(nbd_client, &device);
-            let data = pattern_through_the_kernel(&device, 36);
-            drop(detach);
-            assert!(upstream.read_direct()[SIZE - TAIL..] == data[..]);
+            let rig = Rig {
+                nbd_client,
+                identity: (&cert, &key),
+                upstream: &upstream,
+                env: &env,
+            };
+            pattern_reaches_the_image(&rig, &device, 36, who, false);
             continue;
         }
-        let _detach = Detach(nbd_client, &device);
-        assert!(
-            !attach.status.success(),
-            "{who}: attached\n{}",
-            output(&attach)
-        );
-        assert!(
-            started.elapsed() < Duration::from_secs(110),
-            "{who}: nbd-client hung until killed"
-        );
-        assert_eq!(sectors(&device), 0, "{who}: the kernel has a disk");
+        refused_without_a_disk(nbd_client, &device, &attach, started, who);
         server.wait_for_log(refusals[n - 1], 1);
     }
 }

@@ -76,9 +76,17 @@ impl NbdServer {
 }
 
 impl Drop for NbdServer {
+    /// SIGTERM, then waits (bounded) until the daemon is gone, so that
+    /// the next test's server does not meet this one's port or image.
     fn drop(&mut self) {
-        if let Some(pid) = self.pid() {
-            let _ = Command::new("kill").args(["-TERM", &pid]).status();
+        let Some(pid) = self.pid() else {
+            return;
+        };
+        let _ = Command::new("kill").args(["-TERM", &pid]).status();
+        let proc_dir = PathBuf::from(format!("/proc/{pid}"));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while proc_dir.exists() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 }

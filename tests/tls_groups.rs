@@ -37,7 +37,11 @@ fn sessions_with(group: &str) -> String {
 
 /// The nbdgw server in front of `upstream`, with an admin listener.
 fn server(env: &Env, upstream: &Path, admin: u16, extra: &[&str]) -> NbdgwProcess {
-    let certs = env.certs();
+    server_in(&env.certs(), upstream, admin, extra)
+}
+
+/// [`server`] with its certificates from `certs`.
+fn server_in(certs: &Path, upstream: &Path, admin: u16, extra: &[&str]) -> NbdgwProcess {
     let admin = format!("127.0.0.1:{admin}");
     let mut args = vec![
         OsStr::new("--upstream"),
@@ -56,8 +60,18 @@ fn server(env: &Env, upstream: &Path, admin: u16, extra: &[&str]) -> NbdgwProces
 /// `nbdgw client` on a Unix socket towards `server`, with an admin
 /// listener.
 fn client_mode(env: &Env, server: &NbdgwProcess, admin: u16, extra: &[&str]) -> NbdgwProcess {
+    client_mode_in(env, &env.certs(), server, admin, extra)
+}
+
+/// [`client_mode`] with its certificates from `certs`.
+fn client_mode_in(
+    env: &Env,
+    certs: &Path,
+    server: &NbdgwProcess,
+    admin: u16,
+    extra: &[&str],
+) -> NbdgwProcess {
     let socket = env.path("client.sock");
-    let certs = env.certs();
     let target = format!("localhost:{}", server.port);
     let admin = format!("127.0.0.1:{admin}");
     let mut args = vec![
@@ -251,4 +265,157 @@ fn unknown_or_unusable_groups_stop_the_start() {
     );
     let err = client("MLKEM768");
     assert!(err.contains("has no group TLS 1.2 can use"), "{err}");
+    // A group error, not one of the TLS files'.
+    assert!(!err.contains("TLS files"), "{err}");
+    let err = client("");
+    assert!(err.contains("empty group list"), "{err}");
+}
+
+/// `nbdgw certs` into `out` from the CA kept in `ca`.
+fn issue_from(ca: &Path, out: &Path, force: bool) {
+    let mut cmd = Command::new(common::process::nbdgw_binary());
+    cmd.arg("certs").arg("--out").arg(out);
+    cmd.arg("--ca-cert").arg(ca.join("ca-cert.pem"));
+    cmd.arg("--ca-key").arg(ca.join("ca-key.pem"));
+    if force {
+        cmd.arg("--force");
+    }
+    let out = run_ok(&mut cmd);
+    assert!(out.status.success(), "{}", text(&out));
+}
+
+/// The line of `log` that says `needle`, the last if several.
+fn line_with<'a>(log: &'a str, needle: &str) -> &'a str {
+    log.lines()
+        .rev()
+        .find(|l| l.contains(needle))
+        .unwrap_or_else(|| panic!("no {needle:?} line in:\n{log}"))
+}
+
+#[test]
+fn groups_survive_a_certificate_reload_on_both_sides() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", SIZE, 31);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let (ca, live) = (env.path("ca"), env.path("live"));
+    keep_a_ca(&ca);
+    issue_from(&ca, &live, false);
+    let (server_admin, client_admin) = (free_port(), free_port());
+    let no_poll = ["--tls-reload-interval", "0"];
+    let server = server_in(
+        &live,
+        &upstream.socket,
+        server_admin,
+        &[&no_poll[..], &["--tls-groups", "secp384r1"]].concat(),
+    );
+    let client = client_mode_in(
+        &env,
+        &live,
+        &server,
+        client_admin,
+        &[&no_poll[..], &["--tls-groups", "P-256,secp384r1"]].concat(),
+    );
+    // The effective groups are in each side's start lines.
+    let loaded = line_with(&server.log(), "TLS certificate loaded").to_string();
+    assert!(loaded.contains("groups=secp384r1"), "{loaded}");
+    let listening = line_with(&client.log(), "nbdgw client listening").to_string();
+    assert!(
+        listening.contains("groups=secp256r1,secp384r1"),
+        "{listening}"
+    );
+    copy_through(&env, &client);
+    let before = tls_lines(&server.log()).len();
+
+    // New certificates from the same CA, then SIGHUP to both.
+    issue_from(&ca, &live, true);
+    server.signal("HUP");
+    client.signal("HUP");
+    server.wait_for_log("TLS certificate reloaded", 1);
+    client.wait_for_log("client TLS reloaded", 1);
+    let reloaded = line_with(&server.log(), "TLS certificate reloaded").to_string();
+    assert!(reloaded.contains("groups=secp384r1"), "{reloaded}");
+    let sha = |line: &str| line.split("sha256=").nth(1).map(|s| s[..16].to_string());
+    assert_ne!(sha(&loaded), sha(&reloaded), "{loaded}\n{reloaded}");
+    let reloaded = line_with(&client.log(), "client TLS reloaded").to_string();
+    assert!(
+        reloaded.contains("groups=secp256r1,secp384r1"),
+        "{reloaded}"
+    );
+
+    // A connection after the reload: both ends still agree on secp384r1
+    // (client mode's secp256r1 share is refused: a HelloRetryRequest).
+    copy_through(&env, &client);
+    let after = all_sessions_with("secp384r1", &[&server, &client], before);
+    let sessions = sessions_with("secp384r1");
+    assert_eq!(sample(&metrics(server_admin), &sessions), after as f64);
+    assert_eq!(sample(&metrics(client_admin), &sessions), after as f64);
+}
+
+/// A CA whose key `nbdgw certs` keeps, in `dir`.
+fn keep_a_ca(dir: &Path) {
+    let kept = run_ok(
+        Command::new(common::process::nbdgw_binary())
+            .args(["certs", "--keep-ca-key", "--out"])
+            .arg(dir),
+    );
+    assert!(kept.status.success(), "{}", text(&kept));
+}
+
+/// Every TLS session of each process negotiated `group`, and each has
+/// more than `before`; returns how many the first has.
+fn all_sessions_with(group: &str, processes: &[&NbdgwProcess], before: usize) -> usize {
+    let expected = format!("key_exchange={group} ");
+    let counts: Vec<usize> = processes
+        .iter()
+        .map(|p| {
+            let log = p.log();
+            let lines = tls_lines(&log);
+            assert!(lines.len() > before, "no new session:\n{log}");
+            assert!(
+                lines.iter().all(|l| l.contains(&expected)),
+                "a session without {group}:\n{}",
+                lines.join("\n")
+            );
+            lines.len()
+        })
+        .collect();
+    counts[0]
+}
+
+#[test]
+fn a_pure_mlkem_list_starts_with_a_warning() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", SIZE, 31);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let (server_admin, client_admin) = (free_port(), free_port());
+    let tls13 = ["--tls-min-version", "1.3"];
+    let server = server(
+        &env,
+        &upstream.socket,
+        server_admin,
+        &[&tls13[..], &["--tls-groups", "MLKEM768"]].concat(),
+    );
+    let warning = line_with(&server.log(), "pure ML-KEM").to_string();
+    assert!(
+        warning.contains("WARN")
+            && warning.contains("--tls-groups MLKEM768 has a pure ML-KEM group and no hybrid"),
+        "{warning}"
+    );
+    // Still used as given: client mode, a pure ML-KEM group before the
+    // hybrid, gets MLKEM768 from it (and is warned too).
+    let client = client_mode(
+        &env,
+        &server,
+        client_admin,
+        &[&tls13[..], &["--tls-groups", "MLKEM768,X25519MLKEM768"]].concat(),
+    );
+    let warning = line_with(&client.log(), "pure ML-KEM").to_string();
+    assert!(warning.contains("before the hybrid"), "{warning}");
+    copy_through(&env, &client);
+    assert!(sample(&metrics(server_admin), &sessions_with("MLKEM768")) >= 1.0);
+    // The default list is not warned about.
+    assert_eq!(
+        server_in(&env.certs(), &upstream.socket, free_port(), &[]).count_in_log("pure ML-KEM"),
+        0
+    );
 }

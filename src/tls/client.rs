@@ -152,28 +152,11 @@ pub fn build_client(
     policy: &ClientTlsPolicy,
 ) -> Result<LoadedClient, TlsConfigError> {
     check_groups(&policy.groups, policy.min_version)?;
+    let (verifier, cas, crl_count) = server_verifier(material)?;
     let ca_err = |error: String| TlsConfigError::ServerCa {
         path: material.ca.path.clone(),
         error,
     };
-    let mut roots = RootCertStore::empty();
-    for ca in certificates(&material.ca, "server CA")? {
-        roots.add(ca).map_err(|e| ca_err(e.to_string()))?;
-    }
-    let cas = roots.len();
-    let crl_list = match &material.crl {
-        Some(file) => crls(file)?,
-        None => Vec::new(),
-    };
-    let crl_count = crl_list.len();
-    let verifier = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider())
-        .with_crls(crl_list)
-        .allow_unknown_revocation_status()
-        // As the server side (without --tls-crl-allow-expired): a CRL past
-        // its next update is refused, not trusted as current.
-        .enforce_revocation_expiration()
-        .build()
-        .map_err(|e| ca_err(e.to_string()))?;
     let builder =
         ClientConfig::builder_with_provider(Arc::new(provider_with_groups(&policy.groups)))
             .with_protocol_versions(policy.min_version.versions())
@@ -208,6 +191,36 @@ pub fn build_client(
         crls: crl_count,
         identity,
     })
+}
+
+/// The server's certificate is checked against the CA file, and the CRLs
+/// if any: the verifier, and how many CAs and CRLs it holds.
+fn server_verifier(
+    material: &ClientMaterial,
+) -> Result<(Arc<WebPkiServerVerifier>, usize, usize), TlsConfigError> {
+    let ca_err = |error: String| TlsConfigError::ServerCa {
+        path: material.ca.path.clone(),
+        error,
+    };
+    let mut roots = RootCertStore::empty();
+    for ca in certificates(&material.ca, "server CA")? {
+        roots.add(ca).map_err(|e| ca_err(e.to_string()))?;
+    }
+    let cas = roots.len();
+    let crl_list = match &material.crl {
+        Some(file) => crls(file)?,
+        None => Vec::new(),
+    };
+    let crl_count = crl_list.len();
+    let verifier = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider())
+        .with_crls(crl_list)
+        .allow_unknown_revocation_status()
+        // As the server side (without --tls-crl-allow-expired): a CRL past
+        // its next update is refused, not trusted as current.
+        .enforce_revocation_expiration()
+        .build()
+        .map_err(|e| ca_err(e.to_string()))?;
+    Ok((verifier, cas, crl_count))
 }
 
 /// Rotation for the client side, as the server side has it: SIGHUP or a
@@ -255,7 +268,7 @@ impl ClientReloader {
                     .identity
                     .as_ref()
                     .map_or_else(|| "none".to_string(), |i| i.to_string());
-                info!(cas = loaded.cas, crls = loaded.crls, client_certificate = %identity, "client TLS reloaded");
+                info!(cas = loaded.cas, crls = loaded.crls, client_certificate = %identity, groups = %self.policy.groups, "client TLS reloaded");
                 self.store.replace(loaded.config);
                 ReloadOutcome::Reloaded
             }

@@ -25,14 +25,11 @@ pub const DEFAULT_GROUPS: &str = "X25519MLKEM768,X25519,secp256r1,secp384r1";
 
 /// Every group the provider has: the name nbdgw prints (rustls's, which
 /// is also the IANA registry's and OpenSSL's for the hybrids), the other
-/// spellings accepted (OpenSSL's, case aside), and the group.
+/// spellings accepted (OpenSSL's), and the group. Names are compared
+/// without case, so OpenSSL's `SecP256r1MLKEM768` needs no entry.
 const KNOWN: &[(&str, &[&str], &dyn SupportedKxGroup)] = &[
     ("X25519MLKEM768", &[], kx_group::X25519MLKEM768),
-    (
-        "secp256r1MLKEM768",
-        &["SecP256r1MLKEM768"],
-        kx_group::SECP256R1MLKEM768,
-    ),
+    ("secp256r1MLKEM768", &[], kx_group::SECP256R1MLKEM768),
     ("X25519", &[], kx_group::X25519),
     ("secp256r1", &["P-256", "prime256v1"], kx_group::SECP256R1),
     ("secp384r1", &["P-384"], kx_group::SECP384R1),
@@ -47,6 +44,13 @@ pub struct KxGroups(Vec<&'static dyn SupportedKxGroup>);
 impl KxGroups {
     /// Parses a comma-separated list of names, as `--tls-groups` takes it.
     pub fn parse(list: &str) -> Result<Self, String> {
+        if list.trim().is_empty() {
+            return Err(
+                "empty group list: name at least one group (the default is ".to_string()
+                    + DEFAULT_GROUPS
+                    + ")",
+            );
+        }
         let mut groups: Vec<&'static dyn SupportedKxGroup> = Vec::new();
         for name in list.split(',').map(str::trim) {
             let Some(&(_, _, group)) = KNOWN.iter().find(|(canonical, others, _)| {
@@ -78,6 +82,26 @@ impl KxGroups {
         self.0
             .iter()
             .any(|g| g.usable_for_version(rustls::ProtocolVersion::TLSv1_2))
+    }
+}
+
+impl KxGroups {
+    /// Why the list is an expert's choice, if it is: a pure ML-KEM group
+    /// with no hybrid, or before one, rests the secrecy on ML-KEM alone
+    /// (young, as deployed cryptography goes), where the hybrid keeps
+    /// X25519's too. Said once at start; the list is still used.
+    pub fn pure_mlkem_warning(&self) -> Option<String> {
+        let first = |wanted: &[NamedGroup]| self.0.iter().position(|g| wanted.contains(&g.name()));
+        let pure = first(&[NamedGroup::MLKEM768, NamedGroup::MLKEM1024])?;
+        let hybrid = first(&[NamedGroup::X25519MLKEM768, NamedGroup::secp256r1MLKEM768]);
+        let why = match hybrid {
+            None => "has a pure ML-KEM group and no hybrid",
+            Some(h) if pure < h => "puts a pure ML-KEM group before the hybrid",
+            Some(_) => return None,
+        };
+        Some(format!(
+            "--tls-groups {self} {why}: a peer that takes it has only ML-KEM's secrecy, with no classical half (an expert choice; the default {DEFAULT_GROUPS} puts the hybrid first)"
+        ))
     }
 }
 
@@ -146,8 +170,29 @@ mod tests {
             err.contains("unknown key exchange group \"X448\"") && err.contains("X25519MLKEM768"),
             "{err}"
         );
-        assert!(KxGroups::parse("").is_err());
+        let err = KxGroups::parse("").err().unwrap();
+        assert!(err.starts_with("empty group list"), "{err}");
+        assert!(KxGroups::parse(" ")
+            .err()
+            .unwrap()
+            .starts_with("empty group list"));
         assert!(!KxGroups::parse("X25519MLKEM768").unwrap().usable_in_tls12());
+    }
+
+    #[test]
+    fn warns_of_pure_mlkem_alone_or_before_a_hybrid() {
+        let warning = |list: &str| KxGroups::parse(list).unwrap().pure_mlkem_warning();
+        let alone = warning("MLKEM768").unwrap();
+        assert!(
+            alone.contains("MLKEM768 has a pure ML-KEM group and no hybrid"),
+            "{alone}"
+        );
+        assert!(warning("X25519,MLKEM1024").unwrap().contains("no hybrid"));
+        let before = warning("MLKEM1024,X25519MLKEM768,X25519").unwrap();
+        assert!(before.contains("before the hybrid"), "{before}");
+        assert_eq!(warning("X25519MLKEM768,MLKEM768,X25519"), None);
+        assert_eq!(warning(DEFAULT_GROUPS), None);
+        assert_eq!(warning("X25519,secp256r1"), None);
     }
 
     #[test]

@@ -94,7 +94,9 @@ fn provider_with_groups(groups: &KxGroups) -> rustls::crypto::CryptoProvider {
 }
 
 /// A TLS 1.2 peer must find a group in `groups` if TLS 1.2 is allowed.
-fn check_groups(groups: &KxGroups, min_version: MinVersion) -> Result<(), TlsConfigError> {
+/// Checked again by every build; main checks it first so that the error
+/// is not reported as one of the TLS files'.
+pub fn check_groups(groups: &KxGroups, min_version: MinVersion) -> Result<(), TlsConfigError> {
     if min_version == MinVersion::Tls12 && !groups.usable_in_tls12() {
         return Err(TlsConfigError::GroupsWithoutTls12(groups.clone()));
     }

@@ -101,7 +101,7 @@ impl Reloader {
         let paths = sources.resolve()?;
         let material = Material::read(&paths)?;
         let loaded = build(&material, &policy)?;
-        log_loaded(&loaded, &material, "loaded");
+        log_loaded(&loaded, &material, &policy.groups, "loaded");
         let guards = loaded.guards();
         info!(
             layout = paths.layout.unwrap_or("files"),
@@ -151,7 +151,7 @@ impl Reloader {
         });
         match built {
             Ok((loaded, material)) => {
-                log_loaded(&loaded, &material, "reloaded");
+                log_loaded(&loaded, &material, &self.policy.groups, "reloaded");
                 self.store.reloads_ok.inc();
                 let trust = (material.client_ca, material.crl);
                 if trust != self.trust {
@@ -215,7 +215,12 @@ impl Reloader {
     }
 }
 
-fn log_loaded(loaded: &Loaded, material: &Material, what: &'static str) {
+fn log_loaded(
+    loaded: &Loaded,
+    material: &Material,
+    groups: &crate::tls::KxGroups,
+    what: &'static str,
+) {
     let served = &loaded.served;
     let client_auth = match (&material.client_ca, loaded.client_cas) {
         (Some(ca), Some(count)) => format!(
@@ -231,6 +236,7 @@ fn log_loaded(loaded: &Loaded, material: &Material, what: &'static str) {
         not_after = %served.not_after,
         sha256 = %served.sha256,
         %client_auth,
+        %groups,
         "TLS certificate {what}"
     );
     warn_if_expiring(served);
