@@ -5,9 +5,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 cargo test --all-targets --locked "$@"
-# The man page and shell completions in doc/ match the flags.
+# The generated reference in docs/reference/ (man pages, completions, the
+# flags and the metrics) matches the code.
 cargo xtask docs --check
-bash -c 'source doc/completions/nbdgw.bash && complete -p nbdgw' >/dev/null
+bash -c 'source docs/reference/completions/nbdgw.bash && complete -p nbdgw' >/dev/null
+# The code map names every source file, and every relative link and
+# #anchor in README.md and docs/ resolves (under a second, no network).
+/usr/bin/python3 scripts/check-docs.py --self-test
+/usr/bin/python3 scripts/check-docs.py
 # The Containerfile, the Kubernetes manifests (validated, linted, and their
 # command lines run as local processes) and nothing else in deploy/.
 deploy_venv="${NBDGW_DEPLOY_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/nbdgw/deploy-venv-1}"

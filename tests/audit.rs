@@ -1,6 +1,6 @@
 //! The audit trail: one `nbdgw::audit` line when a session enters
 //! transmission and one when it ends, in the JSON log format, with the
-//! fields README.md documents. Real sessions: libnbd (write, then read)
+//! fields docs/reference/audit.md documents. Real sessions: libnbd (write, then read)
 //! through a policy to a named export, and qemu-img through the
 //! `--allow-*` lists to a single upstream.
 

@@ -371,7 +371,7 @@ fn pattern_reaches_the_image(rig: &Rig, device: &Path, seed: u64, what: &str, fo
 
 /// nbd-client as it comes, its own choice among nbdgw's: the whole disk
 /// formatted and checked, a pattern written; secp256r1, the group
-/// GnuTLS's NORMAL offers first (README, key exchange).
+/// GnuTLS's NORMAL offers first (docs/design/security.md, key exchange).
 fn as_it_comes(rig: &Rig, files: &ServerFiles, client_ca: &Path) {
     let server = tls_gateway(rig.upstream, files, client_ca, &[]);
     let device = Path::new("/dev/nbd1");

@@ -1,8 +1,13 @@
-//! `cargo xtask docs` writes the man page and shell completions that
-//! `doc/` ships, from the same clap definitions the binary parses;
-//! `cargo xtask docs --check` (run by scripts/test.sh) fails when they are
-//! stale, so a new flag cannot reach main without its documentation.
+//! `cargo xtask docs` writes the generated reference in `docs/reference/`
+//! (the man pages, the shell completions, the flags and the metrics in
+//! Markdown) from the same clap definitions the binary parses and the same
+//! metrics registry it serves; `cargo xtask docs --check` (run by
+//! scripts/test.sh) fails when any of it is stale, so a new flag or metric
+//! cannot reach main without its documentation.
 #![forbid(unsafe_code)]
+
+mod flags;
+mod metrics;
 
 use std::path::{Path, PathBuf};
 
@@ -10,6 +15,9 @@ use anyhow::{bail, Context, Result};
 use clap_complete::Shell;
 
 const USAGE: &str = "usage: cargo xtask docs [--check]";
+
+/// Where the generated files live, relative to the repository.
+const REFERENCE: &str = "docs/reference";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -47,19 +55,9 @@ fn main() -> Result<()> {
 
 /// Every generated file with its contents.
 fn generated(root: &Path) -> Result<Vec<(PathBuf, Vec<u8>)>> {
-    let doc = root.join("doc");
-    let mut files = Vec::new();
+    let reference = root.join(REFERENCE);
     let command = nbdgw::cli::command();
-    let mut page = Vec::new();
-    clap_mangen::Man::new(command.clone()).render(&mut page)?;
-    files.push((doc.join("nbdgw.1"), page));
-    for subcommand in command.get_subcommands() {
-        let name = format!("nbdgw-{}", subcommand.get_name());
-        let sub = subcommand.clone().name(name.clone());
-        let mut page = Vec::new();
-        clap_mangen::Man::new(sub).render(&mut page)?;
-        files.push((doc.join(format!("{name}.1")), page));
-    }
+    let mut files = man_pages(&reference.join("man"), &command)?;
     for shell in [Shell::Bash, Shell::Zsh, Shell::Fish] {
         let mut script = Vec::new();
         clap_complete::generate(shell, &mut command.clone(), "nbdgw", &mut script);
@@ -67,7 +65,25 @@ fn generated(root: &Path) -> Result<Vec<(PathBuf, Vec<u8>)>> {
             Shell::Zsh => "_nbdgw".to_string(),
             other => format!("nbdgw.{other}"),
         };
-        files.push((doc.join("completions").join(name), script));
+        files.push((reference.join("completions").join(name), script));
+    }
+    files.push((reference.join("flags.md"), flags::markdown(&command).into()));
+    files.push((reference.join("metrics.md"), metrics::markdown()?.into()));
+    Ok(files)
+}
+
+/// `nbdgw.1` and one page per subcommand (`nbdgw-client.1`, ...).
+fn man_pages(dir: &Path, command: &clap::Command) -> Result<Vec<(PathBuf, Vec<u8>)>> {
+    let mut files = Vec::new();
+    let mut page = Vec::new();
+    clap_mangen::Man::new(command.clone()).render(&mut page)?;
+    files.push((dir.join("nbdgw.1"), page));
+    for subcommand in command.get_subcommands() {
+        let name = format!("nbdgw-{}", subcommand.get_name());
+        let sub = subcommand.clone().name(name.clone());
+        let mut page = Vec::new();
+        clap_mangen::Man::new(sub).render(&mut page)?;
+        files.push((dir.join(format!("{name}.1")), page));
     }
     Ok(files)
 }
