@@ -11,7 +11,8 @@ use tokio::net::TcpListener;
 use tracing::{info, warn};
 
 use nbdgw::cli::{CertsArgs, ClientArgs, Command, LogFormat, PolicyCommand, ServeArgs};
-use nbdgw::config::{Config, Keepalive};
+use nbdgw::config::{seconds_or_off, Config, Keepalive};
+use nbdgw::limits::{fd_limit_too_low, raised_fd_limit};
 use nbdgw::listeners::Listeners;
 use nbdgw::sandbox::{Enforcement, LandlockMode, SocketRule};
 use sd_notify::NotifyState;
@@ -106,10 +107,11 @@ fn certs(args: CertsArgs) -> Result<()> {
 fn client(args: ClientArgs) -> Result<()> {
     use nbdgw::client::{self, LocalListener};
     init_logging(args.log_format);
-    let (host, port) = client::parse_server(&args.server)?;
-    let server_name = client::server_name(args.server_name.as_deref().unwrap_or(&host))?;
-    let (paths, reloader) = client_tls(&args, &server_name)?;
-    let settings = client_settings(&args, (host, port, server_name), reloader.store())?;
+    let client::settings::Started {
+        settings,
+        paths,
+        reloader,
+    } = client::settings::build(&args)?;
     let admin = args
         .admin_listen
         .map(|addr| {
@@ -138,105 +140,6 @@ fn client(args: ClientArgs) -> Result<()> {
         client::run(listener, Arc::new(settings), (stopping(), drain_answer)).await?;
         Ok(())
     })
-}
-
-/// Client mode's settings from its flags; `server` is the server's host,
-/// port and the name its certificate must carry.
-fn client_settings(
-    args: &ClientArgs,
-    (host, port, server_name): (String, u16, rustls::pki_types::ServerName<'static>),
-    tls: Arc<nbdgw::reload::Swap<rustls::ClientConfig>>,
-) -> Result<nbdgw::client::ClientSettings> {
-    use nbdgw::client::{self, ClientSettings};
-    let keepalive = (args.tcp_keepalive > 0).then(|| Keepalive {
-        idle: Duration::from_secs(args.tcp_keepalive),
-        ..Keepalive::default()
-    });
-    if args.server_timeout >= args.handshake_timeout {
-        warn!(
-            server_timeout = args.server_timeout,
-            handshake_timeout = args.handshake_timeout,
-            "--server-timeout is not below --handshake-timeout: a local client waiting on a slow server is cut before it hears why"
-        );
-    }
-    let mut max_connections = args.max_connections;
-    fit_client_fd_limit(&mut max_connections, args.admin_listen.is_some())?;
-    Ok(ClientSettings {
-        server: args.server.clone(),
-        host,
-        port,
-        server_name,
-        tls,
-        server_timeout: Duration::from_secs(args.server_timeout),
-        handshake_timeout: Duration::from_secs(args.handshake_timeout),
-        idle_timeout: seconds_or_off(args.idle_timeout),
-        stall_timeout: seconds_or_off(args.stall_timeout),
-        keepalive,
-        max_payload: args.max_payload,
-        max_option_len: args.max_option_len,
-        max_connections,
-        cork: nbdgw::config::Cork::Deferred,
-        shutdown_grace: Duration::from_secs(args.shutdown_grace),
-        reconnect: args.reconnect.then(|| client::Reconnect {
-            timeout: Duration::from_secs(args.reconnect_timeout),
-            replay_buffer: args.replay_buffer,
-            reply_buffer: args.reply_buffer,
-        }),
-        metrics: Arc::new(nbdgw::metrics::Metrics::client_mode()),
-        health: Arc::default(),
-    })
-}
-
-/// Client mode's first load of its TLS files, whose failure stops the
-/// start; the groups are checked first, so that their error is not
-/// reported as one of the files'.
-fn client_tls(
-    args: &ClientArgs,
-    server_name: &rustls::pki_types::ServerName<'static>,
-) -> Result<(
-    nbdgw::tls::client::ClientTlsPaths,
-    nbdgw::tls::client::ClientReloader,
-)> {
-    use nbdgw::tls::client::{ClientReloader, ClientTlsPolicy, ClientTlsSources};
-    check_groups(&args.tls_groups, args.tls_min_version)?;
-    let sources = ClientTlsSources {
-        dir: args.tls_dir.clone(),
-        ca: args.tls_ca.clone(),
-        cert: args.tls_cert.clone(),
-        key: args.tls_key.clone(),
-    };
-    let paths = sources.resolve().context("client TLS files")?;
-    let policy = ClientTlsPolicy {
-        min_version: args.tls_min_version,
-        groups: args.tls_groups.clone(),
-    };
-    let (reloader, loaded) =
-        ClientReloader::start(paths.clone(), policy).context("client TLS files")?;
-    let identity = loaded
-        .identity
-        .as_ref()
-        .map_or_else(|| "none".to_string(), |i| i.to_string());
-    info!(
-        layout = paths.layout.unwrap_or("files"),
-        ca = %paths.ca.display(),
-        cas = loaded.cas,
-        crls = loaded.crls,
-        client_certificate = %identity,
-        server_name = ?server_name,
-        "client TLS loaded"
-    );
-    Ok((paths, reloader))
-}
-
-/// `--tls-groups`, either mode: a list with no group TLS 1.2 can use
-/// while TLS 1.2 is allowed stops the start; a pure ML-KEM list is
-/// taken, with a warning.
-fn check_groups(groups: &nbdgw::tls::KxGroups, min_version: nbdgw::tls::MinVersion) -> Result<()> {
-    nbdgw::tls::check_groups(groups, min_version)?;
-    if let Some(warning) = groups.pure_mlkem_warning() {
-        warn!("{warning}");
-    }
-    Ok(())
 }
 
 /// `--threads`: 0 is one per CPU.
@@ -726,7 +629,7 @@ fn tls_reloader(args: &ServeArgs, secret_extraction: bool) -> Result<Reloader> {
         cipher_order: args.tls_cipher_order,
         groups: args.tls_groups.clone(),
     };
-    check_groups(&args.tls_groups, args.tls_min_version)?;
+    nbdgw::tls::check_groups_or_warn(&args.tls_groups, args.tls_min_version)?;
     Reloader::start(sources, policy).context("loading the TLS files")
 }
 
@@ -775,65 +678,6 @@ fn handshake_reserve(args: &ServeArgs, handshakes: usize, client_certificates: b
         None => handshakes / 4,
     }
     .min(handshakes.saturating_sub(1))
-}
-
-fn seconds_or_off(secs: u64) -> Option<Duration> {
-    (secs > 0).then(|| Duration::from_secs(secs))
-}
-
-fn fd_limit_too_low(limit: Option<u64>) -> String {
-    format!(
-        "the file descriptor limit (RLIMIT_NOFILE) is {}: too low for even one connection; raise it (LimitNOFILE= in systemd, ulimit -n)",
-        limit.unwrap_or_default()
-    )
-}
-
-/// The descriptor limit, raised to the hard limit where it can be.
-fn raised_fd_limit() -> nbdgw::limits::FdLimit {
-    use nbdgw::limits::{raise_fd_limit, FdLimit};
-    let limit = raise_fd_limit().unwrap_or_else(|e| {
-        warn!(error = %e, "cannot raise the file descriptor limit");
-        let now = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
-        FdLimit { before: now, now }
-    });
-    if limit.before != limit.now {
-        info!(
-            from = limit.before,
-            to = limit.now,
-            "raised the file descriptor limit"
-        );
-    }
-    limit
-}
-
-/// `nbdgw client`'s share of the same: its local connections (each a
-/// local socket and a server socket, counted as a session) and the admin
-/// listener's, lowered to fit with a warning.
-fn fit_client_fd_limit(max_connections: &mut usize, admin: bool) -> Result<()> {
-    use nbdgw::limits::FdDemand;
-    let limit = raised_fd_limit();
-    let asked = FdDemand {
-        sessions: *max_connections,
-        handshakes: 0,
-        waiting: 0,
-        admin: match admin {
-            true => nbdgw::config::DEFAULT_ADMIN_MAX_CONNECTIONS as usize,
-            false => 0,
-        },
-    };
-    let Some(fitted) = asked.fitted(limit.now) else {
-        bail!(fd_limit_too_low(limit.now));
-    };
-    if fitted.sessions < *max_connections {
-        warn!(
-            limit = limit.now,
-            max_connections = fitted.sessions,
-            "the file descriptor limit is too low for --max-connections {}; lowered it to fit",
-            *max_connections
-        );
-        *max_connections = fitted.sessions;
-    }
-    Ok(())
 }
 
 /// Raises the descriptor limit, then makes the bounds fit under it: every
