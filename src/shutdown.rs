@@ -127,6 +127,50 @@ async fn drain(connections: &mut JoinSet<()>) {
     while connections.join_next().await.is_some() {}
 }
 
+/// Resolves at the first SIGTERM or SIGINT, which starts a graceful
+/// shutdown; a second one ends the process at once, as operators expect
+/// of a daemon that is taking too long.
+pub async fn signals() {
+    let mut signals = match Signals::new() {
+        Ok(s) => s,
+        Err(e) => {
+            warn!(error = %e, "cannot watch SIGTERM; only Ctrl-C stops nbdgw");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    signals.next().await;
+    tokio::spawn(async move {
+        let name = signals.next().await;
+        warn!("second {name}: exiting at once, open connections are cut");
+        std::process::exit(1);
+    });
+}
+
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> std::io::Result<Self> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Signals {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+        })
+    }
+
+    async fn next(&mut self) -> &'static str {
+        let name = tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
+        };
+        info!("{name} received");
+        name
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
