@@ -87,7 +87,7 @@ pub struct ClientArgs {
         value_name = "PATH|HOST:PORT",
         default_value = "/run/nbdgw-client.sock"
     )]
-    pub listen: crate::client::LocalAddr,
+    pub listen: LocalAddr,
     /// The remote NBD server (TLS with STARTTLS), e.g. nbd.example:10809
     /// or [2001:db8::1]:10809.
     #[arg(long, env = "NBDGW_CLIENT_SERVER", value_name = "HOST:PORT")]
@@ -644,6 +644,41 @@ pub fn split_lists_from_the_environment(args: &mut ServeArgs, matches: &ArgMatch
                 .flat_map(|value| value.split(','))
                 .map(|name| name.trim().to_string())
                 .collect();
+        }
+    }
+}
+
+/// Where local clients connect: a Unix socket path or a loopback address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LocalAddr {
+    Unix(std::path::PathBuf),
+    Tcp(std::net::SocketAddr),
+}
+
+impl std::str::FromStr for LocalAddr {
+    type Err = String;
+
+    /// An address (`127.0.0.1:10809`, `[::1]:10809`, `localhost:10809`) is
+    /// TCP; a path is a socket. A name with a port that is not
+    /// `localhost` is refused rather than taken as a file name
+    /// (`myhost:10809` would otherwise become a socket in the current
+    /// directory, and nothing would listen where the operator meant).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if let Ok(addr) = s.parse::<std::net::SocketAddr>() {
+            return Ok(LocalAddr::Tcp(addr));
+        }
+        if s.contains('/') {
+            return Ok(LocalAddr::Unix(std::path::PathBuf::from(s)));
+        }
+        match s.rsplit_once(':') {
+            Some(("localhost", port)) => port
+                .parse::<u16>()
+                .map(|port| LocalAddr::Tcp((std::net::Ipv4Addr::LOCALHOST, port).into()))
+                .map_err(|_| format!("{s}: not a port")),
+            Some((_, port)) if port.parse::<u16>().is_ok() => Err(format!(
+                "{s}: a TCP listen address is a loopback address (127.0.0.1:PORT, [::1]:PORT, localhost:PORT); a socket path needs a '/' (./{s})"
+            )),
+            _ => Ok(LocalAddr::Unix(std::path::PathBuf::from(s))),
         }
     }
 }

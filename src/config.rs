@@ -206,6 +206,11 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 /// slots to the others. Without client certificates every client is the
 /// one anonymous identity, and a cap below `--max-connections` would only
 /// leave slots unused.
+/// A flag in seconds where 0 turns the thing off.
+pub fn seconds_or_off(secs: u64) -> Option<Duration> {
+    (secs > 0).then(|| Duration::from_secs(secs))
+}
+
 pub fn default_sessions_per_identity(max_connections: usize, client_certificates: bool) -> usize {
     if client_certificates {
         (max_connections / 4).max(1)

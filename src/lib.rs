@@ -24,6 +24,7 @@ pub mod proto;
 pub mod reload;
 pub mod sandbox;
 mod server;
+pub mod setup;
 pub mod shutdown;
 pub mod tls;
 pub mod upstream;

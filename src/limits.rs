@@ -90,6 +90,32 @@ pub fn raise_fd_limit() -> std::io::Result<FdLimit> {
     })
 }
 
+/// The start's error when the limit cannot hold even one connection.
+pub fn fd_limit_too_low(limit: Option<u64>) -> String {
+    format!(
+        "the file descriptor limit (RLIMIT_NOFILE) is {}: too low for even one connection; raise it (LimitNOFILE= in systemd, ulimit -n)",
+        limit.unwrap_or_default()
+    )
+}
+
+/// The descriptor limit, raised to the hard limit where it can be; what
+/// happened is logged.
+pub fn raised_fd_limit() -> FdLimit {
+    let limit = raise_fd_limit().unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "cannot raise the file descriptor limit");
+        let now = getrlimit(Resource::Nofile).current;
+        FdLimit { before: now, now }
+    });
+    if limit.before != limit.now {
+        tracing::info!(
+            from = limit.before,
+            to = limit.now,
+            "raised the file descriptor limit"
+        );
+    }
+    limit
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

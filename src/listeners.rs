@@ -101,6 +101,13 @@ fn bind(addr: SocketAddr, flag: &'static str) -> Result<TcpListener, ListenError
     TcpListener::bind(addr).map_err(|source| ListenError::Bind { addr, flag, source })
 }
 
+/// Out of descriptors or similar, in either mode's accept loop: keep
+/// serving the connections there are, and try again shortly.
+pub(crate) async fn accept_failed(e: std::io::Error) {
+    tracing::error!(error = %e, "accept failed");
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

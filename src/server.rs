@@ -3,19 +3,14 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
-use tracing::{error, info, warn};
+use tracing::info;
 
 use crate::admission::Admission;
 use crate::config::Config;
-use crate::shutdown::{Phase, ShutdownControl};
-
-/// How long connections get to log their end and leave once the grace
-/// period is over and they have been told to stop.
-const CUT_WAIT: Duration = Duration::from_secs(1);
+use crate::shutdown::ShutdownControl;
 
 /// Serves clients on an already-bound listener until `shutdown` resolves,
 /// then stops accepting, lets connections finish what is in flight, and
@@ -48,7 +43,7 @@ pub async fn run(
                 let (tcp, peer) = match accepted {
                     Ok(a) => a,
                     Err(e) => {
-                        accept_failed(e).await;
+                        crate::listeners::accept_failed(e).await;
                         continue;
                     }
                 };
@@ -72,15 +67,8 @@ pub async fn run(
     drop(listener);
     config.health.set_accepting(false);
     admission.close_waiters();
-    shut_down(connections, &control, config.shutdown_grace).await;
+    crate::shutdown::shut_down(connections, &control, config.shutdown_grace).await;
     Ok(())
-}
-
-/// Out of descriptors or similar, in either mode's accept loop: keep
-/// serving the connections there are, and try again shortly.
-pub(crate) async fn accept_failed(e: std::io::Error) {
-    error!(error = %e, "accept failed");
-    tokio::time::sleep(Duration::from_millis(100)).await;
 }
 
 /// SIGTERM: not ready from now on; accepting goes on until the returned
@@ -95,40 +83,4 @@ fn drain_deadline(config: &Config) -> Option<tokio::time::Instant> {
         "shutting down: not ready, still accepting for the drain delay"
     );
     Some(tokio::time::Instant::now() + config.drain_delay)
-}
-
-/// Draining, then after the grace period the cut, each announced to the
-/// connections, which end themselves and log it.
-pub(crate) async fn shut_down(
-    mut connections: JoinSet<()>,
-    control: &ShutdownControl,
-    grace: Duration,
-) {
-    control.enter(Phase::Draining);
-    info!(
-        open = connections.len(),
-        grace_secs = grace.as_secs(),
-        "shutting down: no longer accepting; idle connections close now, requests in flight finish"
-    );
-    if tokio::time::timeout(grace, drain(&mut connections))
-        .await
-        .is_err()
-    {
-        warn!(
-            open = connections.len(),
-            "grace period over: cutting the remaining connections"
-        );
-        control.enter(Phase::Cut);
-        if tokio::time::timeout(CUT_WAIT, drain(&mut connections))
-            .await
-            .is_err()
-        {
-            connections.shutdown().await;
-        }
-    }
-    info!("stopped");
-}
-
-async fn drain(connections: &mut JoinSet<()>) {
-    while connections.join_next().await.is_some() {}
 }

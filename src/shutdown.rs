@@ -2,7 +2,11 @@
 //! draining (SIGTERM: finish what is in flight, refuse what is new), then
 //! cut (the grace period is over).
 
+use std::time::Duration;
+
 use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tracing::{info, warn};
 
 /// What a draining connection does with a request it reads after the
 /// drain began (requests read before it are answered by the upstream).
@@ -80,6 +84,90 @@ impl Shutdown {
         // The control is dropped only when the accept loop is gone, and
         // with it every reason to go on.
         let _ = self.0.wait_for(|now| *now >= phase).await;
+    }
+}
+
+/// How long connections get to log their end and leave once the grace
+/// period is over and they have been told to stop.
+const CUT_WAIT: Duration = Duration::from_secs(1);
+
+/// Draining, then after the grace period the cut, each announced to the
+/// connections, which end themselves and log it.
+pub(crate) async fn shut_down(
+    mut connections: JoinSet<()>,
+    control: &ShutdownControl,
+    grace: Duration,
+) {
+    control.enter(Phase::Draining);
+    info!(
+        open = connections.len(),
+        grace_secs = grace.as_secs(),
+        "shutting down: no longer accepting; idle connections close now, requests in flight finish"
+    );
+    if tokio::time::timeout(grace, drain(&mut connections))
+        .await
+        .is_err()
+    {
+        warn!(
+            open = connections.len(),
+            "grace period over: cutting the remaining connections"
+        );
+        control.enter(Phase::Cut);
+        if tokio::time::timeout(CUT_WAIT, drain(&mut connections))
+            .await
+            .is_err()
+        {
+            connections.shutdown().await;
+        }
+    }
+    info!("stopped");
+}
+
+async fn drain(connections: &mut JoinSet<()>) {
+    while connections.join_next().await.is_some() {}
+}
+
+/// Resolves at the first SIGTERM or SIGINT, which starts a graceful
+/// shutdown; a second one ends the process at once, as operators expect
+/// of a daemon that is taking too long.
+pub async fn signals() {
+    let mut signals = match Signals::new() {
+        Ok(s) => s,
+        Err(e) => {
+            warn!(error = %e, "cannot watch SIGTERM; only Ctrl-C stops nbdgw");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    signals.next().await;
+    tokio::spawn(async move {
+        let name = signals.next().await;
+        warn!("second {name}: exiting at once, open connections are cut");
+        std::process::exit(1);
+    });
+}
+
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> std::io::Result<Self> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Signals {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+        })
+    }
+
+    async fn next(&mut self) -> &'static str {
+        let name = tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
+        };
+        info!("{name} received");
+        name
     }
 }
 

@@ -8,17 +8,14 @@
 //! from rustls to the kernel between the handshake and the options.
 
 mod buffered;
-mod client_mode;
-mod error;
+pub(crate) mod error;
 mod kernel_tls;
 mod negotiate;
-mod options;
-mod plain;
-mod reconnect;
-mod relay;
-mod relayed;
-mod remote;
-mod session;
+pub(crate) mod options;
+pub(crate) mod plain;
+pub(crate) mod relay;
+pub(crate) mod relayed;
+pub(crate) mod session;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -36,8 +33,6 @@ use crate::tls::{Grant, SessionGuard};
 use error::ConnError;
 use error::Side;
 use session::{Link, Stats, AUDIT, CLIENT_READ_BUF};
-
-pub use client_mode::serve as serve_local;
 
 /// A connection the accept loop took, with its place in the handshake
 /// budget (a slot, or a place in its source's line).
@@ -106,7 +101,7 @@ pub async fn serve(
 /// trail's second line (target `nbdgw::audit`, with the open line's
 /// names); for any other connection, a plain one. Exactly one of
 /// `reason` (a normal end) and `error` (anything else) is given.
-fn log_close(result: Result<&'static str, ConnError>, stats: &Stats, started: Instant) {
+pub(crate) fn log_close(result: Result<&'static str, ConnError>, stats: &Stats, started: Instant) {
     let session::Counts {
         requests,
         replies,
@@ -323,7 +318,7 @@ async fn negotiate(
 /// parameters and the peer's certificate, `client=` for a client of the
 /// server mode, `server=` for the server client mode reached; and the
 /// key exchange group counted in the metrics.
-fn log_tls(state: &rustls::CommonState, peer: Side, metrics: &crate::metrics::Metrics) {
+pub(crate) fn log_tls(state: &rustls::CommonState, peer: Side, metrics: &crate::metrics::Metrics) {
     let group = state.negotiated_key_exchange_group().map(|g| g.name());
     metrics.tls_established(group);
     let certificate = match state.peer_certificates().and_then(|chain| chain.first()) {
@@ -371,7 +366,7 @@ fn set_liveness_checks(tcp: &TcpStream, config: &Config) {
 
 /// The liveness checks of either direction's TCP peer: keepalive, and the
 /// stall timeout as TCP_USER_TIMEOUT.
-fn set_keepalive(
+pub(crate) fn set_keepalive(
     tcp: &TcpStream,
     keepalive: Option<crate::config::Keepalive>,
     stall_timeout: Option<std::time::Duration>,

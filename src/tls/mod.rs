@@ -2,7 +2,6 @@
 //! client-certificate policy, and the configuration new connections use,
 //! which a reload may replace at any time.
 
-pub mod client;
 pub mod groups;
 pub mod identity;
 pub mod kernel;
@@ -87,7 +86,7 @@ pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 /// The provider of TLS connections (either side): the key exchange
 /// groups `groups` lists, in its order (see `groups` for why rustls's
 /// default order is not used).
-fn provider_with_groups(groups: &KxGroups) -> rustls::crypto::CryptoProvider {
+pub(crate) fn provider_with_groups(groups: &KxGroups) -> rustls::crypto::CryptoProvider {
     let mut provider = rustls::crypto::aws_lc_rs::default_provider();
     provider.kx_groups = groups.to_provider();
     provider
@@ -96,6 +95,19 @@ fn provider_with_groups(groups: &KxGroups) -> rustls::crypto::CryptoProvider {
 /// A TLS 1.2 peer must find a group in `groups` if TLS 1.2 is allowed.
 /// Checked again by every build; main checks it first so that the error
 /// is not reported as one of the TLS files'.
+/// `--tls-groups`, either mode, at start: as `check_groups`, and a pure
+/// ML-KEM list is taken with a warning.
+pub fn check_groups_or_warn(
+    groups: &KxGroups,
+    min_version: MinVersion,
+) -> Result<(), TlsConfigError> {
+    check_groups(groups, min_version)?;
+    if let Some(warning) = groups.pure_mlkem_warning() {
+        tracing::warn!("{warning}");
+    }
+    Ok(())
+}
+
 pub fn check_groups(groups: &KxGroups, min_version: MinVersion) -> Result<(), TlsConfigError> {
     if min_version == MinVersion::Tls12 && !groups.usable_in_tls12() {
         return Err(TlsConfigError::GroupsWithoutTls12(groups.clone()));
@@ -138,7 +150,7 @@ pub enum MinVersion {
 }
 
 impl MinVersion {
-    fn versions(self) -> &'static [&'static rustls::SupportedProtocolVersion] {
+    pub(crate) fn versions(self) -> &'static [&'static rustls::SupportedProtocolVersion] {
         const FROM_12: &[&rustls::SupportedProtocolVersion] =
             &[&rustls::version::TLS13, &rustls::version::TLS12];
         const ONLY_13: &[&rustls::SupportedProtocolVersion] = &[&rustls::version::TLS13];
@@ -369,7 +381,9 @@ fn crl_next_update(crl: &CertificateRevocationListDer<'_>) -> Option<u64> {
 /// A CRL file must hold at least one CRL: an empty file (one being
 /// rewritten in place) or a certificate put there by mistake would
 /// otherwise switch revocation off without a word.
-fn crls(file: &PemFile) -> Result<Vec<CertificateRevocationListDer<'static>>, TlsConfigError> {
+pub(crate) fn crls(
+    file: &PemFile,
+) -> Result<Vec<CertificateRevocationListDer<'static>>, TlsConfigError> {
     let crls = CertificateRevocationListDer::pem_slice_iter(&file.bytes)
         .collect::<Result<Vec<_>, _>>()
         .map_err(|error| TlsConfigError::Pem {
@@ -387,7 +401,7 @@ fn crls(file: &PemFile) -> Result<Vec<CertificateRevocationListDer<'static>>, Tl
 }
 
 /// The first private key in `file`, in whichever PEM form it is.
-fn private_key(file: &PemFile) -> Result<PrivateKeyDer<'static>, TlsConfigError> {
+pub(crate) fn private_key(file: &PemFile) -> Result<PrivateKeyDer<'static>, TlsConfigError> {
     PrivateKeyDer::from_pem_slice(&file.bytes).map_err(|error| match error {
         rustls::pki_types::pem::Error::NoItemsFound => TlsConfigError::Empty {
             what: "private key",
@@ -401,7 +415,7 @@ fn private_key(file: &PemFile) -> Result<PrivateKeyDer<'static>, TlsConfigError>
     })
 }
 
-fn certificates(
+pub(crate) fn certificates(
     file: &PemFile,
     what: &'static str,
 ) -> Result<Vec<CertificateDer<'static>>, TlsConfigError> {

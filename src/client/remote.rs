@@ -9,10 +9,10 @@ use std::time::Duration;
 use thiserror::Error;
 use tokio::net::TcpStream;
 
-use super::error::{ConnError, Side};
-use super::options::OptionChannel;
-use super::session::TLS_BUFFER_LIMIT;
 use crate::client::ClientSettings;
+use crate::conn::error::{ConnError, Side};
+use crate::conn::options::OptionChannel;
+use crate::conn::session::TLS_BUFFER_LIMIT;
 use crate::logsafe::escape_bytes;
 use crate::proto::consts::*;
 use crate::upstream::{newstyle_greeting, UpstreamError};
@@ -88,7 +88,7 @@ async fn connect_and_secure(settings: &ClientSettings) -> Result<Remote, RemoteE
     // As on the server side: TLS 1.3 lets the client speak last, and
     // Nagle would hold a request behind our unacknowledged data.
     let _ = tcp.set_nodelay(true);
-    super::set_keepalive(&tcp, settings.keepalive, settings.stall_timeout);
+    crate::conn::set_keepalive(&tcp, settings.keepalive, settings.stall_timeout);
     let pads_export_name =
         newstyle_greeting(&mut tcp)
             .await
@@ -107,7 +107,7 @@ async fn connect_and_secure(settings: &ClientSettings) -> Result<Remote, RemoteE
             server: server(),
             error,
         })?;
-    super::log_tls(tls.get_ref().1, Side::Upstream, &settings.metrics);
+    crate::conn::log_tls(tls.get_ref().1, Side::Upstream, &settings.metrics);
     let channel = OptionChannel::new(tls, Side::Upstream, settings.max_option_len)
         .bounded(settings.server_timeout);
     Ok(Remote {

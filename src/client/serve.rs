@@ -12,13 +12,13 @@ use std::time::Instant;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::{debug, info, warn, Instrument};
 
-use super::error::{ConnError, Side};
-use super::options::{OptionChannel, ShutdownAnswer};
 use super::reconnect::{MetaContexts, Opened, Reconnecting, Reopen};
-use super::relayed::{self, Batch, Framing};
 use super::remote::{self, Remote, RemoteTls};
-use super::session::{Limits, Stats, Transmit};
 use crate::client::ClientSettings;
+use crate::conn::error::{ConnError, Side};
+use crate::conn::options::{OptionChannel, ShutdownAnswer};
+use crate::conn::relayed::{self, Batch, Framing};
+use crate::conn::session::{Limits, Stats, Transmit};
 use crate::logsafe::{escape_bytes, Escaped};
 use crate::proto::consts::*;
 use crate::proto::handshake::{ClientFlags, OptionHeader};
@@ -76,7 +76,7 @@ pub async fn serve<S>(
             Err(e) if !e.is_routine() => "error",
             _ => "closed",
         });
-        super::log_close(result, &stats, started);
+        crate::conn::log_close(result, &stats, started);
     }
     .instrument(span)
     .await
@@ -157,7 +157,7 @@ where
     S: AsyncRead + AsyncWrite + Unpin,
     U: AsyncRead + AsyncWrite + Unpin,
 {
-    let ends = super::relay::Ends {
+    let ends = crate::conn::relay::Ends {
         client: tokio::io::split(local),
         upstream: tokio::io::split(upstream),
         mode,
@@ -165,7 +165,7 @@ where
         // The read cache is the gateway's, for exports it serves.
         cache: None,
     };
-    super::relay::run(ends, None, transmit, None).await
+    crate::conn::relay::run(ends, None, transmit, None).await
 }
 
 /// The greeting towards the local client, the remote server reached, then
@@ -179,7 +179,7 @@ where
     S: AsyncRead + AsyncWrite + Unpin,
 {
     let mut local = OptionChannel::new(local, Side::Client, settings.max_option_len);
-    let flags = super::plain::greet(&mut local).await?;
+    let flags = crate::conn::plain::greet(&mut local).await?;
     let remote = match remote::connect(settings).await {
         Ok(remote) => {
             settings.health.set_upstream_down(false);

@@ -63,9 +63,9 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use self::reopen::Reopened;
-use super::relayed::Framing;
 use super::remote::RemoteTls;
 use crate::client::ClientSettings;
+use crate::conn::relayed::Framing;
 use crate::proto::transmission::{InFlightTable, ReplyFrame, ReplyMode};
 
 /// How the export was opened, to open it again the same way.
@@ -266,7 +266,7 @@ impl Reconnecting {
         opened: Opened,
         mode: ReplyMode,
     ) -> Self {
-        let max_reply = super::relay::max_reply(settings.max_payload);
+        let max_reply = crate::conn::relay::max_reply(settings.max_payload);
         Reconnecting {
             link,
             settings,

@@ -1,9 +1,23 @@
 //! `nbdgw client`: TLS for NBD clients that have none. Local clients (the
 //! kernel's nbd-client, libnbd or qemu without TLS) connect in plaintext
 //! to a Unix socket or a loopback TCP port; each is relayed to one remote
-//! NBD server over NBD_OPT_STARTTLS and a verified TLS session. The
-//! connection phases are in `crate::conn` beside the server mode's, which
-//! they share.
+//! NBD server over NBD_OPT_STARTTLS and a verified TLS session.
+//!
+//! All of client mode lives here: `credentials` (the CA and the client
+//! certificate, reloaded), `remote` (dial, STARTTLS, verify), `serve` (one
+//! local connection: greeting, options, transmission), `reconnect` (a
+//! remote stream that survives server restarts, under the unchanged
+//! relay) and `settings` (the flags made into `ClientSettings`). The
+//! connection machinery it shares with the server mode (options channel,
+//! relay, errors) is `crate::conn`'s; arrows point from here to there only.
+
+pub mod credentials;
+mod reconnect;
+mod remote;
+mod serve;
+pub mod settings;
+
+pub use serve::serve as serve_local;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -17,6 +31,7 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio::task::JoinSet;
 use tracing::{info, warn};
 
+use crate::cli::LocalAddr;
 use crate::config::{Cork, Keepalive};
 use crate::metrics::{Health, Metrics};
 use crate::shutdown::ShutdownControl;
@@ -77,41 +92,6 @@ pub enum ClientError {
     SocketInUse(PathBuf),
     #[error("--listen {what}: {error}")]
     Bind { what: String, error: std::io::Error },
-}
-
-/// Where local clients connect: a Unix socket path or a loopback address.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum LocalAddr {
-    Unix(PathBuf),
-    Tcp(SocketAddr),
-}
-
-impl std::str::FromStr for LocalAddr {
-    type Err = String;
-
-    /// An address (`127.0.0.1:10809`, `[::1]:10809`, `localhost:10809`) is
-    /// TCP; a path is a socket. A name with a port that is not
-    /// `localhost` is refused rather than taken as a file name
-    /// (`myhost:10809` would otherwise become a socket in the current
-    /// directory, and nothing would listen where the operator meant).
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        if let Ok(addr) = s.parse::<SocketAddr>() {
-            return Ok(LocalAddr::Tcp(addr));
-        }
-        if s.contains('/') {
-            return Ok(LocalAddr::Unix(PathBuf::from(s)));
-        }
-        match s.rsplit_once(':') {
-            Some(("localhost", port)) => port
-                .parse::<u16>()
-                .map(|port| LocalAddr::Tcp((std::net::Ipv4Addr::LOCALHOST, port).into()))
-                .map_err(|_| format!("{s}: not a port")),
-            Some((_, port)) if port.parse::<u16>().is_ok() => Err(format!(
-                "{s}: a TCP listen address is a loopback address (127.0.0.1:PORT, [::1]:PORT, localhost:PORT); a socket path needs a '/' (./{s})"
-            )),
-            _ => Ok(LocalAddr::Unix(PathBuf::from(s))),
-        }
-    }
 }
 
 impl std::fmt::Display for LocalAddr {
@@ -235,7 +215,7 @@ pub async fn run(
         let (stream, peer) = match accepted {
             Ok(accepted) => accepted,
             Err(e) => {
-                crate::server::accept_failed(e).await;
+                crate::listeners::accept_failed(e).await;
                 continue;
             }
         };
@@ -248,15 +228,15 @@ pub async fn run(
         let (id, settings, phase) = (next_id, settings.clone(), phase.clone());
         connections.spawn(async move {
             match stream {
-                Stream::Unix(s) => crate::conn::serve_local(s, id, peer, settings, phase).await,
-                Stream::Tcp(s) => crate::conn::serve_local(s, id, peer, settings, phase).await,
+                Stream::Unix(s) => serve_local(s, id, peer, settings, phase).await,
+                Stream::Tcp(s) => serve_local(s, id, peer, settings, phase).await,
             }
         });
     }
     drop(listener);
     settings.health.set_draining();
     settings.health.set_accepting(false);
-    crate::server::shut_down(connections, &control, settings.shutdown_grace).await;
+    crate::shutdown::shut_down(connections, &control, settings.shutdown_grace).await;
     Ok(())
 }
 

@@ -7,9 +7,9 @@ use std::time::Duration;
 use tracing::debug;
 
 use super::{Opened, Reopen};
+use crate::client::remote::{self, Remote, RemoteTls};
 use crate::client::ClientSettings;
 use crate::conn::relayed;
-use crate::conn::remote::{self, Remote, RemoteTls};
 use crate::logsafe::Escaped;
 use crate::proto::consts::*;
 use crate::proto::handshake::parse_info_export;

@@ -12,12 +12,12 @@ use std::sync::Arc;
 use rustls::client::{Resumption, WebPkiServerVerifier};
 use rustls::{ClientConfig, RootCertStore};
 
-use super::TlsConfigError;
-use super::{
+use crate::reload::{LastSeen, ReloadOutcome, Swap, Trigger, Triggers};
+use crate::tls::TlsConfigError;
+use crate::tls::{
     certificates, check_groups, crls, private_key, provider, provider_with_groups, CertInfo,
     KxGroups, MinVersion, PemFile,
 };
-use crate::reload::{LastSeen, ReloadOutcome, Swap, Trigger, Triggers};
 use tracing::{error, info};
 
 /// Where the client-side files come from: a directory, with any file

@@ -1,0 +1,146 @@
+//! `nbdgw client`'s flags made into what it runs with: the TLS files
+//! loaded once (their failure stops the start), the descriptor budget
+//! fitted, and `ClientSettings` filled. Nothing here touches a socket.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use rustls::pki_types::ServerName;
+use tracing::{info, warn};
+
+use super::credentials::{ClientReloader, ClientTlsPaths, ClientTlsPolicy, ClientTlsSources};
+use super::{parse_server, server_name, ClientSettings, Reconnect};
+use crate::cli::ClientArgs;
+use crate::config::{seconds_or_off, Cork, Keepalive, DEFAULT_ADMIN_MAX_CONNECTIONS};
+use crate::limits::{fd_limit_too_low, raised_fd_limit, FdDemand};
+use crate::metrics::Metrics;
+
+/// What the start needs besides the settings: where the TLS files were
+/// found (for the start line) and the reloader that watches them.
+pub struct Started {
+    pub settings: ClientSettings,
+    pub paths: ClientTlsPaths,
+    pub reloader: ClientReloader,
+}
+
+/// Reads the TLS files and builds the settings from `args`.
+pub fn build(args: &ClientArgs) -> Result<Started> {
+    let (host, port) = parse_server(&args.server)?;
+    let name = server_name(args.server_name.as_deref().unwrap_or(&host))?;
+    let (paths, reloader) = tls(args, &name)?;
+    let settings = settings(args, (host, port, name), reloader.store())?;
+    Ok(Started {
+        settings,
+        paths,
+        reloader,
+    })
+}
+
+/// Client mode's settings from its flags; `server` is the server's host,
+/// port and the name its certificate must carry.
+fn settings(
+    args: &ClientArgs,
+    (host, port, server_name): (String, u16, ServerName<'static>),
+    tls: Arc<crate::reload::Swap<rustls::ClientConfig>>,
+) -> Result<ClientSettings> {
+    let keepalive = (args.tcp_keepalive > 0).then(|| Keepalive {
+        idle: Duration::from_secs(args.tcp_keepalive),
+        ..Keepalive::default()
+    });
+    if args.server_timeout >= args.handshake_timeout {
+        warn!(
+            server_timeout = args.server_timeout,
+            handshake_timeout = args.handshake_timeout,
+            "--server-timeout is not below --handshake-timeout: a local client waiting on a slow server is cut before it hears why"
+        );
+    }
+    Ok(ClientSettings {
+        server: args.server.clone(),
+        host,
+        port,
+        server_name,
+        tls,
+        server_timeout: Duration::from_secs(args.server_timeout),
+        handshake_timeout: Duration::from_secs(args.handshake_timeout),
+        idle_timeout: seconds_or_off(args.idle_timeout),
+        stall_timeout: seconds_or_off(args.stall_timeout),
+        keepalive,
+        max_payload: args.max_payload,
+        max_option_len: args.max_option_len,
+        max_connections: fitted_connections(args.max_connections, args.admin_listen.is_some())?,
+        cork: Cork::Deferred,
+        shutdown_grace: Duration::from_secs(args.shutdown_grace),
+        reconnect: args.reconnect.then(|| Reconnect {
+            timeout: Duration::from_secs(args.reconnect_timeout),
+            replay_buffer: args.replay_buffer,
+            reply_buffer: args.reply_buffer,
+        }),
+        metrics: Arc::new(Metrics::client_mode()),
+        health: Arc::default(),
+    })
+}
+
+/// Client mode's first load of its TLS files, whose failure stops the
+/// start; the groups are checked first, so that their error is not
+/// reported as one of the files'.
+fn tls(
+    args: &ClientArgs,
+    server_name: &ServerName<'static>,
+) -> Result<(ClientTlsPaths, ClientReloader)> {
+    crate::tls::check_groups_or_warn(&args.tls_groups, args.tls_min_version)?;
+    let sources = ClientTlsSources {
+        dir: args.tls_dir.clone(),
+        ca: args.tls_ca.clone(),
+        cert: args.tls_cert.clone(),
+        key: args.tls_key.clone(),
+    };
+    let paths = sources.resolve().context("client TLS files")?;
+    let policy = ClientTlsPolicy {
+        min_version: args.tls_min_version,
+        groups: args.tls_groups.clone(),
+    };
+    let (reloader, loaded) =
+        ClientReloader::start(paths.clone(), policy).context("client TLS files")?;
+    let identity = loaded
+        .identity
+        .as_ref()
+        .map_or_else(|| "none".to_string(), |i| i.to_string());
+    info!(
+        layout = paths.layout.unwrap_or("files"),
+        ca = %paths.ca.display(),
+        cas = loaded.cas,
+        crls = loaded.crls,
+        client_certificate = %identity,
+        server_name = ?server_name,
+        "client TLS loaded"
+    );
+    Ok((paths, reloader))
+}
+
+/// Client mode's share of the descriptor limit: its local connections
+/// (each a local socket and a server socket, counted as a session) and
+/// the admin listener's, lowered to fit with a warning.
+fn fitted_connections(max_connections: usize, admin: bool) -> Result<usize> {
+    let limit = raised_fd_limit();
+    let asked = FdDemand {
+        sessions: max_connections,
+        handshakes: 0,
+        waiting: 0,
+        admin: match admin {
+            true => DEFAULT_ADMIN_MAX_CONNECTIONS as usize,
+            false => 0,
+        },
+    };
+    let Some(fitted) = asked.fitted(limit.now) else {
+        bail!(fd_limit_too_low(limit.now));
+    };
+    if fitted.sessions < max_connections {
+        warn!(
+            limit = limit.now,
+            max_connections = fitted.sessions,
+            "the file descriptor limit is too low for --max-connections {max_connections}; lowered it to fit",
+        );
+    }
+    Ok(fitted.sessions.min(max_connections))
+}

@@ -1,0 +1,123 @@
+//! The files the start reads, whose failure stops it: TLS, the policy,
+//! the export table, and the immutable exports' read cache.
+
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use tracing::info;
+
+use crate::cli::ServeArgs;
+use crate::config::Config;
+use crate::tls::{AllowList, Reloader, TlsPolicy, TlsSources};
+
+pub(crate) fn export_table(args: &ServeArgs) -> Result<Option<crate::exports::ExportTable>> {
+    // An owner check that checks nothing must not look like one. Unset,
+    // it is the strict default (same). An explicit `any` (the old
+    // default, which checks nothing anyway) is accepted alone, so a
+    // deployment that set it everywhere keeps starting.
+    let checks = !matches!(
+        args.export_dir_owner,
+        None | Some(crate::exports::OwnerCheck::Any)
+    );
+    if args.export_dir.is_none() && checks {
+        bail!("--export-dir-owner (NBDGW_EXPORT_DIR_OWNER) needs --export-dir: it checks only the sockets found there");
+    }
+    let owner = args.export_dir_owner.unwrap_or_default();
+    if args.exports.is_empty() && args.export_dir.is_none() {
+        return Ok(None);
+    }
+    if let Some(dir) = &args.export_dir {
+        if !dir.is_dir() {
+            bail!("--export-dir {}: not a directory", dir.display());
+        }
+        // Sockets there are connected through the descriptor the checks
+        // were made on (/proc/self/fd/N): without /proc every open would
+        // fail later as "export unavailable".
+        if !std::path::Path::new("/proc/self/fd").is_dir() {
+            bail!("--export-dir needs /proc mounted (sockets are connected through /proc/self/fd)");
+        }
+    }
+    let table = crate::exports::ExportTable::new(args.exports.clone(), args.export_dir.clone())?
+        .with_owner_check(owner);
+    info!(exports = ?table.names(), dir = ?args.export_dir, owner = %owner, "exports routed by name");
+    Ok(Some(table))
+}
+
+/// The immutable exports, and the read cache they share when it is on.
+pub(crate) fn read_cache(args: &ServeArgs, config: &mut Config) -> Result<()> {
+    // With named exports, every export immutable would be a blanket the
+    // operator should spell out (--immutable-export '*').
+    if args.immutable && args.upstream.is_none() {
+        bail!(
+            "--immutable (NBDGW_IMMUTABLE) needs --upstream; name exports with --immutable-export"
+        );
+    }
+    let immutable = crate::exports::Immutable::new(args.immutable, args.immutable_exports.clone())?;
+    if args.read_ahead > args.max_payload {
+        bail!("--read-ahead must not exceed --max-payload");
+    }
+    config.read_ahead = args.read_ahead;
+    config.read_ahead_depth = args.read_ahead_depth;
+    config.cache_fill_depth = args.cache_fill_depth;
+    if immutable.any() && args.cache_size > 0 {
+        config.cache = Some(crate::cache::ReadCache::with_block_size(
+            args.cache_size,
+            args.cache_block_size,
+            config.metrics.cache.clone(),
+        ));
+        info!(
+            cache_size = args.cache_size,
+            cache_block_size = args.cache_block_size,
+            read_ahead = args.read_ahead,
+            read_ahead_depth = args.read_ahead_depth,
+            cache_fill_depth = args.cache_fill_depth,
+            "read cache on for immutable exports"
+        );
+    }
+    config.immutable = Arc::new(immutable);
+    Ok(())
+}
+
+/// The policy file's first read, which must succeed; it only means
+/// something when clients are identified by certificates.
+pub(crate) fn policy_reloader(
+    args: &ServeArgs,
+    tls: &Reloader,
+) -> Result<Option<crate::policy::PolicyReloader>> {
+    let Some(path) = &args.policy else {
+        return Ok(None);
+    };
+    if !tls.requires_client_certificates() {
+        bail!("--policy needs client certificates: give a client CA (--tls-client-ca, or ca-cert.pem / ca.crt in --tls-dir)");
+    }
+    let policy = crate::policy::PolicyReloader::start(path.clone())
+        .context("loading the access policy (--policy)")?;
+    Ok(Some(policy))
+}
+
+/// The first load of the TLS files, whose failure stops start-up.
+pub(crate) fn tls_reloader(args: &ServeArgs, secret_extraction: bool) -> Result<Reloader> {
+    let sources = TlsSources {
+        dir: args.tls_dir.clone(),
+        cert: args.tls_cert.clone(),
+        key: args.tls_key.clone(),
+        client_ca: args.tls_client_ca.clone(),
+        crl: args.tls_crl.clone(),
+    };
+    let policy = TlsPolicy {
+        min_version: args.tls_min_version,
+        allow: AllowList::new(
+            args.allow_cn.clone(),
+            args.allow_dns.clone(),
+            args.allow_uri.clone(),
+        )?,
+        crl_allow_expired: args.tls_crl_allow_expired,
+        revoke_closes: args.tls_revoke_closes,
+        secret_extraction,
+        verified_chain_cache: args.verified_chain_cache,
+        cipher_order: args.tls_cipher_order,
+        groups: args.tls_groups.clone(),
+    };
+    crate::tls::check_groups_or_warn(&args.tls_groups, args.tls_min_version)?;
+    Reloader::start(sources, policy).context("loading the TLS files")
+}
