@@ -15,6 +15,7 @@ pub mod client;
 pub mod config;
 mod conn;
 pub mod exports;
+pub mod identity;
 pub mod limits;
 pub mod listeners;
 pub mod logsafe;

@@ -322,7 +322,7 @@ pub(crate) fn log_tls(state: &rustls::CommonState, peer: Side, metrics: &crate::
     let group = state.negotiated_key_exchange_group().map(|g| g.name());
     metrics.tls_established(group);
     let certificate = match state.peer_certificates().and_then(|chain| chain.first()) {
-        Some(cert) => crate::tls::identity::describe(cert),
+        Some(cert) => crate::identity::describe(cert),
         None => "no certificate".to_string(),
     };
     let shown = Some(tracing::field::display(&certificate));

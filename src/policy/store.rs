@@ -13,7 +13,6 @@ use tracing::{debug, error, info, warn};
 
 use super::{Policy, PolicyError};
 use crate::reload::{ReloadOutcome, Swap, Trigger, Triggers};
-use crate::tls::Sessions;
 
 /// The policy new connections use; each connection keeps the one it
 /// started with.
@@ -30,6 +29,9 @@ pub enum PolicyLoadError {
 /// A version of the file as a poll read it: its bytes, or why it could not
 /// be read.
 type Seen = Result<Vec<u8>, std::io::ErrorKind>;
+
+/// What a reload calls to end the sessions it narrowed.
+type CloseNarrowed = Box<dyn Fn(&Policy) -> usize + Send + Sync>;
 
 pub struct PolicyReloader {
     path: PathBuf,
@@ -53,9 +55,11 @@ pub struct PolicyReloader {
     /// Reloads that changed the policy (the generation proven sources are
     /// proven under; a SIGHUP with the file unchanged changes nothing).
     changes: Counter,
-    /// The established sessions a narrowing reload ends when their access
-    /// is narrowed (`--policy-revoke-closes`); `None`: they keep it.
-    sessions: Option<Arc<Sessions>>,
+    /// Ends the established sessions whose access a reload narrowed
+    /// (`--policy-revoke-closes`), returning how many; `None`: they keep
+    /// it. A hook, so that the policy need not know the session registry
+    /// (which knows the policy).
+    close_narrowed: Option<CloseNarrowed>,
 }
 
 impl PolicyReloader {
@@ -74,15 +78,18 @@ impl PolicyReloader {
             reloaded: Counter::default(),
             refusals: Counter::default(),
             changes: Counter::default(),
-            sessions: None,
+            close_narrowed: None,
         })
     }
 
-    /// Ends, at each reload, the sessions in `sessions` whose access the
-    /// new policy narrows (`--policy-revoke-closes`). The same registry
-    /// `--tls-revoke-closes` uses.
-    pub fn close_narrowed_in(&mut self, sessions: Arc<Sessions>) {
-        self.sessions = Some(sessions);
+    /// Ends, at each reload, the sessions whose access the new policy
+    /// narrows (`--policy-revoke-closes`): `close` judges them (the
+    /// registry `--tls-revoke-closes` uses) and says how many it ended.
+    pub fn close_narrowed_with(
+        &mut self,
+        close: impl Fn(&Policy) -> usize + Send + Sync + 'static,
+    ) {
+        self.close_narrowed = Some(Box::new(close));
     }
 
     /// Counts reloads into these (the metrics' counters).
@@ -157,9 +164,9 @@ impl PolicyReloader {
                     self.changes.inc();
                 }
                 let closed = self
-                    .sessions
+                    .close_narrowed
                     .as_ref()
-                    .map_or(0, |sessions| sessions.close_narrowed(&policy));
+                    .map_or(0, |close| close(&policy));
                 info!(
                     path = %self.path.display(),
                     rules = policy.rule_count(),

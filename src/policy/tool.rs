@@ -12,9 +12,9 @@ use rustls::pki_types::CertificateDer;
 use thiserror::Error;
 
 use super::{load, Decision, Grant, NotOneTenant, PolicyLoadError, RuleBindings};
+use crate::identity::CertInfo;
 use crate::logsafe::Escaped;
 use crate::proto::name::{export_name, NameError};
-use crate::tls::CertInfo;
 
 #[derive(Debug, Error)]
 pub enum ToolError {

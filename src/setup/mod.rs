@@ -96,7 +96,8 @@ fn read(args: &ServeArgs) -> Result<(Reloader, Option<PolicyReloader>, Config)> 
         policy.count_into(m.policy_reloads.clone(), m.policy_reload_failures.clone());
         policy.count_changes_into(m.policy_changes.clone());
         if args.policy_revoke_closes {
-            policy.close_narrowed_in(config.tls.sessions().clone());
+            let sessions = config.tls.sessions().clone();
+            policy.close_narrowed_with(move |policy| sessions.close_narrowed(policy));
         }
     }
     Ok((reloader, policy, config))

@@ -3,7 +3,6 @@
 //! which a reload may replace at any time.
 
 pub mod groups;
-pub mod identity;
 pub mod kernel;
 pub mod key_update;
 mod material;
@@ -21,8 +20,8 @@ use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig};
 use thiserror::Error;
 
+pub use crate::identity::{AllowList, CertInfo, PatternError};
 pub use groups::KxGroups;
-pub use identity::{AllowList, CertInfo, PatternError};
 pub use material::{
     DirLayout, Material, PemFile, TlsPaths, TlsSources, KUBERNETES_LAYOUT, QEMU_LAYOUT,
 };
@@ -51,7 +50,7 @@ pub enum TlsConfigError {
     #[error("server certificate {path}: {error}")]
     Unparsable {
         path: PathBuf,
-        error: identity::CertParseError,
+        error: crate::identity::CertParseError,
     },
     #[error("certificate {cert} and key {key} cannot be used together: {error}")]
     Rustls {

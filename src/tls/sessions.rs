@@ -15,7 +15,7 @@ use rustls::{CertificateError, Error};
 use tokio::sync::Notify;
 use tracing::warn;
 
-use super::identity::{describe, CertInfo};
+use crate::identity::{describe, CertInfo};
 use crate::logsafe::Escaped;
 use crate::policy::{Access, Policy, PolicyStore};
 

@@ -17,7 +17,7 @@ use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::{CertificateError, DigitallySignedStruct, DistinguishedName, SignatureScheme};
 use tracing::warn;
 
-use super::identity::{describe, AllowList, CertInfo};
+use crate::identity::{describe, AllowList, CertInfo};
 
 #[derive(Debug)]
 pub struct AuthorizingVerifier {
