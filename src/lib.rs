@@ -17,6 +17,7 @@ mod conn;
 pub mod exports;
 pub mod limits;
 pub mod listeners;
+pub mod listening;
 pub mod logsafe;
 pub mod metrics;
 pub mod policy;

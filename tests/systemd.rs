@@ -124,7 +124,10 @@ fn the_service_is_notify_typed_reloads_with_sighup_and_is_hardened() {
         ("PrivateTmp", "yes"),
         ("NoNewPrivileges", "yes"),
         ("CapabilityBoundingSet", ""),
-        ("RestrictAddressFamilies", "AF_UNIX AF_INET AF_INET6"),
+        (
+            "RestrictAddressFamilies",
+            "AF_UNIX AF_INET AF_INET6 AF_NETLINK",
+        ),
         ("SystemCallFilter", "@system-service"),
         (
             "SystemCallFilter",
