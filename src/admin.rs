@@ -224,6 +224,11 @@ pub async fn watch_upstream(path: PathBuf, health: Arc<Health>) {
                 None => {
                     info!(upstream = %path.display(), "upstream socket has a listener: ready")
                 }
+                // During a shutdown the drain's end says it once, with
+                // the sessions it cut (`server::shut_down`).
+                Some(p) if health.is_draining() => {
+                    info!(problem = %Escaped(p), "upstream socket unavailable during the shutdown")
+                }
                 // The path is told to the log only, never to /readyz.
                 Some(p) => warn!(problem = %Escaped(p), "upstream socket unavailable: not ready"),
             }

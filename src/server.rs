@@ -73,6 +73,8 @@ pub async fn run(
     config.health.set_accepting(false);
     admission.close_waiters();
     shut_down(connections, &control, config.shutdown_grace).await;
+    tell_cut_by_upstream(&config.health);
+    info!("stopped");
     Ok(())
 }
 
@@ -126,7 +128,19 @@ pub(crate) async fn shut_down(
             connections.shutdown().await;
         }
     }
-    info!("stopped");
+}
+
+/// Once, however many sessions it cut: an upstream that went away during
+/// the shutdown (a pod's or a unit's NBD server stopped before nbdgw
+/// finished draining). Each session's close line is at info then.
+fn tell_cut_by_upstream(health: &crate::metrics::Health) {
+    for (upstream, sessions) in health.take_cut_by_upstream() {
+        warn!(
+            %upstream,
+            sessions,
+            "the upstream went away during the shutdown: {sessions} session(s) cut with it; stop the NBD server after nbdgw (see README, Stop order)"
+        );
+    }
 }
 
 async fn drain(connections: &mut JoinSet<()>) {
