@@ -22,8 +22,10 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
 
 use nix::sys::socket::{
-    recv, sendto, socket, AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType,
+    recv, sendto, setsockopt, socket, sockopt, AddressFamily, MsgFlags, NetlinkAddr, SockFlag,
+    SockProtocol, SockType,
 };
+use nix::sys::time::TimeVal;
 
 /// What sock_diag said about a socket file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,6 +71,9 @@ pub fn listener_of(file: FileId) -> io::Result<Listener> {
         SockFlag::SOCK_CLOEXEC,
         SockProtocol::NetlinkSockDiag,
     )?;
+    // The kernel answers a dump at once; bounded all the same, since the
+    // readiness check waits for it.
+    setsockopt(&fd, sockopt::ReceiveTimeout, &TimeVal::new(2, 0))?;
     sendto(
         fd.as_raw_fd(),
         &dump_request(),
@@ -80,6 +85,9 @@ pub fn listener_of(file: FileId) -> io::Result<Listener> {
     let mut found = false;
     loop {
         let n = recv(fd.as_raw_fd(), &mut buf, MsgFlags::empty())?;
+        if n == 0 {
+            return Err(bad("the dump ended without NLMSG_DONE"));
+        }
         match scan(&buf[..n], file)? {
             Scan::More { seen } => found |= seen,
             // Read to the end even after a match: the socket is closed
