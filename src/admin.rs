@@ -7,7 +7,7 @@
 //! dependency); `/metrics` is the Prometheus text format.
 
 use std::convert::Infallible;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::pin::pin;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -22,6 +22,7 @@ use tokio::net::{TcpListener, TcpStream, UnixStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, warn};
 
+use crate::listening::{listener_of, FileId, Listener};
 use crate::logsafe::Escaped;
 use crate::metrics::{Health, Metrics};
 
@@ -207,20 +208,26 @@ fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
     response
 }
 
-/// Tries the upstream socket every `UPSTREAM_CHECK_EVERY` and records the
-/// result for `/readyz`; logs each change once (a sidecar may start before
-/// its NBD server has made the socket).
+/// Checks the upstream socket every `UPSTREAM_CHECK_EVERY` and records
+/// the result for `/readyz`; logs each change once (a sidecar may start
+/// before its NBD server has made the socket). The check asks the kernel
+/// whether the socket file has a listener (`crate::listening`) and does
+/// not connect: a connection is a client to the NBD server, which qemu-nbd
+/// 7.2 and nbdkit log as an error when it hangs up unnegotiated.
 pub async fn watch_upstream(path: PathBuf, health: Arc<Health>) {
     let mut last: Option<Option<String>> = None;
+    let mut warned = Warned::default();
     loop {
-        let problem = match UnixStream::connect(&path).await {
-            Ok(_) => None,
-            Err(e) => Some(format!("{}: {e}", path.display())),
-        };
+        let problem = check_upstream(&path, &mut warned).await;
         if last.as_ref() != Some(&problem) {
             match &problem {
                 None => {
-                    info!(upstream = %path.display(), "upstream socket accepts connections: ready")
+                    info!(upstream = %path.display(), "upstream socket has a listener: ready")
+                }
+                // During a shutdown the drain's end says it once, with
+                // the sessions it cut (`server::shut_down`).
+                Some(p) if health.is_draining() => {
+                    info!(problem = %Escaped(p), "upstream socket unavailable during the shutdown")
                 }
                 // The path is told to the log only, never to /readyz.
                 Some(p) => warn!(problem = %Escaped(p), "upstream socket unavailable: not ready"),
@@ -229,5 +236,60 @@ pub async fn watch_upstream(path: PathBuf, health: Arc<Health>) {
         }
         health.set_upstream_down(problem.is_some());
         tokio::time::sleep(UPSTREAM_CHECK_EVERY).await;
+    }
+}
+
+/// The fallbacks to connecting, each said once: they make the check a
+/// visit the NBD server sees.
+#[derive(Default)]
+struct Warned {
+    no_sock_diag: bool,
+    elsewhere: bool,
+}
+
+/// `None` when the upstream listens, else why not (for the log).
+async fn check_upstream(path: &Path, warned: &mut Warned) -> Option<String> {
+    let file = match FileId::of(path) {
+        Ok(file) => file,
+        Err(e) => return Some(format!("{}: {e}", path.display())),
+    };
+    match ask_sock_diag(file).await {
+        Ok(Listener::Found) => None,
+        // A stale file (the server died) or a server that has bound but
+        // not listened refuses the connection, silently for it; only a
+        // listener in another network namespace, which sock_diag cannot
+        // see, accepts.
+        Ok(Listener::NotHere) => match UnixStream::connect(path).await {
+            Err(e) => Some(format!("{}: no listener ({e})", path.display())),
+            Ok(_) => {
+                // Or it began to listen just now: asked again, so as not
+                // to warn of a namespace that is not there.
+                if ask_sock_diag(file).await != Ok(Listener::Found) && !warned.elsewhere {
+                    warned.elsewhere = true;
+                    warn!(upstream = %path.display(), "the upstream socket's listener is not in this network namespace: the readiness check connects to it, which some NBD servers (qemu-nbd 7.2, nbdkit) log as an error");
+                }
+                None
+            }
+        },
+        Err(e) => {
+            if !warned.no_sock_diag {
+                warned.no_sock_diag = true;
+                warn!(error = %e, "cannot ask the kernel for listening Unix sockets (sock_diag; under systemd RestrictAddressFamilies needs AF_NETLINK): the readiness check connects to the upstream, which some NBD servers (qemu-nbd 7.2, nbdkit) log as an error");
+            }
+            match UnixStream::connect(path).await {
+                Ok(_) => None,
+                Err(e) => Some(format!("{}: {e}", path.display())),
+            }
+        }
+    }
+}
+
+/// sock_diag off the runtime's threads: a netlink dump is short but
+/// blocking.
+async fn ask_sock_diag(file: FileId) -> Result<Listener, String> {
+    match tokio::task::spawn_blocking(move || listener_of(file)).await {
+        Ok(Ok(listener)) => Ok(listener),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(e) => Err(e.to_string()),
     }
 }

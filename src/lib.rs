@@ -18,6 +18,7 @@ pub mod exports;
 pub mod identity;
 pub mod limits;
 pub mod listeners;
+pub mod listening;
 pub mod logsafe;
 pub mod metrics;
 pub mod policy;

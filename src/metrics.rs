@@ -634,6 +634,10 @@ pub struct Health {
     /// those past --reconnect-timeout (failing at once).
     reconnecting: AtomicUsize,
     unreachable: AtomicUsize,
+    /// Sessions that lost their upstream after SIGTERM, by upstream: said
+    /// once for all at the end of the drain (`server::shut_down`), as a
+    /// pod's NBD server stopping beside nbdgw cuts them all at once.
+    cut_by_upstream: std::sync::Mutex<std::collections::BTreeMap<String, usize>>,
 }
 
 impl Health {
@@ -647,6 +651,31 @@ impl Health {
 
     pub fn set_draining(&self) {
         self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// From SIGTERM on (the drain delay included).
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// A session ended because its upstream (`upstream`, as the audit
+    /// line names it) went away during the shutdown.
+    pub fn cut_by_upstream(&self, upstream: &str) {
+        let mut cut = self
+            .cut_by_upstream
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        *cut.entry(upstream.to_owned()).or_default() += 1;
+    }
+
+    /// The sessions `cut_by_upstream` counted, by upstream, and forgets them.
+    pub fn take_cut_by_upstream(&self) -> std::collections::BTreeMap<String, usize> {
+        std::mem::take(
+            &mut *self
+                .cut_by_upstream
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+        )
     }
 
     /// Records whether the upstream accepts connections; why not is the

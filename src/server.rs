@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::admission::Admission;
 use crate::config::Config;
@@ -68,6 +68,8 @@ pub async fn run(
     config.health.set_accepting(false);
     admission.close_waiters();
     crate::shutdown::shut_down(connections, &control, config.shutdown_grace).await;
+    tell_cut_by_upstream(&config.health);
+    info!("stopped");
     Ok(())
 }
 
@@ -83,4 +85,16 @@ fn drain_deadline(config: &Config) -> Option<tokio::time::Instant> {
         "shutting down: not ready, still accepting for the drain delay"
     );
     Some(tokio::time::Instant::now() + config.drain_delay)
+}
+/// Once, however many sessions it cut: an upstream that went away during
+/// the shutdown (a pod's or a unit's NBD server stopped before nbdgw
+/// finished draining). Each session's close line is at info then.
+fn tell_cut_by_upstream(health: &crate::metrics::Health) {
+    for (upstream, sessions) in health.take_cut_by_upstream() {
+        warn!(
+            %upstream,
+            sessions,
+            "the upstream went away during the shutdown: {sessions} session(s) cut with it; stop the NBD server after nbdgw (see README, Stop order)"
+        );
+    }
 }

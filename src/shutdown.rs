@@ -120,7 +120,6 @@ pub(crate) async fn shut_down(
             connections.shutdown().await;
         }
     }
-    info!("stopped");
 }
 
 async fn drain(connections: &mut JoinSet<()>) {

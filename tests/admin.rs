@@ -8,7 +8,7 @@ use std::ffi::OsStr;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::clients::{http_get, nbds_uri, qemu_img_info, text};
+use common::clients::{http_get, nbdinfo_size, nbds_uri, qemu_img_info, text};
 use common::process::NbdgwProcess;
 use common::{free_port, run_ok, Env, QemuNbd};
 
@@ -314,4 +314,140 @@ fn admin_connections_beyond_the_cap_are_closed_at_once_and_counted() {
     assert_eq!(code, 200);
     assert!(sample(&metrics, "nbdgw_admin_connections_refused_total") >= 1.0);
     drop(gw);
+}
+
+/// An NBD server whose standard error is kept in a file, started without
+/// a connection to it: connections are what the readiness tests count.
+struct LoggedServer {
+    child: std::process::Child,
+    stderr: std::path::PathBuf,
+}
+
+impl LoggedServer {
+    fn start(env: &Env, name: &str, command: &mut Command, socket: &std::path::Path) -> Self {
+        let stderr = env.path(&format!("{name}.stderr"));
+        let child = command
+            .stdin(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&stderr).unwrap())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{name} must be installed (scripts/setup.sh): {e}"));
+        // Asked of the kernel (sock_diag), not by connecting.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !listens(socket) {
+            assert!(Instant::now() < deadline, "{name} never listened");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        LoggedServer { child, stderr }
+    }
+
+    fn errors(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap()
+    }
+
+    fn is_running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+}
+
+impl Drop for LoggedServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn listens(socket: &std::path::Path) -> bool {
+    use nbdgw::listening::{listener_of, FileId, Listener};
+    FileId::of(socket).is_ok_and(|file| listener_of(file).ok() == Some(Listener::Found))
+}
+
+fn nbdkit_memory(socket: &std::path::Path) -> Command {
+    let mut command = Command::new("nbdkit");
+    command
+        .args(["-f", "-U"])
+        .arg(socket)
+        .args(["memory", "1M"]);
+    command
+}
+
+/// Some check periods, for what must not happen over time.
+fn several_checks() {
+    std::thread::sleep(3 * nbdgw::admin::UPSTREAM_CHECK_EVERY + Duration::from_secs(1));
+}
+
+/// The readiness check must be no client to the NBD server: nbdkit 1.32
+/// (and qemu-nbd 7.2) log an error for every connection that hangs up
+/// before the handshake ends, and a qemu-nbd without --persistent is
+/// meant for its first real client.
+#[test]
+fn the_readiness_check_is_silent_for_nbdkit_and_a_one_shot_qemu_nbd() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", 1 << 20, 11);
+    let kit_socket = env.path("kit.sock");
+    let kit = LoggedServer::start(&env, "nbdkit", &mut nbdkit_memory(&kit_socket), &kit_socket);
+    let qemu_socket = env.path("qemu.sock");
+    let mut qemu = LoggedServer::start(
+        &env,
+        "qemu-nbd",
+        Command::new("qemu-nbd")
+            .args(["-f", "raw", "-k"])
+            .arg(&qemu_socket)
+            .arg(&image),
+        &qemu_socket,
+    );
+    let (kit_admin, qemu_admin) = (free_port(), free_port());
+    let kit_gw = gateway(&env, &kit_socket, kit_admin, &[]);
+    let qemu_gw = gateway(&env, &qemu_socket, qemu_admin, &[]);
+    assert_eq!(wait_for(kit_admin, "/readyz", 200).trim(), "ready");
+    assert_eq!(wait_for(qemu_admin, "/readyz", 200).trim(), "ready");
+    several_checks();
+    assert_eq!(kit.errors(), "", "nbdkit logged the readiness checks");
+    assert_eq!(qemu.errors(), "", "qemu-nbd logged the readiness checks");
+    assert!(qemu.is_running(), "qemu-nbd ended before its first client");
+    assert_eq!(http_get(qemu_admin, "/readyz").0, 200);
+
+    let info = qemu_img_info(qemu_gw.port, &env.certs());
+    assert!(info.status.success(), "{}", text(&info));
+    assert!(
+        String::from_utf8_lossy(&info.stdout).contains("virtual size: 1 MiB"),
+        "{}",
+        String::from_utf8_lossy(&info.stdout)
+    );
+    let size = nbdinfo_size(kit_gw.port, &env.certs());
+    assert_eq!(String::from_utf8_lossy(&size.stdout).trim(), "1048576");
+    // Without --persistent qemu-nbd ends after that first client: it was
+    // the one-shot server the check must leave alone.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while qemu.is_running() {
+        assert!(Instant::now() < deadline, "qemu-nbd outlived its client");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(qemu.errors(), "");
+    assert_eq!(kit.errors(), "");
+}
+
+/// A server that dies leaves its socket file behind: no listener, not
+/// ready; ready again once a server listens there, and the server never
+/// sees a check.
+#[test]
+fn readiness_follows_a_stale_socket_file_and_its_new_server_silently() {
+    let env = Env::new();
+    let socket = env.path("kit.sock");
+    let mut first = LoggedServer::start(&env, "nbdkit", &mut nbdkit_memory(&socket), &socket);
+    let admin = free_port();
+    let gw = gateway(&env, &socket, admin, &[]);
+    assert_eq!(wait_for(admin, "/readyz", 200).trim(), "ready");
+
+    first.child.kill().unwrap();
+    first.child.wait().unwrap();
+    assert!(socket.exists(), "SIGKILL leaves the socket file");
+    assert_eq!(wait_for(admin, "/readyz", 503), "upstream unavailable\n");
+    gw.wait_for_log("no listener", 1);
+
+    std::fs::remove_file(&socket).unwrap();
+    let second = LoggedServer::start(&env, "nbdkit-again", &mut nbdkit_memory(&socket), &socket);
+    assert_eq!(wait_for(admin, "/readyz", 200).trim(), "ready");
+    several_checks();
+    assert_eq!(first.errors(), "", "the first nbdkit logged the checks");
+    assert_eq!(second.errors(), "", "the second nbdkit logged the checks");
 }

@@ -518,3 +518,86 @@ fn qemu_hands_an_eshutdown_answer_to_its_user() {
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
+
+/// Holds `n` libnbd sessions open (each has read once) until its standard
+/// input closes, printing `open` once they are.
+const HOLD_SESSIONS: &str = r#"
+import nbd, sys
+port, certs, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+handles = []
+for _ in range(n):
+    h = nbd.NBD()
+    h.set_tls(nbd.TLS_REQUIRE)
+    h.set_tls_certificates(certs)
+    h.connect_uri(f"nbds://localhost:{port}/")
+    h.pread(4096, 0)
+    handles.append(h)
+print("open", flush=True)
+sys.stdin.read()
+"#;
+
+/// A pod's stop as it went wrong when run for real: SIGTERM reaches nbdgw
+/// and qemu-nbd together, and qemu-nbd is gone at once while nbdgw is
+/// still in its drain delay with sessions open. That is said once, at
+/// warn, with the upstream and the number of sessions cut, instead of a
+/// warning per session and another from the readiness check.
+#[test]
+fn an_upstream_gone_during_the_drain_is_said_once_with_the_sessions_it_cut() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let env = Env::new();
+    let image = env.random_image("disk.img", 1 << 20, 22);
+    let mut upstream = QemuNbd::start(&env, &image, &[]);
+    let admin = format!("127.0.0.1:{}", common::free_port());
+    let args = ["--drain-delay", "3", "--shutdown-grace", "20"];
+    let mut gw = NbdgwProcess::in_front_of(
+        &env,
+        &upstream.socket,
+        &[&args[..], &["--admin-listen", &admin]].concat(),
+    );
+    let mut holder = Command::new("/usr/bin/python3")
+        .args(["-c", HOLD_SESSIONS, &gw.port.to_string()])
+        .arg(env.certs())
+        .arg("3")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(holder.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "open", "{}", gw.log());
+
+    gw.signal("TERM");
+    gw.wait_for_log("still accepting for the drain delay", 1);
+    upstream.kill();
+    let status = gw.wait_exit(Duration::from_secs(20));
+    drop(holder.stdin.take());
+    let _ = holder.wait();
+    let log = gw.log();
+    assert!(status.is_some_and(|s| s.success()), "{status:?}\n{log}");
+    // (The test certificate's expiry warning aside.)
+    let warnings: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains(" WARN ") && l.contains("upstream"))
+        .collect();
+    assert_eq!(
+        warnings.len(),
+        1,
+        "one warning, not one per session:\n{log}"
+    );
+    let summary = warnings[0];
+    assert!(
+        summary.contains("the upstream went away during the shutdown: 3 session(s) cut")
+            && summary.contains(&format!("upstream={}", upstream.socket.display())),
+        "{summary}"
+    );
+    // Each session still has its audit close line, at info.
+    assert_eq!(
+        log.matches("closed error=upstream closed the connection")
+            .count(),
+        3,
+        "{log}"
+    );
+}

@@ -91,27 +91,85 @@ fn the_service_serves_qemu_img_through_a_socket_passed_by_systemd_and_notifies_i
     assert!(status.success(), "exit {status}:\n{log}");
 }
 
-#[test]
-fn the_units_pass_systemd_analyze_verify() {
+/// The shipped units and the drop-in, copied where `systemd-analyze
+/// verify` finds them by name (`SYSTEMD_UNIT_PATH`, so the drop-in
+/// directory is read too), with `extra` as one more drop-in of nbdgw's.
+fn verify_units(extra: Option<&str>) -> (bool, String) {
     let dir = tempfile::tempdir().unwrap();
-    for unit in ["nbdgw.service", "nbdgw.socket"] {
+    for unit in [
+        "nbdgw.service",
+        "nbdgw.socket",
+        "nbd-upstream.service",
+        "nbdgw.service.d/upstream.conf",
+    ] {
         let text = std::fs::read_to_string(Path::new(UNIT_DIR).join(unit)).unwrap();
         // verify checks that ExecStart's binary exists.
         let text = text.replace("/usr/local/bin/nbdgw", &common::process::nbdgw_binary());
-        std::fs::write(dir.path().join(unit), text).unwrap();
+        let path = dir.path().join(unit);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, text).unwrap();
     }
-    let units: Vec<PathBuf> = ["nbdgw.socket", "nbdgw.service"]
+    if let Some(extra) = extra {
+        std::fs::write(dir.path().join("nbdgw.service.d/zz-test.conf"), extra).unwrap();
+    }
+    let units: Vec<PathBuf> = ["nbdgw.socket", "nbdgw.service", "nbd-upstream.service"]
         .iter()
         .map(|unit| dir.path().join(unit))
         .collect();
+    // The trailing colon keeps systemd's own directories on the path.
     let out = run(Command::new("systemd-analyze")
+        .env("SYSTEMD_UNIT_PATH", format!("{}:", dir.path().display()))
         .args(["verify", "--man=no"])
         .args(&units));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success() && stderr.trim().is_empty(),
-        "systemd-analyze verify: {stderr}"
-    );
+    let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
+    (out.status.success(), stderr)
+}
+
+#[test]
+fn the_units_pass_systemd_analyze_verify() {
+    let (ok, stderr) = verify_units(None);
+    assert!(ok && stderr.is_empty(), "systemd-analyze verify: {stderr}");
+}
+
+/// Stop order: systemd stops units in the reverse of their start order,
+/// so nbdgw ordered after its NBD server stops (drains) before it. That
+/// systemd reads the drop-in's order, and which way, shows in a cycle
+/// when the opposite order is added.
+#[test]
+fn the_drop_in_starts_nbdgw_after_its_upstream_so_it_stops_first() {
+    let dropin = |key| {
+        let text =
+            std::fs::read_to_string(Path::new(UNIT_DIR).join("nbdgw.service.d/upstream.conf"))
+                .unwrap();
+        text.lines()
+            .filter_map(|line| line.strip_prefix(key)?.strip_prefix('='))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(dropin("After"), ["nbd-upstream.service"]);
+    assert_eq!(dropin("Requires"), ["nbd-upstream.service"]);
+    assert!(dropin("BindsTo").is_empty());
+    let (ok, stderr) = verify_units(Some("[Unit]\nBefore=nbd-upstream.service\n"));
+    assert!(!ok && stderr.contains("ordering cycle"), "{stderr}");
+
+    // The server serves the socket nbdgw's ExecStart names, as its
+    // comments ask, in a directory kept across its restarts.
+    let exec = unit_values("nbd-upstream.service", "ExecStart")
+        .pop()
+        .unwrap();
+    assert!(exec.contains("--socket=/run/nbd/disk.sock"), "{exec}");
+    assert!(exec.contains("--persistent"), "{exec}");
+    let nbdgw_exec = unit_values("nbdgw.service", "ExecStart").pop().unwrap();
+    assert!(nbdgw_exec.contains("--upstream /run/nbd/disk.sock"));
+    for (key, value) in [
+        ("Group", "nbdgw-upstream"),
+        ("UMask", "0007"),
+        ("RuntimeDirectory", "nbd"),
+        ("RuntimeDirectoryPreserve", "restart"),
+    ] {
+        assert_eq!(unit_values("nbd-upstream.service", key), [value], "{key}");
+    }
+    assert!(unit_values("nbd-upstream.service", "PrivateNetwork").is_empty());
 }
 
 #[test]
@@ -124,7 +182,10 @@ fn the_service_is_notify_typed_reloads_with_sighup_and_is_hardened() {
         ("PrivateTmp", "yes"),
         ("NoNewPrivileges", "yes"),
         ("CapabilityBoundingSet", ""),
-        ("RestrictAddressFamilies", "AF_UNIX AF_INET AF_INET6"),
+        (
+            "RestrictAddressFamilies",
+            "AF_UNIX AF_INET AF_INET6 AF_NETLINK",
+        ),
         ("SystemCallFilter", "@system-service"),
         (
             "SystemCallFilter",

@@ -237,6 +237,7 @@ pub async fn run(
     settings.health.set_draining();
     settings.health.set_accepting(false);
     crate::shutdown::shut_down(connections, &control, settings.shutdown_grace).await;
+    info!("stopped");
     Ok(())
 }
 

@@ -76,7 +76,7 @@ pub async fn serve<S>(
             Err(e) if !e.is_routine() => "error",
             _ => "closed",
         });
-        crate::conn::log_close(result, &stats, started);
+        crate::conn::log_close(result, &stats, started, false);
     }
     .instrument(span)
     .await

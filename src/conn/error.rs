@@ -106,6 +106,23 @@ impl ConnError {
         ConnError::Closed { side, when }
     }
 
+    /// The upstream went away (EOF, reset), as against one that broke the
+    /// protocol or stalled.
+    pub fn is_upstream_gone(&self) -> bool {
+        matches!(
+            self,
+            ConnError::UpstreamGone(_)
+                | ConnError::Closed {
+                    side: Side::Upstream,
+                    ..
+                }
+                | ConnError::Io {
+                    side: Side::Upstream,
+                    ..
+                }
+        )
+    }
+
     pub fn is_upstream(&self) -> bool {
         matches!(
             self,

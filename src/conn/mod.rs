@@ -91,25 +91,48 @@ pub async fn serve(
             Err(e) if !e.is_routine() => "error",
             _ => "closed",
         });
-        log_close(result, &stats, started);
+        let said_at_the_end = counted_for_the_drain(&result, &stats, config);
+        log_close(result, &stats, started, said_at_the_end);
     }
     .instrument(span)
     .await
 }
 
+/// A session cut by its upstream during the shutdown is counted for the
+/// drain's one line (`server::shut_down`) instead of a warning each.
+fn counted_for_the_drain(
+    result: &Result<&'static str, ConnError>,
+    stats: &Stats,
+    config: &Config,
+) -> bool {
+    match (result, stats.audit()) {
+        (Err(e), Some(a)) if e.is_upstream_gone() && config.health.is_draining() => {
+            config.health.cut_by_upstream(&a.upstream);
+            true
+        }
+        _ => false,
+    }
+}
+
 /// The close line: for a session that entered transmission, the audit
 /// trail's second line (target `nbdgw::audit`, with the open line's
 /// names); for any other connection, a plain one. Exactly one of
-/// `reason` (a normal end) and `error` (anything else) is given.
-pub(crate) fn log_close(result: Result<&'static str, ConnError>, stats: &Stats, started: Instant) {
+/// `reason` (a normal end) and `error` (anything else) is given. A close
+/// the shutdown's summary tells of (`summed`) is at info.
+pub(crate) fn log_close(
+    result: Result<&'static str, ConnError>,
+    stats: &Stats,
+    at: Instant,
+    summed: bool,
+) {
     let session::Counts {
         requests,
         replies,
         bytes_in,
         bytes_out,
     } = stats.counts();
-    let secs = started.elapsed().as_secs_f64();
-    let routine = result.as_ref().map_or_else(ConnError::is_routine, |_| true);
+    let secs = at.elapsed().as_secs_f64();
+    let routine = summed || result.as_ref().map_or_else(ConnError::is_routine, |_| true);
     let (reason, error) = match &result {
         Ok(reason) => (Some(*reason), None),
         Err(error) => (None, Some(escape(&error.to_string()).into_owned())),

@@ -1,0 +1,262 @@
+//! Whether a Unix socket file has a listener, asked of the kernel instead
+//! of the server: the readiness check must not connect, because every
+//! connection is a client to the NBD server behind it. qemu-nbd 7.2 and
+//! nbdkit 1.32 log an error for each connection that hangs up before the
+//! handshake ends, and a connection counts against qemu-nbd's `--shared`
+//! while it lasts.
+//!
+//! The kernel's sock_diag (NETLINK_SOCK_DIAG, `net/unix/diag.c`) lists the
+//! listening Unix sockets of this network namespace with the device and
+//! inode of the file each is bound to (`UDIAG_SHOW_VFS`). Matching the
+//! socket file's own device and inode, rather than its path as
+//! /proc/net/unix prints it, is right however the path was spelt at bind
+//! (relative, through a symlink, from another mount namespace as a pod's
+//! other container), and a stale file left by a server that died has no
+//! listener at all. Needs AF_NETLINK (systemd's RestrictAddressFamilies)
+//! and is blind to listeners in another network namespace: the caller
+//! falls back to connecting then.
+
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::Path;
+
+use nix::sys::socket::{
+    recv, sendto, setsockopt, socket, sockopt, AddressFamily, MsgFlags, NetlinkAddr, SockFlag,
+    SockProtocol, SockType,
+};
+use nix::sys::time::TimeVal;
+
+/// What sock_diag said about a socket file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Listener {
+    /// A socket of this network namespace listens on the file.
+    Found,
+    /// None of this network namespace does (a stale file, a server that
+    /// has bound but not yet listened, or one in another namespace).
+    NotHere,
+}
+
+/// The file behind `path` (symlinks followed) as sock_diag names it:
+/// the kernel's device encoding (major << 20 | minor, `s_dev`) and the
+/// inode's low 32 bits (`unix_diag_vfs` has no room for more).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileId {
+    pub dev: u32,
+    pub ino: u32,
+}
+
+impl FileId {
+    /// `Err` with `InvalidInput` when the path exists but is no socket.
+    pub fn of(path: &Path) -> io::Result<FileId> {
+        let meta = std::fs::metadata(path)?;
+        if !meta.file_type().is_socket() {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a socket"));
+        }
+        let dev = meta.dev();
+        Ok(FileId {
+            dev: (rustix::fs::major(dev) << 20) | (rustix::fs::minor(dev) & 0xf_ffff),
+            ino: meta.ino() as u32,
+        })
+    }
+}
+
+/// Asks sock_diag whether a listening socket is bound to `file`. An
+/// `Err` means sock_diag could not be asked (no AF_NETLINK, no
+/// unix_diag in the kernel) or answered something unreadable.
+pub fn listener_of(file: FileId) -> io::Result<Listener> {
+    let fd = socket(
+        AddressFamily::Netlink,
+        SockType::Datagram,
+        SockFlag::SOCK_CLOEXEC,
+        SockProtocol::NetlinkSockDiag,
+    )?;
+    // The kernel answers a dump at once; bounded all the same, since the
+    // readiness check waits for it.
+    setsockopt(&fd, sockopt::ReceiveTimeout, &TimeVal::new(2, 0))?;
+    sendto(
+        fd.as_raw_fd(),
+        &dump_request(),
+        &NetlinkAddr::new(0, 0),
+        MsgFlags::empty(),
+    )?;
+    // A dump arrives as datagrams of at most 32 KiB each (netlink_dump).
+    let mut buf = vec![0u8; 64 << 10];
+    let mut found = false;
+    loop {
+        let n = recv(fd.as_raw_fd(), &mut buf, MsgFlags::empty())?;
+        if n == 0 {
+            return Err(bad("the dump ended without NLMSG_DONE"));
+        }
+        match scan(&buf[..n], file)? {
+            Scan::More { seen } => found |= seen,
+            // Read to the end even after a match: the socket is closed
+            // at once anyway, and a half-read dump costs nothing more.
+            Scan::Done { seen } if found || seen => return Ok(Listener::Found),
+            Scan::Done { .. } => return Ok(Listener::NotHere),
+        }
+    }
+}
+
+const NLMSG_HDR: usize = 16;
+const NLMSG_ERROR: u16 = 2;
+const NLMSG_DONE: u16 = 3;
+const SOCK_DIAG_BY_FAMILY: u16 = 20;
+const NLM_F_REQUEST: u16 = 0x1;
+const NLM_F_DUMP: u16 = 0x300;
+/// `TCP_LISTEN`, the state af_unix gives a listening socket.
+const TCP_LISTEN: u32 = 10;
+const UDIAG_SHOW_VFS: u32 = 0x2;
+const UNIX_DIAG_VFS: u16 = 1;
+/// `unix_diag_msg`: family, type, state, pad, inode, cookie.
+const UNIX_DIAG_MSG: usize = 16;
+
+/// `nlmsghdr` and `unix_diag_req`: every listening Unix socket, with
+/// the device and inode of its file.
+fn dump_request() -> [u8; 40] {
+    let mut req = [0u8; 40];
+    req[0..4].copy_from_slice(&40u32.to_ne_bytes());
+    req[4..6].copy_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
+    req[6..8].copy_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
+    req[8..12].copy_from_slice(&1u32.to_ne_bytes());
+    req[16] = nix::libc::AF_UNIX as u8;
+    req[20..24].copy_from_slice(&(1u32 << TCP_LISTEN).to_ne_bytes());
+    req[28..32].copy_from_slice(&UDIAG_SHOW_VFS.to_ne_bytes());
+    req
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum Scan {
+    More { seen: bool },
+    Done { seen: bool },
+}
+
+fn u16_at(buf: &[u8], at: usize) -> Option<u16> {
+    Some(u16::from_ne_bytes(buf.get(at..at + 2)?.try_into().ok()?))
+}
+
+fn u32_at(buf: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_ne_bytes(buf.get(at..at + 4)?.try_into().ok()?))
+}
+
+fn bad(what: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, format!("sock_diag: {what}"))
+}
+
+/// One datagram of the dump: whether one of its sockets is `file`'s,
+/// and whether the dump ended with it.
+fn scan(datagram: &[u8], file: FileId) -> io::Result<Scan> {
+    let mut seen = false;
+    let mut at = 0;
+    while at + NLMSG_HDR <= datagram.len() {
+        let len = u32_at(datagram, at).ok_or_else(|| bad("short header"))? as usize;
+        let kind = u16_at(datagram, at + 4).ok_or_else(|| bad("short header"))?;
+        if len < NLMSG_HDR || at + len > datagram.len() {
+            return Err(bad("message length out of bounds"));
+        }
+        let message = &datagram[at + NLMSG_HDR..at + len];
+        match kind {
+            NLMSG_DONE => return Ok(Scan::Done { seen }),
+            NLMSG_ERROR => {
+                let code = u32_at(message, 0).ok_or_else(|| bad("short error"))? as i32;
+                return Err(io::Error::from_raw_os_error(code.saturating_neg()));
+            }
+            SOCK_DIAG_BY_FAMILY => seen |= vfs_of(message)? == Some(file),
+            _ => return Err(bad("unexpected message type")),
+        }
+        at += align4(len);
+    }
+    Ok(Scan::More { seen })
+}
+
+/// The `UNIX_DIAG_VFS` attribute of one socket, if it has one (a socket
+/// bound in the abstract namespace or not at all has none).
+fn vfs_of(message: &[u8]) -> io::Result<Option<FileId>> {
+    let mut at = UNIX_DIAG_MSG;
+    while at + 4 <= message.len() {
+        let len = u16_at(message, at).unwrap_or(0) as usize;
+        let kind = u16_at(message, at + 2).unwrap_or(0);
+        if len < 4 || at + len > message.len() {
+            return Err(bad("attribute length out of bounds"));
+        }
+        if kind == UNIX_DIAG_VFS {
+            let (ino, dev) = (u32_at(message, at + 4), u32_at(message, at + 8));
+            return match (ino, dev) {
+                (Some(ino), Some(dev)) if len >= 12 => Ok(Some(FileId { dev, ino })),
+                _ => Err(bad("short UNIX_DIAG_VFS")),
+            };
+        }
+        at += align4(len);
+    }
+    Ok(None)
+}
+
+fn align4(len: usize) -> usize {
+    (len + 3) & !3
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::{UnixDatagram, UnixListener};
+
+    fn dir() -> tempfile::TempDir {
+        tempfile::tempdir().unwrap()
+    }
+
+    #[test]
+    fn a_listening_socket_is_found_by_its_file() {
+        let dir = dir();
+        let path = dir.path().join("s.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let file = FileId::of(&path).unwrap();
+        assert_eq!(listener_of(file).unwrap(), Listener::Found);
+        // Through a symlink, as a pod's other container may spell it.
+        let link = dir.path().join("link.sock");
+        std::os::unix::fs::symlink(&path, &link).unwrap();
+        assert_eq!(FileId::of(&link).unwrap(), file);
+        drop(listener);
+        // The file stays behind with no listener: stale.
+        assert_eq!(listener_of(file).unwrap(), Listener::NotHere);
+    }
+
+    #[test]
+    fn a_socket_bound_but_not_listening_is_not_a_listener() {
+        let dir = dir();
+        let path = dir.path().join("d.sock");
+        let _bound = UnixDatagram::bind(&path).unwrap();
+        assert_eq!(
+            listener_of(FileId::of(&path).unwrap()).unwrap(),
+            Listener::NotHere
+        );
+    }
+
+    #[test]
+    fn a_regular_file_is_no_socket() {
+        let dir = dir();
+        let path = dir.path().join("plain");
+        std::fs::write(&path, b"x").unwrap();
+        let err = FileId::of(&path).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+    }
+
+    #[test]
+    fn a_truncated_or_lying_dump_is_an_error_not_a_listener() {
+        let file = FileId { dev: 1, ino: 2 };
+        let mut msg = vec![0u8; 16 + UNIX_DIAG_MSG + 12];
+        let len = msg.len() as u32;
+        msg[0..4].copy_from_slice(&(len + 4).to_ne_bytes());
+        msg[4..6].copy_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
+        assert!(scan(&msg, file).is_err());
+        msg[0..4].copy_from_slice(&len.to_ne_bytes());
+        // An attribute that claims more than the message holds.
+        msg[32..34].copy_from_slice(&200u16.to_ne_bytes());
+        assert!(scan(&msg, file).is_err());
+        // A well-formed VFS attribute naming the file.
+        msg[32..34].copy_from_slice(&12u16.to_ne_bytes());
+        msg[34..36].copy_from_slice(&UNIX_DIAG_VFS.to_ne_bytes());
+        msg[36..40].copy_from_slice(&2u32.to_ne_bytes());
+        msg[40..44].copy_from_slice(&1u32.to_ne_bytes());
+        assert_eq!(scan(&msg, file).unwrap(), Scan::More { seen: true });
+    }
+}
