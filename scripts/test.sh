@@ -57,4 +57,4 @@ scripts/ktls-vm.sh kernel_tls key_update kernel_nbd
 KTLS_VM_KERNEL=new scripts/ktls-vm.sh
 # The benchmark's own logic (capture analysis, front-end order); the benchmark itself needs
 # root and minutes, so it runs from bench/, not here.
-(cd bench && python3 -m py_compile run.py nbdclient.py wire.py soak.py lossy_lan.py ktls_ab.py client_mode.py timeline.py pq_handshakes.py && python3 -m unittest -q test_wire test_run test_timeline)
+(cd bench && python3 -m py_compile run.py nbdclient.py wire.py soak.py lossy_lan.py ktls_ab.py client_mode.py timeline.py pq_handshakes.py callgrind.py && python3 -m unittest -q test_wire test_run test_timeline)

@@ -17,7 +17,6 @@ pub(crate) mod relay;
 pub(crate) mod relayed;
 pub(crate) mod session;
 
-use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
@@ -139,18 +138,7 @@ pub(crate) fn log_close(
     };
     let error = error.as_deref().map(tracing::field::display);
     let Some(a) = stats.audit() else {
-        if routine {
-            info!(
-                reason,
-                error, requests, replies, bytes_in, bytes_out, secs, "closed"
-            );
-        } else {
-            warn!(
-                reason,
-                error, requests, replies, bytes_in, bytes_out, secs, "closed"
-            );
-        }
-        return;
+        return plain_close(routine, reason, error, stats.counts(), secs);
     };
     macro_rules! audit_close {
         ($level:ident) => {
@@ -178,6 +166,33 @@ pub(crate) fn log_close(
         audit_close!(info);
     } else {
         audit_close!(warn);
+    }
+}
+
+/// The close line of a connection that never opened an export.
+fn plain_close(
+    routine: bool,
+    reason: Option<&str>,
+    error: Option<tracing::field::DisplayValue<&str>>,
+    counts: session::Counts,
+    secs: f64,
+) {
+    let session::Counts {
+        requests,
+        replies,
+        bytes_in,
+        bytes_out,
+    } = counts;
+    if routine {
+        info!(
+            reason,
+            error, requests, replies, bytes_in, bytes_out, secs, "closed"
+        );
+    } else {
+        warn!(
+            reason,
+            error, requests, replies, bytes_in, bytes_out, secs, "closed"
+        );
     }
 }
 
@@ -231,29 +246,7 @@ async fn run(
             // only under the TLS files and policy the connection started
             // under: a reload since may have revoked what let it in.
             link.admission.prove(peer, &who, generation);
-            let session::Session {
-                tls,
-                upstream,
-                mode,
-                read_only,
-                cache,
-                ..
-            } = *session;
-            let ends = relay::Ends {
-                client: tokio::io::split(tls),
-                upstream: upstream.into_split(),
-                mode,
-                read_only,
-                cache: cache.map(|handle| relay::Cached {
-                    handle,
-                    read_ahead: config.read_ahead,
-                    depth: config.read_ahead_depth,
-                    fills: config.cache_fill_depth,
-                }),
-            };
-            let transmit = link.transmit();
-            let relayed = relay::run(ends, socket_handle, &transmit, registered.as_ref());
-            let ended = until_ended(registered.as_ref(), relayed).await;
+            let ended = transmit(*session, socket_handle, registered.as_ref(), link).await;
             // Never after a reload ended it (its certificate revoked, its
             // access narrowed); `prove` also checks the generation.
             if !matches!(ended, Err(ConnError::Revoked | ConnError::PolicyNarrowed)) {
@@ -262,6 +255,38 @@ async fn run(
             ended
         }
     }
+}
+
+/// Transmission: the relay between the client's TLS stream and the
+/// upstream, with the read cache's settings for a cached export.
+async fn transmit(
+    session: session::Session,
+    socket_handle: Option<socket2::Socket>,
+    registered: Option<&SessionGuard>,
+    link: &Link<'_>,
+) -> Result<&'static str, ConnError> {
+    let config = link.config;
+    let session::Session {
+        tls,
+        upstream,
+        mode,
+        read_only,
+        cache,
+        ..
+    } = session;
+    let ends = relay::Ends {
+        client: tokio::io::split(tls),
+        upstream: upstream.into_split(),
+        mode,
+        read_only,
+        cache: cache.map(|handle| relay::Cached {
+            handle,
+            read_ahead: config.read_ahead,
+            depth: config.read_ahead_depth,
+            fills: config.cache_fill_depth,
+        }),
+    };
+    relay::run(ends, socket_handle, &link.transmit(), registered).await
 }
 
 /// Everything before transmission: plaintext, TLS, a session slot once
@@ -361,24 +386,6 @@ pub(crate) fn log_tls(state: &rustls::CommonState, peer: Side, metrics: &crate::
         server,
         "TLS established"
     );
-}
-
-/// Runs `work` unless a reload ends the session first (its certificate
-/// revoked, or its access narrowed).
-async fn until_ended<T>(
-    registered: Option<&SessionGuard>,
-    work: impl Future<Output = Result<T, ConnError>>,
-) -> Result<T, ConnError> {
-    let Some(guard) = registered else {
-        return work.await;
-    };
-    tokio::select! {
-        // The end first: once signalled, the relay is not polled again, so
-        // a request that arrives after the reload is never forwarded.
-        biased;
-        ended = guard.ended() => Err(ConnError::ended(ended)),
-        result = work => result,
-    }
 }
 
 /// Keepalive notices a client that vanished without a FIN or RST while

@@ -3,11 +3,13 @@
 //! The two directions run as two futures in the connection's own task,
 //! sharing the in-flight table (`flight`). The reply side is the only
 //! writer to the client (`writer`): replies nbdgw makes itself (refused
-//! requests) reach it through a channel, so they never land inside an
-//! upstream reply.
+//! requests, cache hits) reach it through a channel, so they never land
+//! inside an upstream reply. The two loops only move bytes; what happens
+//! to each request and reply beyond that is decided by the stack of
+//! `layers` (see `stack`).
 
-mod cache;
 mod flight;
+pub mod layers;
 mod local;
 mod replies;
 mod requests;
@@ -25,9 +27,10 @@ use crate::conn::error::ConnError;
 use crate::conn::session::Transmit;
 use crate::proto::transmission::ReplyMode;
 use crate::shutdown::DrainAnswer;
-pub use cache::Cached;
-use cache::{Ahead, ReplyLayer, RequestLayer};
 use flight::Flight;
+pub use layers::cache::Cached;
+use layers::{accounting::Accounting, cache::ReadCache, refusals::Refusals};
+use layers::{revocation, revocation::Revocation, OnReply, OnRequest, Stack};
 pub use replies::max_reply;
 use replies::Replies;
 use requests::Requests;
@@ -59,11 +62,46 @@ pub struct Ends<CR, CW, UR, UW> {
     pub cache: Option<Cached>,
 }
 
-/// Relays until the client disconnects, a drain completes, or a side
-/// fails. Returns why the connection ended. `socket` is a second handle on
-/// the client's TCP socket (none in client mode, whose local side is not
-/// TCP to a remote): for TCP_CORK, and to see the last replies delivered.
+/// Relays until the client disconnects, a drain completes, a reload ends
+/// the session, or a side fails. Returns why the connection ended.
+/// `socket` is a second handle on the client's TCP socket (none in client
+/// mode, whose local side is not TCP to a remote): for TCP_CORK, and to
+/// see the last replies delivered.
 pub async fn run<CR, CW, UR, UW>(
+    ends: Ends<CR, CW, UR, UW>,
+    socket: Option<socket2::Socket>,
+    link: &Transmit<'_>,
+    registered: Option<&crate::tls::SessionGuard>,
+) -> Result<&'static str, ConnError>
+where
+    CR: AsyncRead + Unpin,
+    CW: AsyncWrite + Unpin,
+    UR: AsyncRead + Unpin,
+    UW: AsyncWrite + Unpin,
+{
+    revocation::until_ended(registered, relay(ends, socket, link, registered)).await
+}
+
+/// The relay's layers, outermost first: each sees a request only if every
+/// layer before it passed it, and every reply. A new per-request feature
+/// (a quota, a rate limit) is one file in `layers/` that implements
+/// `layers::Layer`, and one `.with(...)` line here. Split into the two
+/// loops' halves once per session.
+fn stack<'a>(
+    link: &'a Transmit<'_>,
+    (mode, read_only): (ReplyMode, bool),
+    registered: Option<&'a crate::tls::SessionGuard>,
+    cache: Option<Cached>,
+) -> (impl OnRequest + Send + 'a, impl OnReply + Send + 'a) {
+    Stack::new()
+        .with(Accounting::new(link.stats, mode))
+        .with(Refusals::new(read_only, link.limits.max_payload))
+        .with(Revocation::new(registered))
+        .with(ReadCache::new(cache, mode))
+        .split()
+}
+
+async fn relay<CR, CW, UR, UW>(
     ends: Ends<CR, CW, UR, UW>,
     socket: Option<socket2::Socket>,
     link: &Transmit<'_>,
@@ -83,27 +121,22 @@ where
         cache,
     } = ends;
     let flight = Flight::new();
-    let ahead = Ahead::new(cache.as_ref().map(|c| c.handle.clone()));
-    let reply_cache = cache
-        .as_ref()
-        .map(|c| ReplyLayer::new(c.handle.clone(), &ahead));
-    let request_cache = cache.map(|c| RequestLayer::new(c, &ahead));
+    let (on_request, on_reply) = stack(link, (mode, read_only), registered, cache);
     let (local_tx, local_rx) = mpsc::channel(LOCAL_QUEUE);
     let requests = Requests::new(
         (client_rd, up_wr),
         &flight,
         local_tx,
-        (mode, read_only),
+        mode,
         link,
-    )
-    .cached(request_cache)
-    .ended_by(registered);
+        on_request,
+    );
     let upstream = Buffered::new(UPSTREAM_READ_BUF, up_rd);
     let lingers = link.shutdown.answer() == DrainAnswer::Eshutdown;
     let limits = (mode, link.limits.max_payload);
-    let replies = Replies::new(upstream, &flight, local_rx, limits, link.shutdown.clone())
-        .cached(reply_cache)
-        .lingering(lingers);
+    let shutdown = link.shutdown.clone();
+    let replies =
+        Replies::new(upstream, &flight, local_rx, limits, shutdown, on_reply).lingering(lingers);
     let mut writer = ReplyWriter::new(client_wr, socket, &link.limits, link.stats);
     let mut requests = pin!(requests.run());
     let mut requests_done = false;

@@ -1,8 +1,8 @@
 //! Upstream to client: relays each reply (or a reply nbdgw made itself)
 //! through the reply writer, keeps filling while more is already waiting,
-//! and ends the burst when nothing is.
+//! and ends the burst when nothing is. The layers see each reply chunk on
+//! its way, and may claim it (a reply to a request of their own).
 
-use std::collections::HashMap;
 use std::future::poll_fn;
 use std::pin::Pin;
 use std::task::Poll;
@@ -12,17 +12,16 @@ use tokio::io::{AsyncBufRead, AsyncRead, AsyncReadExt, AsyncWrite};
 use crate::conn::buffered::Buffered;
 use tokio::sync::mpsc;
 
-use super::cache::{Filling, Purpose, ReplyLayer};
 use super::flight::Flight;
+use super::layers::{Answer, OnReply, Take};
 use super::local::{Local, CLIENT_DISCONNECTED, SHUTTING_DOWN};
 use super::writer::ReplyWriter;
 use crate::conn::error::{ConnError, Side};
 use crate::proto::consts::*;
 use crate::proto::transmission::{
-    check_error_payload, encode_error_reply, encode_read_reply_header, parse_reply,
-    reply_header_len, InFlight, ReplyFrame, ReplyMode, Request,
+    check_error_payload, parse_reply, reply_header_len, InFlight, ReplyFrame, ReplyMode,
 };
-use crate::proto::{be_u32, be_u64};
+use crate::proto::ProtoError;
 use crate::shutdown::Shutdown;
 
 /// Beyond its payload, a reply chunk carries its own fields: an offset, an
@@ -44,13 +43,12 @@ pub fn max_reply(max_payload: u32) -> u64 {
 /// it. A few round trips of a slow link; an idle session still closes in
 /// a blink.
 const SHUTDOWN_LINGER: std::time::Duration = std::time::Duration::from_millis(250);
-/// Client reads on a cached session longer than this are relayed as they
-/// come, wholly uncached: a client's long reads would otherwise keep a
-/// buffer as long as `--max-payload` on its connection. Fill reads (at
-/// most `MAX_HIT` and a block either side) always fit.
-const TEE_MAX: u64 = super::cache::MAX_HIT + 2 * crate::cache::BLOCK_SIZE + 8;
+/// A buffer for payloads the layers see larger than this is not kept
+/// once used: a long read-ahead reply must not leave its buffer behind on
+/// every idle connection.
+const SCRATCH_KEPT: usize = super::layers::cache::TEE_MAX as usize;
 
-pub struct Replies<'a, U> {
+pub struct Replies<'a, U, L> {
     upstream: Buffered<U>,
     flight: &'a Flight,
     local: mpsc::Receiver<Local>,
@@ -71,13 +69,11 @@ pub struct Replies<'a, U> {
     /// (answered ESHUTDOWN); with `DrainAnswer::Close` it does not: they
     /// go unanswered, and the close tells the client so.
     lingers: bool,
-    /// The read cache, on an immutable export: read data fills it.
-    cache: Option<ReplyLayer<'a>>,
-    /// Read reply payload on its way into the cache (and the client).
+    /// The reply halves of the relay's layers.
+    layers: L,
+    /// A reply payload the layers see, on its way to them (and the
+    /// client).
     scratch: Vec<u8>,
-    /// Fill reads whose replies have begun, by nbdgw's cookie: one at a
-    /// time from an upstream that sends each reply's chunks together.
-    fills: HashMap<u64, Filling>,
 }
 
 enum Next {
@@ -86,13 +82,14 @@ enum Next {
     UpstreamEof,
 }
 
-impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
+impl<'a, U: AsyncRead + Unpin, L: OnReply> Replies<'a, U, L> {
     pub fn new(
         upstream: Buffered<U>,
         flight: &'a Flight,
         local: mpsc::Receiver<Local>,
         (mode, max_payload): (ReplyMode, u32),
         shutdown: Shutdown,
+        layers: L,
     ) -> Self {
         Replies {
             shutdown,
@@ -105,20 +102,14 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
             draining: None,
             linger_until: None,
             lingers: true,
-            cache: None,
+            layers,
             scratch: Vec::new(),
-            fills: HashMap::new(),
         }
     }
 
     /// Whether a drained connection lingers for requests already sent.
     pub fn lingering(mut self, lingers: bool) -> Self {
         self.lingers = lingers;
-        self
-    }
-
-    pub fn cached(mut self, cache: Option<ReplyLayer<'a>>) -> Self {
-        self.cache = cache;
         self
     }
 
@@ -263,9 +254,14 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
             },
         }
     }
+}
 
+/// One reply from the upstream, on its way through the layers.
+impl<U: AsyncRead + Unpin, L: OnReply> Replies<'_, U, L> {
     /// One reply message: header (its magic tells how long), then its
-    /// payload straight into the writer (or, read whole, into the cache).
+    /// payload straight into the writer, or, for a reply the layers see,
+    /// read whole and shown to them first; a reply a layer claims never
+    /// reaches the client.
     async fn relay_one<W: AsyncWrite + Unpin>(
         &mut self,
         writer: &mut ReplyWriter<'_, W>,
@@ -274,32 +270,29 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
         let (header_len, frame) = self.read_header(&mut header).await?;
         // parse_reply found the cookie in flight.
         let req = self.flight.lock().table.get(frame.cookie);
-        // A reply to nbdgw's own read fills the cache, and reaches the
-        // client only as the answer to the read it was widened from.
-        let purpose = self
-            .cache
-            .as_ref()
-            .and_then(|c| c.ahead.purpose(frame.cookie));
-        let ours = purpose.is_some();
-        if !ours {
+        let req = req.ok_or(ProtoError::UnknownCookie(frame.cookie));
+        let req = req.map_err(ConnError::proto(Side::Upstream))?;
+        let take = self.layers.take(frame.cookie, &req);
+        let claimed = take == Take::Claim;
+        if !claimed {
             writer.append(&header[..header_len]).await?;
         }
         if frame.is_error_chunk() {
-            self.relay_error_chunk(&frame, req.as_ref(), purpose, writer)
+            self.relay_error_chunk(&frame, &req, claimed, writer)
+                .await?;
+        } else if take == Take::Pass || frame.payload_len == 0 {
+            writer
+                .append_from(&mut self.upstream, frame.payload_len)
                 .await?;
         } else {
-            self.relay_payload(&frame, req.as_ref(), purpose, writer)
-                .await?;
+            self.relay_seen(&frame, &req, claimed, writer).await?;
         }
         if frame.simple_error != 0 {
-            if !ours {
-                writer.metrics().error(frame.simple_error);
-            } else if let Some(filling) = self.filling(frame.cookie, req.as_ref(), purpose) {
-                filling.error(frame.simple_error);
-            }
+            let error = frame.simple_error;
+            self.layers.error(frame.cookie, &req, error, claimed);
         }
         if frame.done {
-            self.reply_done(frame.cookie, purpose, writer).await?;
+            self.reply_done(frame.cookie, claimed, writer).await?;
         }
         Ok(())
     }
@@ -337,8 +330,8 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
     async fn relay_error_chunk<W: AsyncWrite + Unpin>(
         &mut self,
         frame: &ReplyFrame,
-        req: Option<&InFlight>,
-        purpose: Option<Purpose>,
+        req: &InFlight,
+        claimed: bool,
         writer: &mut ReplyWriter<'_, W>,
     ) -> Result<(), ConnError> {
         let eof = || ConnError::io(Side::Upstream, "in the middle of a reply");
@@ -349,235 +342,100 @@ impl<'a, U: AsyncRead + Unpin> Replies<'a, U> {
             .map_err(eof())?;
         check_error_payload(frame.kind, &payload).map_err(ConnError::proto(Side::Upstream))?;
         let error = u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]);
-        if purpose.is_some() {
-            if let Some(filling) = self.filling(frame.cookie, req, purpose) {
-                filling.error(error);
-            }
-        } else {
-            writer.metrics().error(error);
+        self.layers.error(frame.cookie, req, error, claimed);
+        if !claimed {
             writer.append(&payload).await?;
         }
         Ok(())
     }
 
-    /// A chunk's payload (not an error's): streamed to the client as it
-    /// comes, or, for a read whose reply the cache takes, read whole and
-    /// given to the cache on its way. Whether the cache takes a reply is
-    /// decided by the read, not by each chunk: nbdgw's own reads, and
-    /// client reads at most `TEE_MAX` long. A longer client read is
-    /// relayed wholly uncached, so that no chunk of it is cached without
-    /// every other chunk of its reply having been seen (a small chunk
-    /// could overlap a long one streamed past unrecorded).
-    async fn relay_payload<W: AsyncWrite + Unpin>(
+    /// A chunk's payload (not an error's) that a layer claimed or teed:
+    /// read whole into `scratch`, shown to the layers, then (unless
+    /// claimed) relayed. parse_reply holds each chunk to the request it
+    /// answers (data no longer than a read, after its 8-byte offset; a
+    /// hole of 12 bytes), and the layers see only replies they bound (the
+    /// cache: reads up to `TEE_MAX`, and its own reads, at most
+    /// `--max-payload`).
+    async fn relay_seen<W: AsyncWrite + Unpin>(
         &mut self,
         frame: &ReplyFrame,
-        req: Option<&InFlight>,
-        purpose: Option<Purpose>,
+        req: &InFlight,
+        claimed: bool,
         writer: &mut ReplyWriter<'_, W>,
     ) -> Result<(), ConnError> {
-        let ours = purpose.is_some();
-        let teed = req
-            .filter(|r| r.command == CMD_READ)
-            .filter(|r| self.cache.is_some() && (ours || r.length <= TEE_MAX));
-        let Some(req) = teed.filter(|_| frame.payload_len > 0) else {
-            return writer
-                .append_from(&mut self.upstream, frame.payload_len)
-                .await;
-        };
-        // parse_reply holds each chunk to the read it answers (data no
-        // longer than the read, after its 8-byte offset; a hole of 12
-        // bytes): what is buffered is at most a read nbdgw tees, `TEE_MAX`
-        // or its own read-ahead (`--read-ahead`, at most `--max-payload`).
-        self.read_into_cache(frame, req, purpose).await?;
-        if !ours {
+        self.read_scratch(frame.payload_len).await?;
+        self.layers.payload(frame, req, &self.scratch, claimed);
+        if !claimed {
             writer.append(&self.scratch).await?;
         }
-        // A long read-ahead reply must not leave its buffer behind on
-        // every idle connection.
-        if self.scratch.capacity() > TEE_MAX as usize {
+        if self.scratch.capacity() > SCRATCH_KEPT {
             self.scratch = Vec::new();
         }
         Ok(())
     }
 
-    /// `cookie`'s reply is complete: a client's is finished, one of
-    /// nbdgw's own leaves the flight (and a fill answers its client).
+    /// `cookie`'s reply is complete: a client's is finished; one a layer
+    /// claimed leaves the flight, and may answer a client's request.
     async fn reply_done<W: AsyncWrite + Unpin>(
         &mut self,
         cookie: u64,
-        purpose: Option<Purpose>,
+        claimed: bool,
         writer: &mut ReplyWriter<'_, W>,
     ) -> Result<(), ConnError> {
-        if let Some(cache) = &self.cache {
-            cache.reply_done(cookie);
-        }
-        let Some(purpose) = purpose else {
+        let answer = self.layers.done(cookie, claimed);
+        if !claimed {
             return self.finish(cookie, writer).await;
-        };
-        if let Some(cache) = &self.cache {
-            // Before completing, so that a client request reusing the
-            // cookie is never taken for one of nbdgw's.
-            cache.ahead.done(cookie);
         }
         self.flight.complete(cookie);
-        let filling = self.fills.remove(&cookie);
-        if let Purpose::Fill(request) = purpose {
-            self.answer_fill(&request, filling, writer).await?;
+        match answer {
+            Some(answer) => self.answer(answer, writer).await,
+            None => Ok(()),
         }
-        Ok(())
     }
 
-    /// The fill read `cookie` (of `req`) as its reply has come so far;
-    /// `None` for a read-ahead, which answers no one.
-    fn filling(
+    /// A client's request answered by a layer.
+    async fn answer<W: AsyncWrite + Unpin>(
         &mut self,
-        cookie: u64,
-        req: Option<&InFlight>,
-        purpose: Option<Purpose>,
-    ) -> Option<&mut Filling> {
-        let (Some(req), Some(Purpose::Fill(_))) = (req, purpose) else {
-            return None;
-        };
-        Some(
-            self.fills
-                .entry(cookie)
-                .or_insert_with(|| Filling::new(req)),
-        )
-    }
-
-    /// Answers the client's read a fill read was made for: its bytes from
-    /// the fill, or the upstream's error.
-    async fn answer_fill<W: AsyncWrite + Unpin>(
-        &mut self,
-        request: &Request,
-        filling: Option<Filling>,
+        answer: Answer,
         writer: &mut ReplyWriter<'_, W>,
     ) -> Result<(), ConnError> {
-        let answer = match (filling, &self.cache) {
-            (Some(filling), Some(cache)) => {
-                let handle = &cache.handle;
-                filling.finish(
-                    request,
-                    |at, blocks| handle.fill(at, blocks, false),
-                    |fault, range, what| handle.upstream_fault(fault, range, what),
-                )
-            }
-            // A reply with no data, hole or error for a read.
-            _ => Err(EIO),
-        };
-        let mut header = Vec::with_capacity(64);
-        match answer {
-            Ok(data) => {
-                encode_read_reply_header(
-                    self.mode,
-                    request.cookie,
-                    request.offset,
-                    request.length,
-                    &mut header,
-                );
-                writer.append(&header).await?;
-                writer.append(&data).await?;
-            }
-            Err(error) => {
-                let in_flight = InFlight::from(request);
-                let message = "nbdgw: the upstream failed the read";
-                encode_error_reply(
-                    self.mode,
-                    request.cookie,
-                    &in_flight,
-                    error,
-                    message,
-                    &mut header,
-                );
-                writer.metrics().error(error);
-                writer.append(&header).await?;
-            }
+        if let Some(error) = answer.error {
+            self.layers
+                .error(answer.cookie, &answer.request, error, false);
         }
-        self.finish(request.cookie, writer).await
+        writer.append(&answer.bytes).await?;
+        writer.append(&answer.data).await?;
+        self.finish(answer.cookie, writer).await
     }
 
-    /// Reads a reply payload on a cached session into `scratch`, and gives
-    /// what it says of the export's bytes to the cache: a simple reply's
-    /// data, an OFFSET_DATA chunk, an OFFSET_HOLE chunk.
-    async fn read_into_cache(
-        &mut self,
-        frame: &ReplyFrame,
-        req: &InFlight,
-        purpose: Option<Purpose>,
-    ) -> Result<(), ConnError> {
-        // Bounded by parse_reply: at most the read's length and a chunk's
-        // fields. Read into spare capacity, which is not zeroed first.
+    /// Reads `len` bytes of reply payload into `scratch`, into spare
+    /// capacity, which is not zeroed first.
+    async fn read_scratch(&mut self, len: u64) -> Result<(), ConnError> {
         self.scratch.clear();
-        self.scratch.reserve(frame.payload_len as usize);
+        self.scratch.reserve(len as usize);
         let read = (&mut self.upstream)
-            .take(frame.payload_len)
+            .take(len)
             .read_to_end(&mut self.scratch)
             .await
             .map_err(ConnError::io(Side::Upstream, "in the middle of a reply"))?;
-        if read as u64 != frame.payload_len {
+        if read as u64 != len {
             return Err(ConnError::closed(
                 Side::Upstream,
                 "in the middle of a reply",
             ));
-        }
-        if let Some(Purpose::Fill(_)) = purpose {
-            let filling = self
-                .fills
-                .entry(frame.cookie)
-                .or_insert_with(|| Filling::new(req));
-            fill_from_chunk(filling, frame, req, &self.scratch);
-            return Ok(());
-        }
-        let Some(cache) = &self.cache else {
-            return Ok(());
-        };
-        let payload = &self.scratch[..];
-        let ours = purpose.is_some();
-        match (frame.kind, chunk_offset(payload)) {
-            (0, _) if frame.simple_error == 0 => {
-                cache.data(frame.cookie, req, req.offset, payload, ours)
-            }
-            (REPLY_TYPE_OFFSET_DATA, Some(offset)) => {
-                cache.data(frame.cookie, req, offset, &payload[8..], ours)
-            }
-            (REPLY_TYPE_OFFSET_HOLE, Some(offset)) => {
-                if let Some(len) = payload.get(8..12) {
-                    cache.hole(frame.cookie, req, offset, be_u32(len, 0).into(), ours);
-                }
-            }
-            _ => {}
         }
         Ok(())
     }
 
     /// A request's last reply is in the writer.
     async fn finish<W: AsyncWrite + Unpin>(
-        &self,
+        &mut self,
         cookie: u64,
         writer: &mut ReplyWriter<'_, W>,
     ) -> Result<(), ConnError> {
         if let Some((command, took)) = self.flight.complete(cookie) {
-            writer.metrics().answered(command_name(command), took);
+            self.layers.answered(command, took);
         }
         writer.end_of_reply().await
-    }
-}
-
-/// The offset an OFFSET_DATA or OFFSET_HOLE chunk's payload starts with.
-fn chunk_offset(payload: &[u8]) -> Option<u64> {
-    payload.get(..8).map(|b| be_u64(b, 0))
-}
-
-/// What a chunk of a fill read's reply (`payload`, of `frame`) says of
-/// the export's bytes, into the fill.
-fn fill_from_chunk(filling: &mut Filling, frame: &ReplyFrame, req: &InFlight, payload: &[u8]) {
-    match (frame.kind, chunk_offset(payload)) {
-        (0, _) if frame.simple_error == 0 => filling.data(req.offset, payload),
-        (REPLY_TYPE_OFFSET_DATA, Some(offset)) => filling.data(offset, &payload[8..]),
-        (REPLY_TYPE_OFFSET_HOLE, Some(offset)) => match payload.get(8..12) {
-            Some(len) => filling.hole(offset, be_u32(len, 0).into()),
-            None => filling.error(EIO),
-        },
-        _ => filling.error(EIO),
     }
 }

@@ -1,6 +1,7 @@
-//! Client to upstream: reads each request, answers locally what nbdgw
-//! refuses (through the reply side, the only writer to the client), and
-//! forwards the rest with their payload.
+//! Client to upstream: reads each request, asks the layers what becomes
+//! of it, answers locally what they refuse or answer (through the reply
+//! side, the only writer to the client), and forwards the rest with their
+//! payload.
 
 use std::pin::pin;
 use std::time::Instant;
@@ -9,8 +10,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tracing::debug;
 
-use super::cache::RequestLayer;
 use super::flight::Flight;
+use super::layers::{At, OnRequest, Verdict};
 use super::local::{Local, CLIENT_DISCONNECTED};
 use crate::conn::error::{ConnError, Side};
 use crate::conn::session::{within_stall, Limits, Transmit};
@@ -27,30 +28,30 @@ const REQUEST_CHUNK: usize = 256 * 1024 + EXTENDED_REQUEST_LEN;
 /// Generic over the halves: the server mode reads a TLS client and writes
 /// a Unix socket, the client mode reads a plaintext local client and
 /// writes TLS to the remote server.
-pub struct Requests<'a, C, U> {
+pub struct Requests<'a, C, U, L> {
     client: C,
     upstream: U,
     flight: &'a Flight,
     local: mpsc::Sender<Local>,
     mode: ReplyMode,
-    read_only: bool,
     link: &'a Transmit<'a>,
     shutdown: Shutdown,
     /// Header and the first part of the payload, then further pieces.
     buf: Vec<u8>,
-    /// The session's registration, which a reload may end.
-    registered: Option<&'a crate::tls::SessionGuard>,
-    /// The read cache, on an immutable export.
-    cache: Option<RequestLayer<'a>>,
+    /// The request halves of the relay's layers.
+    layers: L,
+    /// Requests the layers send of their own after a request.
+    own: Vec<Request>,
 }
 
-impl<'a, C: AsyncRead + Unpin, U: AsyncWrite + Unpin> Requests<'a, C, U> {
+impl<'a, C: AsyncRead + Unpin, U: AsyncWrite + Unpin, L: OnRequest> Requests<'a, C, U, L> {
     pub fn new(
         (client, upstream): (C, U),
         flight: &'a Flight,
         local: mpsc::Sender<Local>,
-        (mode, read_only): (ReplyMode, bool),
+        mode: ReplyMode,
         link: &'a Transmit<'a>,
+        layers: L,
     ) -> Self {
         Requests {
             client,
@@ -58,26 +59,12 @@ impl<'a, C: AsyncRead + Unpin, U: AsyncWrite + Unpin> Requests<'a, C, U> {
             flight,
             local,
             mode,
-            read_only,
             link,
             shutdown: link.shutdown.clone(),
             buf: Vec::with_capacity(REQUEST_CHUNK),
-            registered: None,
-            cache: None,
+            layers,
+            own: Vec::new(),
         }
-    }
-
-    /// Answers reads from the read cache where it can, and reads ahead.
-    pub fn cached(mut self, cache: Option<RequestLayer<'a>>) -> Self {
-        self.cache = cache;
-        self
-    }
-
-    /// Ends the relay, before it forwards another request, once a reload
-    /// has ended the session.
-    pub fn ended_by(mut self, registered: Option<&'a crate::tls::SessionGuard>) -> Self {
-        self.registered = registered;
-        self
     }
 
     fn limits(&self) -> &Limits {
@@ -98,15 +85,13 @@ impl<'a, C: AsyncRead + Unpin, U: AsyncWrite + Unpin> Requests<'a, C, U> {
             ProtoError::check_limit("request payload", payload, max_payload)
                 .map_err(ConnError::proto(Side::Client))?;
             if request.command == CMD_DISC {
-                self.count(&request);
+                self.layers.arrived(&request);
                 return self.disconnect(header).await;
             }
             // The phase is read once: what this request gets is decided
             // by one look, whatever the drain does meanwhile.
             let draining = self.shutdown.answer_now();
-            // Counted once decided, so that whoever waits for the count
-            // (the tests) sees a request whose fate is sealed.
-            self.count(&request);
+            self.layers.arrived(&request);
             if draining == Some(DrainAnswer::Close) {
                 self.leave_unanswered(&request, payload).await?;
                 continue;
@@ -115,13 +100,6 @@ impl<'a, C: AsyncRead + Unpin, U: AsyncWrite + Unpin> Requests<'a, C, U> {
                 return Ok(());
             }
         }
-    }
-
-    fn count(&self, request: &Request) {
-        let header_len = self.mode.request_header_len() as u64;
-        self.link
-            .stats
-            .request(command_name(request.command), header_len);
     }
 
     /// A request read after a drain began, with `DrainAnswer::Close`:
@@ -140,8 +118,10 @@ impl<'a, C: AsyncRead + Unpin, U: AsyncWrite + Unpin> Requests<'a, C, U> {
         Ok(())
     }
 
-    /// Refuses, answers from the cache or forwards one request. Returns
-    /// false once the reply side is gone and nothing more is to be read.
+    /// Claims the request's cookie, then does what the layers decide:
+    /// refuse it, answer it, send a request of theirs instead, or forward
+    /// it; then sends what the layers add of their own. Returns false once
+    /// the reply side is gone and nothing more is to be read.
     async fn handle(
         &mut self,
         request: &Request,
@@ -152,93 +132,44 @@ impl<'a, C: AsyncRead + Unpin, U: AsyncWrite + Unpin> Requests<'a, C, U> {
         self.flight
             .claim(request.cookie, InFlight::from(request))
             .await;
-        if let Some((error, message)) = self.refusal(request, draining) {
-            let queued = self.refuse(request, payload, error, message).await?;
-            // Once a drained connection's reply side is done, its requests
-            // are still read until the client closes (see `relay::run`).
-            return Ok(queued || self.shutdown.is_draining());
-        }
-        // A reload may have ended the session while this request was
-        // read: it must not reach the upstream.
-        if let Some(why) = self.registered.and_then(|g| g.signalled()) {
-            return Err(ConnError::ended(why));
-        }
-        let hit = self
-            .cache
-            .as_ref()
-            .and_then(|c| c.answer(self.mode, request));
-        match hit {
-            Some(reply) => {
+        let flight = self.flight;
+        let at = At {
+            mode: self.mode,
+            flight,
+            draining,
+        };
+        match self.layers.request(&at, request) {
+            Verdict::Pass => self.forward(header, payload).await?,
+            Verdict::Refuse { error, message } => {
+                let queued = self.refuse(request, payload, error, message).await?;
+                // Once a drained connection's reply side is done, its
+                // requests are still read until the client closes (see
+                // `relay::run`).
+                return Ok(queued || self.shutdown.is_draining());
+            }
+            Verdict::Answer(reply) => {
                 if self.local.send(reply).await.is_err() {
                     return Ok(false);
                 }
             }
-            None => self.miss(request, header, payload).await?,
+            Verdict::Instead(own) => self.send_own(&[own]).await?,
+            Verdict::End(error) => return Err(error),
         }
-        // No read-ahead for a session that is closing: its replies would
-        // only hold the drain up.
-        if draining.is_none() {
-            self.read_ahead(request).await?;
-        }
-        Ok(true)
+        let mut own = std::mem::take(&mut self.own);
+        self.layers.follow(&at, request, &mut own);
+        let sent = self.send_own(&own).await;
+        own.clear();
+        self.own = own;
+        sent.map(|()| true)
     }
 
-    /// What nbdgw answers itself instead of forwarding, if anything.
-    /// `draining` is the phase as this request saw it: ESHUTDOWN only when
-    /// the drain answers so (never with `DrainAnswer::Close`).
-    fn refusal(
-        &self,
-        request: &Request,
-        draining: Option<DrainAnswer>,
-    ) -> Option<(u32, &'static str)> {
-        if draining == Some(DrainAnswer::Eshutdown) {
-            Some((ESHUTDOWN, "nbdgw is shutting down"))
-        } else if self.read_only && request.is_modifying() {
-            // The spec asks for EPERM; qemu-nbd itself would answer EINVAL.
-            Some((EPERM, "nbdgw: the export is read-only"))
-        } else if request.command == CMD_READ
-            && request.length > u64::from(self.limits().max_payload)
-        {
-            Some((EINVAL, "nbdgw: read length exceeds --max-payload"))
-        } else {
-            None
-        }
-    }
-
-    /// A request the cache did not answer: a READ of a cached session goes
-    /// upstream widened to whole blocks (see `RequestLayer::fill`), all
-    /// else as it came.
-    async fn miss(
-        &mut self,
-        request: &Request,
-        header: &[u8],
-        payload: u64,
-    ) -> Result<(), ConnError> {
-        let flight = self.flight;
-        let fill = match (&mut self.cache, payload) {
-            (Some(cache), 0) => cache.fill(request, flight),
-            _ => None,
-        };
-        let Some(fill) = fill else {
-            return self.forward(header, payload).await;
-        };
-        self.buf.clear();
-        fill.encode(self.mode, &mut self.buf);
-        self.send_upstream().await
-    }
-
-    /// Sends the read-ahead the cache layer plans after `request`, in one
-    /// write: their replies fill the cache and never reach the client.
-    async fn read_ahead(&mut self, request: &Request) -> Result<(), ConnError> {
-        let Some(cache) = self.cache.as_mut() else {
-            return Ok(());
-        };
-        let ahead = cache.read_ahead(request, self.flight);
-        if ahead.is_empty() {
+    /// Requests of the layers' own, in one write.
+    async fn send_own(&mut self, own: &[Request]) -> Result<(), ConnError> {
+        if own.is_empty() {
             return Ok(());
         }
         self.buf.clear();
-        for request in &ahead {
+        for request in own {
             request.encode(self.mode, &mut self.buf);
         }
         self.send_upstream().await
@@ -271,7 +202,7 @@ impl<'a, C: AsyncRead + Unpin, U: AsyncWrite + Unpin> Requests<'a, C, U> {
             message,
             &mut bytes,
         );
-        self.link.stats.metrics.error(error);
+        self.layers.refused(request, error);
         let reply = Local::Reply {
             cookie: request.cookie,
             bytes,

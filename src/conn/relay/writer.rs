@@ -88,10 +88,6 @@ impl<'a, W: AsyncWrite + Unpin> ReplyWriter<'a, W> {
         Ok(())
     }
 
-    pub fn metrics(&self) -> &crate::metrics::Metrics {
-        &self.stats.metrics
-    }
-
     /// A whole reply has been appended.
     pub async fn end_of_reply(&mut self) -> Result<(), ConnError> {
         self.stats.reply();

@@ -1,0 +1,177 @@
+#!/usr/bin/python3
+"""nbdgw's instructions per request, counted by valgrind's callgrind: a
+figure that does not move with the machine's load, unlike the wall-clock
+rows of bench/run.py (which spread up to 5x between repetitions here).
+
+A RELEASE nbdgw runs under `valgrind --tool=callgrind` in front of a real
+qemu-nbd (a raw image file on a Unix socket); python3-libnbd, the same
+library as nbdinfo and nbdcopy, connects over TLS (as users do: the QD1
+path) and sends a fixed number of requests one at a time. Each case runs
+twice, with N1 and N2 requests; everything both runs share (start-up, the
+TLS handshake, the negotiation, the close) cancels out:
+
+    instructions per request = (Ir(N2) - Ir(N1)) / (N2 - N1)
+
+Only nbdgw is under valgrind; the client and qemu-nbd run natively.
+
+Cases: QD1 4 KiB reads and QD1 4 KiB writes on a plain export (each at a
+different offset, 1 MiB apart), and 4 KiB reads that hit the read cache
+(`--immutable`: the same block, read once to fill it first).
+
+Kernel TLS is off (`--ktls off`): with it, encryption leaves user space
+and the count would depend on whether the machine has the kernel module.
+
+    bench/callgrind.py [--binary PATH] [--label TEXT] [--n1 N] [--n2 N]
+
+Prints a Markdown table row per case.
+"""
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYTHON = "/usr/bin/python3"
+IMAGE_SIZE = 256 << 20
+SIZE = 4096
+
+# The client: one connection, `count` requests of one kind, one at a time.
+CLIENT = r"""
+import sys, nbd
+uri, case, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+import time
+for attempt in range(10):
+    h = nbd.NBD()
+    h.set_uri_allow_local_file(True)
+    try:
+        h.connect_uri(uri)
+        break
+    except nbd.Error:
+        # nbdgw under valgrind may listen before it is ready to serve.
+        if attempt == 9:
+            raise
+        time.sleep(1)
+span = %d - 4096
+if case == "hit":
+    h.pread(4096, 0)
+buf = b"w" * 4096
+for i in range(count):
+    offset = (i << 20) %% span
+    if case == "read":
+        h.pread(4096, offset)
+    elif case == "write":
+        h.pwrite(buf, offset)
+    else:
+        h.pread(4096, 0)
+h.shutdown()
+""" % IMAGE_SIZE
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(check, what, timeout=120.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if check():
+            return
+        time.sleep(0.1)
+    sys.exit(f"{what} did not come up within {timeout:.0f} s")
+
+
+def port_open(port):
+    try:
+        socket.create_connection(("127.0.0.1", port), 1).close()
+        return True
+    except OSError:
+        return False
+
+
+def total_ir(path):
+    """The `totals:` (or `summary:`) line of a callgrind output file."""
+    with open(path) as f:
+        for line in f:
+            if line.startswith(("totals:", "summary:")):
+                return int(line.split()[1])
+    sys.exit(f"no totals in {path}")
+
+
+def measure(binary, work, case, count):
+    """Ir of one nbdgw run serving one client that sends `count` requests."""
+    port = free_port()
+    out = os.path.join(work, f"callgrind.{case}.{count}")
+    extra = ["--immutable"] if case == "hit" else []
+    gw = subprocess.Popen(
+        ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
+         binary, "--listen", f"127.0.0.1:{port}", "--tls-dir", os.path.join(work, "certs"),
+         "--upstream", os.path.join(work, "up.sock"), "--ktls", "off", "--threads", "2",
+         "--shutdown-grace", "5", *extra],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: port_open(port), "nbdgw under valgrind")
+        uri = f"nbds://127.0.0.1:{port}/?tls-certificates={os.path.join(work, 'certs')}"
+        subprocess.run([PYTHON, "-c", CLIENT, uri, case, str(count)], check=True, timeout=1800)
+    finally:
+        gw.send_signal(signal.SIGTERM)
+        gw.wait(timeout=300)
+    ir = total_ir(out)
+    os.unlink(out)
+    return ir
+
+
+def start_upstream(work):
+    image = os.path.join(work, "image.raw")
+    with open(image, "wb") as f:
+        f.truncate(IMAGE_SIZE)
+    sock = os.path.join(work, "up.sock")
+    upstream = subprocess.Popen(
+        ["qemu-nbd", "--persistent", "--shared=8", "-f", "raw", "--cache=writeback",
+         "-k", sock, image],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(lambda: os.path.exists(sock), "qemu-nbd")
+    return upstream
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--binary", default=os.path.join(ROOT, "target", "release", "nbdgw"))
+    p.add_argument("--label", default=None)
+    p.add_argument("--n1", type=int, default=100)
+    p.add_argument("--n2", type=int, default=1100)
+    p.add_argument("--cases", default="read,write,hit")
+    args = p.parse_args()
+    work = tempfile.mkdtemp(prefix="nbdgw-callgrind-")
+    upstream = None
+    try:
+        subprocess.run([args.binary, "certs", "--out", os.path.join(work, "certs"),
+                        "--server-name", "127.0.0.1"], check=True, stdout=subprocess.DEVNULL)
+        upstream = start_upstream(work)
+        label = args.label or args.binary
+        row = {}
+        for case in args.cases.split(","):
+            low = measure(args.binary, work, case, args.n1)
+            high = measure(args.binary, work, case, args.n2)
+            row[case] = (high - low) / (args.n2 - args.n1)
+        names = {"read": "QD1 4 KiB read", "write": "QD1 4 KiB write", "hit": "4 KiB cache hit"}
+        cases = args.cases.split(",")
+        print("| binary | " + " | ".join(f"{names[c]} (Ir/request)" for c in cases) + " |")
+        print("|---|" + "---:|" * len(cases))
+        print(f"| {label} | " + " | ".join(f"{row[c]:,.0f}" for c in cases) + " |")
+    finally:
+        if upstream:
+            upstream.send_signal(signal.SIGTERM)
+            upstream.wait(timeout=30)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
