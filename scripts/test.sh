@@ -12,6 +12,10 @@ bash -c 'source doc/completions/nbdgw.bash && complete -p nbdgw' >/dev/null
 # command lines run as local processes) and nothing else in deploy/.
 deploy_venv="${NBDGW_DEPLOY_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/nbdgw/deploy-venv-1}"
 NBDGW_DEPLOY_VENV="$deploy_venv" "$deploy_venv/bin/python" -m unittest -v deploy/test_deploy.py
+# The image built from deploy/container/ (both stages, the release build
+# inside the builder) and run hardened with real clients, and the pod run
+# with `podman kube play` (bases cached in ~/.cache/nbdgw/container).
+scripts/container-test.sh
 # Every fuzz target, briefly, from the seed corpus (scripts/fuzz.sh 3600
 # for a long run).
 scripts/fuzz.sh 30
