@@ -10,7 +10,9 @@ backup_uri=spiffe://cluster.local/ns/disks/sa/disk-backup
 # Containerfiles stay as an operator with a registry would use them. The
 # release build inside is niced: CI shares its cores.
 build_images() {
-    local minbase=$1 runtime=$2 builder=$3 t0=$SECONDS
+    local minbase=$1 runtime=$2 builder=$3 t0=$SECONDS old
+    # The previous run's images, dropped once replaced (not left dangling).
+    old=$(podman image inspect --format '{{.Id}}' "$nbdgw_image" "$tools_image" 2>/dev/null || true)
     log "building $nbdgw_image (cargo build --release inside $builder)"
     nice -n 10 timeout 1800 podman build --pull=never --layers=false \
         --build-context "docker.io/library/rust:$wanted-bookworm=container-image://$builder" \
@@ -24,6 +26,11 @@ build_images() {
         -f deploy/container/nbd-tools.Containerfile -t "$tools_image" deploy/container >"$work/build-tools.log" 2>&1 ||
         { tail -30 "$work/build-tools.log" >&2; fail "the nbd-tools image did not build"; }
     log "nbd-tools image built in $((SECONDS - t0)) s; size $(image_size "$tools_image")"
+    for id in $old; do
+        if podman image inspect --format '{{.RepoTags}}' "$id" 2>/dev/null | grep -qx '\[\]'; then
+            podman rmi "$id" >/dev/null 2>&1 || true
+        fi
+    done
 }
 
 image_size() { podman image inspect --format '{{.Size}}' "$1" | awk '{printf "%.1f MB", $1 / 1e6}'; }
