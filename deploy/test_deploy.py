@@ -39,6 +39,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "kubernetes"
+# Client mode's example (README "Client mode > Kubernetes"): a kustomization
+# of its own, applied after the base.
+CLIENT_MODE = K8S / "client-mode"
 SYSTEMD = REPO / "deploy" / "systemd"
 CONTAINER = REPO / "deploy" / "container"
 NBDGW = REPO / "target" / "debug" / "nbdgw"
@@ -77,12 +80,12 @@ def tool(name):
     return str(venv) if venv.exists() else name
 
 
-def resource_files():
-    return sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+def resource_files(directory=K8S):
+    return sorted(p for p in directory.glob("*.yaml") if p.name != "kustomization.yaml")
 
 
-def load(name):
-    docs = [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
+def load(name, directory=K8S):
+    docs = [d for d in yaml.safe_load_all((directory / name).read_text()) if d]
     assert len(docs) == 1, f"{name}: one resource per file, found {len(docs)}"
     return docs[0]
 
@@ -115,8 +118,8 @@ def http_status(url):
 
 class Manifests(unittest.TestCase):
     def test_every_resource_file_validates_strictly(self):
-        for path in resource_files():
-            doc = load(path.name)
+        for path in resource_files() + resource_files(CLIENT_MODE):
+            doc = load(path.name, path.parent)
             out = subprocess.run(
                 [tool("kubernetes-validate"), "--strict", str(path)],
                 capture_output=True, text=True, timeout=120,
@@ -132,15 +135,18 @@ class Manifests(unittest.TestCase):
                 self.assertIn("passed", said, path.name)
 
     def test_the_kustomization_lists_every_file(self):
-        kustomization = load("kustomization.yaml")
-        self.assertEqual(
-            sorted(kustomization["resources"]), [p.name for p in resource_files()]
-        )
+        for directory in (K8S, CLIENT_MODE):
+            kustomization = load("kustomization.yaml", directory)
+            self.assertEqual(
+                sorted(kustomization["resources"]), [p.name for p in resource_files(directory)]
+            )
+            self.assertEqual(kustomization["namespace"], "disks")
 
     def test_checkov_finds_nothing_but_the_listed_exceptions(self):
         out = subprocess.run(
+            # -d is recursive: client-mode/ is linted too.
             [tool("checkov"), "-d", str(K8S), "--framework", "kubernetes",
-             "--output", "json", "--quiet", "--compact",
+             "--output", "json", "--compact",
              "--skip-check", ",".join(CHECKOV_EXCEPTIONS)],
             capture_output=True, text=True, timeout=600,
         )
@@ -153,6 +159,8 @@ class Manifests(unittest.TestCase):
         self.assertEqual(failed, [])
         passed = sum(r.get("summary", {}).get("passed", 0) for r in reports)
         self.assertGreater(passed, 100, out.stdout[:2000])
+        linted = {c["file_path"] for r in reports for c in r.get("results", {}).get("passed_checks", [])}
+        self.assertIn("/client-mode/backup-via-client-job.yaml", linted)
 
     def test_every_environment_variable_is_one_nbdgw_reads(self):
         help_text = subprocess.run([str(NBDGW), "--help"], capture_output=True, text=True).stdout
@@ -194,6 +202,32 @@ class Manifests(unittest.TestCase):
         annotations = load("deployment.yaml")["spec"]["template"]["metadata"]["annotations"]
         self.assertEqual(annotations["prometheus.io/port"], flags["admin-listen"].rsplit(":", 1)[1])
 
+    def test_client_modes_job_follows_the_same_pitfalls(self):
+        job = load("backup-via-client-job.yaml", CLIENT_MODE)
+        pod = job["spec"]["template"]["spec"]
+        sidecar, = pod["initContainers"]
+        nbdcopy, = pod["containers"]
+        # nbdgw client starts first, once its socket is bound, and stops last.
+        self.assertEqual(sidecar["restartPolicy"], "Always")
+        self.assertEqual(sidecar["startupProbe"]["httpGet"]["path"], "/healthz")
+        self.assertEqual(sidecar["args"][0], "client")
+        for key in ("runAsUser", "runAsGroup", "fsGroup"):
+            self.assertIn(key, pod["securityContext"])
+        for container in (sidecar, nbdcopy):
+            self.assertEqual(container["securityContext"]["capabilities"]["drop"], ["ALL"])
+            self.assertTrue(container["securityContext"]["readOnlyRootFilesystem"])
+        # The base's server, identity, PVC and NetworkPolicy, by name.
+        flags = dict(a.removeprefix("--").split("=", 1) for a in sidecar["args"] if "=" in a)
+        service = load("service.yaml")
+        self.assertEqual(flags["server"], f"{service['metadata']['name']}.disks.svc:{service['spec']['ports'][0]['port']}")
+        self.assertIn(flags["server"].split(":")[0], load("certificate.yaml")["spec"]["dnsNames"])
+        secret = next(v for v in pod["volumes"] if v["name"] == "client-tls")["secret"]
+        self.assertEqual(secret["secretName"], load("backup-client-certificate.yaml")["spec"]["secretName"])
+        self.assertNotIn("items", secret)  # nbdgw client reads the Kubernetes layout
+        labels = job["spec"]["template"]["metadata"]["labels"]
+        selector = load("networkpolicy-disk-backup.yaml")["spec"]["podSelector"]["matchLabels"]
+        self.assertEqual(labels, selector)
+
 
 class Containerfile(unittest.TestCase):
     def test_the_image_builds_with_the_demo_script_and_ships_its_binary(self):
@@ -220,9 +254,9 @@ class Containerfile(unittest.TestCase):
 class Pod:
     """The manifests' containers as local processes; each volume a directory."""
 
-    def __init__(self, scratch):
+    def __init__(self, scratch, nbd_port=None):
         self.scratch = scratch
-        self.nbd_port, self.admin_port = free_port(), free_port()
+        self.nbd_port, self.admin_port = nbd_port or free_port(), free_port()
         self.processes = []
 
     def volume_dir(self, name):
@@ -240,7 +274,9 @@ class Pod:
         swaps = {
             "[::]:10809": f"127.0.0.1:{self.nbd_port}",
             "[::]:9090": f"127.0.0.1:{self.admin_port}",
+            "0.0.0.0:9090": f"127.0.0.1:{self.admin_port}",
             "disk-export:10809": f"localhost:{self.nbd_port}",
+            "disk-export.disks.svc:10809": f"localhost:{self.nbd_port}",
         }
         swaps.update({path: str(local) for path, local in mounts.items()})
 
@@ -472,6 +508,38 @@ class RunLocally(unittest.TestCase):
             refused = subprocess.run(["nbdinfo", "--size", uri], capture_output=True, text=True, timeout=60)
             self.assertNotEqual(refused.returncode, 0, f"{uri}: {refused.stdout}")
         self.assertEqual((self.pod.volume_dir("data") / "disk.img").read_bytes(), self.disk)
+
+    def test_client_modes_job_copies_the_disk_through_its_sidecar(self):
+        """The base's pod as above, then client mode's Job: its nbdgw client
+        sidecar with the backup identity's Secret in the Kubernetes layout,
+        and nbdcopy in plaintext through the sidecar's socket."""
+        sidecar, = self.deployment["initContainers"]
+        container, = self.deployment["containers"]
+        self.start_pod(sidecar, container)
+        job = load("backup-via-client-job.yaml", CLIENT_MODE)["spec"]["template"]["spec"]
+        client_pod = Pod(self.scratch / "client-job", nbd_port=self.pod.nbd_port)
+        self.addCleanup(client_pod.stop_all)
+        pki = self.pki
+        write_secret(client_pod.volume_dir("client-tls"), {
+            "tls.crt": pki / "client-cert.pem", "tls.key": pki / "client-key.pem",
+            "ca.crt": pki / "ca-cert.pem"})
+        client, = job["initContainers"]
+        client_pod.start(client, job["volumes"])
+        health = f"http://127.0.0.1:{client_pod.admin_port}" + client["startupProbe"]["httpGet"]["path"]
+        self.wait_for(lambda: http_status(health)[0] == 200, "the client sidecar's startupProbe")
+        nbdcopy, = job["containers"]
+        argv, env = client_pod.translate(nbdcopy, job["volumes"])
+        self.assertTrue(argv[1].startswith("nbd+unix:"), argv)
+        copied = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+        logs = self.log(self.scratch, "nbdgw") + self.log(self.scratch / "client-job", "nbdgw-client")
+        self.assertEqual(copied.returncode, 0, copied.stderr + logs)
+        self.assertEqual((client_pod.volume_dir("backups") / "disk.img").read_bytes(), self.disk)
+        # The server saw the backup identity, and the sidecar stops cleanly
+        # when the kubelet ends it after nbdcopy.
+        self.assertIn("spiffe://cluster.local/ns/disks/sa/disk-backup", self.log(self.scratch, "nbdgw"))
+        sidecar_process = client_pod.processes[0]
+        sidecar_process.send_signal(signal.SIGTERM)
+        self.assertEqual(sidecar_process.wait(timeout=30), 0, logs)
 
     def wait_for(self, condition, what, seconds=20):
         deadline = time.monotonic() + seconds

@@ -9,8 +9,11 @@
 # admin endpoints' tests) and systemd (systemd-socket-activate and
 # systemd-analyze, for the units' tests), gcc, pkg-config and
 # libgnutls28-dev (the key update tests compile a GnuTLS client,
-# tests/clients/gnutls_keyupdate.c), and qemu-system-x86 for
-# scripts/ktls-vm.sh (the kernel TLS tests, under a kernel that has it).
+# tests/clients/gnutls_keyupdate.c), qemu-system-x86 for
+# scripts/ktls-vm.sh (the kernel TLS tests, under a kernel that has it),
+# and podman, buildah, runc and debootstrap for scripts/container-test.sh
+# (the image built and run, the pod played; it also needs kubectl for
+# `kubectl kustomize`, which Debian 12 lacks in a usable version).
 #
 #   scripts/setup.sh          # everything the tests need
 #   scripts/setup.sh --demo   # only what scripts/demo.sh runs
@@ -21,7 +24,8 @@ sudo=""
 packages=(qemu-utils libnbd-bin)
 demo_only=false
 [ "${1:-}" = "--demo" ] && demo_only=true
-$demo_only || packages+=(python3-libnbd nbdkit nbd-server nbd-client e2fsprogs iproute2 curl systemd gcc pkg-config libgnutls28-dev)
+$demo_only || packages+=(python3-libnbd nbdkit nbd-server nbd-client e2fsprogs iproute2 curl systemd gcc pkg-config libgnutls28-dev
+    podman buildah runc debootstrap)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -57,6 +61,13 @@ if ! command -v qemu-system-x86_64 >/dev/null; then
     command -v qemu-nbd >/dev/null || { echo "setup: qemu-nbd went missing" >&2; exit 1; }
 fi
 command -v cargo >/dev/null || { echo "setup: cargo (Rust toolchain) is required" >&2; exit 1; }
+# kubectl (with kustomize v5) for scripts/container-test.sh: from the
+# machine's own apt sources where they have it (Debian 12's
+# kubernetes-client is 1.20, whose kustomize cannot read the overlay).
+if ! command -v kubectl >/dev/null; then
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq kubectl >/dev/null 2>&1 ||
+        { echo "setup: kubectl is required (scripts/container-test.sh) and no apt source has it" >&2; exit 1; }
+fi
 # cargo-fuzz, for scripts/fuzz.sh (the fuzzers run on the nightly toolchain).
 if ! command -v cargo-fuzz >/dev/null; then
     echo "setup: installing cargo-fuzz" >&2

@@ -1,0 +1,201 @@
+# Sourced by scripts/container-test.sh: builds the two images from
+# deploy/container/ unchanged, runs nbdgw's with real clients, and runs the
+# Kubernetes pod with `podman kube play`.
+
+nbdgw_image=localhost/nbdgw-test/nbdgw:test
+tools_image=localhost/nbdgw-test/nbd-tools:test
+backup_uri=spiffe://cluster.local/ns/disks/sa/disk-backup
+
+# --build-context swaps each FROM for the local base (podman >= 4.3), so the
+# Containerfiles stay as an operator with a registry would use them. The
+# release build inside is niced: CI shares its cores.
+build_images() {
+    local minbase=$1 runtime=$2 builder=$3 t0=$SECONDS old
+    # The previous run's images, dropped once replaced (not left dangling).
+    old=$(podman image inspect --format '{{.Id}}' "$nbdgw_image" "$tools_image" 2>/dev/null || true)
+    log "building $nbdgw_image (cargo build --release inside $builder)"
+    nice -n 10 timeout 1800 podman build --pull=never --layers=false \
+        --build-context "docker.io/library/rust:$wanted-bookworm=container-image://$builder" \
+        --build-context "gcr.io/distroless/cc-debian12:nonroot=container-image://$runtime" \
+        -f deploy/container/Containerfile -t "$nbdgw_image" . >"$work/build-nbdgw.log" 2>&1 ||
+        { tail -30 "$work/build-nbdgw.log" >&2; fail "the nbdgw image did not build"; }
+    log "nbdgw image built in $((SECONDS - t0)) s; size $(image_size "$nbdgw_image")"
+    t0=$SECONDS
+    nice -n 10 timeout 900 podman build --pull=never \
+        --build-context "docker.io/library/debian:bookworm-slim=container-image://$minbase" \
+        -f deploy/container/nbd-tools.Containerfile -t "$tools_image" deploy/container >"$work/build-tools.log" 2>&1 ||
+        { tail -30 "$work/build-tools.log" >&2; fail "the nbd-tools image did not build"; }
+    log "nbd-tools image built in $((SECONDS - t0)) s; size $(image_size "$tools_image")"
+    for id in $old; do
+        if podman image inspect --format '{{.RepoTags}}' "$id" 2>/dev/null | grep -qx '\[\]'; then
+            podman rmi "$id" >/dev/null 2>&1 || true
+        fi
+    done
+}
+
+image_size() { podman image inspect --format '{{.Size}}' "$1" | awk '{printf "%.1f MB", $1 / 1e6}'; }
+
+# The hardening a cluster's restricted profile asks for, on every container.
+hardened=(--read-only --user 65532:65532 --cap-drop ALL --security-opt no-new-privileges --label "nbdgw-test=$run_id")
+
+wait_ready() {
+    local url=$1 what=$2
+    for _ in $(seq 600); do
+        [ "$(curl -s -o /dev/null -w '%{http_code}' "$url")" = 200 ] && return 0
+        sleep 0.1
+    done
+    fail "$what never answered 200 at $url"
+}
+
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+sha() { sha256sum "$1" | cut -d' ' -f1; }
+
+# Mutual TLS material from the image itself (`nbdgw certs`), written as
+# 65532 into a directory that user owns.
+make_pki() {
+    install -d -o 65532 -g 65532 "$work/pki"
+    podman run --rm "${hardened[@]}" -v "$work/pki:/pki" "$nbdgw_image" certs --out /pki \
+        --server-name localhost --server-name 127.0.0.1 \
+        --client-name disk-backup --client-uri "$backup_uri" --client-name intruder >/dev/null
+    [ -s "$work/pki/client-intruder-key.pem" ] || fail "nbdgw certs made no intruder certificate"
+    # Only the server's files in the gateway's --tls-dir (qemu's layout).
+    install -d -o 65532 -g 65532 -m 0700 "$work/tls"
+    cp -p "$work/pki"/{ca-cert,server-cert,server-key}.pem "$work/tls/"
+}
+
+run_image() {
+    local port admin disk uri
+    make_pki
+    install -d -o 65532 -g 65532 "$work/data" "$work/run"
+    disk="$work/data/disk.img"
+    head -c 16M /dev/urandom >"$disk"
+    chown 65532:65532 "$disk"
+    podman run --rm --entrypoint /bin/sh "$nbdgw_image" -c true >/dev/null 2>&1 &&
+        fail "the nbdgw image has a shell"
+    podman run -d --name "$run_id-qemu-nbd" "${hardened[@]}" -v "$work/data:/data" -v "$work/run:/run/nbd" \
+        "$tools_image" qemu-nbd --persistent --shared=8 --format=raw --export-name=disk \
+        --socket=/run/nbd/disk.sock /data/disk.img >/dev/null
+    port=$(free_port) admin=$(free_port)
+    podman run -d --name "$run_id-nbdgw" "${hardened[@]}" -p "127.0.0.1:$port:10809" -p "127.0.0.1:$admin:9090" \
+        -v "$work/run:/run/nbd" -v "$work/tls:/etc/nbdgw/tls:ro" -e RUST_LOG=info "$nbdgw_image" \
+        --listen '[::]:10809' --admin-listen '0.0.0.0:9090' --tls-dir /etc/nbdgw/tls \
+        --upstream /run/nbd/disk.sock >/dev/null
+    wait_ready "http://127.0.0.1:$admin/readyz" "the nbdgw container"
+    log "nbdgw container ready: read-only, user 65532, no capabilities, no-new-privileges"
+    uri="nbds://localhost:$port/disk?tls-certificates=$work/pki"
+    image_clients "$uri" "$port" "$disk"
+    # A clean stop: SIGTERM, the drain, exit status 0.
+    podman stop -t 60 "$run_id-nbdgw" >/dev/null
+    [ "$(podman inspect --format '{{.State.ExitCode}}' "$run_id-nbdgw")" = 0 ] ||
+        { podman logs "$run_id-nbdgw" | tail -20 >&2; fail "nbdgw did not exit 0 on SIGTERM"; }
+    log "podman stop: nbdgw drained and exited 0"
+    podman rm -f "$run_id-nbdgw" "$run_id-qemu-nbd" >/dev/null
+}
+
+image_clients() {
+    local uri=$1 port=$2 disk=$3 tls creds
+    timeout 60 nbdinfo "$uri" >"$work/nbdinfo.out" || { podman logs "$run_id-nbdgw" | tail >&2; fail "nbdinfo through the container"; }
+    grep -q 'export-size: 16777216' "$work/nbdinfo.out" || fail "nbdinfo saw $(cat "$work/nbdinfo.out")"
+    timeout 120 nbdcopy "$uri" "$work/copy.img"
+    [ "$(sha "$work/copy.img")" = "$(sha "$disk")" ] || fail "nbdcopy's copy differs from the disk"
+    log "nbdinfo and nbdcopy (16 MiB, sha256 equal) through the container"
+    tls="tls-creds-x509,id=tls0,dir=$work/pki,endpoint=client"
+    creds="driver=nbd,host=localhost,port=$port,export=disk,tls-creds=tls0"
+    timeout 60 qemu-io --object "$tls" --image-opts "$creds" -c 'write -P 0x5a 1M 64k' >/dev/null
+    timeout 120 qemu-img convert --object "$tls" --image-opts "$creds" -O raw "$work/qemu-copy.img"
+    [ "$(sha "$work/qemu-copy.img")" = "$(sha "$disk")" ] || fail "qemu-img's copy differs from the disk"
+    cmp -s <(head -c $((1024 * 1024 + 65536)) "$disk" | tail -c 65536) <(head -c 65536 /dev/zero | tr '\0' 'Z') ||
+        fail "qemu-io's write did not reach the disk"
+    log "qemu-io wrote 64 KiB that reached the disk; qemu-img convert read it all back equal"
+}
+
+# The ports deploy/kubernetes-test-podman publishes on the host's loopback.
+pod_nbd_port=31809
+pod_admin_port=31909
+
+port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+# A claim as podman's named volume (labelled for the cleanup), filled by
+# copying files into it.
+filled_volume() {
+    local name=$1 mount
+    shift
+    podman volume create --label "nbdgw-test=$run_id" "$name" >/dev/null
+    mount=$(podman volume mount "$name")
+    cp "$@" "$mount/"
+    chown -R 65532:65532 "$mount"
+    podman volume unmount "$name" >/dev/null
+    echo "$mount"
+}
+
+# The volumes the overlay names: the disk, and the TLS files cert-manager's
+# Secret would hold (tls.crt, tls.key, ca.crt), from the test's PKI.
+pod_volumes() {
+    local tls="$work/pod-tls"
+    mkdir -p "$tls"
+    cp "$work/pki/server-cert.pem" "$tls/tls.crt"
+    cp "$work/pki/server-key.pem" "$tls/tls.key"
+    cp "$work/pki/ca-cert.pem" "$tls/ca.crt"
+    filled_volume nbdgw-test-tls "$tls"/* >/dev/null
+    mkdir -p "$work/pod-data"
+    head -c 16M /dev/urandom >"$work/pod-data/disk.img"
+    echo "$(filled_volume nbdgw-test-disk "$work/pod-data/disk.img")/disk.img"
+}
+
+run_pod() {
+    local disk uri admin="http://127.0.0.1:$pod_admin_port" intruder
+    for port in $pod_nbd_port $pod_admin_port; do port_free "$port" || fail "port $port (the test overlay's hostPort) is in use"; done
+    podman pod exists disk-export-pod && fail "a pod disk-export-pod exists already"
+    podman volume exists nbdgw-policy && fail "a volume nbdgw-policy exists already"
+    podman_objects >"$work/before-play"
+    disk=$(pod_volumes)
+    kubectl kustomize deploy/kubernetes-test-podman >"$work/pod.yaml"
+    pod_yaml="$work/pod.yaml"
+    timeout 180 podman kube play "$pod_yaml" >"$work/play.log" 2>&1 || { cat "$work/play.log" >&2; fail "podman kube play"; }
+    wait_ready "$admin/readyz" "the pod's nbdgw"
+    log "pod up (podman kube play of deploy/kubernetes-test-podman); /readyz 200"
+    uri="nbds://localhost:$pod_nbd_port/disk?tls-certificates=$work/pki"
+    timeout 120 nbdcopy "$uri" "$work/pod-copy.img" || { pod_logs; fail "the backup identity's nbdcopy through the pod"; }
+    [ "$(sha "$work/pod-copy.img")" = "$(sha "$disk")" ] || fail "the pod's copy differs from the disk"
+    head -c 1M /dev/urandom >"$work/junk.img"
+    timeout 60 nbdcopy -- "$work/junk.img" "$uri" 2>"$work/write.err" && fail "the backup identity wrote through the pod"
+    [ "$(sha "$work/pod-data/disk.img")" = "$(sha "$disk")" ] || fail "the refused write changed the disk"
+    log "through the pod: the backup identity's nbdcopy (16 MiB, sha256 equal), its write refused ($(tail -1 "$work/write.err" | sed 's/.*: //'))"
+    intruder="$work/intruder"
+    install -d -m 0700 "$intruder"
+    cp "$work/pki/ca-cert.pem" "$intruder/"
+    cp "$work/pki/client-intruder-cert.pem" "$intruder/client-cert.pem"
+    cp "$work/pki/client-intruder-key.pem" "$intruder/client-key.pem"
+    timeout 60 nbdinfo "nbds://localhost:$pod_nbd_port/disk?tls-certificates=$intruder" >/dev/null 2>&1 &&
+        fail "an unknown identity opened the export"
+    curl -sf "$admin/metrics" >"$work/metrics"
+    grep -qx 'nbdgw_identities_refused_total 1' "$work/metrics" || fail "/metrics did not count the unknown identity"
+    log "an unknown identity refused (nbdgw_identities_refused_total 1 in /metrics)"
+    pod_down
+}
+
+pod_logs() { podman pod logs disk-export-pod 2>&1 | tail -30 >&2; }
+
+# Every pod, container, volume and secret podman has, one a line.
+podman_objects() {
+    podman pod ls --format 'pod {{.Name}}'
+    podman ps -a --format 'container {{.Names}}'
+    podman volume ls --format 'volume {{.Name}}'
+    podman secret ls --format 'secret {{.Name}}'
+}
+
+# kube down, then nothing the play made may be left: podman holds what it
+# held before the play.
+pod_down() {
+    local left
+    timeout 120 podman kube down "$pod_yaml" >/dev/null
+    pod_yaml=""
+    podman volume rm nbdgw-test-disk nbdgw-test-tls >/dev/null
+    # podman 4.3's kube down leaves the volume kube play made of the
+    # ConfigMap (seen here); it is removed by name, and counted below if not.
+    podman volume rm nbdgw-policy >/dev/null
+    left=$(diff <(sort "$work/before-play") <(podman_objects | sort) || true)
+    [ -z "$left" ] || fail "left behind after podman kube down: $left"
+    log "podman kube down left no pod, container, volume or secret"
+}

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The image and the pod, for real, with Debian's podman (needs root, and
+# podman, buildah, runc and debootstrap: scripts/setup.sh installs them):
+#
+# 1. The bases the Containerfiles name are made locally
+#    (scripts/container-bases.sh), then deploy/container/Containerfile is
+#    built unchanged, both stages: `cargo build --release --locked` runs
+#    inside the builder. So is nbd-tools.Containerfile.
+# 2. The image runs read-only, as 65532, with every capability dropped and
+#    no-new-privileges, in front of qemu-nbd in the nbd-tools image, with
+#    mutual TLS; nbdinfo, nbdcopy (checksum), qemu-img and qemu-io on this
+#    host are its clients.
+# 3. `podman kube play` runs the kustomize base through the test overlay
+#    deploy/kubernetes/test-podman/ (what podman 4.3 lacks, patched there);
+#    the backup identity copies the disk (checksum) and is refused a write,
+#    an unknown identity is refused, /readyz and /metrics answer; then
+#    `podman kube down`, and nothing may be left.
+#
+# Everything it starts is removed at the end, failure or not. The bases are
+# cached under ~/.cache/nbdgw/container (keyed by their inputs).
+#
+#   scripts/container-test.sh            # all of it
+#   scripts/container-test.sh --no-pod   # the image only
+#   NBDGW_CONTAINER_REUSE=1 scripts/container-test.sh   # no build if built
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$PWD
+started=$SECONDS
+log() { echo "container-test: [$((SECONDS - started))s] $*" >&2; }
+fail() { echo "container-test: FAILED: $*" >&2; exit 1; }
+
+[ "$(id -u)" -eq 0 ] || fail "needs root (debootstrap, and podman's rootful storage)"
+for tool in podman buildah runc debootstrap kubectl qemu-nbd nbdinfo nbdcopy qemu-img qemu-io curl; do
+    command -v "$tool" >/dev/null || fail "$tool is missing: run scripts/setup.sh"
+done
+export CONTAINERS_CONF="$repo/scripts/containers.conf"
+cache="${XDG_CACHE_HOME:-$HOME/.cache}/nbdgw/container"
+mkdir -p "$cache"
+work=$(mktemp -d /tmp/nbdgw-container.XXXXXX)
+chmod 0755 "$work"
+run_id="nbdgw-test-$$"
+pod_yaml=""
+
+cleanup() {
+    local status=$?
+    set +e
+    if [ -n "$pod_yaml" ]; then
+        timeout 120 podman kube down "$pod_yaml" >/dev/null 2>&1
+        podman volume rm nbdgw-policy >/dev/null 2>&1  # what kube down leaves
+    fi
+    podman ps -a --filter "label=nbdgw-test=$run_id" -q | xargs -r podman rm -f -t 5 >/dev/null 2>&1
+    podman pod ls --filter "label=nbdgw-test=$run_id" -q | xargs -r podman pod rm -f >/dev/null 2>&1
+    podman volume ls --filter "label=nbdgw-test=$run_id" -q | xargs -r podman volume rm -f >/dev/null 2>&1
+    rm -rf "$work"
+    [ "$status" -eq 0 ] || echo "container-test: FAILED (exit $status) after $((SECONDS - started)) s" >&2
+    exit "$status"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# shellcheck source=scripts/container-bases.sh
+source scripts/container-bases.sh
+# shellcheck source=scripts/container-run.sh
+source scripts/container-run.sh
+
+# The rest in one function, which bash reads whole before running it: an
+# edit of this file during a run cannot derail the run.
+main() {
+# The toolchain copied into the builder must be the one the Containerfile
+# names, or the stand-in would build with another compiler.
+wanted=$(sed -n 's|^FROM docker.io/library/rust:\([0-9.]*\)-bookworm AS build$|\1|p' deploy/container/Containerfile)
+[ -n "$wanted" ] || fail "the Containerfile's build stage is not rust:X.Y-bookworm any more"
+[[ "$(rustc -V)" == "rustc $wanted."* ]] || fail "the Containerfile wants rust $wanted, this machine has $(rustc -V)"
+
+# NBDGW_CONTAINER_REUSE=1 keeps images an earlier run built, to work on the
+# steps after the build; CI never sets it.
+if [ "${NBDGW_CONTAINER_REUSE:-}" = 1 ] && podman image exists "$nbdgw_image" && podman image exists "$tools_image"; then
+    log "reusing $nbdgw_image and $tools_image (NBDGW_CONTAINER_REUSE=1): nothing built"
+else
+    minbase=$(minbase_image)
+    runtime=$(runtime_image)
+    builder=$(builder_image "$minbase")
+    log "bases: $minbase $runtime $builder"
+    build_images "$minbase" "$runtime" "$builder"
+fi
+run_image
+[ "${1:-}" = "--no-pod" ] || run_pod
+log "passed in $((SECONDS - started)) s"
+}
+main "$@"
