@@ -135,6 +135,13 @@ impl Default for Keepalive {
 }
 
 impl Config {
+    /// How upstreams are reached.
+    pub fn dial(&self) -> crate::upstream::Dial {
+        crate::upstream::Dial {
+            timeout: self.upstream_timeout,
+            sndbuf: self.upstream_sndbuf,
+        }
+    }
     /// Defaults for everything but the two things only the operator knows.
     pub fn new(upstream: PathBuf, tls: Arc<crate::tls::TlsStore>) -> Self {
         Config {

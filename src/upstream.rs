@@ -8,7 +8,6 @@ use thiserror::Error;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::UnixStream;
 
-use crate::config::Config;
 use crate::exports::{DirSocket, SocketFile};
 use crate::proto::consts::GREETING_LEN;
 use crate::proto::handshake::{parse_upstream_greeting, upstream_client_flags};
@@ -70,6 +69,16 @@ impl Incarnation {
     }
 }
 
+/// How an upstream is reached: its own settings, so that this module
+/// needs nothing of the gateway's `Config` (which builds it).
+#[derive(Debug, Clone, Copy)]
+pub struct Dial {
+    /// To accept and greet (`--upstream-timeout`).
+    pub timeout: std::time::Duration,
+    /// `SO_SNDBUF` to ask for; 0 keeps the kernel's (`--upstream-sndbuf`).
+    pub sndbuf: usize,
+}
+
 /// Connects to `socket`, sizes the send buffer, and does the newstyle
 /// greeting, all within `--upstream-timeout`: a server that accepts (the
 /// kernel does that for it, into the backlog) but never greets would
@@ -80,10 +89,10 @@ impl Incarnation {
 pub async fn open(
     socket: &Path,
     in_dir: Option<&DirSocket>,
-    config: &Config,
+    dial: Dial,
 ) -> Result<Upstream, UpstreamError> {
-    let after = config.upstream_timeout;
-    tokio::time::timeout(after, connect_and_greet(socket, in_dir, config))
+    let after = dial.timeout;
+    tokio::time::timeout(after, connect_and_greet(socket, in_dir, dial))
         .await
         .map_err(|_| UpstreamError::Timeout {
             path: socket.display().to_string(),
@@ -94,7 +103,7 @@ pub async fn open(
 async fn connect_and_greet(
     socket: &Path,
     in_dir: Option<&DirSocket>,
-    config: &Config,
+    dial: Dial,
 ) -> Result<Upstream, UpstreamError> {
     let (stream, file) = crate::exports::connect(socket, in_dir)
         .await
@@ -103,19 +112,19 @@ async fn connect_and_greet(
             error,
         })?;
     let incarnation = Incarnation::of(&stream, file);
-    greet(stream, incarnation, config).await
+    greet(stream, incarnation, dial).await
 }
 
 /// The greeting on a connected stream.
 async fn greet(
     mut stream: UnixStream,
     incarnation: Option<Incarnation>,
-    config: &Config,
+    dial: Dial,
 ) -> Result<Upstream, UpstreamError> {
-    if config.upstream_sndbuf > 0 {
+    if dial.sndbuf > 0 {
         // Best effort: the start-up probe already told the operator what
         // the kernel grants.
-        let _ = SockRef::from(&stream).set_send_buffer_size(config.upstream_sndbuf);
+        let _ = SockRef::from(&stream).set_send_buffer_size(dial.sndbuf);
     }
     let pads_export_name = newstyle_greeting(&mut stream).await?;
     Ok(Upstream {

@@ -626,6 +626,113 @@ mod tests {
         ]
     }
 
+    /// What the property test knows of the queue: who holds a slot (and
+    /// as proven or not), who waits (source, ticket, id), which sources
+    /// are proven, and how each arrival ended.
+    #[derive(Default)]
+    struct Model {
+        holding: Vec<(u8, bool)>,
+        waiting: Vec<(u8, u64, u32)>,
+        proven: std::collections::HashSet<u8>,
+        next: u32,
+        outcomes: HashMap<u32, &'static str>,
+    }
+
+    type Queue = FairQueue<u8, u32>;
+
+    impl Model {
+        fn apply(&mut self, q: &mut Queue, op: Op) -> Result<(), TestCaseError> {
+            match op {
+                Op::ArriveForgotten(s) => {
+                    self.proven.remove(&s);
+                    self.arrive(q, s)
+                }
+                Op::Reload => {
+                    self.proven.clear();
+                    q.demote_all();
+                    Ok(())
+                }
+                Op::Arrive(s) => self.arrive(q, s),
+                Op::Release(i) => self.release(q, i),
+                Op::Cancel(i) => self.cancel(q, i),
+                Op::Promote(s) => self.promote(q, s),
+            }
+        }
+
+        fn arrive(&mut self, q: &mut Queue, s: u8) -> Result<(), TestCaseError> {
+            let id = self.next;
+            self.next += 1;
+            let unproven_waiting = self.waiting.iter().any(|w| !self.proven.contains(&w.0));
+            match q.arrive(s, self.proven.contains(&s), id) {
+                Arrival::Go { proven: as_proven } => {
+                    prop_assert_eq!(as_proven, self.proven.contains(&s) || q.sources[&s].proven);
+                    self.holding.push((s, as_proven));
+                    self.outcomes.insert(id, "go");
+                }
+                Arrival::Wait { ticket, shed } => {
+                    if let Some(victim) = shed {
+                        prop_assert_eq!(self.outcomes.insert(victim, "shed"), Some("wait"));
+                        let from = self.take_waiting(victim).0;
+                        if self.proven.contains(&from) {
+                            prop_assert!(
+                                self.proven.contains(&s) && !unproven_waiting,
+                                "a proven waiter shed for {}",
+                                s
+                            );
+                        }
+                    }
+                    self.waiting.push((s, ticket, id));
+                    self.outcomes.insert(id, "wait");
+                }
+                Arrival::SourceLineFull | Arrival::QueueFull => {
+                    self.outcomes.insert(id, "refused");
+                }
+            }
+            Ok(())
+        }
+
+        fn release(&mut self, q: &mut Queue, i: u8) -> Result<(), TestCaseError> {
+            if self.holding.is_empty() {
+                return Ok(());
+            }
+            let (s, as_proven) = self.holding.remove(i as usize % self.holding.len());
+            for (to, id, to_proven) in q.release(s, as_proven) {
+                prop_assert_eq!(self.outcomes.insert(id, "granted"), Some("wait"));
+                let from = self.take_waiting(id).0;
+                prop_assert_eq!(from, to);
+                prop_assert_eq!(to_proven, self.proven.contains(&to));
+                self.holding.push((to, to_proven));
+            }
+            Ok(())
+        }
+
+        fn cancel(&mut self, q: &mut Queue, i: u8) -> Result<(), TestCaseError> {
+            if self.waiting.is_empty() {
+                return Ok(());
+            }
+            let (s, ticket, id) = self.waiting.remove(i as usize % self.waiting.len());
+            prop_assert!(q.cancel(s, ticket));
+            self.outcomes.insert(id, "cancelled");
+            Ok(())
+        }
+
+        fn promote(&mut self, q: &mut Queue, s: u8) -> Result<(), TestCaseError> {
+            self.proven.insert(s);
+            for (to, id, to_proven) in q.promote(s) {
+                prop_assert_eq!((to, to_proven), (s, true));
+                prop_assert_eq!(self.outcomes.insert(id, "granted"), Some("wait"));
+                self.take_waiting(id);
+                self.holding.push((to, true));
+            }
+            Ok(())
+        }
+
+        fn take_waiting(&mut self, id: u32) -> (u8, u64, u32) {
+            let at = self.waiting.iter().position(|w| w.2 == id).unwrap();
+            self.waiting.remove(at)
+        }
+    }
+
     proptest! {
         /// Whatever the order of arrivals, ends, give-ups and promotions:
         /// no source above its cap, the bounds hold, no slot idle while a
@@ -640,90 +747,18 @@ mod tests {
         ) {
             let unproven_budget = budget.saturating_sub(reserve).max(1);
             let mut q = FairQueue::new(Bounds { unproven_budget, ..bounds(budget, cap, waiting, per_source) });
-            let mut holding: Vec<(u8, bool)> = Vec::new();
-            let mut waiting_tickets: Vec<(u8, u64, u32)> = Vec::new();
-            let mut proven: std::collections::HashSet<u8> = Default::default();
-            let mut next = 0u32;
-            let mut outcomes: HashMap<u32, &str> = HashMap::new();
+            let mut model = Model::default();
             for op in ops {
-                let op = match op {
-                    Op::ArriveForgotten(s) => {
-                        proven.remove(&s);
-                        Op::Arrive(s)
-                    }
-                    Op::Reload => {
-                        proven.clear();
-                        q.demote_all();
-                        q.check_invariants();
-                        continue;
-                    }
-                    op => op,
-                };
-                match op {
-                    Op::Arrive(s) => {
-                        let id = next;
-                        next += 1;
-                        let unproven_waiting =
-                            waiting_tickets.iter().any(|w| !proven.contains(&w.0));
-                        match q.arrive(s, proven.contains(&s), id) {
-                            Arrival::Go { proven: as_proven } => {
-                                prop_assert_eq!(as_proven, proven.contains(&s) || q.sources[&s].proven);
-                                holding.push((s, as_proven));
-                                outcomes.insert(id, "go");
-                            }
-                            Arrival::Wait { ticket, shed } => {
-                                if let Some(victim) = shed {
-                                    prop_assert_eq!(outcomes.insert(victim, "shed"), Some("wait"));
-                                    let at = waiting_tickets.iter().position(|w| w.2 == victim).unwrap();
-                                    let (from, _, _) = waiting_tickets.remove(at);
-                                    if proven.contains(&from) {
-                                        prop_assert!(proven.contains(&s) && !unproven_waiting,
-                                            "a proven waiter shed for {}", s);
-                                    }
-                                }
-                                waiting_tickets.push((s, ticket, id));
-                                outcomes.insert(id, "wait");
-                            }
-                            Arrival::SourceLineFull | Arrival::QueueFull => {
-                                outcomes.insert(id, "refused");
-                            }
-                        }
-                    }
-                    Op::Release(i) => {
-                        if holding.is_empty() { continue; }
-                        let (s, as_proven) = holding.remove(i as usize % holding.len());
-                        for (to, id, to_proven) in q.release(s, as_proven) {
-                            prop_assert_eq!(outcomes.insert(id, "granted"), Some("wait"));
-                            let at = waiting_tickets.iter().position(|w| w.2 == id).unwrap();
-                            let (from, _, _) = waiting_tickets.remove(at);
-                            prop_assert_eq!(from, to);
-                            prop_assert_eq!(to_proven, proven.contains(&to));
-                            holding.push((to, to_proven));
-                        }
-                    }
-                    Op::Cancel(i) => {
-                        if waiting_tickets.is_empty() { continue; }
-                        let (s, ticket, id) = waiting_tickets.remove(i as usize % waiting_tickets.len());
-                        prop_assert!(q.cancel(s, ticket));
-                        outcomes.insert(id, "cancelled");
-                    }
-                    Op::ArriveForgotten(_) | Op::Reload => unreachable!("mapped above"),
-                    Op::Promote(s) => {
-                        proven.insert(s);
-                        for (to, id, to_proven) in q.promote(s) {
-                            prop_assert_eq!((to, to_proven), (s, true));
-                            prop_assert_eq!(outcomes.insert(id, "granted"), Some("wait"));
-                            let at = waiting_tickets.iter().position(|w| w.2 == id).unwrap();
-                            waiting_tickets.remove(at);
-                            holding.push((to, true));
-                        }
-                    }
-                }
+                let reload = matches!(op, Op::Reload);
+                model.apply(&mut q, op)?;
                 q.check_invariants();
-                prop_assert_eq!(q.in_use(), holding.len());
-                prop_assert_eq!(q.unproven_in_use, holding.iter().filter(|h| !h.1).count());
+                if reload {
+                    continue;
+                }
+                prop_assert_eq!(q.in_use(), model.holding.len());
+                prop_assert_eq!(q.unproven_in_use, model.holding.iter().filter(|h| !h.1).count());
                 prop_assert!(q.unproven_in_use <= unproven_budget);
-                prop_assert_eq!(q.waiting(), waiting_tickets.len());
+                prop_assert_eq!(q.waiting(), model.waiting.len());
             }
         }
     }

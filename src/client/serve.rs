@@ -17,7 +17,7 @@ use super::remote::{self, Remote, RemoteTls};
 use crate::client::ClientSettings;
 use crate::conn::error::{ConnError, Side};
 use crate::conn::options::{OptionChannel, ShutdownAnswer};
-use crate::conn::relayed::{self, Batch, Framing};
+use crate::conn::relayed::{self, Batch, Framing, Relayed};
 use crate::conn::session::{Limits, Stats, Transmit};
 use crate::logsafe::{escape_bytes, Escaped};
 use crate::proto::consts::*;
@@ -180,24 +180,16 @@ where
 {
     let mut local = OptionChannel::new(local, Side::Client, settings.max_option_len);
     let flags = crate::conn::plain::greet(&mut local).await?;
-    let remote = match remote::connect(settings).await {
-        Ok(remote) => {
-            settings.health.set_upstream_down(false);
-            remote
-        }
-        Err(e) => {
-            settings.metrics.upstream_connect_failures.inc();
-            settings.health.set_upstream_down(true);
-            let error = e.to_string();
-            warn!(reason = e.reason(), error = %Escaped(&error), "server unavailable");
-            // The local client is the operator's own: it may hear why.
-            let message = format!("nbdgw client: {error}");
+    let remote = match reach_server(settings).await {
+        Ok(remote) => remote,
+        // The local client is the operator's own: it may hear why.
+        Err(message) => {
             return relayed::refuse_all(local, &message)
                 .await
-                .map(Negotiated::Closed);
+                .map(Negotiated::Closed)
         }
     };
-    let mut options = Options {
+    let options = Options {
         local,
         remote,
         flags,
@@ -206,55 +198,23 @@ where
         meta: None,
         settings,
     };
-    loop {
-        let option = options.local.read_option().await?;
-        match options.local.refuse_for_shutdown(&option, shutdown).await? {
-            ShutdownAnswer::Serve => {}
-            ShutdownAnswer::Refused => continue,
-            ShutdownAnswer::End(reason) => return Ok(Negotiated::Closed(reason)),
+    options.run(shutdown).await
+}
+
+/// The remote server, connected and greeted; or, counted and logged, what
+/// the local client is told instead.
+async fn reach_server(settings: &ClientSettings) -> Result<Remote, String> {
+    match remote::connect(settings).await {
+        Ok(remote) => {
+            settings.health.set_upstream_down(false);
+            Ok(remote)
         }
-        options.batch.answered = false;
-        let step = match option.option {
-            OPT_STARTTLS => options.starttls().await,
-            OPT_ABORT => options.abort().await,
-            // No error reply exists for EXPORT_NAME: a failure closes.
-            OPT_EXPORT_NAME => Ok(options.export_name().await?),
-            OPT_LIST
-            | OPT_INFO
-            | OPT_GO
-            | OPT_LIST_META_CONTEXT
-            | OPT_SET_META_CONTEXT
-            | OPT_STRUCTURED_REPLY
-            | OPT_EXTENDED_HEADERS => options.relayed(&option).await,
-            _ => relayed::refuse_unsupported(&mut options.local, &option)
-                .await
-                .map(|()| Step::Next),
-        };
-        let step = match step {
-            Ok(step) => step,
-            Err(e) if e.is_upstream() && !options.batch.answered => {
-                // The local client hears why, on this option and every
-                // later one (qemu goes on to its next option after an
-                // error to one that only asks for a framing), not just a
-                // closed socket.
-                warn!(error = %Escaped(&e.to_string()), "the server failed during negotiation");
-                let message = format!("nbdgw client: {}", server_failure(&e));
-                options
-                    .local
-                    .send_reply(option.option, REP_ERR_SHUTDOWN, &message)
-                    .await?;
-                return relayed::refuse_all(options.local, &message)
-                    .await
-                    .map(Negotiated::Closed);
-            }
-            Err(e) => return Err(e),
-        };
-        match step {
-            Step::Next => {}
-            Step::Closed(reason) => return Ok(Negotiated::Closed(reason)),
-            Step::Transmission(reopen, export) => {
-                return Ok(options.enter_transmission(reopen, export))
-            }
+        Err(e) => {
+            settings.metrics.upstream_connect_failures.inc();
+            settings.health.set_upstream_down(true);
+            let error = e.to_string();
+            warn!(reason = e.reason(), error = %Escaped(&error), "server unavailable");
+            Err(format!("nbdgw client: {error}"))
         }
     }
 }
@@ -280,6 +240,76 @@ struct Options<'a, S> {
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Options<'_, S> {
+    /// The local client's options, each answered or relayed, until one
+    /// opens an export or the connection ends.
+    async fn run(mut self, shutdown: &Shutdown) -> Result<Negotiated<S>, ConnError> {
+        loop {
+            let option = self.local.read_option().await?;
+            match self.local.refuse_for_shutdown(&option, shutdown).await? {
+                ShutdownAnswer::Serve => {}
+                ShutdownAnswer::Refused => continue,
+                ShutdownAnswer::End(reason) => return Ok(Negotiated::Closed(reason)),
+            }
+            self.batch.answered = false;
+            let step = match self.dispatch(&option).await {
+                Ok(step) => step,
+                // No error reply exists for EXPORT_NAME: a failure closes.
+                Err(e)
+                    if e.is_upstream()
+                        && !self.batch.answered
+                        && option.option != OPT_EXPORT_NAME =>
+                {
+                    return self.server_failed(&option, &e).await;
+                }
+                Err(e) => return Err(e),
+            };
+            match step {
+                Step::Next => {}
+                Step::Closed(reason) => return Ok(Negotiated::Closed(reason)),
+                Step::Transmission(reopen, export) => {
+                    return Ok(self.enter_transmission(reopen, export))
+                }
+            }
+        }
+    }
+
+    async fn dispatch(&mut self, option: &OptionHeader) -> Result<Step, ConnError> {
+        match option.option {
+            OPT_STARTTLS => self.starttls().await,
+            OPT_ABORT => self.abort().await,
+            OPT_EXPORT_NAME => self.export_name().await,
+            OPT_LIST
+            | OPT_INFO
+            | OPT_GO
+            | OPT_LIST_META_CONTEXT
+            | OPT_SET_META_CONTEXT
+            | OPT_STRUCTURED_REPLY
+            | OPT_EXTENDED_HEADERS => self.relayed(option).await,
+            _ => relayed::refuse_unsupported(&mut self.local, option)
+                .await
+                .map(|()| Step::Next),
+        }
+    }
+
+    /// The server failed before this option was answered: the local
+    /// client hears why, on this option and every later one (qemu goes on
+    /// to its next option after an error to one that only asks for a
+    /// framing), not just a closed socket.
+    async fn server_failed(
+        mut self,
+        option: &OptionHeader,
+        e: &ConnError,
+    ) -> Result<Negotiated<S>, ConnError> {
+        warn!(error = %Escaped(&e.to_string()), "the server failed during negotiation");
+        let message = format!("nbdgw client: {}", server_failure(e));
+        self.local
+            .send_reply(option.option, REP_ERR_SHUTDOWN, &message)
+            .await?;
+        relayed::refuse_all(self.local, &message)
+            .await
+            .map(Negotiated::Closed)
+    }
+
     /// TLS is this side's job towards the server; the local side is
     /// plaintext, which the spec's answer for "no TLS here" says.
     async fn starttls(&mut self) -> Result<Step, ConnError> {
@@ -327,47 +357,18 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Options<'_, S> {
             .channel
             .send_option(option.option, self.local.data())
             .await?;
-        let max_payload = self.settings.max_payload;
-        let max_option_len = self.settings.max_option_len as usize;
-        let mut contexts = Vec::new();
-        let (mut kept, mut too_many) = (0usize, false);
-        let relayed = relayed::relay_replies(
-            &mut self.local,
-            &mut self.remote.channel,
-            option.option,
-            &mut self.batch,
-            |reply_type, batch, start| match reply_type {
-                REP_INFO => {
-                    relayed::info_export(&mut batch[start + OPTION_REPLY_HEADER_LEN..], max_payload)
-                }
-                REP_META_CONTEXT => {
-                    // Kept for --reconnect, within --max-option-len in all:
-                    // a server's endless replies must not grow memory. One
-                    // that sends more cannot be agreed with again.
-                    let context = &batch[start + OPTION_REPLY_HEADER_LEN..];
-                    kept += context.len() + 16;
-                    if kept <= max_option_len {
-                        contexts.push(context.to_vec());
-                    } else {
-                        too_many = true;
-                    }
-                    None
-                }
-                _ => None,
-            },
-        )
-        .await?;
+        let (relayed, contexts) = self.relay_replies(option).await?;
         if option.option == OPT_SET_META_CONTEXT && relayed.reply_type == REP_ACK {
-            if too_many {
+            let Some(chosen) = contexts else {
                 warn!(
-                    max_option_len,
+                    max_option_len = self.settings.max_option_len,
                     "the server chose more metadata contexts than --max-option-len holds"
                 );
                 return Ok(Step::Closed("the server sent too many metadata contexts"));
-            }
+            };
             self.meta = Some(MetaContexts {
                 request: self.local.data().to_vec(),
-                chosen: contexts,
+                chosen,
             });
         }
         debug!(
@@ -376,17 +377,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Options<'_, S> {
             "relayed"
         );
         if relayed.reply_type != REP_ACK {
-            if matches!(option.option, OPT_GO | OPT_INFO) {
-                // Why a disk cannot be opened belongs in the log, with the
-                // server's own words (escaped: they are the server's).
-                warn!(
-                    option = option_name(option.option),
-                    export = %Escaped(&relayed::go_export_name(self.local.data())),
-                    reply = remote::reply_name(relayed.reply_type),
-                    message = %escape_bytes(&relayed.message),
-                    "the server refused the export"
-                );
-            }
+            self.log_refusal(option, &relayed);
             return Ok(Step::Next);
         }
         self.framing.acknowledged(option.option);
@@ -404,6 +395,58 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Options<'_, S> {
             Reopen::Go(self.local.data().to_vec()),
             export,
         ))
+    }
+
+    /// The server's replies to `option`, relayed; with the metadata
+    /// contexts it chose, kept for `--reconnect` within `--max-option-len`
+    /// in all (a server's endless replies must not grow memory; `None`:
+    /// it sent more, and cannot be agreed with again).
+    async fn relay_replies(
+        &mut self,
+        option: &OptionHeader,
+    ) -> Result<(Relayed, Option<Vec<Vec<u8>>>), ConnError> {
+        let max_payload = self.settings.max_payload;
+        let max_option_len = self.settings.max_option_len as usize;
+        let mut contexts = Vec::new();
+        let (mut kept, mut too_many) = (0usize, false);
+        let relayed = relayed::relay_replies(
+            &mut self.local,
+            &mut self.remote.channel,
+            option.option,
+            &mut self.batch,
+            |reply_type, batch, start| match reply_type {
+                REP_INFO => {
+                    relayed::info_export(&mut batch[start + OPTION_REPLY_HEADER_LEN..], max_payload)
+                }
+                REP_META_CONTEXT => {
+                    let context = &batch[start + OPTION_REPLY_HEADER_LEN..];
+                    kept += context.len() + 16;
+                    if kept <= max_option_len {
+                        contexts.push(context.to_vec());
+                    } else {
+                        too_many = true;
+                    }
+                    None
+                }
+                _ => None,
+            },
+        )
+        .await?;
+        Ok((relayed, (!too_many).then_some(contexts)))
+    }
+
+    /// Why a disk cannot be opened belongs in the log, with the server's
+    /// own words (escaped: they are the server's).
+    fn log_refusal(&self, option: &OptionHeader, relayed: &Relayed) {
+        if matches!(option.option, OPT_GO | OPT_INFO) {
+            warn!(
+                option = option_name(option.option),
+                export = %Escaped(&relayed::go_export_name(self.local.data())),
+                reply = remote::reply_name(relayed.reply_type),
+                message = %escape_bytes(&relayed.message),
+                "the server refused the export"
+            );
+        }
     }
 
     fn log_negotiated(&self, export: &[u8], (size, tflags): (u64, u16)) {

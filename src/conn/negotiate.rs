@@ -181,7 +181,7 @@ impl Attached {
         export: Option<String>,
         config: &Config,
     ) -> Result<Self, UpstreamError> {
-        let upstream = match upstream::open(socket, in_dir, config).await {
+        let upstream = match upstream::open(socket, in_dir, config.dial()).await {
             Ok(upstream) => upstream,
             Err(e) => {
                 config.metrics.upstream_connect_failures.inc();

@@ -121,22 +121,8 @@ impl PolicyReloader {
             Err(PolicyLoadError::Read { error, .. }) => Err(error.kind()),
             Err(PolicyLoadError::Invalid { .. }) => Err(std::io::ErrorKind::InvalidData),
         };
-        if trigger == Trigger::Poll {
-            if matches!(&result, Ok(bytes) if *bytes == self.in_force) {
-                self.last_refusal = None;
-                self.settling = None;
-                self.refused = None;
-                return ReloadOutcome::Unchanged;
-            }
-            if self.refused.as_ref() == Some(&seen) {
-                self.settling = None;
-                return ReloadOutcome::Unchanged;
-            }
-            if self.settling.as_ref() != Some(&seen) {
-                debug!(path = %self.path.display(), "the policy file changed; judged at the next poll if it stays so");
-                self.settling = Some(seen);
-                return ReloadOutcome::Unchanged;
-            }
+        if trigger == Trigger::Poll && !self.settled(&result, &seen) {
+            return ReloadOutcome::Unchanged;
         }
         self.settling = None;
         let checked = result.and_then(|bytes| {
@@ -149,35 +135,7 @@ impl PolicyReloader {
             Ok((bytes, policy))
         });
         match checked {
-            Ok((bytes, policy)) => {
-                self.refused = None;
-                let policy = Arc::new(policy);
-                let changed = *policy != *self.store.current();
-                // Replaced first, then the sessions judged: one recording
-                // its grant meanwhile is judged by the new policy there.
-                self.store.replace(policy.clone());
-                // Counted before any session is told: the changes are the
-                // generation `admission` proves sources under, and a
-                // session this reload ends must not end under the old one.
-                self.reloaded.inc();
-                if changed {
-                    self.changes.inc();
-                }
-                let closed = self
-                    .close_narrowed
-                    .as_ref()
-                    .map_or(0, |close| close(&policy));
-                info!(
-                    path = %self.path.display(),
-                    rules = policy.rule_count(),
-                    sessions_closed = closed,
-                    "access policy reloaded; new connections use it"
-                );
-                warn_apart(&self.path, &policy);
-                self.in_force = bytes;
-                self.last_refusal = None;
-                ReloadOutcome::Reloaded
-            }
+            Ok((bytes, policy)) => self.put_in_force(bytes, policy),
             Err(e) => {
                 let text = e.to_string();
                 if self.last_refusal.as_ref() != Some(&text) {
@@ -189,6 +147,61 @@ impl PolicyReloader {
                 ReloadOutcome::Failed
             }
         }
+    }
+
+    /// A poll's judgement: whether the file is worth reading as a new
+    /// policy now. Unchanged, or refused before as it is: no. Changed
+    /// since the last poll: not yet, but at the next if it stays so (an
+    /// editor's half-written file is never judged).
+    fn settled(&mut self, result: &Result<Vec<u8>, PolicyLoadError>, seen: &Seen) -> bool {
+        if matches!(result, Ok(bytes) if *bytes == self.in_force) {
+            self.last_refusal = None;
+            self.settling = None;
+            self.refused = None;
+            return false;
+        }
+        if self.refused.as_ref() == Some(seen) {
+            self.settling = None;
+            return false;
+        }
+        if self.settling.as_ref() != Some(seen) {
+            debug!(path = %self.path.display(), "the policy file changed; judged at the next poll if it stays so");
+            self.settling = Some(seen.clone());
+            return false;
+        }
+        true
+    }
+
+    /// A checked policy replaces the one in force; the sessions it
+    /// narrows are ended.
+    fn put_in_force(&mut self, bytes: Vec<u8>, policy: Policy) -> ReloadOutcome {
+        self.refused = None;
+        let policy = Arc::new(policy);
+        let changed = *policy != *self.store.current();
+        // Replaced first, then the sessions judged: one recording its
+        // grant meanwhile is judged by the new policy there.
+        self.store.replace(policy.clone());
+        // Counted before any session is told: the changes are the
+        // generation `admission` proves sources under, and a session this
+        // reload ends must not end under the old one.
+        self.reloaded.inc();
+        if changed {
+            self.changes.inc();
+        }
+        let closed = self
+            .close_narrowed
+            .as_ref()
+            .map_or(0, |close| close(&policy));
+        info!(
+            path = %self.path.display(),
+            rules = policy.rule_count(),
+            sessions_closed = closed,
+            "access policy reloaded; new connections use it"
+        );
+        warn_apart(&self.path, &policy);
+        self.in_force = bytes;
+        self.last_refusal = None;
+        ReloadOutcome::Reloaded
     }
 
     /// Reloads on SIGHUP and whenever a poll every `interval` finds the

@@ -568,24 +568,67 @@ mod tests {
         false
     }
 
-    #[test]
-    fn rustls_handshakes_remember_the_chain_after_the_signature_in_tls_1_3_and_1_2() {
-        use rustls::pki_types::PrivateKeyDer;
-        let dir = tempfile::tempdir().unwrap();
-        crate::certs::for_test(dir.path(), "localhost", 1);
-        let file = |name: &str| std::fs::read(dir.path().join(name)).unwrap();
-        let certs = |name: &str| {
-            CertificateDer::pem_slice_iter(&file(name))
+    /// Certificates made for a test, read back as rustls takes them.
+    struct Made(tempfile::TempDir);
+
+    impl Made {
+        fn new() -> Self {
+            let dir = tempfile::tempdir().unwrap();
+            crate::certs::for_test(dir.path(), "localhost", 1);
+            Made(dir)
+        }
+
+        fn file(&self, name: &str) -> Vec<u8> {
+            std::fs::read(self.0.path().join(name)).unwrap()
+        }
+
+        fn certs(&self, name: &str) -> Vec<CertificateDer<'static>> {
+            CertificateDer::pem_slice_iter(&self.file(name))
                 .collect::<Result<Vec<_>, _>>()
                 .unwrap()
-        };
-        let key = |name: &str| PrivateKeyDer::from_pem_slice(&file(name)).unwrap();
-        let mut roots = rustls::RootCertStore::empty();
-        roots.add(certs("ca-cert.pem").remove(0)).unwrap();
-        let roots = Arc::new(roots);
-        for version in [&rustls::version::TLS13, &rustls::version::TLS12] {
+        }
+
+        fn key(&self, name: &str) -> rustls::pki_types::PrivateKeyDer<'static> {
+            rustls::pki_types::PrivateKeyDer::from_pem_slice(&self.file(name)).unwrap()
+        }
+
+        fn roots(&self) -> Arc<rustls::RootCertStore> {
+            let mut roots = rustls::RootCertStore::empty();
+            roots.add(self.certs("ca-cert.pem").remove(0)).unwrap();
+            Arc::new(roots)
+        }
+
+        /// A client that presents `cert` and signs with `key_file`'s key,
+        /// matching or not (rustls's own loader would refuse a mismatch).
+        fn client(
+            &self,
+            version: &'static rustls::SupportedProtocolVersion,
+            cert: &str,
+            key_file: &str,
+        ) -> Arc<rustls::ClientConfig> {
+            let provider = super::super::provider();
+            let signer = provider
+                .key_provider
+                .load_private_key(self.key(key_file))
+                .unwrap();
+            let certified = rustls::sign::CertifiedKey::new(self.certs(cert), signer);
+            Arc::new(
+                rustls::ClientConfig::builder_with_provider(provider)
+                    .with_protocol_versions(&[version])
+                    .unwrap()
+                    .with_root_certificates(self.roots())
+                    .with_client_cert_resolver(Arc::new(Presents(Arc::new(certified)))),
+            )
+        }
+
+        /// A server whose verifier counts webpki's calls behind the
+        /// verified-chain cache.
+        fn server(
+            &self,
+            version: &'static rustls::SupportedProtocolVersion,
+        ) -> (Arc<rustls::ServerConfig>, Arc<Counting>) {
             let webpki = rustls::server::WebPkiClientVerifier::builder_with_provider(
-                roots.clone(),
+                self.roots(),
                 super::super::provider(),
             )
             .build()
@@ -604,30 +647,21 @@ mod tests {
                 .with_protocol_versions(&[version])
                 .unwrap()
                 .with_client_cert_verifier(Arc::new(verifier))
-                .with_single_cert(certs("server-cert.pem"), key("server-key.pem"))
+                .with_single_cert(self.certs("server-cert.pem"), self.key("server-key.pem"))
                 .unwrap();
-            // Presents `cert` and signs with `key_file`'s key, matching
-            // or not (rustls's own loader would refuse a mismatch).
-            let client = |cert: &str, key_file: &str| {
-                let provider = super::super::provider();
-                let signer = provider
-                    .key_provider
-                    .load_private_key(key(key_file))
-                    .unwrap();
-                let certified = rustls::sign::CertifiedKey::new(certs(cert), signer);
-                rustls::ClientConfig::builder_with_provider(provider)
-                    .with_protocol_versions(&[version])
-                    .unwrap()
-                    .with_root_certificates(roots.clone())
-                    .with_client_cert_resolver(Arc::new(Presents(Arc::new(certified))))
-            };
-            let (server, good) = (
-                Arc::new(server),
-                Arc::new(client("client-cert.pem", "client-key.pem")),
-            );
+            (Arc::new(server), counting)
+        }
+    }
+
+    #[test]
+    fn rustls_handshakes_remember_the_chain_after_the_signature_in_tls_1_3_and_1_2() {
+        let made = Made::new();
+        for version in [&rustls::version::TLS13, &rustls::version::TLS12] {
+            let (server, counting) = made.server(version);
+            let good = made.client(version, "client-cert.pem", "client-key.pem");
             // The client's certificate with another key (the server's):
             // the chain is fine, the signature is not.
-            let thief = Arc::new(client("client-cert.pem", "server-key.pem"));
+            let thief = made.client(version, "client-cert.pem", "server-key.pem");
             assert!(!handshakes(server.clone(), thief.clone()), "{version:?}");
             assert!(!handshakes(server.clone(), thief.clone()), "{version:?}");
             assert_eq!(
