@@ -22,7 +22,7 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
 
 use nix::sys::socket::{
-    recv, sendto, setsockopt, socket, sockopt, AddressFamily, MsgFlags, NetlinkAddr, SockFlag,
+    recvfrom, sendto, setsockopt, socket, sockopt, AddressFamily, MsgFlags, NetlinkAddr, SockFlag,
     SockProtocol, SockType,
 };
 use nix::sys::time::TimeVal;
@@ -82,18 +82,22 @@ pub fn listener_of(file: FileId) -> io::Result<Listener> {
     )?;
     // A dump arrives as datagrams of at most 32 KiB each (netlink_dump).
     let mut buf = vec![0u8; 64 << 10];
-    let mut found = false;
     loop {
-        let n = recv(fd.as_raw_fd(), &mut buf, MsgFlags::empty())?;
+        let (n, from) = recvfrom::<NetlinkAddr>(fd.as_raw_fd(), &mut buf)?;
+        // Only the kernel (port 0) answers; another process could send to
+        // this socket's port.
+        if from.is_some_and(|from| from.pid() != 0) {
+            continue;
+        }
         if n == 0 {
             return Err(bad("the dump ended without NLMSG_DONE"));
         }
+        // The first match is enough: closing the socket drops the rest
+        // of the dump, and with many listeners the rest is most of it.
         match scan(&buf[..n], file)? {
-            Scan::More { seen } => found |= seen,
-            // Read to the end even after a match: the socket is closed
-            // at once anyway, and a half-read dump costs nothing more.
-            Scan::Done { seen } if found || seen => return Ok(Listener::Found),
-            Scan::Done { .. } => return Ok(Listener::NotHere),
+            Scan::More { seen: false } => continue,
+            Scan::More { seen: true } | Scan::Done { seen: true } => return Ok(Listener::Found),
+            Scan::Done { seen: false } => return Ok(Listener::NotHere),
         }
     }
 }
@@ -104,6 +108,10 @@ const NLMSG_DONE: u16 = 3;
 const SOCK_DIAG_BY_FAMILY: u16 = 20;
 const NLM_F_REQUEST: u16 = 0x1;
 const NLM_F_DUMP: u16 = 0x300;
+/// Set on a dump's messages when the table changed while it was read.
+const NLM_F_DUMP_INTR: u16 = 0x10;
+/// The request's sequence number, which every answer carries.
+const SEQ: u32 = 1;
 /// `TCP_LISTEN`, the state af_unix gives a listening socket.
 const TCP_LISTEN: u32 = 10;
 const UDIAG_SHOW_VFS: u32 = 0x2;
@@ -118,7 +126,7 @@ fn dump_request() -> [u8; 40] {
     req[0..4].copy_from_slice(&40u32.to_ne_bytes());
     req[4..6].copy_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
     req[6..8].copy_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
-    req[8..12].copy_from_slice(&1u32.to_ne_bytes());
+    req[8..12].copy_from_slice(&SEQ.to_ne_bytes());
     req[16] = nix::libc::AF_UNIX as u8;
     req[20..24].copy_from_slice(&(1u32 << TCP_LISTEN).to_ne_bytes());
     req[28..32].copy_from_slice(&UDIAG_SHOW_VFS.to_ne_bytes());
@@ -151,22 +159,53 @@ fn scan(datagram: &[u8], file: FileId) -> io::Result<Scan> {
     while at + NLMSG_HDR <= datagram.len() {
         let len = u32_at(datagram, at).ok_or_else(|| bad("short header"))? as usize;
         let kind = u16_at(datagram, at + 4).ok_or_else(|| bad("short header"))?;
-        if len < NLMSG_HDR || at + len > datagram.len() {
+        let flags = u16_at(datagram, at + 6).ok_or_else(|| bad("short header"))?;
+        let seq = u32_at(datagram, at + 8).ok_or_else(|| bad("short header"))?;
+        let end = at.checked_add(len).filter(|&end| end <= datagram.len());
+        let Some(end) = end.filter(|_| len >= NLMSG_HDR) else {
             return Err(bad("message length out of bounds"));
+        };
+        if seq != SEQ {
+            return Err(bad("an answer to another request"));
         }
-        let message = &datagram[at + NLMSG_HDR..at + len];
+        // An interrupted dump may have skipped the very socket asked for.
+        if flags & NLM_F_DUMP_INTR != 0 {
+            return Err(bad("the dump was interrupted"));
+        }
+        let message = &datagram[at + NLMSG_HDR..end];
         match kind {
-            NLMSG_DONE => return Ok(Scan::Done { seen }),
-            NLMSG_ERROR => {
+            // NLMSG_DONE carries the dump's error, if it failed.
+            NLMSG_DONE | NLMSG_ERROR => {
                 let code = u32_at(message, 0).ok_or_else(|| bad("short error"))? as i32;
-                return Err(io::Error::from_raw_os_error(code.saturating_neg()));
+                if code < 0 {
+                    return Err(io::Error::from_raw_os_error(code.saturating_neg()));
+                }
+                if kind == NLMSG_ERROR {
+                    return Err(bad("an acknowledgement instead of a dump"));
+                }
+                return Ok(Scan::Done { seen });
             }
-            SOCK_DIAG_BY_FAMILY => seen |= vfs_of(message)? == Some(file),
+            SOCK_DIAG_BY_FAMILY => {
+                seen |= is_stream_listener(message)? && vfs_of(message)? == Some(file)
+            }
             _ => return Err(bad("unexpected message type")),
         }
         at += align4(len);
     }
     Ok(Scan::More { seen })
+}
+
+/// Whether one socket of the dump is a listening stream socket, as NBD
+/// needs. The kernel's filter on the state asked for (`udiag_states`)
+/// is not relied on, and a SOCK_SEQPACKET listener passes that filter
+/// but refuses a stream connection (EPROTOTYPE).
+fn is_stream_listener(message: &[u8]) -> io::Result<bool> {
+    match message.get(1..3) {
+        Some(&[kind, state]) => {
+            Ok(i32::from(kind) == nix::libc::SOCK_STREAM && u32::from(state) == TCP_LISTEN)
+        }
+        _ => Err(bad("short unix_diag_msg")),
+    }
 }
 
 /// The `UNIX_DIAG_VFS` attribute of one socket, if it has one (a socket
@@ -231,6 +270,28 @@ mod tests {
         );
     }
 
+    /// A listener of the wrong type passes the kernel's state filter but
+    /// refuses every NBD client (EPROTOTYPE).
+    #[test]
+    fn a_seqpacket_listener_is_not_an_nbd_listener() {
+        use nix::sys::socket::{bind, listen, Backlog, UnixAddr};
+        let dir = dir();
+        let path = dir.path().join("p.sock");
+        let fd = socket(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .unwrap();
+        bind(fd.as_raw_fd(), &UnixAddr::new(&path).unwrap()).unwrap();
+        listen(&fd, Backlog::new(1).unwrap()).unwrap();
+        assert_eq!(
+            listener_of(FileId::of(&path).unwrap()).unwrap(),
+            Listener::NotHere
+        );
+    }
+
     #[test]
     fn a_regular_file_is_no_socket() {
         let dir = dir();
@@ -247,6 +308,10 @@ mod tests {
         let len = msg.len() as u32;
         msg[0..4].copy_from_slice(&(len + 4).to_ne_bytes());
         msg[4..6].copy_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
+        msg[8..12].copy_from_slice(&SEQ.to_ne_bytes());
+        // A listening stream socket (udiag_type, udiag_state).
+        msg[17] = nix::libc::SOCK_STREAM as u8;
+        msg[18] = TCP_LISTEN as u8;
         assert!(scan(&msg, file).is_err());
         msg[0..4].copy_from_slice(&len.to_ne_bytes());
         // An attribute that claims more than the message holds.
@@ -258,5 +323,30 @@ mod tests {
         msg[36..40].copy_from_slice(&2u32.to_ne_bytes());
         msg[40..44].copy_from_slice(&1u32.to_ne_bytes());
         assert_eq!(scan(&msg, file).unwrap(), Scan::More { seen: true });
+        // The same file, but a socket not listening: not counted.
+        msg[18] = 7;
+        assert_eq!(scan(&msg, file).unwrap(), Scan::More { seen: false });
+        msg[18] = TCP_LISTEN as u8;
+        // Interrupted, or answering another request: an error, never a
+        // "no listener".
+        msg[6..8].copy_from_slice(&NLM_F_DUMP_INTR.to_ne_bytes());
+        assert!(scan(&msg, file).is_err());
+        msg[6..8].copy_from_slice(&0u16.to_ne_bytes());
+        msg[8..12].copy_from_slice(&7u32.to_ne_bytes());
+        assert!(scan(&msg, file).is_err());
+    }
+
+    /// A dump that failed ends with its error in NLMSG_DONE.
+    #[test]
+    fn a_failed_dump_is_an_error_not_a_missing_listener() {
+        let mut done = [0u8; 20];
+        done[0..4].copy_from_slice(&20u32.to_ne_bytes());
+        done[4..6].copy_from_slice(&NLMSG_DONE.to_ne_bytes());
+        done[8..12].copy_from_slice(&SEQ.to_ne_bytes());
+        let file = FileId { dev: 1, ino: 2 };
+        assert_eq!(scan(&done, file).unwrap(), Scan::Done { seen: false });
+        done[16..20].copy_from_slice(&(-nix::libc::ENOBUFS).to_ne_bytes());
+        let err = scan(&done, file).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(nix::libc::ENOBUFS));
     }
 }
