@@ -12,14 +12,19 @@
 //! /proc/net/unix prints it, is right however the path was spelt at bind
 //! (relative, through a symlink, from another mount namespace as a pod's
 //! other container), and a stale file left by a server that died has no
-//! listener at all. Needs AF_NETLINK (systemd's RestrictAddressFamilies)
-//! and is blind to listeners in another network namespace: the caller
-//! falls back to connecting then.
+//! listener at all. Only a listening SOCK_STREAM socket counts, and only
+//! if this process may connect to the file (write permission; Landlock
+//! and other LSMs are not seen). Needs AF_NETLINK (systemd's
+//! RestrictAddressFamilies) and is blind to listeners in another network
+//! namespace: the caller falls back to `visit` then, a whole NBD
+//! handshake ended by NBD_OPT_ABORT.
 
-use std::io;
+use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::time::Duration;
 
 use nix::sys::socket::{
     recvfrom, sendto, setsockopt, socket, sockopt, AddressFamily, MsgFlags, NetlinkAddr, SockFlag,
@@ -44,6 +49,11 @@ pub enum Listener {
 pub struct FileId {
     pub dev: u32,
     pub ino: u32,
+    /// The device of the file's mount (`/proc/self/mountinfo`), where it
+    /// differs from stat's: btrfs reports a subvolume's own device, and
+    /// overlayfs the device of the layer that holds the file, while
+    /// sock_diag reports the superblock's, as mountinfo does.
+    pub mount_dev: Option<u32>,
 }
 
 impl FileId {
@@ -54,11 +64,126 @@ impl FileId {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a socket"));
         }
         let dev = meta.dev();
+        let dev = kernel_dev(rustix::fs::major(dev), rustix::fs::minor(dev));
         Ok(FileId {
-            dev: (rustix::fs::major(dev) << 20) | (rustix::fs::minor(dev) & 0xf_ffff),
+            dev,
             ino: meta.ino() as u32,
+            mount_dev: mount_dev_of(path).filter(|&mount| mount != dev),
         })
     }
+
+    /// Whether sock_diag's device and inode are this file's.
+    fn is(&self, dev: u32, ino: u32) -> bool {
+        ino == self.ino && (dev == self.dev || Some(dev) == self.mount_dev)
+    }
+}
+
+fn kernel_dev(major: u32, minor: u32) -> u32 {
+    (major << 20) | (minor & 0xf_ffff)
+}
+
+/// The superblock device of the mount holding `path`: statx's mount id
+/// looked up in /proc/self/mountinfo. `None` where either is missing
+/// (before Linux 5.8, no /proc): stat's device is used alone then.
+fn mount_dev_of(path: &Path) -> Option<u32> {
+    use rustix::fs::{statx, AtFlags, StatxFlags, CWD};
+    let stx = statx(CWD, path, AtFlags::empty(), StatxFlags::MNT_ID).ok()?;
+    if stx.stx_mask & StatxFlags::MNT_ID.bits() == 0 {
+        return None;
+    }
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    mount_dev_in(&mountinfo, stx.stx_mnt_id)
+}
+
+/// Field 1 of a mountinfo line is the mount id, field 3 `major:minor`.
+fn mount_dev_in(mountinfo: &str, mount_id: u64) -> Option<u32> {
+    mountinfo.lines().find_map(|line| {
+        let mut fields = line.split(' ');
+        if fields.next()?.parse::<u64>().ok()? != mount_id {
+            return None;
+        }
+        let (major, minor) = fields.nth(1)?.split_once(':')?;
+        Some(kernel_dev(major.parse().ok()?, minor.parse().ok()?))
+    })
+}
+
+/// What the kernel says of the upstream socket file, for the readiness
+/// check; asked without connecting.
+#[derive(Debug)]
+pub enum Look {
+    /// A listener of this network namespace that this process may
+    /// connect to, as far as file permissions go.
+    Ready,
+    /// Not ready, and why (for the log).
+    Problem(String),
+    /// sock_diag saw no listener on the file: a stale file, or one in
+    /// another network namespace, or a filesystem it cannot be matched on.
+    NotHere,
+    /// sock_diag could not be asked.
+    NoDiag(io::Error),
+}
+
+/// Looks at `path`: its file, its listener and the right to connect.
+/// Blocking (a stat, a netlink dump, /proc/self/mountinfo).
+pub fn look(path: &Path) -> Look {
+    let file = match FileId::of(path) {
+        Ok(file) => file,
+        Err(e) => return Look::Problem(format!("{}: {e}", path.display())),
+    };
+    match listener_of(file) {
+        Ok(Listener::Found) => match may_connect(path) {
+            Ok(()) => Look::Ready,
+            Err(e) => Look::Problem(format!(
+                "{}: has a listener, but this process may not connect to it ({e})",
+                path.display()
+            )),
+        },
+        Ok(Listener::NotHere) => Look::NotHere,
+        Err(e) => Look::NoDiag(e),
+    }
+}
+
+/// connect(2) to a Unix socket file needs write permission on the file
+/// (`unix_find_bsd` in net/unix/af_unix.c asks `path_permission(MAY_WRITE)`),
+/// judged with the effective ids as connect judges it. Landlock and other
+/// LSMs that refuse a connect are not seen here.
+fn may_connect(path: &Path) -> io::Result<()> {
+    use rustix::fs::{accessat, Access, AtFlags, CWD};
+    accessat(CWD, path, Access::WRITE_OK, AtFlags::EACCESS).map_err(io::Error::from)
+}
+
+/// The readiness check's fallback where sock_diag cannot answer: a
+/// whole, clean NBD visit, which NBD servers do not log as an error
+/// (qemu-nbd 7.2 and nbdkit 1.32 log a connection that hangs up before
+/// the handshake ends). Reads the greeting, sends the client flags the
+/// server offers, NBD_OPT_ABORT, and waits for the answer or the close.
+/// Blocking, bounded by `within` for each read and write.
+pub fn visit(path: &Path, within: Duration) -> io::Result<()> {
+    use crate::proto::consts::*;
+    let mut stream = UnixStream::connect(path)?;
+    stream.set_read_timeout(Some(within))?;
+    stream.set_write_timeout(Some(within))?;
+    let mut greeting = [0u8; 18];
+    stream.read_exact(&mut greeting)?;
+    if greeting[0..8] != NBDMAGIC.to_be_bytes() || greeting[8..16] != IHAVEOPT.to_be_bytes() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "no NBD fixed-newstyle greeting",
+        ));
+    }
+    let offered = u16::from_be_bytes([greeting[16], greeting[17]]);
+    let flags = u32::from(offered & (FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES));
+    let mut abort = [0u8; 20];
+    abort[0..4].copy_from_slice(&flags.to_be_bytes());
+    abort[4..12].copy_from_slice(&IHAVEOPT.to_be_bytes());
+    abort[12..16].copy_from_slice(&OPT_ABORT.to_be_bytes());
+    stream.write_all(&abort)?;
+    // Waits for the answer (an ACK) or the close, so that the server has
+    // ended the visit before this side hangs up. The server has greeted:
+    // it is there, whatever comes now.
+    let mut reply = [0u8; 20];
+    let _ = stream.read_exact(&mut reply);
+    Ok(())
 }
 
 /// Asks sock_diag whether a listening socket is bound to `file`. An
@@ -186,7 +311,8 @@ fn scan(datagram: &[u8], file: FileId) -> io::Result<Scan> {
                 return Ok(Scan::Done { seen });
             }
             SOCK_DIAG_BY_FAMILY => {
-                seen |= is_stream_listener(message)? && vfs_of(message)? == Some(file)
+                seen |= is_stream_listener(message)?
+                    && vfs_of(message)?.is_some_and(|(dev, ino)| file.is(dev, ino))
             }
             _ => return Err(bad("unexpected message type")),
         }
@@ -210,7 +336,7 @@ fn is_stream_listener(message: &[u8]) -> io::Result<bool> {
 
 /// The `UNIX_DIAG_VFS` attribute of one socket, if it has one (a socket
 /// bound in the abstract namespace or not at all has none).
-fn vfs_of(message: &[u8]) -> io::Result<Option<FileId>> {
+fn vfs_of(message: &[u8]) -> io::Result<Option<(u32, u32)>> {
     let mut at = UNIX_DIAG_MSG;
     while at + 4 <= message.len() {
         let len = u16_at(message, at).unwrap_or(0) as usize;
@@ -221,7 +347,7 @@ fn vfs_of(message: &[u8]) -> io::Result<Option<FileId>> {
         if kind == UNIX_DIAG_VFS {
             let (ino, dev) = (u32_at(message, at + 4), u32_at(message, at + 8));
             return match (ino, dev) {
-                (Some(ino), Some(dev)) if len >= 12 => Ok(Some(FileId { dev, ino })),
+                (Some(ino), Some(dev)) if len >= 12 => Ok(Some((dev, ino))),
                 _ => Err(bad("short UNIX_DIAG_VFS")),
             };
         }
@@ -293,6 +419,21 @@ mod tests {
     }
 
     #[test]
+    fn the_mount_device_is_read_from_mountinfo() {
+        let mountinfo = "22 1 8:1 / / rw - ext4 /dev/sda1 rw\n\
+                         57 22 0:53 / /merged rw - overlay overlay rw,lowerdir=/l\n";
+        assert_eq!(mount_dev_in(mountinfo, 57), Some(53));
+        assert_eq!(mount_dev_in(mountinfo, 22), Some((8 << 20) | 1));
+        assert_eq!(mount_dev_in(mountinfo, 9), None);
+        let file = FileId {
+            dev: 54,
+            ino: 8,
+            mount_dev: Some(53),
+        };
+        assert!(file.is(53, 8) && file.is(54, 8) && !file.is(53, 9));
+    }
+
+    #[test]
     fn a_regular_file_is_no_socket() {
         let dir = dir();
         let path = dir.path().join("plain");
@@ -303,7 +444,11 @@ mod tests {
 
     #[test]
     fn a_truncated_or_lying_dump_is_an_error_not_a_listener() {
-        let file = FileId { dev: 1, ino: 2 };
+        let file = FileId {
+            dev: 1,
+            ino: 2,
+            mount_dev: None,
+        };
         let mut msg = vec![0u8; 16 + UNIX_DIAG_MSG + 12];
         let len = msg.len() as u32;
         msg[0..4].copy_from_slice(&(len + 4).to_ne_bytes());
@@ -343,7 +488,11 @@ mod tests {
         done[0..4].copy_from_slice(&20u32.to_ne_bytes());
         done[4..6].copy_from_slice(&NLMSG_DONE.to_ne_bytes());
         done[8..12].copy_from_slice(&SEQ.to_ne_bytes());
-        let file = FileId { dev: 1, ino: 2 };
+        let file = FileId {
+            dev: 1,
+            ino: 2,
+            mount_dev: None,
+        };
         assert_eq!(scan(&done, file).unwrap(), Scan::Done { seen: false });
         done[16..20].copy_from_slice(&(-nix::libc::ENOBUFS).to_ne_bytes());
         let err = scan(&done, file).unwrap_err();
