@@ -19,11 +19,14 @@
 //! namespace: the caller falls back to `visit` then, a whole NBD
 //! handshake ended by NBD_OPT_ABORT.
 
+use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use nix::sys::socket::{
@@ -91,8 +94,32 @@ fn mount_dev_of(path: &Path) -> Option<u32> {
     if stx.stx_mask & StatxFlags::MNT_ID.bits() == 0 {
         return None;
     }
-    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    mount_dev_in(&mountinfo, stx.stx_mnt_id)
+    mount_dev_in(&read_mountinfo()?, stx.stx_mnt_id)
+}
+
+/// /proc/self/mountinfo, opened before the Landlock sandbox, which does
+/// not let the process open it afterwards.
+static MOUNTINFO: OnceLock<Option<File>> = OnceLock::new();
+
+/// Opens /proc/self/mountinfo for the readiness check's later reads;
+/// called before the process sandboxes itself.
+pub fn keep_mountinfo() {
+    MOUNTINFO.get_or_init(|| File::open("/proc/self/mountinfo").ok());
+}
+
+/// The mount table as it is now: a kept descriptor is read again from
+/// offset 0, which makes the kernel's seq_file start over.
+fn read_mountinfo() -> Option<String> {
+    let Some(Some(file)) = MOUNTINFO.get() else {
+        return std::fs::read_to_string("/proc/self/mountinfo").ok();
+    };
+    let (mut text, mut chunk) = (Vec::new(), vec![0u8; 16 << 10]);
+    loop {
+        match file.read_at(&mut chunk, text.len() as u64).ok()? {
+            0 => return String::from_utf8(text).ok(),
+            n => text.extend_from_slice(&chunk[..n]),
+        }
+    }
 }
 
 /// Field 1 of a mountinfo line is the mount id, field 3 `major:minor`.

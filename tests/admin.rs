@@ -535,3 +535,99 @@ fn the_fallback_visit_is_silent_for_nbdkit_and_qemu_nbd() {
     assert_eq!(qemu.errors(), "", "qemu-nbd logged the visits");
     assert!(qemu.is_running());
 }
+
+/// An overlay mount (tmpfs upper layer over the disk's lower one),
+/// unmounted at the end.
+struct Overlay {
+    merged: std::path::PathBuf,
+    upper_fs: std::path::PathBuf,
+}
+
+impl Overlay {
+    fn mount(env: &Env) -> Self {
+        let (lower, upper_fs, merged) =
+            (env.path("lower"), env.path("upperfs"), env.path("merged"));
+        for dir in [&lower, &upper_fs, &merged] {
+            std::fs::create_dir(dir).unwrap();
+        }
+        run_ok(
+            Command::new("mount")
+                .args(["-t", "tmpfs", "tmpfs"])
+                .arg(&upper_fs),
+        );
+        let overlay = Overlay {
+            merged: merged.clone(),
+            upper_fs: upper_fs.clone(),
+        };
+        for dir in ["upper", "work"] {
+            std::fs::create_dir(upper_fs.join(dir)).unwrap();
+        }
+        let options = format!(
+            "lowerdir={},upperdir={},workdir={}",
+            lower.display(),
+            upper_fs.join("upper").display(),
+            upper_fs.join("work").display()
+        );
+        run_ok(
+            Command::new("mount")
+                .args(["-t", "overlay", "overlay", "-o", &options])
+                .arg(&merged),
+        );
+        overlay
+    }
+}
+
+impl Drop for Overlay {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.merged).status();
+        let _ = Command::new("umount")
+            .arg("-l")
+            .arg(&self.upper_fs)
+            .status();
+    }
+}
+
+/// On overlayfs with layers on different filesystems (as on btrfs
+/// subvolumes) stat's device is not the one sock_diag reports: the
+/// listener is found by the mount's device, without a fallback visit
+/// or its warning.
+#[test]
+fn a_listener_on_overlayfs_is_found_without_a_visit() {
+    use std::os::unix::fs::MetadataExt;
+    let env = Env::new();
+    let overlay = Overlay::mount(&env);
+    let image = env.random_image("disk.img", 1 << 20, 14);
+    let socket = overlay.merged.join("qemu.sock");
+    let mut upstream = LoggedServer::start(
+        &env,
+        "qemu-nbd",
+        Command::new("qemu-nbd")
+            .args(["-f", "raw", "--persistent", "-k"])
+            .arg(&socket)
+            .arg(&image),
+        &socket,
+    );
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let stat_dev = std::fs::metadata(&socket).unwrap().dev();
+    let merged = overlay.merged.display().to_string();
+    let line = mountinfo.lines().find(|l| l.contains(&merged)).unwrap();
+    assert_ne!(
+        line.split(' ').nth(2).unwrap(),
+        format!(
+            "{}:{}",
+            rustix::fs::major(stat_dev),
+            rustix::fs::minor(stat_dev)
+        ),
+        "this overlay's stat device is its mount's: the test shows nothing"
+    );
+    let admin = free_port();
+    let gw = gateway(&env, &socket, admin, &[]);
+    assert_eq!(wait_for(admin, "/readyz", 200).trim(), "ready");
+    several_checks();
+    assert_eq!(gw.count_in_log("sock_diag did not find"), 0, "{}", gw.log());
+    assert_eq!(gw.count_in_log("not in this network namespace"), 0);
+    assert_eq!(upstream.errors(), "");
+    assert!(upstream.is_running());
+    drop(gw);
+    drop(upstream);
+}
