@@ -272,11 +272,25 @@ async fn check_upstream(path: &Path, warned: &mut Warned) -> Option<String> {
         Look::NoDiag(e) => {
             if !warned.no_sock_diag {
                 warned.no_sock_diag = true;
-                warn!(error = %e, "cannot ask the kernel for listening Unix sockets (sock_diag; under systemd RestrictAddressFamilies needs AF_NETLINK): the readiness check visits the NBD server instead (greeting, NBD_OPT_ABORT)");
+                warn!(error = %e, "cannot ask the kernel for listening Unix sockets ({}): the readiness check visits the NBD server instead (greeting, NBD_OPT_ABORT)", why_no_sock_diag(&e));
             }
             let visited = visit_upstream(path).await;
             visited.err().map(|e| format!("{}: {e}", path.display()))
         }
+    }
+}
+
+/// The likely cause of a sock_diag failure, for the operator: a refused
+/// netlink socket is a sandbox's doing; anything else (a timeout,
+/// ENOBUFS, an interrupted dump) is the kernel's, and may pass.
+fn why_no_sock_diag(e: &std::io::Error) -> &'static str {
+    use nix::libc::{EACCES, EAFNOSUPPORT, EPERM, EPROTONOSUPPORT};
+    match e.raw_os_error() {
+        Some(EAFNOSUPPORT | EPERM | EACCES) => {
+            "netlink refused; under systemd RestrictAddressFamilies needs AF_NETLINK"
+        }
+        Some(EPROTONOSUPPORT) => "this kernel has no sock_diag for Unix sockets (unix_diag)",
+        _ => "sock_diag failed, maybe for a moment",
     }
 }
 
