@@ -18,11 +18,11 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::net::{TcpListener, TcpStream, UnixStream};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, warn};
 
-use crate::listening::{listener_of, FileId, Listener};
+use crate::listening::{look, visit, Look};
 use crate::logsafe::Escaped;
 use crate::metrics::{Health, Metrics};
 
@@ -211,9 +211,11 @@ fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
 /// Checks the upstream socket every `UPSTREAM_CHECK_EVERY` and records
 /// the result for `/readyz`; logs each change once (a sidecar may start
 /// before its NBD server has made the socket). The check asks the kernel
-/// whether the socket file has a listener (`crate::listening`) and does
-/// not connect: a connection is a client to the NBD server, which qemu-nbd
-/// 7.2 and nbdkit log as an error when it hangs up unnegotiated.
+/// whether the socket file has a listener this process may connect to
+/// (`crate::listening`) and does not connect: a connection is a client to
+/// the NBD server, which qemu-nbd 7.2 and nbdkit log as an error when it
+/// hangs up unnegotiated. Where the kernel cannot tell, it visits the
+/// server with a whole handshake that the servers do not log.
 pub async fn watch_upstream(path: PathBuf, health: Arc<Health>) {
     let mut last: Option<Option<String>> = None;
     let mut warned = Warned::default();
@@ -239,57 +241,74 @@ pub async fn watch_upstream(path: PathBuf, health: Arc<Health>) {
     }
 }
 
-/// The fallbacks to connecting, each said once: they make the check a
-/// visit the NBD server sees.
+/// The fallbacks to visiting the server, each said once.
 #[derive(Default)]
 struct Warned {
     no_sock_diag: bool,
-    elsewhere: bool,
+    not_found: bool,
 }
 
 /// `None` when the upstream listens, else why not (for the log).
 async fn check_upstream(path: &Path, warned: &mut Warned) -> Option<String> {
-    let file = match FileId::of(path) {
-        Ok(file) => file,
-        Err(e) => return Some(format!("{}: {e}", path.display())),
-    };
-    match ask_sock_diag(file).await {
-        Ok(Listener::Found) => None,
+    match off_runtime(path, look).await.unwrap_or_else(Look::NoDiag) {
+        Look::Ready => None,
+        Look::Problem(problem) => Some(problem),
         // A stale file (the server died) or a server that has bound but
-        // not listened refuses the connection, silently for it; only a
-        // listener in another network namespace, which sock_diag cannot
-        // see, accepts.
-        Ok(Listener::NotHere) => match UnixStream::connect(path).await {
-            Err(e) => Some(format!("{}: no listener ({e})", path.display())),
-            Ok(_) => {
-                // Or it began to listen just now: asked again, so as not
-                // to warn of a namespace that is not there.
-                if ask_sock_diag(file).await != Ok(Listener::Found) && !warned.elsewhere {
-                    warned.elsewhere = true;
-                    warn!(upstream = %path.display(), "the upstream socket's listener is not in this network namespace: the readiness check connects to it, which some NBD servers (qemu-nbd 7.2, nbdkit) log as an error");
-                }
-                None
+        // not listened refuses the visit, silently for it; a listener
+        // sock_diag cannot see or match greets it.
+        Look::NotHere => {
+            if let Err(e) = visit_upstream(path).await {
+                return Some(format!("{}: no listener ({e})", path.display()));
             }
-        },
-        Err(e) => {
+            // Or it began to listen just now: looked at again, so as not
+            // to warn of nothing.
+            let again = off_runtime(path, look).await;
+            if !matches!(again, Ok(Look::Ready)) && !warned.not_found {
+                warned.not_found = true;
+                warn!(upstream = %path.display(), "sock_diag did not find the upstream socket's listener (another network namespace, or a filesystem whose stat device differs): the readiness check visits the NBD server instead (greeting, NBD_OPT_ABORT)");
+            }
+            None
+        }
+        Look::NoDiag(e) => {
             if !warned.no_sock_diag {
                 warned.no_sock_diag = true;
-                warn!(error = %e, "cannot ask the kernel for listening Unix sockets (sock_diag; under systemd RestrictAddressFamilies needs AF_NETLINK): the readiness check connects to the upstream, which some NBD servers (qemu-nbd 7.2, nbdkit) log as an error");
+                warn!(error = %e, "cannot ask the kernel for listening Unix sockets ({}): the readiness check visits the NBD server instead (greeting, NBD_OPT_ABORT)", why_no_sock_diag(&e));
             }
-            match UnixStream::connect(path).await {
-                Ok(_) => None,
-                Err(e) => Some(format!("{}: {e}", path.display())),
-            }
+            let visited = visit_upstream(path).await;
+            visited.err().map(|e| format!("{}: {e}", path.display()))
         }
     }
 }
 
-/// sock_diag off the runtime's threads: a netlink dump is short but
-/// blocking.
-async fn ask_sock_diag(file: FileId) -> Result<Listener, String> {
-    match tokio::task::spawn_blocking(move || listener_of(file)).await {
-        Ok(Ok(listener)) => Ok(listener),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(e) => Err(e.to_string()),
+/// The likely cause of a sock_diag failure, for the operator: a refused
+/// netlink socket is a sandbox's doing; anything else (a timeout,
+/// ENOBUFS, an interrupted dump) is the kernel's, and may pass.
+fn why_no_sock_diag(e: &std::io::Error) -> &'static str {
+    use nix::libc::{EACCES, EAFNOSUPPORT, EPERM, EPROTONOSUPPORT};
+    match e.raw_os_error() {
+        Some(EAFNOSUPPORT | EPERM | EACCES) => {
+            "netlink refused; under systemd RestrictAddressFamilies needs AF_NETLINK"
+        }
+        Some(EPROTONOSUPPORT) => "this kernel has no sock_diag for Unix sockets (unix_diag)",
+        _ => "sock_diag failed, maybe for a moment",
     }
+}
+
+/// How long each step of a visit may wait for the server.
+const VISIT_WITHIN: Duration = Duration::from_secs(5);
+
+async fn visit_upstream(path: &Path) -> std::io::Result<()> {
+    off_runtime(path, |path| visit(path, VISIT_WITHIN)).await?
+}
+
+/// A stat, a netlink dump or a visit, off the runtime's threads: short,
+/// but blocking.
+async fn off_runtime<T: Send + 'static>(
+    path: &Path,
+    blocking: impl FnOnce(&Path) -> T + Send + 'static,
+) -> std::io::Result<T> {
+    let path = path.to_owned();
+    tokio::task::spawn_blocking(move || blocking(&path))
+        .await
+        .map_err(std::io::Error::other)
 }

@@ -634,10 +634,20 @@ pub struct Health {
     /// those past --reconnect-timeout (failing at once).
     reconnecting: AtomicUsize,
     unreachable: AtomicUsize,
-    /// Sessions that lost their upstream after SIGTERM, by upstream: said
-    /// once for all at the end of the drain (`server::shut_down`), as a
-    /// pod's NBD server stopping beside nbdgw cuts them all at once.
-    cut_by_upstream: std::sync::Mutex<std::collections::BTreeMap<String, usize>>,
+    /// Sessions that lost their upstream after SIGTERM, and connections
+    /// whose upstream refused them then, by upstream: said once for all
+    /// at the end of the drain (`server::run`), as a pod's NBD server
+    /// stopping beside nbdgw cuts them all at once.
+    cut_by_upstream: std::sync::Mutex<std::collections::BTreeMap<String, GoneUpstream>>,
+}
+
+/// What an upstream gone during the shutdown did to the connections.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct GoneUpstream {
+    /// Sessions it cut.
+    pub cut: usize,
+    /// Connections it refused while negotiating.
+    pub refused: usize,
 }
 
 impl Health {
@@ -661,15 +671,25 @@ impl Health {
     /// A session ended because its upstream (`upstream`, as the audit
     /// line names it) went away during the shutdown.
     pub fn cut_by_upstream(&self, upstream: &str) {
-        let mut cut = self
+        self.gone_upstream(upstream, |gone| gone.cut += 1);
+    }
+
+    /// A connection's upstream refused it during the shutdown.
+    pub fn refused_by_upstream(&self, upstream: &str) {
+        self.gone_upstream(upstream, |gone| gone.refused += 1);
+    }
+
+    fn gone_upstream(&self, upstream: &str, count: impl FnOnce(&mut GoneUpstream)) {
+        let mut gone = self
             .cut_by_upstream
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        *cut.entry(upstream.to_owned()).or_default() += 1;
+        count(gone.entry(upstream.to_owned()).or_default());
     }
 
-    /// The sessions `cut_by_upstream` counted, by upstream, and forgets them.
-    pub fn take_cut_by_upstream(&self) -> std::collections::BTreeMap<String, usize> {
+    /// What `cut_by_upstream` and `refused_by_upstream` counted, by
+    /// upstream, and forgets it.
+    pub fn take_cut_by_upstream(&self) -> std::collections::BTreeMap<String, GoneUpstream> {
         std::mem::take(
             &mut *self
                 .cut_by_upstream

@@ -86,15 +86,18 @@ fn drain_deadline(config: &Config) -> Option<tokio::time::Instant> {
     );
     Some(tokio::time::Instant::now() + config.drain_delay)
 }
-/// Once, however many sessions it cut: an upstream that went away during
-/// the shutdown (a pod's or a unit's NBD server stopped before nbdgw
-/// finished draining). Each session's close line is at info then.
+/// Once, however many sessions it cut or connections it refused: an
+/// upstream that went away during the shutdown (a pod's or a unit's NBD
+/// server stopped before nbdgw finished draining). Each of them is
+/// logged at info, or marked in its audit close line.
 fn tell_cut_by_upstream(health: &crate::metrics::Health) {
-    for (upstream, sessions) in health.take_cut_by_upstream() {
+    for (upstream, gone) in health.take_cut_by_upstream() {
+        let (sessions, refused) = (gone.cut, gone.refused);
         warn!(
             %upstream,
             sessions,
-            "the upstream went away during the shutdown: {sessions} session(s) cut with it; stop the NBD server after nbdgw (see README, Stop order)"
+            refused,
+            "the upstream went away during the shutdown: {sessions} session(s) cut with it, {refused} connection(s) refused; stop the NBD server after nbdgw (see docs/guides/systemd.md, Stop order)"
         );
     }
 }

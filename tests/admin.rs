@@ -451,3 +451,183 @@ fn readiness_follows_a_stale_socket_file_and_its_new_server_silently() {
     assert_eq!(first.errors(), "", "the first nbdkit logged the checks");
     assert_eq!(second.errors(), "", "the second nbdkit logged the checks");
 }
+
+/// connect(2) to a Unix socket needs write permission on its file: a
+/// listener nbdgw may not connect to is no readiness. qemu-nbd run as
+/// root leaves `srwxr-xr-x root root`; nbdgw runs as nobody (`setpriv`).
+#[test]
+fn a_listener_nbdgw_may_not_connect_to_is_not_ready() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = Env::new();
+    let image = env.random_image("disk.img", 1 << 20, 12);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    common::wait_until_unix_listening(&upstream.socket, "qemu-nbd");
+    let mode = |path: &std::path::Path, mode| {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap()
+    };
+    mode(&upstream.socket, 0o755);
+    // nobody reads the certificates and reaches the socket's directory.
+    mode(&env.path(""), 0o755);
+    run_ok(Command::new("chmod").args(["-R", "a+rX"]).arg(env.certs()));
+    let (port, admin) = (free_port(), free_port());
+    let mut as_nobody = Command::new("setpriv");
+    as_nobody
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(common::process::nbdgw_binary())
+        .arg("--upstream")
+        .arg(&upstream.socket)
+        .arg("--tls-dir")
+        .arg(env.certs())
+        .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
+        .args(["--listen", &format!("127.0.0.1:{port}")]);
+    let gw = NbdgwProcess::spawn(as_nobody, port);
+    gw.wait_for_log("nbdgw listening", 1);
+    assert_eq!(wait_for(admin, "/readyz", 503), "upstream unavailable\n");
+    gw.wait_for_log("may not connect", 1);
+    // The check followed the file's mode, not a fixed answer.
+    mode(&upstream.socket, 0o777);
+    assert_eq!(wait_for(admin, "/readyz", 200).trim(), "ready");
+    let info = qemu_img_info(gw.port, &env.certs());
+    assert!(info.status.success(), "{}", text(&info));
+}
+
+/// Where sock_diag cannot answer, the check visits the NBD server: a
+/// whole handshake ended by NBD_OPT_ABORT, which nbdkit 1.32 and
+/// qemu-nbd log nothing for (a bare connect-and-hang-up is an error
+/// line in both), and which leaves a persistent qemu-nbd serving.
+#[test]
+fn the_fallback_visit_is_silent_for_nbdkit_and_qemu_nbd() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", 1 << 20, 13);
+    let kit_socket = env.path("kit.sock");
+    let kit = LoggedServer::start(&env, "nbdkit", &mut nbdkit_memory(&kit_socket), &kit_socket);
+    let qemu_socket = env.path("qemu.sock");
+    let mut qemu = LoggedServer::start(
+        &env,
+        "qemu-nbd",
+        Command::new("qemu-nbd")
+            .args(["-f", "raw", "--persistent", "-k"])
+            .arg(&qemu_socket)
+            .arg(&image),
+        &qemu_socket,
+    );
+    for _ in 0..3 {
+        for socket in [&kit_socket, &qemu_socket] {
+            nbdgw::listening::visit(socket, Duration::from_secs(10))
+                .unwrap_or_else(|e| panic!("visit {}: {e}", socket.display()));
+        }
+    }
+    // Whatever the servers log, they log it by the time they answer the
+    // next client.
+    let listed = run_ok(
+        Command::new("nbdinfo")
+            .arg("--size")
+            .arg(format!("nbd+unix:///?socket={}", qemu_socket.display())),
+    );
+    assert_eq!(String::from_utf8_lossy(&listed.stdout).trim(), "1048576");
+    let listed = run_ok(
+        Command::new("nbdinfo")
+            .arg("--size")
+            .arg(format!("nbd+unix:///?socket={}", kit_socket.display())),
+    );
+    assert_eq!(String::from_utf8_lossy(&listed.stdout).trim(), "1048576");
+    assert_eq!(kit.errors(), "", "nbdkit logged the visits");
+    assert_eq!(qemu.errors(), "", "qemu-nbd logged the visits");
+    assert!(qemu.is_running());
+}
+
+/// An overlay mount (tmpfs upper layer over the disk's lower one),
+/// unmounted at the end.
+struct Overlay {
+    merged: std::path::PathBuf,
+    upper_fs: std::path::PathBuf,
+}
+
+impl Overlay {
+    fn mount(env: &Env) -> Self {
+        let (lower, upper_fs, merged) =
+            (env.path("lower"), env.path("upperfs"), env.path("merged"));
+        for dir in [&lower, &upper_fs, &merged] {
+            std::fs::create_dir(dir).unwrap();
+        }
+        run_ok(
+            Command::new("mount")
+                .args(["-t", "tmpfs", "tmpfs"])
+                .arg(&upper_fs),
+        );
+        let overlay = Overlay {
+            merged: merged.clone(),
+            upper_fs: upper_fs.clone(),
+        };
+        for dir in ["upper", "work"] {
+            std::fs::create_dir(upper_fs.join(dir)).unwrap();
+        }
+        let options = format!(
+            "lowerdir={},upperdir={},workdir={}",
+            lower.display(),
+            upper_fs.join("upper").display(),
+            upper_fs.join("work").display()
+        );
+        run_ok(
+            Command::new("mount")
+                .args(["-t", "overlay", "overlay", "-o", &options])
+                .arg(&merged),
+        );
+        overlay
+    }
+}
+
+impl Drop for Overlay {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.merged).status();
+        let _ = Command::new("umount")
+            .arg("-l")
+            .arg(&self.upper_fs)
+            .status();
+    }
+}
+
+/// On overlayfs with layers on different filesystems (as on btrfs
+/// subvolumes) stat's device is not the one sock_diag reports: the
+/// listener is found by the mount's device, without a fallback visit
+/// or its warning.
+#[test]
+fn a_listener_on_overlayfs_is_found_without_a_visit() {
+    use std::os::unix::fs::MetadataExt;
+    let env = Env::new();
+    let overlay = Overlay::mount(&env);
+    let image = env.random_image("disk.img", 1 << 20, 14);
+    let socket = overlay.merged.join("qemu.sock");
+    let mut upstream = LoggedServer::start(
+        &env,
+        "qemu-nbd",
+        Command::new("qemu-nbd")
+            .args(["-f", "raw", "--persistent", "-k"])
+            .arg(&socket)
+            .arg(&image),
+        &socket,
+    );
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let stat_dev = std::fs::metadata(&socket).unwrap().dev();
+    let merged = overlay.merged.display().to_string();
+    let line = mountinfo.lines().find(|l| l.contains(&merged)).unwrap();
+    assert_ne!(
+        line.split(' ').nth(2).unwrap(),
+        format!(
+            "{}:{}",
+            rustix::fs::major(stat_dev),
+            rustix::fs::minor(stat_dev)
+        ),
+        "this overlay's stat device is its mount's: the test shows nothing"
+    );
+    let admin = free_port();
+    let gw = gateway(&env, &socket, admin, &[]);
+    assert_eq!(wait_for(admin, "/readyz", 200).trim(), "ready");
+    several_checks();
+    assert_eq!(gw.count_in_log("sock_diag did not find"), 0, "{}", gw.log());
+    assert_eq!(gw.count_in_log("not in this network namespace"), 0);
+    assert_eq!(upstream.errors(), "");
+    assert!(upstream.is_running());
+    drop(gw);
+    drop(upstream);
+}

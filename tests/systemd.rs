@@ -147,7 +147,10 @@ fn the_drop_in_starts_nbdgw_after_its_upstream_so_it_stops_first() {
             .collect::<Vec<_>>()
     };
     assert_eq!(dropin("After"), ["nbd-upstream.service"]);
-    assert_eq!(dropin("Requires"), ["nbd-upstream.service"]);
+    // Requisite=, not Requires=: a start of nbdgw (socket activation)
+    // must not start a server stopped for maintenance.
+    assert_eq!(dropin("Requisite"), ["nbd-upstream.service"]);
+    assert!(dropin("Requires").is_empty());
     assert!(dropin("BindsTo").is_empty());
     let (ok, stderr) = verify_units(Some("[Unit]\nBefore=nbd-upstream.service\n"));
     assert!(!ok && stderr.contains("ordering cycle"), "{stderr}");
@@ -166,6 +169,8 @@ fn the_drop_in_starts_nbdgw_after_its_upstream_so_it_stops_first() {
         ("UMask", "0007"),
         ("RuntimeDirectory", "nbd"),
         ("RuntimeDirectoryPreserve", "restart"),
+        // --shared=1024 needs more descriptors than the default soft 1024.
+        ("LimitNOFILE", "4096"),
     ] {
         assert_eq!(unit_values("nbd-upstream.service", key), [value], "{key}");
     }

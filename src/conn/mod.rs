@@ -90,16 +90,16 @@ pub async fn serve(
             Err(e) if !e.is_routine() => "error",
             _ => "closed",
         });
-        let said_at_the_end = counted_for_the_drain(&result, &stats, config);
-        log_close(result, &stats, started, said_at_the_end);
+        let cut_during_shutdown = count_if_cut_by_upstream(&result, &stats, config);
+        log_close(result, &stats, started, cut_during_shutdown);
     }
     .instrument(span)
     .await
 }
 
-/// A session cut by its upstream during the shutdown is counted for the
-/// drain's one line (`server::shut_down`) instead of a warning each.
-fn counted_for_the_drain(
+/// Counts a session cut by its upstream during the shutdown for the
+/// drain's one line (`server::run`), and says whether it was one.
+fn count_if_cut_by_upstream(
     result: &Result<&'static str, ConnError>,
     stats: &Stats,
     config: &Config,
@@ -116,13 +116,15 @@ fn counted_for_the_drain(
 /// The close line: for a session that entered transmission, the audit
 /// trail's second line (target `nbdgw::audit`, with the open line's
 /// names); for any other connection, a plain one. Exactly one of
-/// `reason` (a normal end) and `error` (anything else) is given. A close
-/// the shutdown's summary tells of (`summed`) is at info.
+/// `reason` (a normal end) and `error` (anything else) is given. A
+/// session the shutdown's summary tells of keeps its audit level (an
+/// interrupted session is one for audit consumers) and is marked
+/// `cut_by_upstream_during_shutdown=true`.
 pub(crate) fn log_close(
     result: Result<&'static str, ConnError>,
     stats: &Stats,
     at: Instant,
-    summed: bool,
+    cut_during_shutdown: bool,
 ) {
     let session::Counts {
         requests,
@@ -131,7 +133,8 @@ pub(crate) fn log_close(
         bytes_out,
     } = stats.counts();
     let secs = at.elapsed().as_secs_f64();
-    let routine = summed || result.as_ref().map_or_else(ConnError::is_routine, |_| true);
+    let routine = result.as_ref().map_or_else(ConnError::is_routine, |_| true);
+    let cut_by_upstream_during_shutdown = cut_during_shutdown.then_some(true);
     let (reason, error) = match &result {
         Ok(reason) => (Some(*reason), None),
         Err(error) => (None, Some(escape(&error.to_string()).into_owned())),
@@ -158,6 +161,7 @@ pub(crate) fn log_close(
                 access = %a.access,
                 rule = %a.rule,
                 rule_line = a.rule_line,
+                cut_by_upstream_during_shutdown,
                 "closed"
             )
         };

@@ -189,7 +189,15 @@ impl Attached {
                     .as_deref()
                     .map(|e| tracing::field::display(Escaped(e)));
                 // The error names the socket's path: for the log only.
-                warn!(export = named, error = %Escaped(&e.to_string()), "upstream unavailable");
+                // During the shutdown the drain's end says it once.
+                if config.health.is_draining() {
+                    // Named as the audit lines name it, to share their count.
+                    let upstream = escape(&socket.display().to_string()).into_owned();
+                    config.health.refused_by_upstream(&upstream);
+                    info!(export = named, error = %Escaped(&e.to_string()), "upstream unavailable during the shutdown");
+                } else {
+                    warn!(export = named, error = %Escaped(&e.to_string()), "upstream unavailable");
+                }
                 return Err(e);
             }
         };

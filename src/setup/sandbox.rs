@@ -28,6 +28,9 @@ pub fn apply(
     let shown = |dirs: &[PathBuf]| -> Vec<String> {
         dirs.iter().map(|d| d.display().to_string()).collect()
     };
+    // The readiness check reads the mount table, which Landlock would
+    // not let it open later.
+    crate::listening::keep_mountinfo();
     let outcome = match crate::sandbox::restrict(&rules) {
         Ok(outcome) => outcome,
         Err(e) if mode == LandlockMode::Required => {
