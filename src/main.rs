@@ -352,6 +352,10 @@ fn configure(
     let mut policy = policy_reloader(args, &reloader)?;
     let mut config = gateway_config(args, upstream, reloader.store());
     config.source_prefixes = source_prefixes;
+    config.proxy_protocol = nbdgw::proxy::Trusted {
+        from: args.proxy_protocol_from.clone(),
+        max_header: args.proxy_protocol_max_header,
+    };
     // Only a client certificate the policy honours proves a source; with
     // no client CA nothing can, and a reserve would only idle.
     if !reloader.requires_client_certificates() && args.source_memory > 0 {
@@ -686,6 +690,16 @@ fn check_limits(args: &ServeArgs) -> Result<nbdgw::config::SourcePrefixes> {
         || args.upstream_timeout == 0
     {
         bail!("--max-connections, --max-sessions-per-identity, --max-handshakes, --max-handshakes-per-source, --max-payload, --handshake-timeout and --upstream-timeout must be greater than 0");
+    }
+    if !(nbdgw::proxy::MIN_MAX_HEADER..=nbdgw::proxy::MAX_MAX_HEADER)
+        .contains(&args.proxy_protocol_max_header)
+    {
+        bail!(
+            "--proxy-protocol-max-header must be {} to {}: a v2 header of TCP over IPv6 is {} bytes",
+            nbdgw::proxy::MIN_MAX_HEADER,
+            nbdgw::proxy::MAX_MAX_HEADER,
+            nbdgw::proxy::MIN_MAX_HEADER
+        );
     }
     if args
         .handshake_reserve

@@ -2,15 +2,19 @@
 //! shutdown.
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::admission::Admission;
 use crate::config::Config;
+use crate::logsafe::escape;
+use crate::shutdown::Shutdown;
 use crate::shutdown::{Phase, ShutdownControl};
 
 /// How long connections get to log their end and leave once the grace
@@ -26,6 +30,11 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
     let admission = Admission::new(&config);
+    // Connections from trusted balancers before their PROXY header: at
+    // most what admission holds unauthenticated (see `crate::proxy`).
+    let pre_header = Arc::new(Semaphore::new(
+        config.max_handshakes.saturating_add(config.handshake_queue),
+    ));
     let mut connections = JoinSet::new();
     let mut next_id: u64 = 0;
     let (control, phase) = ShutdownControl::answering(config.drain_answer);
@@ -52,20 +61,16 @@ pub async fn run(
                         continue;
                     }
                 };
-                let place = match admission.arrive(peer) {
-                    Ok(place) => place,
-                    Err(refusal) => {
-                        config.metrics.connection("refused");
-                        admission.log_refusal(peer, refusal);
-                        continue;
-                    }
-                };
                 next_id += 1;
-                let conn = crate::conn::Accepted { tcp, peer, id: next_id, place };
-                let (config, admission, phase) = (config.clone(), admission.clone(), phase.clone());
-                connections.spawn(async move {
-                    crate::conn::serve(conn, &config, &admission, phase).await;
-                });
+                let arrived = Arrived { tcp, peer, id: next_id, at: tokio::time::Instant::now() };
+                let shared = (config.clone(), admission.clone(), phase.clone());
+                if config.proxy_protocol.trusts(peer.ip()) {
+                    if let Some(task) = behind_balancer(arrived, shared, &pre_header) {
+                        connections.spawn(task);
+                    }
+                } else if let Some(conn) = admit(arrived, None, &shared.1, &config) {
+                    connections.spawn(serve(conn, shared));
+                }
             }
         }
     }
@@ -74,6 +79,107 @@ pub async fn run(
     admission.close_waiters();
     shut_down(connections, &control, config.shutdown_grace).await;
     Ok(())
+}
+
+/// A connection just accepted, before admission.
+struct Arrived {
+    tcp: TcpStream,
+    peer: SocketAddr,
+    id: u64,
+    at: tokio::time::Instant,
+}
+
+type Shared = (Arc<Config>, Arc<Admission>, Shutdown);
+
+/// Admission for a connection whose source is known: a place, or the
+/// refusal counted and logged. `balancer`: the trusted balancer whose
+/// header named `arrived.peer`.
+fn admit(
+    arrived: Arrived,
+    balancer: Option<SocketAddr>,
+    admission: &Arc<Admission>,
+    config: &Config,
+) -> Option<crate::conn::Accepted> {
+    let Arrived { tcp, peer, id, at } = arrived;
+    match admission.arrive_since(peer, at) {
+        Ok(place) => Some(crate::conn::Accepted {
+            tcp,
+            peer,
+            id,
+            place,
+            balancer,
+        }),
+        Err(refusal) => {
+            config.metrics.connection("refused");
+            admission.log_refusal(peer, refusal);
+            None
+        }
+    }
+}
+
+async fn serve(conn: crate::conn::Accepted, (config, admission, phase): Shared) {
+    crate::conn::serve(conn, &config, &admission, phase).await;
+}
+
+/// A connection from a trusted balancer: its PROXY header is read first
+/// (within `--handshake-timeout` of accept, and while fewer than the
+/// bound are at it), then it is admitted as the source the header names.
+fn behind_balancer(
+    arrived: Arrived,
+    shared: Shared,
+    pre_header: &Arc<Semaphore>,
+) -> Option<impl Future<Output = ()>> {
+    let metrics = &shared.0.metrics;
+    let Ok(permit) = pre_header.clone().try_acquire_owned() else {
+        metrics.proxy_header("busy");
+        metrics.connection("refused");
+        debug!(balancer = %arrived.peer, "closed before its PROXY header: --max-handshakes plus --handshake-queue connections from balancers are already waiting for theirs");
+        return None;
+    };
+    Some(async move {
+        let (config, admission, mut phase) = shared;
+        let mut arrived = arrived;
+        let balancer = arrived.peer;
+        let deadline = arrived.at + config.handshake_timeout;
+        let read =
+            crate::proxy::read_header(&mut arrived.tcp, balancer, config.proxy_protocol.max_header);
+        let outcome = tokio::select! {
+            read = tokio::time::timeout_at(deadline, read) => read.map_err(|_| "timeout"),
+            () = phase.draining() => Err("shutting_down"),
+        };
+        drop(permit);
+        let carried = match outcome {
+            Ok(Ok(carried)) => carried,
+            Ok(Err(e)) => return header_refused(&config, balancer, e.metric_outcome(), &e),
+            Err(why) => return header_refused(&config, balancer, why, &why),
+        };
+        config.metrics.proxy_header(carried.outcome);
+        arrived.peer = carried.peer;
+        if let Some(conn) = admit(arrived, Some(balancer), &admission, &config) {
+            serve(conn, (config, admission, phase)).await;
+        }
+    })
+}
+
+/// A trusted balancer's connection closed for its header: counted, and
+/// said in a line (only a trusted peer can cause it, so one per
+/// connection is no flood).
+fn header_refused(
+    config: &Config,
+    balancer: SocketAddr,
+    outcome: &'static str,
+    why: &dyn std::fmt::Display,
+) {
+    config.metrics.proxy_header(outcome);
+    config.metrics.connection("refused");
+    let reason = match outcome {
+        "timeout" => format!(
+            "no PROXY header within --handshake-timeout ({}s)",
+            config.handshake_timeout.as_secs()
+        ),
+        _ => why.to_string(),
+    };
+    warn!(%balancer, outcome, reason = %escape(&reason), "connection from a --proxy-protocol-from balancer refused: it must start with a valid PROXY protocol header");
 }
 
 /// Out of descriptors or similar, in either mode's accept loop: keep

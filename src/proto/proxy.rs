@@ -72,7 +72,9 @@ pub struct Header {
 pub enum Parsed {
     /// The header is not complete: read exactly `need` more bytes (at
     /// least 1) and ask again. Never more than a valid header still has.
-    Incomplete { need: usize },
+    Incomplete {
+        need: usize,
+    },
     Done(Header),
 }
 

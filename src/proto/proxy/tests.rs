@@ -88,7 +88,11 @@ fn what_the_spec_forbids_is_refused() {
         b"\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00",
     ];
     for bytes in refused {
-        assert!(feed(bytes).0.is_err(), "{:?}", String::from_utf8_lossy(bytes));
+        assert!(
+            feed(bytes).0.is_err(),
+            "{:?}",
+            String::from_utf8_lossy(bytes)
+        );
     }
     let mut long = b"PROXY UNKNOWN ".to_vec();
     long.resize(200, b'f');
@@ -121,18 +125,26 @@ fn what_the_spec_forbids_is_refused() {
 
 fn address() -> impl Strategy<Value = (SocketAddr, SocketAddr)> {
     prop_oneof![
-        (any::<[u8; 4]>(), any::<[u8; 4]>(), any::<u16>(), any::<u16>()).prop_map(
-            |(s, d, sp, dp)| (
+        (
+            any::<[u8; 4]>(),
+            any::<[u8; 4]>(),
+            any::<u16>(),
+            any::<u16>()
+        )
+            .prop_map(|(s, d, sp, dp)| (
                 SocketAddr::from((Ipv4Addr::from(s), sp)),
                 SocketAddr::from((Ipv4Addr::from(d), dp))
-            )
-        ),
-        (any::<[u8; 16]>(), any::<[u8; 16]>(), any::<u16>(), any::<u16>()).prop_map(
-            |(s, d, sp, dp)| (
+            )),
+        (
+            any::<[u8; 16]>(),
+            any::<[u8; 16]>(),
+            any::<u16>(),
+            any::<u16>()
+        )
+            .prop_map(|(s, d, sp, dp)| (
                 SocketAddr::from((Ipv6Addr::from(s), sp)),
                 SocketAddr::from((Ipv6Addr::from(d), dp))
-            )
-        ),
+            )),
     ]
 }
 
