@@ -202,6 +202,53 @@ pub async fn read_header(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    /// Sends `bytes` then `after` over loopback TCP, in one write, and
+    /// reads the header: returns it and the bytes left on the socket.
+    async fn over_tcp(bytes: &[u8], after: &[u8]) -> (Result<Carried, HeaderError>, Vec<u8>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut sender = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (mut tcp, balancer) = listener.accept().await.unwrap();
+        let mut all = bytes.to_vec();
+        all.extend(after);
+        sender.write_all(&all).await.unwrap();
+        sender.shutdown().await.unwrap();
+        let carried = read_header(&mut tcp, balancer, DEFAULT_MAX_HEADER).await;
+        let mut rest = Vec::new();
+        tcp.read_to_end(&mut rest).await.unwrap();
+        (carried, rest)
+    }
+
+    #[tokio::test]
+    async fn the_header_is_read_to_its_last_byte_and_no_further() {
+        let client: SocketAddr = "[2001:db8::7]:40000".parse().unwrap();
+        let dest: SocketAddr = "[2001:db8::1]:10809".parse().unwrap();
+        let after = b"NBD bytes that are not the header's";
+        for header in [
+            proxy::encode_v1(client, dest),
+            proxy::encode_v2(client, dest, &[4, 0, 3, 0, 0, 0]),
+        ] {
+            let (carried, rest) = over_tcp(&header, after).await;
+            assert_eq!(carried.unwrap().peer, client);
+            assert_eq!(rest, after);
+        }
+        let mut local = proxy::V2_SIGNATURE.to_vec();
+        local.extend([0x20, 0, 0, 0]);
+        let (carried, rest) = over_tcp(&local, after).await;
+        let carried = carried.unwrap();
+        assert_eq!(
+            (carried.outcome, carried.peer.ip()),
+            ("local", [127, 0, 0, 1].into())
+        );
+        assert_eq!(rest, after);
+        let (carried, _) = over_tcp(b"PROXY UNKNOWN\r\n", after).await;
+        assert!(matches!(carried, Err(HeaderError::Unknown)));
+        let (carried, _) = over_tcp(b"PROXY TCP4 1.2.3.4", b"").await;
+        assert!(matches!(carried, Err(HeaderError::Closed)));
+    }
 
     #[test]
     fn prefixes_parse_and_match_as_cidr_says() {
