@@ -43,6 +43,7 @@ pub async fn run(
     // load balancers can stop sending clients first (--drain-delay).
     let mut stop_accepting_at: Option<tokio::time::Instant> = None;
     config.health.set_accepting(true);
+    announce_balancers(&config);
     loop {
         tokio::select! {
             _ = &mut shutdown, if stop_accepting_at.is_none() => match drain_deadline(&config) {
@@ -79,6 +80,19 @@ pub async fn run(
     admission.close_waiters();
     shut_down(connections, &control, config.shutdown_grace).await;
     Ok(())
+}
+
+/// The trusted balancers, once at start: who must send a header.
+fn announce_balancers(config: &Config) {
+    if !config.proxy_protocol.from.is_empty() {
+        let from: Vec<String> = config
+            .proxy_protocol
+            .from
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        info!(from = %from.join(","), "a PROXY protocol header is required from these balancers, and read from no one else");
+    }
 }
 
 /// A connection just accepted, before admission.

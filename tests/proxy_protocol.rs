@@ -72,11 +72,24 @@ impl Haproxy {
         haproxy
     }
 
-    /// Until HAProxy holds the port: probed by binding it, not by
-    /// connecting, which would send nbdgw a connection of its own.
+    /// Until HAProxy listens: seen in /proc/net/tcp, not by connecting
+    /// (which would send nbdgw a connection of its own) nor by binding
+    /// the port (which, at the wrong moment, would make HAProxy's own
+    /// bind fail).
     fn wait_listening(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpListener::bind(("127.0.0.1", self.port)).is_ok() {
+        // "0100007F:PORT" in hex, state 0A (LISTEN).
+        let local = format!("0100007F:{:04X}", self.port);
+        let listening = || {
+            std::fs::read_to_string("/proc/net/tcp")
+                .unwrap_or_default()
+                .lines()
+                .any(|l| {
+                    let f: Vec<&str> = l.split_whitespace().collect();
+                    f.get(1) == Some(&local.as_str()) && f.get(3) == Some(&"0A")
+                })
+        };
+        while !listening() {
             if let Ok(Some(status)) = self.child.try_wait() {
                 panic!("haproxy exited with {status}");
             }
