@@ -216,13 +216,15 @@ fn tls_and_nbd_through_haproxy_v2_are_served_and_audited_as_the_real_client() {
     );
     read_through(&s, lb.port);
     assert_shows_the_client_not_the_balancer(&audit_open_line(&s.gw));
-    let closed =
+    // The close line may come a little after nbdcopy has exited.
+    let close_line = || {
         s.gw.log()
             .lines()
             .find(|l| l.contains("nbdgw::audit") && l.contains("closed"))
             .map(str::to_string)
-            .unwrap_or_default();
-    assert_shows_the_client_not_the_balancer(&closed);
+    };
+    await_that("the audit close line", || close_line().is_some());
+    assert_shows_the_client_not_the_balancer(&close_line().unwrap());
     assert!(headers(s.admin, "v2") >= 1.0);
     // The health checks: the balancer's own connections, as itself.
     await_that("a LOCAL header from HAProxy's health check", || {
