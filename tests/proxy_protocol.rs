@@ -400,3 +400,42 @@ fn no_header_from_the_trusted_address_is_refused_at_the_handshake_timeout() {
         s.gw.log()
     );
 }
+
+/// Before their header, connections from balancers count against
+/// `--max-handshakes` plus `--handshake-queue` (2 here), not against any
+/// source's line: a third silent one from the fake balancer is closed at
+/// once and counted `busy`, while the first two are still waiting.
+#[test]
+fn connections_waiting_for_their_header_are_bounded_and_the_rest_closed() {
+    let s = setup(&[
+        "--max-handshakes",
+        "1",
+        "--handshake-reserve",
+        "0",
+        "--handshake-queue",
+        "1",
+        "--handshake-timeout",
+        "120",
+    ]);
+    let held: Vec<TcpStream> = (0..2)
+        .map(|_| connect_from(BALANCER, s.gw.addr()).expect("connect from 127.0.0.9"))
+        .collect();
+    let mut third = connect_from(BALANCER, s.gw.addr()).expect("connect from 127.0.0.9");
+    third
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let mut got = Vec::new();
+    let _ = third.read_to_end(&mut got);
+    assert!(got.is_empty(), "{got:?}");
+    assert_eq!(headers(s.admin, "busy"), 1.0);
+    for c in &held {
+        c.set_nonblocking(true).unwrap();
+        let mut byte = [0u8; 1];
+        let still_open =
+            matches!((&*c).read(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
+        assert!(
+            still_open,
+            "a connection within the bound was closed or greeted"
+        );
+    }
+}
