@@ -33,7 +33,10 @@ pub async fn run(
     // Connections from trusted balancers before their PROXY header: at
     // most what admission holds unauthenticated (see `crate::proxy`).
     let pre_header = Arc::new(Semaphore::new(
-        config.max_handshakes.saturating_add(config.handshake_queue),
+        config
+            .max_handshakes
+            .saturating_add(config.handshake_queue)
+            .min(Semaphore::MAX_PERMITS),
     ));
     let mut connections = JoinSet::new();
     let mut next_id: u64 = 0;
