@@ -360,7 +360,19 @@ impl Admission {
     /// At accept, without waiting: a handshake slot, a place in line, or
     /// a refusal when the source's line is full. A waiter shed to make
     /// room is told so through its own task.
+    #[cfg(test)]
     pub fn arrive(self: &Arc<Self>, peer: SocketAddr) -> Result<Place, Refusal> {
+        self.arrive_since(peer, tokio::time::Instant::now())
+    }
+
+    /// As `arrive`, for a connection accepted at `accepted` whose source
+    /// was known only later (from a PROXY protocol header): its time
+    /// before a session still counts from accept.
+    pub fn arrive_since(
+        self: &Arc<Self>,
+        peer: SocketAddr,
+        accepted: tokio::time::Instant,
+    ) -> Result<Place, Refusal> {
         let source = self.prefixes.source_of(peer.ip());
         let (tx, granted) = oneshot::channel();
         // Judged under the lock and the generation the queue was brought
@@ -391,7 +403,7 @@ impl Admission {
             }
             Arrival::QueueFull => return Err(Refusal::QueueFull(self.bounds.waiting)),
         };
-        let deadline = tokio::time::Instant::now() + self.handshake_timeout;
+        let deadline = accepted + self.handshake_timeout;
         Ok(Place {
             source,
             state,

@@ -459,6 +459,22 @@ pub struct ServeArgs {
     /// --max-handshakes-per-source: a host usually owns a whole /64.
     #[arg(long, env = "NBDGW_SOURCE_PREFIX_V6", value_name = "BITS", default_value_t = config::DEFAULT_SOURCE_PREFIX_V6)]
     pub source_prefix_v6: u8,
+    /// Trust this balancer (an address, or a CIDR prefix; repeatable;
+    /// comma-separated in the variable) to put a PROXY protocol header
+    /// (v1 or v2) before each connection: its connections must start with
+    /// one, and the address it carries is the client's for admission,
+    /// logs and the audit trail. From anyone else no header is read.
+    #[arg(
+        long,
+        env = "NBDGW_PROXY_PROTOCOL_FROM",
+        value_name = "CIDR",
+        value_delimiter = ','
+    )]
+    pub proxy_protocol_from: Vec<crate::proxy::Prefix>,
+    /// The longest PROXY protocol v2 header taken, in bytes (16, the
+    /// addresses, and TLVs, which are skipped); a longer one is refused.
+    #[arg(long, env = "NBDGW_PROXY_PROTOCOL_MAX_HEADER", value_name = "BYTES", default_value_t = crate::proxy::DEFAULT_MAX_HEADER)]
+    pub proxy_protocol_max_header: usize,
     /// Seconds a client has from its accept to its session: the wait for
     /// a handshake slot, the TLS handshake and negotiation together; one
     /// whose slot came late in line still has half of it from then (the

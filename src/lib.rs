@@ -23,6 +23,7 @@ pub mod logsafe;
 pub mod metrics;
 pub mod policy;
 pub mod proto;
+pub mod proxy;
 pub mod reload;
 pub mod sandbox;
 mod server;

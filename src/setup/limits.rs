@@ -26,6 +26,16 @@ pub(crate) fn check_limits(args: &ServeArgs) -> Result<crate::config::SourcePref
     {
         bail!("--max-connections, --max-sessions-per-identity, --max-handshakes, --max-handshakes-per-source, --max-payload, --handshake-timeout and --upstream-timeout must be greater than 0");
     }
+    if !(crate::proxy::MIN_MAX_HEADER..=crate::proxy::MAX_MAX_HEADER)
+        .contains(&args.proxy_protocol_max_header)
+    {
+        bail!(
+            "--proxy-protocol-max-header must be {} to {}: a v2 header of TCP over IPv6 is {} bytes",
+            crate::proxy::MIN_MAX_HEADER,
+            crate::proxy::MAX_MAX_HEADER,
+            crate::proxy::MIN_MAX_HEADER
+        );
+    }
     if args
         .handshake_reserve
         .is_some_and(|reserve| reserve >= args.max_handshakes)

@@ -68,6 +68,10 @@ fn read(args: &ServeArgs) -> Result<(Reloader, Option<PolicyReloader>, Config)> 
     let mut policy = files::policy_reloader(args, &reloader)?;
     let mut config = gateway_config(args, upstream, reloader.store());
     config.source_prefixes = source_prefixes;
+    config.proxy_protocol = crate::proxy::Trusted {
+        from: args.proxy_protocol_from.clone(),
+        max_header: args.proxy_protocol_max_header,
+    };
     // Only a client certificate the policy honours proves a source; with
     // no client CA nothing can, and a reserve would only idle.
     if !reloader.requires_client_certificates() && args.source_memory > 0 {

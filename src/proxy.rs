@@ -1,0 +1,279 @@
+//! Behind a load balancer: the PROXY protocol header (v1 or v2) that a
+//! trusted balancer (`--proxy-protocol-from`) puts before each connection
+//! to say whose it is. The parsing is `proto::proxy`'s; this reads it off
+//! the socket and decides what the connection's peer is.
+//!
+//! From a trusted prefix the header is required (the spec: a receiver
+//! "MUST not try to guess whether the protocol header is present"), and
+//! a connection without a valid one is closed. From anyone else no header
+//! is looked for: bytes that look like one are the client's first NBD
+//! bytes, and fail there.
+//!
+//! Before its header, a connection's TCP peer is the balancer, so it
+//! cannot be judged per source yet: all clients behind the balancer would
+//! be one source, and a herd from one of them would starve the rest. Such
+//! a connection is therefore admitted per source only once its header is
+//! read, under its real address; until then it counts against a bound of
+//! its own (`--max-handshakes` plus `--handshake-queue`, the most that
+//! admission itself holds before authentication) and against
+//! `--handshake-timeout`, which runs from accept and goes on counting
+//! after the header.
+
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+use std::str::FromStr;
+
+use thiserror::Error;
+use tokio::io::AsyncReadExt;
+use tokio::net::TcpStream;
+
+use crate::proto::proxy::{self, Address, Parsed, ProxyError, Version};
+
+/// The default and least `--proxy-protocol-max-header`: a v2 header of
+/// TCP over IPv6 (16 + 36 bytes) must fit, and the default leaves room
+/// for the TLVs cloud balancers add (an endpoint ID, a TLS summary).
+pub const DEFAULT_MAX_HEADER: usize = 1024;
+pub const MIN_MAX_HEADER: usize = proxy::V2_PREFIX + 36;
+/// A v2 header can announce no more than 16 + 65535 bytes.
+pub const MAX_MAX_HEADER: usize = proxy::V2_PREFIX + u16::MAX as usize;
+
+/// A trusted prefix: an address and how many leading bits of it count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Prefix {
+    network: IpAddr,
+    len: u8,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("{0:?} is not an address or a CIDR prefix (192.0.2.0/24, 2001:db8::/32, 10.1.2.3)")]
+pub struct PrefixParseError(String);
+
+impl FromStr for Prefix {
+    type Err = PrefixParseError;
+
+    /// `ADDR/LEN`, or a bare address (a /32 or /128). Host bits set past
+    /// the length are refused: `10.0.0.1/8` is more likely a typo for a
+    /// single host than a wish to trust all of 10/8.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || PrefixParseError(s.to_string());
+        let (addr, len) = match s.split_once('/') {
+            Some((addr, len)) => (addr, Some(len)),
+            None => (s, None),
+        };
+        let network: IpAddr = addr.parse().map_err(|_| bad())?;
+        let width = if network.is_ipv4() { 32 } else { 128 };
+        let len = match len {
+            None => width,
+            Some(len) if len.bytes().all(|b| b.is_ascii_digit()) => {
+                len.parse::<u8>().map_err(|_| bad())?
+            }
+            Some(_) => return Err(bad()),
+        };
+        if len > width || masked(network, len) != network {
+            return Err(bad());
+        }
+        Ok(Prefix { network, len })
+    }
+}
+
+impl fmt::Display for Prefix {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.network, self.len)
+    }
+}
+
+fn masked(ip: IpAddr, len: u8) -> IpAddr {
+    match ip {
+        IpAddr::V4(v4) => {
+            let mask = u32::MAX
+                .checked_shl(32 - u32::from(len.min(32)))
+                .unwrap_or(0);
+            IpAddr::V4((u32::from(v4) & mask).into())
+        }
+        IpAddr::V6(v6) => {
+            let mask = u128::MAX
+                .checked_shl(128 - u32::from(len.min(128)))
+                .unwrap_or(0);
+            IpAddr::V6((u128::from(v6) & mask).into())
+        }
+    }
+}
+
+impl Prefix {
+    /// Whether `ip` is inside; an IPv4-mapped IPv6 peer (a dual-stack
+    /// listener) is its IPv4 address, as it is for admission.
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        let ip = ip.to_canonical();
+        ip.is_ipv4() == self.network.is_ipv4() && masked(ip, self.len) == self.network
+    }
+}
+
+/// `--proxy-protocol-from` and `--proxy-protocol-max-header`.
+#[derive(Debug, Clone, Default)]
+pub struct Trusted {
+    pub from: Vec<Prefix>,
+    /// The longest v2 header taken, 16 bytes and the rest together.
+    pub max_header: usize,
+}
+
+impl Trusted {
+    /// Whether a connection from `ip` must start with a header.
+    pub fn trusts(&self, ip: IpAddr) -> bool {
+        self.from.iter().any(|p| p.contains(ip))
+    }
+}
+
+/// Why a trusted peer's connection was closed before NBD.
+#[derive(Debug, Error)]
+pub enum HeaderError {
+    #[error("{0}")]
+    Invalid(#[from] ProxyError),
+    #[error("a PROXY header that does not say whom it relays (v1 UNKNOWN, or v2 PROXY over a family other than TCP): refused rather than counted as the balancer")]
+    Unknown,
+    #[error("the balancer closed the connection before the end of the PROXY header")]
+    Closed,
+    #[error("reading the PROXY header: {0}")]
+    Io(std::io::Error),
+}
+
+impl HeaderError {
+    /// The `outcome` label of `nbdgw_proxy_headers_total`.
+    pub fn metric_outcome(&self) -> &'static str {
+        match self {
+            HeaderError::Invalid(_) => "invalid",
+            HeaderError::Unknown => "unknown",
+            HeaderError::Closed | HeaderError::Io(_) => "closed",
+        }
+    }
+}
+
+/// What a header said: the peer to use from now on, and the label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Carried {
+    pub peer: SocketAddr,
+    pub outcome: &'static str,
+}
+
+/// Reads the header off `tcp`, exactly to its last byte, and returns the
+/// real peer: the carried source, or the balancer itself (`balancer`)
+/// for its own connections (v2 LOCAL: health checks, which the spec says
+/// to accept with the real endpoints). Not bounded in time here: the
+/// caller's handshake timeout is.
+pub async fn read_header(
+    tcp: &mut TcpStream,
+    balancer: SocketAddr,
+    max_header: usize,
+) -> Result<Carried, HeaderError> {
+    let max_v2 = max_header.saturating_sub(proxy::V2_PREFIX);
+    let mut buf = Vec::with_capacity(proxy::V1_MAX);
+    let header = loop {
+        match proxy::parse(&buf, max_v2)? {
+            Parsed::Done(header) => break header,
+            Parsed::Incomplete { need } => {
+                let have = buf.len();
+                buf.resize(have + need, 0);
+                match tcp.read_exact(&mut buf[have..]).await {
+                    Ok(_) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                        return Err(HeaderError::Closed)
+                    }
+                    Err(e) => return Err(HeaderError::Io(e)),
+                }
+            }
+        }
+    };
+    match (header.address, header.version) {
+        (Address::Proxied(peer), Version::V1) => Ok(Carried {
+            peer,
+            outcome: "v1",
+        }),
+        (Address::Proxied(peer), Version::V2) => Ok(Carried {
+            peer,
+            outcome: "v2",
+        }),
+        (Address::Local, _) => Ok(Carried {
+            peer: balancer,
+            outcome: "local",
+        }),
+        (Address::Unknown, _) => Err(HeaderError::Unknown),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    /// Sends `bytes` then `after` over loopback TCP, in one write, and
+    /// reads the header: returns it and the bytes left on the socket.
+    async fn over_tcp(bytes: &[u8], after: &[u8]) -> (Result<Carried, HeaderError>, Vec<u8>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut sender = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (mut tcp, balancer) = listener.accept().await.unwrap();
+        let mut all = bytes.to_vec();
+        all.extend(after);
+        sender.write_all(&all).await.unwrap();
+        sender.shutdown().await.unwrap();
+        let carried = read_header(&mut tcp, balancer, DEFAULT_MAX_HEADER).await;
+        let mut rest = Vec::new();
+        tcp.read_to_end(&mut rest).await.unwrap();
+        (carried, rest)
+    }
+
+    #[tokio::test]
+    async fn the_header_is_read_to_its_last_byte_and_no_further() {
+        let client: SocketAddr = "[2001:db8::7]:40000".parse().unwrap();
+        let dest: SocketAddr = "[2001:db8::1]:10809".parse().unwrap();
+        let after = b"NBD bytes that are not the header's";
+        for header in [
+            proxy::encode_v1(client, dest),
+            proxy::encode_v2(client, dest, &[4, 0, 3, 0, 0, 0]),
+        ] {
+            let (carried, rest) = over_tcp(&header, after).await;
+            assert_eq!(carried.unwrap().peer, client);
+            assert_eq!(rest, after);
+        }
+        let mut local = proxy::V2_SIGNATURE.to_vec();
+        local.extend([0x20, 0, 0, 0]);
+        let (carried, rest) = over_tcp(&local, after).await;
+        let carried = carried.unwrap();
+        assert_eq!(
+            (carried.outcome, carried.peer.ip()),
+            ("local", [127, 0, 0, 1].into())
+        );
+        assert_eq!(rest, after);
+        let (carried, _) = over_tcp(b"PROXY UNKNOWN\r\n", after).await;
+        assert!(matches!(carried, Err(HeaderError::Unknown)));
+        let (carried, _) = over_tcp(b"PROXY TCP4 1.2.3.4", b"").await;
+        assert!(matches!(carried, Err(HeaderError::Closed)));
+    }
+
+    #[test]
+    fn prefixes_parse_and_match_as_cidr_says() {
+        let p: Prefix = "10.1.0.0/16".parse().unwrap();
+        assert!(p.contains("10.1.255.3".parse().unwrap()));
+        assert!(p.contains("::ffff:10.1.0.9".parse().unwrap()));
+        assert!(!p.contains("10.2.0.1".parse().unwrap()));
+        let host: Prefix = "127.0.0.1".parse().unwrap();
+        assert_eq!(host.to_string(), "127.0.0.1/32");
+        assert!(!host.contains("127.0.0.2".parse().unwrap()));
+        let v6: Prefix = "fd00::/8".parse().unwrap();
+        assert!(v6.contains("fd12::1".parse().unwrap()));
+        assert!(!v6.contains("10.0.0.1".parse().unwrap()));
+        let all: Prefix = "0.0.0.0/0".parse().unwrap();
+        assert!(all.contains("192.0.2.1".parse().unwrap()));
+        assert!(!all.contains("2001:db8::1".parse().unwrap()));
+        for bad in [
+            "10.0.0.1/8",
+            "10.0.0.0/33",
+            "::/129",
+            "10.0.0.0/",
+            "x",
+            "10.0.0.0/+8",
+        ] {
+            assert!(bad.parse::<Prefix>().is_err(), "{bad}");
+        }
+    }
+}
