@@ -33,7 +33,7 @@ mod proven;
 use std::collections::HashMap;
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -44,9 +44,6 @@ use tracing::{debug, warn};
 use crate::config::Config;
 use crate::metrics::Metrics;
 use fair::{Arrival, Bounds, FairQueue};
-/// Refusals are summed up in one log line this often, so a flood cannot
-/// turn into a flood of log lines.
-const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
 
 /// How many leading bits of a peer's address make its source, per family.
 /// Only [`SourcePrefixes::new`] (and the default) makes one, so the
@@ -229,7 +226,7 @@ pub struct Admission {
     /// Sessions held per identity; an identity is forgotten with its last
     /// session, so this never holds more entries than there are sessions.
     per_identity: Arc<IdentityCounts>,
-    refusals: RefusalLog,
+    refusals: crate::logsafe::RefusalLog,
     metrics: Arc<Metrics>,
 }
 
@@ -313,7 +310,7 @@ impl Admission {
             max_sessions: config.max_connections,
             per_identity_limit: config.max_sessions_per_identity,
             per_identity: Arc::default(),
-            refusals: RefusalLog::default(),
+            refusals: crate::logsafe::RefusalLog::default(),
             metrics: config.metrics.clone(),
         })
     }
@@ -373,6 +370,10 @@ impl Admission {
         peer: SocketAddr,
         accepted: tokio::time::Instant,
     ) -> Result<Place, Refusal> {
+        // A PROXY header can complete after `close_waiters`: not queued.
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Refusal::ShuttingDown);
+        }
         let source = self.prefixes.source_of(peer.ip());
         let (tx, granted) = oneshot::channel();
         // Judged under the lock and the generation the queue was brought
@@ -610,17 +611,26 @@ impl Admission {
     /// Counts and logs a refusal before the handshake: each at debug, a
     /// summary at warn every ten seconds.
     pub fn log_refusal(&self, peer: SocketAddr, refusal: Refusal) {
-        self.metrics.handshake_refused(refusal.metric_reason());
-        debug!(%peer, reason = %refusal, "connection refused");
-        if let Some(count) = self.refusals.due() {
-            warn!(
-                refused = count,
-                last_peer = %peer,
-                last_reason = %refusal,
-                "connections refused (at most one such line every {}s)",
-                REFUSAL_LOG_EVERY.as_secs()
-            );
-        }
+        log_refusal(&self.metrics, &self.refusals, peer, refusal);
+    }
+}
+
+fn log_refusal(
+    metrics: &Metrics,
+    refusals: &crate::logsafe::RefusalLog,
+    peer: SocketAddr,
+    refusal: Refusal,
+) {
+    metrics.handshake_refused(refusal.metric_reason());
+    debug!(%peer, reason = %refusal, "connection refused");
+    if let Some(count) = refusals.due() {
+        warn!(
+            refused = count,
+            last_peer = %peer,
+            last_reason = %refusal,
+            "connections refused (at most one such line every {}s)",
+            crate::logsafe::REFUSAL_LOG_EVERY.as_secs()
+        );
     }
 }
 
@@ -641,26 +651,6 @@ impl Drop for IdentityClaim {
                 held.remove(&self.identity);
             }
         }
-    }
-}
-
-#[derive(Default)]
-struct RefusalLog {
-    since_last: AtomicU64,
-    last: Mutex<Option<Instant>>,
-}
-
-impl RefusalLog {
-    /// Counts one refusal; returns the count to log when a line is due.
-    fn due(&self) -> Option<u64> {
-        self.since_last.fetch_add(1, Ordering::Relaxed);
-        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
-        let now = Instant::now();
-        if last.is_some_and(|at| now.duration_since(at) < REFUSAL_LOG_EVERY) {
-            return None;
-        }
-        *last = Some(now);
-        Some(self.since_last.swap(0, Ordering::Relaxed))
     }
 }
 
@@ -690,6 +680,16 @@ mod tests {
 
     fn peer(ip: &str, port: u16) -> SocketAddr {
         SocketAddr::new(ip.parse().unwrap(), port)
+    }
+
+    /// Issue 30 review, item 9: a connection whose PROXY header completed
+    /// after `close_waiters` is refused, not queued where no one serves.
+    #[tokio::test]
+    async fn an_arrival_after_the_waiters_were_closed_is_refused() {
+        let a = admission(4, 4, 4);
+        a.close_waiters();
+        let arrived = a.arrive_since(peer("192.0.2.1", 1), tokio::time::Instant::now());
+        assert!(matches!(arrived, Err(Refusal::ShuttingDown)));
     }
 
     /// The slots `a` has handed out and the connections waiting.

@@ -464,13 +464,22 @@ pub struct ServeArgs {
     /// (v1 or v2) before each connection: its connections must start with
     /// one, and the address it carries is the client's for admission,
     /// logs and the audit trail. From anyone else no header is read.
+    /// Items are trimmed; empty ones are skipped.
     #[arg(
         long,
         env = "NBDGW_PROXY_PROTOCOL_FROM",
         value_name = "CIDR",
         value_delimiter = ','
     )]
-    pub proxy_protocol_from: Vec<crate::proxy::Prefix>,
+    pub proxy_protocol_from: Vec<crate::proxy::PrefixItem>,
+    /// Serve connections whose PROXY v2 header is LOCAL as the balancer's
+    /// own (true or false). HAProxy sends LOCAL for its health checks but
+    /// also for clients it cannot name (a unix socket frontend), which
+    /// would all count as one source; by default such a connection is
+    /// closed right after its header (a balancer's check has passed by
+    /// then).
+    #[arg(long, env = "NBDGW_PROXY_PROTOCOL_SERVE_LOCAL", default_value_t = false, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub proxy_protocol_serve_local: bool,
     /// The longest PROXY protocol v2 header taken, in bytes (16, the
     /// addresses, and TLVs, which are skipped); a longer one is refused.
     #[arg(long, env = "NBDGW_PROXY_PROTOCOL_MAX_HEADER", value_name = "BYTES", default_value_t = crate::proxy::DEFAULT_MAX_HEADER)]

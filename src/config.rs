@@ -161,6 +161,8 @@ impl Config {
             proxy_protocol: crate::proxy::Trusted {
                 from: Vec::new(),
                 max_header: crate::proxy::DEFAULT_MAX_HEADER,
+                pending: 0,
+                serve_local: false,
             },
             handshake_queue: DEFAULT_HANDSHAKE_QUEUE,
             handshake_queue_per_source: DEFAULT_HANDSHAKE_QUEUE_PER_SOURCE,

@@ -29,6 +29,8 @@ use tokio::net::TcpStream;
 
 use crate::proto::proxy::{self, Address, Parsed, ProxyError, Version};
 
+pub mod pending;
+
 /// The default and least `--proxy-protocol-max-header`: a v2 header of
 /// TCP over IPv6 (16 + 36 bytes) must fit, and the default leaves room
 /// for the TLVs cloud balancers add (an endpoint ID, a TLS summary).
@@ -55,6 +57,8 @@ impl FromStr for Prefix {
     /// the length are refused: `10.0.0.1/8` is more likely a typo for a
     /// single host than a wish to trust all of 10/8.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
+        // `10.0.0.0/8, 192.168.0.0/16` in the variable: items trimmed.
+        let s = s.trim();
         let bad = || PrefixParseError(s.to_string());
         let (addr, len) = match s.split_once('/') {
             Some((addr, len)) => (addr, Some(len)),
@@ -72,7 +76,16 @@ impl FromStr for Prefix {
         if len > width || masked(network, len) != network {
             return Err(bad());
         }
-        Ok(Prefix { network, len })
+        // Peers are matched as IPv4 when IPv4-mapped (`contains`), so an
+        // IPv4-mapped prefix must be too, or it would match nothing.
+        match network {
+            IpAddr::V6(v6) if len >= 96 && v6.to_ipv4_mapped().is_some() => Ok(Prefix {
+                network: network.to_canonical(),
+                len: len - 96,
+            }),
+            IpAddr::V6(v6) if v6.to_ipv4_mapped().is_some() => Err(bad()),
+            _ => Ok(Prefix { network, len }),
+        }
     }
 }
 
@@ -108,15 +121,51 @@ impl Prefix {
     }
 }
 
+/// An item of `--proxy-protocol-from`: a prefix, or nothing for an empty
+/// item (an empty variable, a trailing comma), which is skipped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixItem(pub Option<Prefix>);
+
+impl FromStr for PrefixItem {
+    type Err = PrefixParseError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "" => Ok(PrefixItem(None)),
+            s => s.parse().map(|p| PrefixItem(Some(p))),
+        }
+    }
+}
+
 /// `--proxy-protocol-from` and `--proxy-protocol-max-header`.
 #[derive(Debug, Clone, Default)]
 pub struct Trusted {
     pub from: Vec<Prefix>,
     /// The longest v2 header taken, 16 bytes and the rest together.
     pub max_header: usize,
+    /// The most connections from balancers waiting for their header
+    /// (see `pending`), after the descriptor limit's fitting.
+    pub pending: usize,
+    /// `--proxy-protocol-serve-local`: serve v2 LOCAL connections as the
+    /// balancer's own, rather than close them after their header.
+    pub serve_local: bool,
 }
 
 impl Trusted {
+    /// The trusted balancers, once at start: who must send a header; a
+    /// prefix of length 0 trusts every client to name any source, so it
+    /// is warned of.
+    pub fn announce(&self) {
+        if self.from.is_empty() {
+            return;
+        }
+        let from: Vec<String> = self.from.iter().map(ToString::to_string).collect();
+        tracing::info!(from = %from.join(","), "a PROXY protocol header is required from these balancers, and read from no one else");
+        if let Some(all) = self.from.iter().find(|p| p.len == 0) {
+            tracing::warn!(prefix = %all, "--proxy-protocol-from trusts every address: any client can claim any source, a proven one too; name the balancers instead");
+        }
+    }
+
     /// Whether a connection from `ip` must start with a header.
     pub fn trusts(&self, ip: IpAddr) -> bool {
         self.from.iter().any(|p| p.contains(ip))
@@ -132,6 +181,8 @@ pub enum HeaderError {
     Unknown,
     #[error("the balancer closed the connection before the end of the PROXY header")]
     Closed,
+    #[error("the balancer closed the connection without sending a byte (a TCP check)")]
+    Empty,
     #[error("reading the PROXY header: {0}")]
     Io(std::io::Error),
 }
@@ -142,7 +193,55 @@ impl HeaderError {
         match self {
             HeaderError::Invalid(_) => "invalid",
             HeaderError::Unknown => "unknown",
-            HeaderError::Closed | HeaderError::Io(_) => "closed",
+            HeaderError::Closed | HeaderError::Empty | HeaderError::Io(_) => "closed",
+        }
+    }
+}
+
+/// How a connection from a balancer ended before its session, if it did.
+#[derive(Debug, Error)]
+pub enum PreHeaderEnd {
+    #[error("{0}")]
+    Header(#[from] HeaderError),
+    #[error("no PROXY header within --handshake-timeout ({}s)", .0.as_secs())]
+    Timeout(std::time::Duration),
+    #[error("nbdgw is shutting down")]
+    ShuttingDown,
+    #[error("a v2 LOCAL header (the balancer's own connection, or clients it cannot name): closed after it, as --proxy-protocol-serve-local is off")]
+    Local,
+}
+
+impl PreHeaderEnd {
+    /// The `outcome` label of `nbdgw_proxy_headers_total`.
+    pub fn metric_outcome(&self) -> &'static str {
+        match self {
+            PreHeaderEnd::Header(e) => e.metric_outcome(),
+            PreHeaderEnd::Timeout(_) => "timeout",
+            PreHeaderEnd::ShuttingDown => "shutting_down",
+            PreHeaderEnd::Local => "local",
+        }
+    }
+
+    /// Counted, and said in a line: a warning for what a trusted peer got
+    /// wrong, only at debug for what is routine (a TCP check's connect
+    /// and close, a LOCAL health check, a shutdown with many pending).
+    pub fn log(&self, metrics: &crate::metrics::Metrics, balancer: SocketAddr) {
+        let outcome = self.metric_outcome();
+        metrics.proxy_header(outcome);
+        if !matches!(self, PreHeaderEnd::Local) {
+            metrics.connection("refused");
+        }
+        let reason = self.to_string();
+        let reason = crate::logsafe::escape(&reason);
+        match self {
+            PreHeaderEnd::Header(HeaderError::Empty)
+            | PreHeaderEnd::ShuttingDown
+            | PreHeaderEnd::Local => {
+                tracing::debug!(%balancer, outcome, %reason, "connection from a --proxy-protocol-from balancer closed before NBD")
+            }
+            _ => {
+                tracing::warn!(%balancer, outcome, %reason, "connection from a --proxy-protocol-from balancer refused: it must start with a valid PROXY protocol header")
+            }
         }
     }
 }
@@ -170,33 +269,31 @@ pub async fn read_header(
         match proxy::parse(&buf, max_v2)? {
             Parsed::Done(header) => break header,
             Parsed::Incomplete { need } => {
+                // At most `need`: never a byte past the header.
                 let have = buf.len();
                 buf.resize(have + need, 0);
-                match tcp.read_exact(&mut buf[have..]).await {
-                    Ok(_) => {}
-                    Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                        return Err(HeaderError::Closed)
-                    }
-                    Err(e) => return Err(HeaderError::Io(e)),
+                let read = tcp.read(&mut buf[have..]).await.map_err(HeaderError::Io)?;
+                buf.truncate(have + read);
+                match (read, have) {
+                    (0, 0) => return Err(HeaderError::Empty),
+                    (0, _) => return Err(HeaderError::Closed),
+                    _ => {}
                 }
             }
         }
     };
-    match (header.address, header.version) {
-        (Address::Proxied(peer), Version::V1) => Ok(Carried {
-            peer,
-            outcome: "v1",
-        }),
-        (Address::Proxied(peer), Version::V2) => Ok(Carried {
-            peer,
-            outcome: "v2",
-        }),
-        (Address::Local, _) => Ok(Carried {
-            peer: balancer,
-            outcome: "local",
-        }),
-        (Address::Unknown, _) => Err(HeaderError::Unknown),
-    }
+    let (peer, outcome) = match (header.address, header.version) {
+        (Address::Proxied(peer), Version::V1) => (peer, "v1"),
+        (Address::Proxied(peer), Version::V2) => (peer, "v2"),
+        (Address::Local, _) => (balancer, "local"),
+        (Address::Unknown, _) => return Err(HeaderError::Unknown),
+    };
+    // HAProxy carries an IPv4 client as IPv4-mapped TCP6 when the two
+    // ends' families differ: logged and judged as a direct client is.
+    Ok(Carried {
+        peer: SocketAddr::new(peer.ip().to_canonical(), peer.port()),
+        outcome,
+    })
 }
 
 #[cfg(test)]
@@ -248,6 +345,39 @@ mod tests {
         assert!(matches!(carried, Err(HeaderError::Unknown)));
         let (carried, _) = over_tcp(b"PROXY TCP4 1.2.3.4", b"").await;
         assert!(matches!(carried, Err(HeaderError::Closed)));
+    }
+
+    /// Review items 6 and 10: a connect-and-close (an L4 check) is told
+    /// apart from a cut header; an IPv4 client carried IPv4-mapped in a
+    /// TCP6 header is its IPv4 address, as a direct client is.
+    #[tokio::test]
+    async fn a_silent_close_is_empty_and_a_mapped_client_is_ipv4() {
+        let (carried, _) = over_tcp(b"", b"").await;
+        assert!(matches!(carried, Err(HeaderError::Empty)), "{carried:?}");
+        let (carried, _) = over_tcp(b"P", b"").await;
+        assert!(matches!(carried, Err(HeaderError::Closed)), "{carried:?}");
+        let mapped: SocketAddr = "[::ffff:192.0.2.7]:40000".parse().unwrap();
+        let dest: SocketAddr = "[2001:db8::1]:10809".parse().unwrap();
+        let (carried, _) = over_tcp(&proxy::encode_v2(mapped, dest, &[]), b"").await;
+        assert_eq!(carried.unwrap().peer, "192.0.2.7:40000".parse().unwrap());
+    }
+
+    /// Review items 4 and 7: an IPv4-mapped prefix is its IPv4 prefix (it
+    /// matched nothing); items are trimmed and empty ones skipped.
+    #[test]
+    fn mapped_prefixes_match_and_list_items_are_trimmed() {
+        let p: Prefix = "::ffff:127.0.0.9".parse().unwrap();
+        assert!(p.contains("127.0.0.9".parse().unwrap()), "{p}");
+        assert_eq!(p.to_string(), "127.0.0.9/32");
+        let p: Prefix = "::ffff:10.0.0.0/104".parse().unwrap();
+        assert_eq!(p.to_string(), "10.0.0.0/8");
+        assert!("::ffff:0.0.0.0/95".parse::<Prefix>().is_err());
+        assert_eq!(
+            " 192.168.0.0/16".parse::<PrefixItem>().unwrap(),
+            PrefixItem(Some("192.168.0.0/16".parse().unwrap()))
+        );
+        assert_eq!("".parse::<PrefixItem>().unwrap(), PrefixItem(None));
+        assert_eq!(" ".parse::<PrefixItem>().unwrap(), PrefixItem(None));
     }
 
     #[test]

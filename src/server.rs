@@ -6,13 +6,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 use crate::admission::Admission;
 use crate::config::Config;
-use crate::logsafe::escape;
 use crate::shutdown::Shutdown;
 use crate::shutdown::ShutdownControl;
 
@@ -25,7 +23,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
     let admission = Admission::new(&config);
-    let pre_header = pre_header_bound(&config);
+    let pre_header = crate::proxy::pending::Pending::new(config.proxy_protocol.pending);
     let mut connections = JoinSet::new();
     let mut next_id: u64 = 0;
     let (control, phase) = ShutdownControl::answering(config.drain_answer);
@@ -34,7 +32,7 @@ pub async fn run(
     // load balancers can stop sending clients first (--drain-delay).
     let mut stop_accepting_at: Option<tokio::time::Instant> = None;
     config.health.set_accepting(true);
-    announce_balancers(&config);
+    config.proxy_protocol.announce();
     loop {
         tokio::select! {
             _ = &mut shutdown, if stop_accepting_at.is_none() => match drain_deadline(&config) {
@@ -55,12 +53,12 @@ pub async fn run(
                 };
                 next_id += 1;
                 let arrived = Arrived { tcp, peer, id: next_id, at: tokio::time::Instant::now() };
-                let shared = (config.clone(), admission.clone(), phase.clone());
+                let shared = Shared { config: config.clone(), admission: admission.clone(), phase: phase.clone() };
                 if config.proxy_protocol.trusts(peer.ip()) {
                     if let Some(task) = behind_balancer(arrived, shared, &pre_header) {
                         connections.spawn(task);
                     }
-                } else if let Some(conn) = admit(arrived, None, &shared.1, &config) {
+                } else if let Some(conn) = admit(arrived, None, &shared.admission, &config) {
                     connections.spawn(serve(conn, shared));
                 }
             }
@@ -75,30 +73,6 @@ pub async fn run(
     Ok(())
 }
 
-/// Connections from trusted balancers before their PROXY header: at most
-/// what admission holds unauthenticated (see `crate::proxy`).
-fn pre_header_bound(config: &Config) -> Arc<Semaphore> {
-    Arc::new(Semaphore::new(
-        config
-            .max_handshakes
-            .saturating_add(config.handshake_queue)
-            .min(Semaphore::MAX_PERMITS),
-    ))
-}
-
-/// The trusted balancers, once at start: who must send a header.
-fn announce_balancers(config: &Config) {
-    if !config.proxy_protocol.from.is_empty() {
-        let from: Vec<String> = config
-            .proxy_protocol
-            .from
-            .iter()
-            .map(ToString::to_string)
-            .collect();
-        info!(from = %from.join(","), "a PROXY protocol header is required from these balancers, and read from no one else");
-    }
-}
-
 /// A connection just accepted, before admission.
 struct Arrived {
     tcp: TcpStream,
@@ -107,7 +81,12 @@ struct Arrived {
     at: tokio::time::Instant,
 }
 
-type Shared = (Arc<Config>, Arc<Admission>, Shutdown);
+/// What every connection's task holds.
+struct Shared {
+    config: Arc<Config>,
+    admission: Arc<Admission>,
+    phase: Shutdown,
+}
 
 /// Admission for a connection whose source is known: a place, or the
 /// refusal counted and logged. `balancer`: the trusted balancer whose
@@ -135,69 +114,64 @@ fn admit(
     }
 }
 
-async fn serve(conn: crate::conn::Accepted, (config, admission, phase): Shared) {
-    crate::conn::serve(conn, &config, &admission, phase).await;
+async fn serve(conn: crate::conn::Accepted, shared: Shared) {
+    crate::conn::serve(conn, &shared.config, &shared.admission, shared.phase).await;
 }
 
 /// A connection from a trusted balancer: its PROXY header is read first
-/// (within `--handshake-timeout` of accept, and while fewer than the
-/// bound are at it), then it is admitted as the source the header names.
+/// (within `--handshake-timeout` of accept, and while it holds a place
+/// of the bound, see `crate::proxy::pending`), then it is admitted as the
+/// source the header names.
 fn behind_balancer(
     arrived: Arrived,
     shared: Shared,
-    pre_header: &Arc<Semaphore>,
+    pre_header: &Arc<crate::proxy::pending::Pending>,
 ) -> Option<impl Future<Output = ()>> {
-    let metrics = &shared.0.metrics;
-    let Ok(permit) = pre_header.clone().try_acquire_owned() else {
-        metrics.proxy_header("busy");
-        metrics.connection("refused");
-        debug!(balancer = %arrived.peer, "closed before its PROXY header: --max-handshakes plus --handshake-queue connections from balancers are already waiting for theirs");
+    let Some(mut place) = pre_header.take(arrived.peer.ip()) else {
+        pre_header.refused(&shared.config.metrics, arrived.peer.ip(), false);
         return None;
     };
+    let pre_header = pre_header.clone();
     Some(async move {
-        let (config, admission, mut phase) = shared;
+        use crate::proxy::PreHeaderEnd;
+        let Shared {
+            config,
+            admission,
+            mut phase,
+        } = shared;
         let mut arrived = arrived;
         let balancer = arrived.peer;
         let deadline = arrived.at + config.handshake_timeout;
-        let read =
-            crate::proxy::read_header(&mut arrived.tcp, balancer, config.proxy_protocol.max_header);
+        let trusted = &config.proxy_protocol;
+        let read = crate::proxy::read_header(&mut arrived.tcp, balancer, trusted.max_header);
         let outcome = tokio::select! {
-            read = tokio::time::timeout_at(deadline, read) => read.map_err(|_| "timeout"),
-            () = phase.draining() => Err("shutting_down"),
+            read = tokio::time::timeout_at(deadline, read) => match read {
+                Ok(Ok(c)) if c.outcome == "local" && !trusted.serve_local => Err(PreHeaderEnd::Local),
+                Ok(read) => read.map_err(PreHeaderEnd::Header),
+                Err(_) => Err(PreHeaderEnd::Timeout(config.handshake_timeout)),
+            },
+            () = phase.draining() => Err(PreHeaderEnd::ShuttingDown),
+            () = place.shed() => return pre_header.refused(&config.metrics, balancer.ip(), true),
         };
-        drop(permit);
+        drop(place);
         let carried = match outcome {
-            Ok(Ok(carried)) => carried,
-            Ok(Err(e)) => return header_refused(&config, balancer, e.metric_outcome(), &e),
-            Err(why) => return header_refused(&config, balancer, why, &why),
+            Ok(carried) => carried,
+            Err(end) => return end.log(&config.metrics, balancer),
         };
         config.metrics.proxy_header(carried.outcome);
         arrived.peer = carried.peer;
         if let Some(conn) = admit(arrived, Some(balancer), &admission, &config) {
-            serve(conn, (config, admission, phase)).await;
+            serve(
+                conn,
+                Shared {
+                    config,
+                    admission,
+                    phase,
+                },
+            )
+            .await;
         }
     })
-}
-
-/// A trusted balancer's connection closed for its header: counted, and
-/// said in a line (only a trusted peer can cause it, so one per
-/// connection is no flood).
-fn header_refused(
-    config: &Config,
-    balancer: SocketAddr,
-    outcome: &'static str,
-    why: &dyn std::fmt::Display,
-) {
-    config.metrics.proxy_header(outcome);
-    config.metrics.connection("refused");
-    let reason = match outcome {
-        "timeout" => format!(
-            "no PROXY header within --handshake-timeout ({}s)",
-            config.handshake_timeout.as_secs()
-        ),
-        _ => why.to_string(),
-    };
-    warn!(%balancer, outcome, reason = %escape(&reason), "connection from a --proxy-protocol-from balancer refused: it must start with a valid PROXY protocol header");
 }
 
 /// SIGTERM: not ready from now on; accepting goes on until the returned

@@ -44,12 +44,22 @@ impl Haproxy {
     /// `send`: `send-proxy-v2` or `send-proxy`. `extra`: more words for
     /// the server line.
     fn start(gateway: u16, send: &str, extra: &str) -> Self {
+        Self::start_bound(gateway, send, extra, false)
+    }
+
+    /// `unix`: the frontend listens on a unix socket (`unix_socket`), not
+    /// on TCP.
+    fn start_bound(gateway: u16, send: &str, extra: &str, unix: bool) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let port = free_port();
+        let bind = match unix {
+            true => format!("unix@{}", dir.path().join("fe.sock").display()),
+            false => format!("127.0.0.1:{port}"),
+        };
         let config = format!(
             "global\n    maxconn 1000\n\
              defaults\n    mode tcp\n    timeout connect 5s\n    timeout client 120s\n    timeout server 120s\n\
-             frontend nbd\n    bind 127.0.0.1:{port}\n    default_backend gw\n\
+             frontend nbd\n    bind {bind}\n    default_backend gw\n\
              backend gw\n    server gw 127.0.0.1:{gateway} {send} source {BALANCER} {extra}\n"
         );
         let path = dir.path().join("haproxy.cfg");
@@ -68,8 +78,15 @@ impl Haproxy {
             port,
             _dir: dir,
         };
-        haproxy.wait_listening();
+        match unix {
+            true => haproxy.wait_unix(),
+            false => haproxy.wait_listening(),
+        }
         haproxy
+    }
+
+    fn unix_socket(&self) -> PathBuf {
+        self._dir.path().join("fe.sock")
     }
 
     /// Until HAProxy listens: seen in /proc/net/tcp, not by connecting
@@ -88,6 +105,32 @@ impl Haproxy {
                     let f: Vec<&str> = l.split_whitespace().collect();
                     f.get(1) == Some(&local.as_str()) && f.get(3) == Some(&"0A")
                 })
+        };
+        while !listening() {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("haproxy exited with {status}");
+            }
+            assert!(Instant::now() < deadline, "haproxy did not listen");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Until the unix frontend listens: seen in /proc/net/unix (flags
+    /// 00010000, accepting) and in place, not by connecting, which would send nbdgw a
+    /// connection of its own.
+    fn wait_unix(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let path = self.unix_socket().display().to_string();
+        let listening = || {
+            std::fs::read_to_string("/proc/net/unix")
+                .unwrap_or_default()
+                .lines()
+                .any(|l| {
+                    let f: Vec<&str> = l.split_whitespace().collect();
+                    // HAProxy binds a temporary name, then renames it.
+                    f.get(3) == Some(&"00010000") && f.last().is_some_and(|p| p.starts_with(&path))
+                })
+                && std::path::Path::new(&path).exists()
         };
         while !listening() {
             if let Ok(Some(status)) = self.child.try_wait() {
@@ -438,4 +481,153 @@ fn connections_waiting_for_their_header_are_bounded_and_the_rest_closed() {
             "a connection within the bound was closed or greeted"
         );
     }
+}
+
+/// Review item 3: HAProxy sends a v2 LOCAL header not only for its health
+/// checks but for every client it cannot name, e.g. one of a unix socket
+/// frontend (make_proxy_line_v2 in HAProxy's connection.c). Served, they
+/// would all be one source, the balancer. By default such a connection is
+/// closed right after its header, never greeted.
+#[test]
+fn a_client_of_a_unix_socket_frontend_comes_as_local_and_is_closed() {
+    let s = setup(&[]);
+    let lb = Haproxy::start_bound(s.gw.port, "send-proxy-v2", "", true);
+    let mut client = std::os::unix::net::UnixStream::connect(lb.unix_socket()).unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let mut got = Vec::new();
+    let _ = client.read_to_end(&mut got);
+    assert!(
+        got.is_empty(),
+        "a client behind a LOCAL header was greeted: {:?}",
+        String::from_utf8_lossy(&got[..got.len().min(8)])
+    );
+    await_that("the LOCAL header counted", || {
+        headers(s.admin, "local") == 1.0
+    });
+    assert!(!s.gw.log().contains(" WARN "), "{}", s.gw.log());
+}
+
+/// `--proxy-protocol-serve-local true`: the operator's choice to serve
+/// them, as the balancer.
+#[test]
+fn with_serve_local_a_client_of_a_unix_socket_frontend_is_greeted() {
+    let s = setup(&["--proxy-protocol-serve-local", "true"]);
+    let lb = Haproxy::start_bound(s.gw.port, "send-proxy-v2", "", true);
+    let mut client = std::os::unix::net::UnixStream::connect(lb.unix_socket()).unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let mut greeting = [0u8; 8];
+    client.read_exact(&mut greeting).expect("the NBD greeting");
+    assert_eq!(&greeting, b"NBDMAGIC");
+}
+
+/// Review item 2: a second trusted address (127.0.0.8) holds every place
+/// before the header with half-sent headers; the real balancer's client
+/// must still get in. Once the bound is full, a connection from an
+/// address holding fewer sheds the busiest address's oldest; the refusals
+/// are said at WARN (rate-limited), not only at debug.
+#[test]
+fn a_trusted_address_holding_every_place_does_not_lock_the_balancer_out() {
+    let hog_ip = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 8));
+    let s = setup(&[
+        "--proxy-protocol-from",
+        "127.0.0.8",
+        "--max-handshakes",
+        "2",
+        "--handshake-reserve",
+        "0",
+        "--handshake-queue",
+        "4",
+        "--handshake-timeout",
+        "120",
+    ]);
+    let lb = Haproxy::start(s.gw.port, "send-proxy-v2", "");
+    let mut hog: Vec<TcpStream> = (0..6)
+        .map(|_| {
+            let mut c = connect_from(hog_ip, s.gw.addr()).expect("connect from 127.0.0.8");
+            c.write_all(b"PROXY TCP4 ").unwrap();
+            c
+        })
+        .collect();
+    // A seventh is over the bound, and .8 holds the most: refused. Once
+    // it is, the six before it hold their places.
+    hog.push(connect_from(hog_ip, s.gw.addr()).expect("connect from 127.0.0.8"));
+    await_that("the seventh refused", || headers(s.admin, "busy") == 1.0);
+    let client = connect_from(OTHER, lb.addr()).expect("connect from 127.0.0.3");
+    await_that("the balancer's client greeted", || greeted(&client));
+    assert_eq!(headers(s.admin, "busy"), 2.0, "one of .8's shed");
+    assert!(
+        s.gw.log().lines().any(|l| l.contains(" WARN ")
+            && l.contains("closed before their PROXY header")
+            && l.contains("last_balancer=127.0.0.8")),
+        "{}",
+        s.gw.log()
+    );
+    drop(hog);
+}
+
+/// Review item 1: the descriptor budget counts the connections waiting
+/// for their PROXY header. Under RLIMIT_NOFILE 190, 102 silent
+/// connections from a trusted address and 102 from an untrusted one:
+/// without them in the budget, accept failed with EMFILE.
+#[test]
+fn connections_before_their_header_fit_under_the_descriptor_limit() {
+    let env = common::Env::new();
+    let image = env.random_image("disk.img", 1 << 20, 31);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let (port, admin) = (free_port(), free_port());
+    let mut cmd = Command::new("prlimit");
+    cmd.arg("--nofile=190:190")
+        .arg(common::process::nbdgw_binary())
+        .arg("--tls-dir")
+        .arg(env.certs())
+        .arg("--upstream")
+        .arg(&upstream.socket)
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
+        .args(["--proxy-protocol-from", "127.0.0.8"])
+        .args(["--max-connections", "4", "--admin-max-connections", "1"])
+        .args(["--max-handshakes", "2", "--handshake-queue", "100"])
+        .args(["--handshake-timeout", "120"]);
+    let gw = NbdgwProcess::spawn(cmd, port);
+    gw.wait_for_log("nbdgw listening", 1);
+    let bound: f64 = gw
+        .log()
+        .split("proxy_header_waiting=")
+        .nth(1)
+        .and_then(|rest| {
+            rest.split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0.0);
+    let open = |from: IpAddr| -> Vec<TcpStream> {
+        (0..102)
+            .map(|_| connect_from(from, gw.addr()).expect("connect"))
+            .collect()
+    };
+    let trusted = open(IpAddr::V4(Ipv4Addr::new(127, 0, 0, 8)));
+    let untrusted = open(OTHER);
+    let untrusted_seen = || {
+        let (_, body) = http_get(admin, "/metrics");
+        let refused: f64 = body
+            .lines()
+            .filter_map(|l| l.strip_prefix("nbdgw_handshakes_refused_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        refused
+            + metric(admin, "nbdgw_handshakes_in_progress")
+            + metric(admin, "nbdgw_handshakes_waiting")
+    };
+    await_that("all 204 accepted", || {
+        assert!(!gw.log().contains("Too many open files"), "{}", gw.log());
+        headers(admin, "busy") == 102.0 - bound && untrusted_seen() == 102.0
+    });
+    assert!(!gw.log().contains("Too many open files"), "{}", gw.log());
+    drop((trusted, untrusted));
 }

@@ -53,6 +53,16 @@ pub fn configure(args: &ServeArgs) -> Result<Setup> {
     })
 }
 
+/// Connections from balancers before their PROXY header, before the
+/// descriptor limit's fitting: what admission itself holds
+/// unauthenticated (see `crate::proxy`), if any balancer is trusted.
+fn pending_bound(args: &ServeArgs) -> usize {
+    match args.proxy_protocol_from.iter().any(|p| p.0.is_some()) {
+        true => args.max_handshakes.saturating_add(args.handshake_queue),
+        false => 0,
+    }
+}
+
 /// The files read (TLS, policy), the exports and the limits checked.
 fn read(args: &ServeArgs) -> Result<(Reloader, Option<PolicyReloader>, Config)> {
     let exports = files::export_table(args)?;
@@ -69,8 +79,14 @@ fn read(args: &ServeArgs) -> Result<(Reloader, Option<PolicyReloader>, Config)> 
     let mut config = gateway_config(args, upstream, reloader.store());
     config.source_prefixes = source_prefixes;
     config.proxy_protocol = crate::proxy::Trusted {
-        from: args.proxy_protocol_from.clone(),
+        from: args
+            .proxy_protocol_from
+            .iter()
+            .filter_map(|p| p.0)
+            .collect(),
         max_header: args.proxy_protocol_max_header,
+        serve_local: args.proxy_protocol_serve_local,
+        pending: pending_bound(args),
     };
     // Only a client certificate the policy honours proves a source; with
     // no client CA nothing can, and a reserve would only idle.
