@@ -29,6 +29,7 @@ pub mod sandbox;
 mod server;
 pub mod setup;
 pub mod shutdown;
+mod source;
 pub mod tls;
 pub mod upstream;
 

@@ -28,6 +28,7 @@ use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 
 use crate::proto::proxy::{self, Address, Parsed, ProxyError, Version};
+use crate::source::{source_key, Source};
 
 pub mod pending;
 
@@ -39,12 +40,11 @@ pub const MIN_MAX_HEADER: usize = proxy::V2_PREFIX + 36;
 /// A v2 header can announce no more than 16 + 65535 bytes.
 pub const MAX_MAX_HEADER: usize = proxy::V2_PREFIX + u16::MAX as usize;
 
-/// A trusted prefix: an address and how many leading bits of it count.
+/// A trusted prefix: a source (`crate::source`) as admission has them,
+/// an address and how many leading bits of it count, so the two match
+/// peers alike (IPv4-mapped ones as IPv4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Prefix {
-    network: IpAddr,
-    len: u8,
-}
+pub struct Prefix(Source);
 
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[error("{0:?} is not an address or a CIDR prefix (192.0.2.0/24, 2001:db8::/32, 10.1.2.3)")]
@@ -73,42 +73,30 @@ impl FromStr for Prefix {
             }
             Some(_) => return Err(bad()),
         };
-        if len > width || masked(network, len) != network {
+        // Peers are matched as IPv4 when IPv4-mapped, so an IPv4-mapped
+        // prefix is too, or it would match nothing.
+        let len = match network {
+            IpAddr::V6(v6) if v6.to_ipv4_mapped().is_some() => {
+                len.checked_sub(96).ok_or_else(bad)?
+            }
+            _ => len,
+        };
+        let width = if network.to_canonical().is_ipv4() {
+            32
+        } else {
+            128
+        };
+        let source = source_key(network, len, len);
+        if len > width || source.network() != network.to_canonical() {
             return Err(bad());
         }
-        // Peers are matched as IPv4 when IPv4-mapped (`contains`), so an
-        // IPv4-mapped prefix must be too, or it would match nothing.
-        match network {
-            IpAddr::V6(v6) if len >= 96 && v6.to_ipv4_mapped().is_some() => Ok(Prefix {
-                network: network.to_canonical(),
-                len: len - 96,
-            }),
-            IpAddr::V6(v6) if v6.to_ipv4_mapped().is_some() => Err(bad()),
-            _ => Ok(Prefix { network, len }),
-        }
+        Ok(Prefix(source))
     }
 }
 
 impl fmt::Display for Prefix {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.network, self.len)
-    }
-}
-
-fn masked(ip: IpAddr, len: u8) -> IpAddr {
-    match ip {
-        IpAddr::V4(v4) => {
-            let mask = u32::MAX
-                .checked_shl(32 - u32::from(len.min(32)))
-                .unwrap_or(0);
-            IpAddr::V4((u32::from(v4) & mask).into())
-        }
-        IpAddr::V6(v6) => {
-            let mask = u128::MAX
-                .checked_shl(128 - u32::from(len.min(128)))
-                .unwrap_or(0);
-            IpAddr::V6((u128::from(v6) & mask).into())
-        }
+        self.0.fmt(f)
     }
 }
 
@@ -116,8 +104,8 @@ impl Prefix {
     /// Whether `ip` is inside; an IPv4-mapped IPv6 peer (a dual-stack
     /// listener) is its IPv4 address, as it is for admission.
     pub fn contains(&self, ip: IpAddr) -> bool {
-        let ip = ip.to_canonical();
-        ip.is_ipv4() == self.network.is_ipv4() && masked(ip, self.len) == self.network
+        let len = self.0.prefix_len();
+        source_key(ip, len, len) == self.0
     }
 }
 
@@ -161,7 +149,7 @@ impl Trusted {
         }
         let from: Vec<String> = self.from.iter().map(ToString::to_string).collect();
         tracing::info!(from = %from.join(","), "a PROXY protocol header is required from these balancers, and read from no one else");
-        if let Some(all) = self.from.iter().find(|p| p.len == 0) {
+        if let Some(all) = self.from.iter().find(|p| p.0.prefix_len() == 0) {
             tracing::warn!(prefix = %all, "--proxy-protocol-from trusts every address: any client can claim any source, a proven one too; name the balancers instead");
         }
     }
