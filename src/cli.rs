@@ -480,6 +480,11 @@ pub struct ServeArgs {
     /// then).
     #[arg(long, env = "NBDGW_PROXY_PROTOCOL_SERVE_LOCAL", default_value_t = false, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub proxy_protocol_serve_local: bool,
+    /// Seconds a connection from a --proxy-protocol-from balancer has from
+    /// accept to the end of its PROXY header (balancers send it at once);
+    /// --handshake-timeout still bounds it if shorter.
+    #[arg(long, env = "NBDGW_PROXY_PROTOCOL_TIMEOUT", value_name = "SECONDS", default_value_t = crate::proxy::DEFAULT_HEADER_TIMEOUT_SECS)]
+    pub proxy_protocol_timeout: u64,
     /// The longest PROXY protocol v2 header taken, in bytes (16, the
     /// addresses, and TLVs, which are skipped); a longer one is refused.
     #[arg(long, env = "NBDGW_PROXY_PROTOCOL_MAX_HEADER", value_name = "BYTES", default_value_t = crate::proxy::DEFAULT_MAX_HEADER)]

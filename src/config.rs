@@ -163,6 +163,7 @@ impl Config {
                 max_header: crate::proxy::DEFAULT_MAX_HEADER,
                 pending: 0,
                 serve_local: false,
+                header_timeout: Duration::from_secs(crate::proxy::DEFAULT_HEADER_TIMEOUT_SECS),
             },
             handshake_queue: DEFAULT_HANDSHAKE_QUEUE,
             handshake_queue_per_source: DEFAULT_HANDSHAKE_QUEUE_PER_SOURCE,

@@ -387,7 +387,7 @@ impl Metrics {
     fn register_proxy(&self, r: &mut Registry) {
         r.register(
             "proxy_headers",
-            "Connections from a --proxy-protocol-from balancer, by what their PROXY header was (v1, v2: a client's address taken; local: v2 LOCAL, closed after it unless --proxy-protocol-serve-local; unknown: refused, it gave no address (v1 UNKNOWN, v2 PROXY not over TCP); invalid; timeout: none within --handshake-timeout; closed; busy: closed before their header for the bound of --max-handshakes plus --handshake-queue, refused or shed for a less busy balancer address; shutting_down)",
+            "Connections from a --proxy-protocol-from balancer, by what their PROXY header was (v1, v2: a client's address taken; local: v2 LOCAL, closed after it unless --proxy-protocol-serve-local; unknown: refused, it gave no address (v1 UNKNOWN, v2 PROXY not over TCP); invalid; timeout: none within --proxy-protocol-timeout (or --handshake-timeout if shorter); closed; busy: closed before their header for the bound of --max-handshakes plus --handshake-queue, refused or shed for a less busy balancer address; shutting_down)",
             self.proxy_headers.clone(),
         );
     }

@@ -36,6 +36,10 @@ pub mod pending;
 /// TCP over IPv6 (16 + 36 bytes) must fit, and the default leaves room
 /// for the TLVs cloud balancers add (an endpoint ID, a TLS summary).
 pub const DEFAULT_MAX_HEADER: usize = 1024;
+/// The default `--proxy-protocol-timeout`: a balancer writes the header
+/// with its connect, so seconds are ample even on a loaded path, and a
+/// peer that holds a place of the bound is let go sooner.
+pub const DEFAULT_HEADER_TIMEOUT_SECS: u64 = 5;
 pub const MIN_MAX_HEADER: usize = proxy::V2_PREFIX + 36;
 /// A v2 header can announce no more than 16 + 65535 bytes.
 pub const MAX_MAX_HEADER: usize = proxy::V2_PREFIX + u16::MAX as usize;
@@ -137,6 +141,8 @@ pub struct Trusted {
     /// `--proxy-protocol-serve-local`: serve v2 LOCAL connections as the
     /// balancer's own, rather than close them after their header.
     pub serve_local: bool,
+    /// `--proxy-protocol-timeout`.
+    pub header_timeout: std::time::Duration,
 }
 
 impl Trusted {
@@ -191,7 +197,7 @@ impl HeaderError {
 pub enum PreHeaderEnd {
     #[error("{0}")]
     Header(#[from] HeaderError),
-    #[error("no PROXY header within --handshake-timeout ({}s)", .0.as_secs())]
+    #[error("no PROXY header within {}s (--proxy-protocol-timeout, or --handshake-timeout if shorter)", .0.as_secs())]
     Timeout(std::time::Duration),
     #[error("nbdgw is shutting down")]
     ShuttingDown,

@@ -141,14 +141,15 @@ fn behind_balancer(
         } = shared;
         let mut arrived = arrived;
         let balancer = arrived.peer;
-        let deadline = arrived.at + config.handshake_timeout;
         let trusted = &config.proxy_protocol;
+        let limit = trusted.header_timeout.min(config.handshake_timeout);
+        let deadline = arrived.at + limit;
         let read = crate::proxy::read_header(&mut arrived.tcp, balancer, trusted.max_header);
         let outcome = tokio::select! {
             read = tokio::time::timeout_at(deadline, read) => match read {
                 Ok(Ok(c)) if c.outcome == "local" && !trusted.serve_local => Err(PreHeaderEnd::Local),
                 Ok(read) => read.map_err(PreHeaderEnd::Header),
-                Err(_) => Err(PreHeaderEnd::Timeout(config.handshake_timeout)),
+                Err(_) => Err(PreHeaderEnd::Timeout(limit)),
             },
             () = phase.draining() => Err(PreHeaderEnd::ShuttingDown),
             () = place.shed() => return pre_header.refused(&config.metrics, balancer.ip(), true),

@@ -438,10 +438,36 @@ fn no_header_from_the_trusted_address_is_refused_at_the_handshake_timeout() {
     await_that("the timeout counted", || headers(s.admin, "timeout") == 1.0);
     assert!(
         s.gw.log()
-            .contains("no PROXY header within --handshake-timeout (2s)"),
+            .contains("no PROXY header within 2s (--proxy-protocol-timeout, or --handshake-timeout if shorter)"),
         "{}",
         s.gw.log()
     );
+}
+
+/// A balancer sends its header with its connect: a trusted peer that
+/// does not is let go at `--proxy-protocol-timeout` (2 s here), long
+/// before `--handshake-timeout`, so it cannot hold a place of the bound.
+#[test]
+fn no_header_is_refused_at_the_shorter_proxy_protocol_timeout() {
+    let s = setup(&[
+        "--handshake-timeout",
+        "120",
+        "--proxy-protocol-timeout",
+        "2",
+    ]);
+    let mut fake = connect_from(BALANCER, s.gw.addr()).expect("connect from 127.0.0.9");
+    let since = Instant::now();
+    fake.set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let mut got = Vec::new();
+    let _ = fake.read_to_end(&mut got);
+    let waited = since.elapsed();
+    assert!(got.is_empty(), "{got:?}");
+    assert!(
+        (Duration::from_millis(1500)..Duration::from_secs(30)).contains(&waited),
+        "closed after {waited:?}"
+    );
+    await_that("the timeout counted", || headers(s.admin, "timeout") == 1.0);
 }
 
 /// Before their header, connections from balancers count against
@@ -458,6 +484,8 @@ fn connections_waiting_for_their_header_are_bounded_and_the_rest_closed() {
         "--handshake-queue",
         "1",
         "--handshake-timeout",
+        "120",
+        "--proxy-protocol-timeout",
         "120",
     ]);
     let held: Vec<TcpStream> = (0..2)
@@ -542,6 +570,8 @@ fn a_trusted_address_holding_every_place_does_not_lock_the_balancer_out() {
         "--handshake-queue",
         "4",
         "--handshake-timeout",
+        "120",
+        "--proxy-protocol-timeout",
         "120",
     ]);
     let lb = Haproxy::start(s.gw.port, "send-proxy-v2", "");

@@ -23,8 +23,9 @@ pub(crate) fn check_limits(args: &ServeArgs) -> Result<crate::config::SourcePref
         || args.max_payload == 0
         || args.handshake_timeout == 0
         || args.upstream_timeout == 0
+        || args.proxy_protocol_timeout == 0
     {
-        bail!("--max-connections, --max-sessions-per-identity, --max-handshakes, --max-handshakes-per-source, --max-payload, --handshake-timeout and --upstream-timeout must be greater than 0");
+        bail!("--max-connections, --max-sessions-per-identity, --max-handshakes, --max-handshakes-per-source, --max-payload, --handshake-timeout, --upstream-timeout and --proxy-protocol-timeout must be greater than 0");
     }
     if !(crate::proxy::MIN_MAX_HEADER..=crate::proxy::MAX_MAX_HEADER)
         .contains(&args.proxy_protocol_max_header)

@@ -86,6 +86,7 @@ fn read(args: &ServeArgs) -> Result<(Reloader, Option<PolicyReloader>, Config)> 
             .collect(),
         max_header: args.proxy_protocol_max_header,
         serve_local: args.proxy_protocol_serve_local,
+        header_timeout: Duration::from_secs(args.proxy_protocol_timeout),
         pending: pending_bound(args),
     };
     // Only a client certificate the policy honours proves a source; with
