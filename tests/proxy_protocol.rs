@@ -661,3 +661,45 @@ fn connections_before_their_header_fit_under_the_descriptor_limit() {
     assert!(!gw.log().contains("Too many open files"), "{}", gw.log());
     drop((trusted, untrusted));
 }
+
+/// Review item 6: a connect-and-close from the balancer (an L4 check of
+/// the NBD port) is counted `closed` but is no warning: one per check
+/// interval would bury the real ones.
+#[test]
+fn a_connect_and_close_from_the_balancer_is_no_warning() {
+    let s = setup(&[]);
+    drop(connect_from(BALANCER, s.gw.addr()).expect("connect from 127.0.0.9"));
+    await_that("the close counted", || headers(s.admin, "closed") == 1.0);
+    let log = s.gw.log();
+    assert!(
+        !log.lines()
+            .any(|l| l.contains(" WARN ") && l.contains("balancer=127.0.0.9")),
+        "{log}"
+    );
+}
+
+/// Review item 7: the variable's items are trimmed and empty ones
+/// skipped; a prefix of length 0 is warned of at start.
+#[test]
+fn the_variable_takes_spaces_and_a_trailing_comma_and_a_zero_prefix_is_warned_of() {
+    let site = PolicySite::new("proxy CA", POLICY);
+    let image = site.env.random_image("disk.img", 1 << 20, 32);
+    let upstream = QemuNbd::start(&site.env, &image, &[]);
+    let gw = site.gateway(
+        &[OsStr::new("--upstream"), upstream.socket.as_os_str()],
+        &[(
+            "NBDGW_PROXY_PROTOCOL_FROM",
+            OsStr::new("127.0.0.9, 0.0.0.0/0,"),
+        )],
+    );
+    // Said as the accept loop starts, which may be just after the port
+    // listens.
+    await_that("the warning", || gw.log().contains("trusts every address"));
+    let log = gw.log();
+    assert!(log.contains("from=127.0.0.9/32,0.0.0.0/0"), "{log}");
+    assert!(
+        log.lines()
+            .any(|l| l.contains(" WARN ") && l.contains("trusts every address")),
+        "{log}"
+    );
+}
