@@ -3,7 +3,8 @@
 # qemu-utils (qemu-nbd, qemu-img, qemu-io), libnbd-bin (nbdinfo, nbdcopy),
 # python3-libnbd (the soak's clients, for Debian's /usr/bin/python3),
 # nbdkit and nbd-server (GnuTLS servers for the client mode's tests),
-# nbd-client and
+# haproxy (a real load balancer sending the PROXY protocol, for
+# tests/proxy_protocol.rs), nbd-client and
 # e2fsprogs (the kernel's NBD driver through client mode, in the test VM),
 # iproute2 (ip netns, for the test of a client that powers off), curl (the
 # admin endpoints' tests) and systemd (systemd-socket-activate and
@@ -24,7 +25,7 @@ sudo=""
 packages=(qemu-utils libnbd-bin)
 demo_only=false
 [ "${1:-}" = "--demo" ] && demo_only=true
-$demo_only || packages+=(python3-libnbd nbdkit nbd-server nbd-client e2fsprogs iproute2 curl systemd gcc pkg-config libgnutls28-dev
+$demo_only || packages+=(python3-libnbd nbdkit nbd-server haproxy nbd-client e2fsprogs iproute2 curl systemd gcc pkg-config libgnutls28-dev
     podman buildah runc debootstrap)
 missing=()
 for p in "${packages[@]}"; do

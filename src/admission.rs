@@ -31,9 +31,8 @@ mod fair;
 mod proven;
 
 use std::collections::HashMap;
-use std::fmt;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -43,10 +42,8 @@ use tracing::{debug, warn};
 
 use crate::config::Config;
 use crate::metrics::Metrics;
+pub use crate::source::{source_key, Source};
 use fair::{Arrival, Bounds, FairQueue};
-/// Refusals are summed up in one log line this often, so a flood cannot
-/// turn into a flood of log lines.
-const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
 
 /// How many leading bits of a peer's address make its source, per family.
 /// Only [`SourcePrefixes::new`] (and the default) makes one, so the
@@ -92,51 +89,6 @@ impl Default for SourcePrefixes {
         SourcePrefixes {
             v4: DEFAULT_SOURCE_PREFIX_V4,
             v6: DEFAULT_SOURCE_PREFIX_V6,
-        }
-    }
-}
-
-/// A source: a network address with its host bits cleared, and the
-/// prefix length that cleared them. Shown as `2001:db8:1:2::/64`, so a
-/// log line names the whole prefix that was busy, not one of its hosts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Source {
-    network: IpAddr,
-    len: u8,
-}
-
-impl fmt::Display for Source {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.network, self.len)
-    }
-}
-
-/// The source `ip` counts against: its first `v4_prefix` (IPv4) or
-/// `v6_prefix` (IPv6) bits. An IPv4-mapped IPv6 address is its IPv4
-/// address first, so a client on a dual-stack socket is judged by the
-/// IPv4 prefix like every other IPv4 client (as a /64 of `::ffff:0:0/96`
-/// the whole IPv4 internet would be one source). Lengths beyond the
-/// family's width are taken as the full width, so the function is total;
-/// `SourcePrefixes` never passes such a length.
-pub fn source_key(ip: IpAddr, v4_prefix: u8, v6_prefix: u8) -> Source {
-    match ip.to_canonical() {
-        IpAddr::V4(v4) => {
-            let len = v4_prefix.min(32);
-            // `checked_shl` is `None` for a shift by the full width, which
-            // is the /0 case: no bit of the address is kept.
-            let mask = u32::MAX.checked_shl(32 - u32::from(len)).unwrap_or(0);
-            Source {
-                network: IpAddr::V4(Ipv4Addr::from(u32::from(v4) & mask)),
-                len,
-            }
-        }
-        IpAddr::V6(v6) => {
-            let len = v6_prefix.min(128);
-            let mask = u128::MAX.checked_shl(128 - u32::from(len)).unwrap_or(0);
-            Source {
-                network: IpAddr::V6(Ipv6Addr::from(u128::from(v6) & mask)),
-                len,
-            }
         }
     }
 }
@@ -229,7 +181,7 @@ pub struct Admission {
     /// Sessions held per identity; an identity is forgotten with its last
     /// session, so this never holds more entries than there are sessions.
     per_identity: Arc<IdentityCounts>,
-    refusals: RefusalLog,
+    refusals: crate::logsafe::RefusalLog,
     metrics: Arc<Metrics>,
 }
 
@@ -313,7 +265,7 @@ impl Admission {
             max_sessions: config.max_connections,
             per_identity_limit: config.max_sessions_per_identity,
             per_identity: Arc::default(),
-            refusals: RefusalLog::default(),
+            refusals: crate::logsafe::RefusalLog::default(),
             metrics: config.metrics.clone(),
         })
     }
@@ -360,7 +312,23 @@ impl Admission {
     /// At accept, without waiting: a handshake slot, a place in line, or
     /// a refusal when the source's line is full. A waiter shed to make
     /// room is told so through its own task.
+    #[cfg(test)]
     pub fn arrive(self: &Arc<Self>, peer: SocketAddr) -> Result<Place, Refusal> {
+        self.arrive_since(peer, tokio::time::Instant::now())
+    }
+
+    /// As `arrive`, for a connection accepted at `accepted` whose source
+    /// was known only later (from a PROXY protocol header): its time
+    /// before a session still counts from accept.
+    pub fn arrive_since(
+        self: &Arc<Self>,
+        peer: SocketAddr,
+        accepted: tokio::time::Instant,
+    ) -> Result<Place, Refusal> {
+        // A PROXY header can complete after `close_waiters`: not queued.
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Refusal::ShuttingDown);
+        }
         let source = self.prefixes.source_of(peer.ip());
         let (tx, granted) = oneshot::channel();
         // Judged under the lock and the generation the queue was brought
@@ -391,7 +359,7 @@ impl Admission {
             }
             Arrival::QueueFull => return Err(Refusal::QueueFull(self.bounds.waiting)),
         };
-        let deadline = tokio::time::Instant::now() + self.handshake_timeout;
+        let deadline = accepted + self.handshake_timeout;
         Ok(Place {
             source,
             state,
@@ -598,17 +566,26 @@ impl Admission {
     /// Counts and logs a refusal before the handshake: each at debug, a
     /// summary at warn every ten seconds.
     pub fn log_refusal(&self, peer: SocketAddr, refusal: Refusal) {
-        self.metrics.handshake_refused(refusal.metric_reason());
-        debug!(%peer, reason = %refusal, "connection refused");
-        if let Some(count) = self.refusals.due() {
-            warn!(
-                refused = count,
-                last_peer = %peer,
-                last_reason = %refusal,
-                "connections refused (at most one such line every {}s)",
-                REFUSAL_LOG_EVERY.as_secs()
-            );
-        }
+        log_refusal(&self.metrics, &self.refusals, peer, refusal);
+    }
+}
+
+fn log_refusal(
+    metrics: &Metrics,
+    refusals: &crate::logsafe::RefusalLog,
+    peer: SocketAddr,
+    refusal: Refusal,
+) {
+    metrics.handshake_refused(refusal.metric_reason());
+    debug!(%peer, reason = %refusal, "connection refused");
+    if let Some(count) = refusals.due() {
+        warn!(
+            refused = count,
+            last_peer = %peer,
+            last_reason = %refusal,
+            "connections refused (at most one such line every {}s)",
+            crate::logsafe::REFUSAL_LOG_EVERY.as_secs()
+        );
     }
 }
 
@@ -632,29 +609,10 @@ impl Drop for IdentityClaim {
     }
 }
 
-#[derive(Default)]
-struct RefusalLog {
-    since_last: AtomicU64,
-    last: Mutex<Option<Instant>>,
-}
-
-impl RefusalLog {
-    /// Counts one refusal; returns the count to log when a line is due.
-    fn due(&self) -> Option<u64> {
-        self.since_last.fetch_add(1, Ordering::Relaxed);
-        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
-        let now = Instant::now();
-        if last.is_some_and(|at| now.duration_since(at) < REFUSAL_LOG_EVERY) {
-            return None;
-        }
-        *last = Some(now);
-        Some(self.since_last.swap(0, Ordering::Relaxed))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::{Ipv4Addr, Ipv6Addr};
 
     fn admission(handshakes: usize, per_source: usize, sessions: usize) -> Arc<Admission> {
         // Waiting places beyond what any test here fills.
@@ -678,6 +636,16 @@ mod tests {
 
     fn peer(ip: &str, port: u16) -> SocketAddr {
         SocketAddr::new(ip.parse().unwrap(), port)
+    }
+
+    /// Issue 30 review, item 9: a connection whose PROXY header completed
+    /// after `close_waiters` is refused, not queued where no one serves.
+    #[tokio::test]
+    async fn an_arrival_after_the_waiters_were_closed_is_refused() {
+        let a = admission(4, 4, 4);
+        a.close_waiters();
+        let arrived = a.arrive_since(peer("192.0.2.1", 1), tokio::time::Instant::now());
+        assert!(matches!(arrived, Err(Refusal::ShuttingDown)));
     }
 
     /// The slots `a` has handed out and the connections waiting.
@@ -977,7 +945,7 @@ mod tests {
                 proptest::prop_assert_ne!(key(flipped), key(a));
             }
             // The key is the prefix itself: keying it again changes nothing.
-            let IpAddr::V6(network) = key(a).network else {
+            let IpAddr::V6(network) = key(a).network() else {
                 return Err(proptest::test_runner::TestCaseError::fail("v6 became v4"));
             };
             proptest::prop_assert_eq!(key(u128::from(network)), key(a));

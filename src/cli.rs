@@ -459,6 +459,36 @@ pub struct ServeArgs {
     /// --max-handshakes-per-source: a host usually owns a whole /64.
     #[arg(long, env = "NBDGW_SOURCE_PREFIX_V6", value_name = "BITS", default_value_t = config::DEFAULT_SOURCE_PREFIX_V6)]
     pub source_prefix_v6: u8,
+    /// Trust this balancer (an address, or a CIDR prefix; repeatable;
+    /// comma-separated in the variable) to put a PROXY protocol header
+    /// (v1 or v2) before each connection: its connections must start with
+    /// one, and the address it carries is the client's for admission,
+    /// logs and the audit trail. From anyone else no header is read.
+    /// Items are trimmed; empty ones are skipped.
+    #[arg(
+        long,
+        env = "NBDGW_PROXY_PROTOCOL_FROM",
+        value_name = "CIDR",
+        value_delimiter = ','
+    )]
+    pub proxy_protocol_from: Vec<crate::proxy::PrefixItem>,
+    /// Serve connections whose PROXY v2 header is LOCAL as the balancer's
+    /// own (true or false). HAProxy sends LOCAL for its health checks but
+    /// also for clients it cannot name (a unix socket frontend), which
+    /// would all count as one source; by default such a connection is
+    /// closed right after its header (a balancer's check has passed by
+    /// then).
+    #[arg(long, env = "NBDGW_PROXY_PROTOCOL_SERVE_LOCAL", default_value_t = false, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub proxy_protocol_serve_local: bool,
+    /// Seconds a connection from a --proxy-protocol-from balancer has from
+    /// accept to the end of its PROXY header (balancers send it at once);
+    /// --handshake-timeout still bounds it if shorter.
+    #[arg(long, env = "NBDGW_PROXY_PROTOCOL_TIMEOUT", value_name = "SECONDS", default_value_t = crate::proxy::DEFAULT_HEADER_TIMEOUT_SECS)]
+    pub proxy_protocol_timeout: u64,
+    /// The longest PROXY protocol v2 header taken, in bytes (16, the
+    /// addresses, and TLVs, which are skipped); a longer one is refused.
+    #[arg(long, env = "NBDGW_PROXY_PROTOCOL_MAX_HEADER", value_name = "BYTES", default_value_t = crate::proxy::DEFAULT_MAX_HEADER)]
+    pub proxy_protocol_max_header: usize,
     /// Seconds a client has from its accept to its session: the wait for
     /// a handshake slot, the TLS handshake and negotiation together; one
     /// whose slot came late in line still has half of it from then (the

@@ -41,6 +41,8 @@ pub struct Config {
     pub max_handshakes_per_source: usize,
     /// Which addresses are one source for `max_handshakes_per_source`.
     pub source_prefixes: SourcePrefixes,
+    /// The balancers trusted to send a PROXY protocol header.
+    pub proxy_protocol: crate::proxy::Trusted,
     /// Connections that may wait for a handshake slot, all sources
     /// together; beyond it the longest waiter of the source with the most
     /// waiting is shed.
@@ -163,6 +165,13 @@ impl Config {
             max_handshakes: DEFAULT_MAX_HANDSHAKES,
             max_handshakes_per_source: DEFAULT_MAX_HANDSHAKES_PER_SOURCE,
             source_prefixes: SourcePrefixes::default(),
+            proxy_protocol: crate::proxy::Trusted {
+                from: Vec::new(),
+                max_header: crate::proxy::DEFAULT_MAX_HEADER,
+                pending: 0,
+                serve_local: false,
+                header_timeout: Duration::from_secs(crate::proxy::DEFAULT_HEADER_TIMEOUT_SECS),
+            },
             handshake_queue: DEFAULT_HANDSHAKE_QUEUE,
             handshake_queue_per_source: DEFAULT_HANDSHAKE_QUEUE_PER_SOURCE,
             handshake_queue_timeout: Duration::from_secs(DEFAULT_HANDSHAKE_QUEUE_TIMEOUT_SECS),

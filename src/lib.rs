@@ -23,11 +23,13 @@ pub mod logsafe;
 pub mod metrics;
 pub mod policy;
 pub mod proto;
+pub mod proxy;
 pub mod reload;
 pub mod sandbox;
 mod server;
 pub mod setup;
 pub mod shutdown;
+mod source;
 pub mod tls;
 pub mod upstream;
 

@@ -29,6 +29,11 @@ pub struct FdDemand {
     pub waiting: usize,
     /// `--admin-max-connections`, or 0 without an admin listener.
     pub admin: usize,
+    /// Connections from `--proxy-protocol-from` balancers before their
+    /// header (`--max-handshakes` plus `--handshake-queue`; 0 without
+    /// trusted balancers): admission holds them only after it, so they
+    /// come on top of its bounds.
+    pub pre_header: usize,
 }
 
 impl FdDemand {
@@ -36,6 +41,7 @@ impl FdDemand {
         (self.sessions as u64 + self.handshakes as u64) * FDS_PER_CONNECTION
             + self.waiting as u64
             + self.admin as u64
+            + self.pre_header as u64
             + FDS_SPARE
     }
 
@@ -58,6 +64,7 @@ impl FdDemand {
             handshakes: scale(self.handshakes).max(1),
             waiting: scale(self.waiting),
             admin: scale(self.admin).max(usize::from(self.admin > 0)),
+            pre_header: scale(self.pre_header).max(usize::from(self.pre_header > 0)),
         };
         // The floors of one may overshoot by a few: the queue gives way.
         let over = fitted.needed().saturating_sub(limit);
@@ -125,6 +132,7 @@ mod tests {
         handshakes: 64,
         waiting: 1024,
         admin: 512,
+        pre_header: 0,
     };
 
     #[test]
@@ -141,7 +149,8 @@ mod tests {
                 sessions: 204,
                 handshakes: 12,
                 waiting: 204,
-                admin: 102
+                admin: 102,
+                pre_header: 0,
             }
         );
         // Nothing left beyond the spare: no bound can hold.
@@ -150,6 +159,28 @@ mod tests {
         // Just enough for one of each.
         let least = DEFAULTS.fitted(Some(64 + 6 + 1)).unwrap();
         assert_eq!((least.sessions, least.handshakes, least.admin), (1, 1, 1));
+    }
+
+    /// The review's case (issue 30, PROXY protocol): 190 descriptors for
+    /// 4 sessions, 2 handshakes, 100 waiting, 1 admin and the 102 that
+    /// may wait for their PROXY header. Left out, those 102 made accept
+    /// fail with EMFILE; counted, every bound is lowered to fit.
+    #[test]
+    fn connections_before_their_proxy_header_are_budgeted() {
+        let asked = FdDemand {
+            sessions: 4,
+            handshakes: 2,
+            waiting: 100,
+            admin: 1,
+            pre_header: 102,
+        };
+        assert_eq!(asked.needed(), 6 * 3 + 100 + 1 + 102 + 64);
+        let fitted = asked.fitted(Some(190)).unwrap();
+        assert!(fitted.needed() <= 190, "{fitted:?}");
+        assert!(
+            fitted.pre_header >= 1 && fitted.pre_header < 102,
+            "{fitted:?}"
+        );
     }
 
     #[test]

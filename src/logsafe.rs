@@ -5,6 +5,34 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+/// Refusals are summed up in one log line this often, so a flood cannot
+/// turn into a flood of log lines.
+pub const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// Refusals said at most once per `REFUSAL_LOG_EVERY`, with their count.
+#[derive(Default)]
+pub struct RefusalLog {
+    since_last: AtomicU64,
+    last: Mutex<Option<Instant>>,
+}
+
+impl RefusalLog {
+    /// Counts one refusal; returns the count to log when a line is due.
+    pub fn due(&self) -> Option<u64> {
+        self.since_last.fetch_add(1, Ordering::Relaxed);
+        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = Instant::now();
+        if last.is_some_and(|at| now.duration_since(at) < REFUSAL_LOG_EVERY) {
+            return None;
+        }
+        *last = Some(now);
+        Some(self.since_last.swap(0, Ordering::Relaxed))
+    }
+}
 
 /// `s` with every control character (C0, DEL, C1) and every Unicode
 /// formatting character that reorders text (bidi overrides, isolates)

@@ -23,6 +23,11 @@ pub struct Reason {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProxyOutcome {
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SessionRefusal {
     pub reason: &'static str,
 }
@@ -98,6 +103,7 @@ pub struct Metrics {
     pub handshake_wait_seconds: Histogram,
     pub handshakes_refused: Family<SessionRefusal, Counter>,
     pub proven_sources: Gauge,
+    pub proxy_headers: Family<ProxyOutcome, Counter>,
     pub policy_reloads: Counter,
     pub policy_reload_failures: Counter,
     /// Policy reloads that changed the policy (not exported): the policy
@@ -232,6 +238,7 @@ impl Metrics {
             handshake_wait_seconds: Histogram::new(exponential_buckets(1e-3, 2.0, 15)),
             handshakes_refused: Family::default(),
             proven_sources: Gauge::default(),
+            proxy_headers: Family::default(),
             policy_reloads: Counter::default(),
             policy_changes: Counter::default(),
             policy_reload_failures: Counter::default(),
@@ -243,6 +250,7 @@ impl Metrics {
         };
         metrics.register_connections(&mut registry);
         metrics.register_handshakes(&mut registry);
+        metrics.register_proxy(&mut registry);
         metrics.register_kernel_tls(&mut registry);
         metrics.register_requests(&mut registry, tls);
         metrics.register_exports(&mut registry);
@@ -373,6 +381,23 @@ impl Metrics {
             "Sources remembered as proven (a client of theirs opened an export with a certificate within --source-memory)",
             m.proven_sources.clone(),
         );
+    }
+
+    /// PROXY protocol headers from trusted balancers.
+    fn register_proxy(&self, r: &mut Registry) {
+        r.register(
+            "proxy_headers",
+            "Connections from a --proxy-protocol-from balancer, by what their PROXY header was (v1, v2: a client's address taken; local: v2 LOCAL, closed after it unless --proxy-protocol-serve-local; unknown: refused, it gave no address (v1 UNKNOWN, v2 PROXY not over TCP); invalid; timeout: none within --proxy-protocol-timeout (or --handshake-timeout if shorter); closed; busy: closed before their header for the bound of --max-handshakes plus --handshake-queue, refused or shed for a less busy balancer address; shutting_down)",
+            self.proxy_headers.clone(),
+        );
+    }
+
+    /// A connection from a trusted balancer, by `outcome` (one of the
+    /// fixed few `register_proxy` names).
+    pub fn proxy_header(&self, outcome: &'static str) {
+        self.proxy_headers
+            .get_or_create(&ProxyOutcome { outcome })
+            .inc();
     }
 
     /// Sessions handed to the kernel, and their key updates.

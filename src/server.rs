@@ -2,14 +2,16 @@
 //! shutdown.
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tracing::{info, warn};
 
 use crate::admission::Admission;
 use crate::config::Config;
+use crate::shutdown::Shutdown;
 use crate::shutdown::ShutdownControl;
 
 /// Serves clients on an already-bound listener until `shutdown` resolves,
@@ -21,6 +23,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
     let admission = Admission::new(&config);
+    let pre_header = crate::proxy::pending::Pending::new(config.proxy_protocol.pending);
     let mut connections = JoinSet::new();
     let mut next_id: u64 = 0;
     let (control, phase) = ShutdownControl::answering(config.drain_answer);
@@ -29,6 +32,7 @@ pub async fn run(
     // load balancers can stop sending clients first (--drain-delay).
     let mut stop_accepting_at: Option<tokio::time::Instant> = None;
     config.health.set_accepting(true);
+    config.proxy_protocol.announce();
     loop {
         tokio::select! {
             _ = &mut shutdown, if stop_accepting_at.is_none() => match drain_deadline(&config) {
@@ -47,20 +51,16 @@ pub async fn run(
                         continue;
                     }
                 };
-                let place = match admission.arrive(peer) {
-                    Ok(place) => place,
-                    Err(refusal) => {
-                        config.metrics.connection("refused");
-                        admission.log_refusal(peer, refusal);
-                        continue;
-                    }
-                };
                 next_id += 1;
-                let conn = crate::conn::Accepted { tcp, peer, id: next_id, place };
-                let (config, admission, phase) = (config.clone(), admission.clone(), phase.clone());
-                connections.spawn(async move {
-                    crate::conn::serve(conn, &config, &admission, phase).await;
-                });
+                let arrived = Arrived { tcp, peer, id: next_id, at: tokio::time::Instant::now() };
+                let shared = Shared { config: config.clone(), admission: admission.clone(), phase: phase.clone() };
+                if config.proxy_protocol.trusts(peer.ip()) {
+                    if let Some(task) = behind_balancer(arrived, shared, &pre_header) {
+                        connections.spawn(task);
+                    }
+                } else if let Some(conn) = admit(arrived, None, &shared.admission, &config) {
+                    connections.spawn(serve(conn, shared));
+                }
             }
         }
     }
@@ -71,6 +71,108 @@ pub async fn run(
     tell_cut_by_upstream(&config.health);
     info!("stopped");
     Ok(())
+}
+
+/// A connection just accepted, before admission.
+struct Arrived {
+    tcp: TcpStream,
+    peer: SocketAddr,
+    id: u64,
+    at: tokio::time::Instant,
+}
+
+/// What every connection's task holds.
+struct Shared {
+    config: Arc<Config>,
+    admission: Arc<Admission>,
+    phase: Shutdown,
+}
+
+/// Admission for a connection whose source is known: a place, or the
+/// refusal counted and logged. `balancer`: the trusted balancer whose
+/// header named `arrived.peer`.
+fn admit(
+    arrived: Arrived,
+    balancer: Option<SocketAddr>,
+    admission: &Arc<Admission>,
+    config: &Config,
+) -> Option<crate::conn::Accepted> {
+    let Arrived { tcp, peer, id, at } = arrived;
+    match admission.arrive_since(peer, at) {
+        Ok(place) => Some(crate::conn::Accepted {
+            tcp,
+            peer,
+            id,
+            place,
+            balancer,
+        }),
+        Err(refusal) => {
+            config.metrics.connection("refused");
+            admission.log_refusal(peer, refusal);
+            None
+        }
+    }
+}
+
+async fn serve(conn: crate::conn::Accepted, shared: Shared) {
+    crate::conn::serve(conn, &shared.config, &shared.admission, shared.phase).await;
+}
+
+/// A connection from a trusted balancer: its PROXY header is read first
+/// (within `--handshake-timeout` of accept, and while it holds a place
+/// of the bound, see `crate::proxy::pending`), then it is admitted as the
+/// source the header names.
+fn behind_balancer(
+    arrived: Arrived,
+    shared: Shared,
+    pre_header: &Arc<crate::proxy::pending::Pending>,
+) -> Option<impl Future<Output = ()>> {
+    let Some(mut place) = pre_header.take(arrived.peer.ip()) else {
+        pre_header.refused(&shared.config.metrics, arrived.peer.ip(), false);
+        return None;
+    };
+    let pre_header = pre_header.clone();
+    Some(async move {
+        use crate::proxy::PreHeaderEnd;
+        let Shared {
+            config,
+            admission,
+            mut phase,
+        } = shared;
+        let mut arrived = arrived;
+        let balancer = arrived.peer;
+        let trusted = &config.proxy_protocol;
+        let limit = trusted.header_timeout.min(config.handshake_timeout);
+        let deadline = arrived.at + limit;
+        let read = crate::proxy::read_header(&mut arrived.tcp, balancer, trusted.max_header);
+        let outcome = tokio::select! {
+            read = tokio::time::timeout_at(deadline, read) => match read {
+                Ok(Ok(c)) if c.outcome == "local" && !trusted.serve_local => Err(PreHeaderEnd::Local),
+                Ok(read) => read.map_err(PreHeaderEnd::Header),
+                Err(_) => Err(PreHeaderEnd::Timeout(limit)),
+            },
+            () = phase.draining() => Err(PreHeaderEnd::ShuttingDown),
+            () = place.shed() => return pre_header.refused(&config.metrics, balancer.ip(), true),
+        };
+        drop(place);
+        let carried = match outcome {
+            Ok(carried) => carried,
+            Err(end) => return end.log(&config.metrics, balancer),
+        };
+        config.metrics.proxy_header(carried.outcome);
+        arrived.peer = carried.peer;
+        if let Some(conn) = admit(arrived, Some(balancer), &admission, &config) {
+            serve(
+                conn,
+                Shared {
+                    config,
+                    admission,
+                    phase,
+                },
+            )
+            .await;
+        }
+    })
 }
 
 /// SIGTERM: not ready from now on; accepting goes on until the returned
@@ -86,6 +188,7 @@ fn drain_deadline(config: &Config) -> Option<tokio::time::Instant> {
     );
     Some(tokio::time::Instant::now() + config.drain_delay)
 }
+
 /// Once, however many sessions it cut or connections it refused: an
 /// upstream that went away during the shutdown (a pod's or a unit's NBD
 /// server stopped before nbdgw finished draining). Each of them is

@@ -131,6 +131,7 @@ fn fitted_connections(max_connections: usize, admin: bool) -> Result<usize> {
             true => DEFAULT_ADMIN_MAX_CONNECTIONS as usize,
             false => 0,
         },
+        pre_header: 0,
     };
     let Some(fitted) = asked.fitted(limit.now) else {
         bail!(fd_limit_too_low(limit.now));

@@ -40,6 +40,8 @@ pub struct Accepted {
     pub peer: SocketAddr,
     pub id: u64,
     pub place: Place,
+    /// The trusted balancer whose PROXY header gave `peer`, if any.
+    pub balancer: Option<SocketAddr>,
 }
 
 /// Serves one accepted connection to its end and logs how it ended.
@@ -54,8 +56,12 @@ pub async fn serve(
         peer,
         id,
         place,
+        balancer,
     } = conn;
-    let span = tracing::info_span!("conn", id, %peer);
+    let span = tracing::info_span!("conn", id, %peer, balancer = tracing::field::Empty);
+    if let Some(balancer) = balancer {
+        span.record("balancer", tracing::field::display(balancer));
+    }
     async move {
         let metrics = &config.metrics;
         // One bound from accept to the session: waiting for a handshake

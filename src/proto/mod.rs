@@ -5,6 +5,7 @@
 pub mod consts;
 pub mod handshake;
 pub mod name;
+pub mod proxy;
 pub mod transmission;
 
 use thiserror::Error;

@@ -23,8 +23,19 @@ pub(crate) fn check_limits(args: &ServeArgs) -> Result<crate::config::SourcePref
         || args.max_payload == 0
         || args.handshake_timeout == 0
         || args.upstream_timeout == 0
+        || args.proxy_protocol_timeout == 0
     {
-        bail!("--max-connections, --max-sessions-per-identity, --max-handshakes, --max-handshakes-per-source, --max-payload, --handshake-timeout and --upstream-timeout must be greater than 0");
+        bail!("--max-connections, --max-sessions-per-identity, --max-handshakes, --max-handshakes-per-source, --max-payload, --handshake-timeout, --upstream-timeout and --proxy-protocol-timeout must be greater than 0");
+    }
+    if !(crate::proxy::MIN_MAX_HEADER..=crate::proxy::MAX_MAX_HEADER)
+        .contains(&args.proxy_protocol_max_header)
+    {
+        bail!(
+            "--proxy-protocol-max-header must be {} to {}: a v2 header of TCP over IPv6 is {} bytes",
+            crate::proxy::MIN_MAX_HEADER,
+            crate::proxy::MAX_MAX_HEADER,
+            crate::proxy::MIN_MAX_HEADER
+        );
     }
     if args
         .handshake_reserve
@@ -62,8 +73,8 @@ pub(crate) fn handshake_reserve(
 }
 
 /// Raises the descriptor limit, then makes the bounds fit under it: every
-/// session and handshake slot, every waiting place and the admin
-/// listener's connections, each budgeted on top of the others so a full
+/// session and handshake slot, every waiting place, the admin listener's
+/// connections and those from balancers before their PROXY header, each budgeted on top of the others so a full
 /// admin cap or queue leaves every descriptor the sessions count on.
 /// Bounds that do not fit are lowered in proportion, with a warning, so
 /// nbdgw never takes a connection it then fails at accept (EMFILE) or at
@@ -84,6 +95,7 @@ pub(crate) fn fit_fd_limit(
             Some(_) => admin.max_connections as usize,
             None => 0,
         },
+        pre_header: config.proxy_protocol.pending,
     };
     let Some(fitted) = asked.fitted(limit.now) else {
         bail!(fd_limit_too_low(limit.now));
@@ -98,6 +110,7 @@ pub(crate) fn fit_fd_limit(
         max_handshakes = fitted.handshakes,
         handshake_queue = fitted.waiting,
         admin_max_connections = fitted.admin,
+        proxy_header_waiting = fitted.pre_header,
         handshake_reserve = handshake_reserve(args, fitted.handshakes, client_certificates),
         "the file descriptor limit (RLIMIT_NOFILE, e.g. LimitNOFILE= in systemd) is too low for the configured bounds; lowered them in proportion to fit (was --max-connections {}, --max-handshakes {}, --handshake-queue {}, --admin-max-connections {})",
         asked.sessions, asked.handshakes, asked.waiting, asked.admin,
@@ -107,6 +120,7 @@ pub(crate) fn fit_fd_limit(
     config.max_handshakes_per_source = config.max_handshakes_per_source.min(fitted.handshakes);
     config.handshake_reserve = handshake_reserve(args, fitted.handshakes, client_certificates);
     config.handshake_queue = fitted.waiting;
+    config.proxy_protocol.pending = fitted.pre_header;
     config.handshake_queue_per_source = config.handshake_queue_per_source.min(fitted.waiting);
     // The default share follows --max-connections down; a share given
     // is kept (the session budget caps it in any case).

@@ -53,6 +53,16 @@ pub fn configure(args: &ServeArgs) -> Result<Setup> {
     })
 }
 
+/// Connections from balancers before their PROXY header, before the
+/// descriptor limit's fitting: what admission itself holds
+/// unauthenticated (see `crate::proxy`), if any balancer is trusted.
+fn pending_bound(args: &ServeArgs) -> usize {
+    match args.proxy_protocol_from.iter().any(|p| p.0.is_some()) {
+        true => args.max_handshakes.saturating_add(args.handshake_queue),
+        false => 0,
+    }
+}
+
 /// The files read (TLS, policy), the exports and the limits checked.
 fn read(args: &ServeArgs) -> Result<(Reloader, Option<PolicyReloader>, Config)> {
     let exports = files::export_table(args)?;
@@ -68,6 +78,17 @@ fn read(args: &ServeArgs) -> Result<(Reloader, Option<PolicyReloader>, Config)> 
     let mut policy = files::policy_reloader(args, &reloader)?;
     let mut config = gateway_config(args, upstream, reloader.store());
     config.source_prefixes = source_prefixes;
+    config.proxy_protocol = crate::proxy::Trusted {
+        from: args
+            .proxy_protocol_from
+            .iter()
+            .filter_map(|p| p.0)
+            .collect(),
+        max_header: args.proxy_protocol_max_header,
+        serve_local: args.proxy_protocol_serve_local,
+        header_timeout: Duration::from_secs(args.proxy_protocol_timeout),
+        pending: pending_bound(args),
+    };
     // Only a client certificate the policy honours proves a source; with
     // no client CA nothing can, and a reserve would only idle.
     if !reloader.requires_client_certificates() && args.source_memory > 0 {
