@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use crate::admission::{
+pub use crate::source::{
     PrefixError, Source, SourcePrefixes, DEFAULT_SOURCE_PREFIX_V4, DEFAULT_SOURCE_PREFIX_V6,
 };
 

@@ -4,6 +4,56 @@
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
+use thiserror::Error;
+
+/// How many leading bits of a peer's address make its source, per family.
+/// Only [`SourcePrefixes::new`] (and the default) makes one, so the
+/// lengths are always in range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SourcePrefixes {
+    v4: u8,
+    v6: u8,
+}
+
+pub const DEFAULT_SOURCE_PREFIX_V4: u8 = 32;
+/// The smallest prefix an IPv6 host is usually given (RFC 6177, SLAAC):
+/// every address in it may be the same machine.
+pub const DEFAULT_SOURCE_PREFIX_V6: u8 = 64;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
+pub enum PrefixError {
+    #[error("--source-prefix-v4 must be 0 to 32, not {0}")]
+    V4(u8),
+    #[error("--source-prefix-v6 must be 0 to 128, not {0}")]
+    V6(u8),
+}
+
+impl SourcePrefixes {
+    pub fn new(v4: u8, v6: u8) -> Result<Self, PrefixError> {
+        if v4 > 32 {
+            return Err(PrefixError::V4(v4));
+        }
+        if v6 > 128 {
+            return Err(PrefixError::V6(v6));
+        }
+        Ok(SourcePrefixes { v4, v6 })
+    }
+
+    /// The source `ip` counts against.
+    pub fn source_of(&self, ip: IpAddr) -> Source {
+        source_key(ip, self.v4, self.v6)
+    }
+}
+
+impl Default for SourcePrefixes {
+    fn default() -> Self {
+        SourcePrefixes {
+            v4: DEFAULT_SOURCE_PREFIX_V4,
+            v6: DEFAULT_SOURCE_PREFIX_V6,
+        }
+    }
+}
+
 /// A source: a network address with its host bits cleared, and the
 /// prefix length that cleared them. Shown as `2001:db8:1:2::/64`, so a
 /// log line names the whole prefix that was busy, not one of its hosts.

@@ -156,7 +156,7 @@ mod tests {
     use std::net::IpAddr;
 
     fn source(i: u32) -> Source {
-        super::super::source_key(IpAddr::from(i.to_be_bytes()), 32, 64)
+        crate::source::source_key(IpAddr::from(i.to_be_bytes()), 32, 64)
     }
 
     fn named(cn: &str) -> Identity {
