@@ -52,11 +52,14 @@ pub enum Verdict {
     /// Refused: the client gets this error, nothing goes upstream.
     Refuse { error: u32, message: &'static str },
     /// Answered by the layer: the reply goes to the client as it is.
+    /// Only for requests without payload (`request.payload_len(at.mode)`
+    /// is 0): the loop drops the payload of one that has it (and asserts
+    /// in debug builds), but the layer has answered what it never saw.
     Answer(Local),
     /// This request of the layer's own goes upstream instead (claimed in
     /// the flight table under its own cookie); the layer answers the
     /// client's request when that reply is done (see [`OnReply::done`]).
-    /// Only for requests without payload.
+    /// Only for requests without payload, as for `Answer`.
     Instead(Request),
     /// The session ends before this request reaches the upstream.
     End(ConnError),

@@ -151,9 +151,16 @@ impl CacheRequests {
 }
 
 impl OnRequest for CacheRequests {
-    /// A hit, a fill, or (a READ the cache cannot take) as it came.
+    /// A hit, a fill, or (a READ the cache cannot take) as it came. A READ
+    /// that carries a payload (NBD_CMD_FLAG_PAYLOAD_LEN) is the upstream's
+    /// to judge (qemu-nbd: EINVAL), payload and all: answering it here
+    /// would leave its payload in the stream.
     fn request(&mut self, at: &At<'_>, request: &Request) -> Verdict {
         if request.command != CMD_READ {
+            return Verdict::Pass;
+        }
+        if request.payload_len(at.mode) != 0 {
+            self.cached.handle.count_upstream_read();
             return Verdict::Pass;
         }
         if let Some(hit) = self.answer(at.mode, request) {
@@ -169,7 +176,7 @@ impl OnRequest for CacheRequests {
     /// cache and never reach the client. None for a session that is
     /// closing: its replies would only hold the drain up.
     fn follow(&mut self, at: &At<'_>, request: &Request, out: &mut Vec<Request>) {
-        if at.draining.is_none() {
+        if at.draining.is_none() && request.payload_len(at.mode) == 0 {
             out.extend(self.read_ahead(request, at.flight));
         }
     }
