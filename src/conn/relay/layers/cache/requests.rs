@@ -61,11 +61,11 @@ impl CacheRequests {
         })
     }
 
-    /// The read-ahead requests to send upstream after this client
-    /// request, each already claimed in the flight table.
-    fn read_ahead(&mut self, request: &Request, flight: &Flight) -> Vec<Request> {
+    /// Adds to `out` the read-ahead requests to send upstream after this
+    /// client request, each already claimed in the flight table.
+    fn read_ahead(&mut self, request: &Request, flight: &Flight, out: &mut Vec<Request>) {
         if request.command != CMD_READ {
-            return Vec::new();
+            return;
         }
         let depth = u64::from(self.cached.depth);
         let room = (self.cached.depth as usize).saturating_sub(self.ahead.read_aheads());
@@ -76,13 +76,11 @@ impl CacheRequests {
             (depth, room),
             |offset, length| handle.missing(offset, length),
         );
-        plan.into_iter()
-            .map(|(offset, length)| {
-                self.cached.handle.set_pending(offset, length, true);
-                let purpose = Purpose::ReadAhead { offset, length };
-                self.own_read((offset, length), purpose, flight)
-            })
-            .collect()
+        for (offset, length) in plan {
+            self.cached.handle.set_pending(offset, length, true);
+            let purpose = Purpose::ReadAhead { offset, length };
+            out.push(self.own_read((offset, length), purpose, flight));
+        }
     }
 
     /// For a READ that missed: the read of the whole blocks around it to
@@ -177,7 +175,7 @@ impl OnRequest for CacheRequests {
     /// closing: its replies would only hold the drain up.
     fn follow(&mut self, at: &At<'_>, request: &Request, out: &mut Vec<Request>) {
         if at.draining.is_none() && request.payload_len(at.mode) == 0 {
-            out.extend(self.read_ahead(request, at.flight));
+            self.read_ahead(request, at.flight, out);
         }
     }
 }
