@@ -1245,3 +1245,36 @@ fn a_chunk_outside_its_read_makes_the_reply_untrusted() {
         gw.log()
     );
 }
+
+/// A READ that carries a payload (NBD_CMD_FLAG_PAYLOAD_LEN, extended
+/// headers) is not the cache's to answer: it goes upstream, payload and
+/// all, and qemu-nbd's EINVAL is the client's answer; the payload is never
+/// taken for the next request's header. `warm`: the block it reads is
+/// cached first (a hit otherwise), else it would be a fill.
+fn a_read_with_a_payload_goes_upstream(warm: bool) {
+    let s = site(true, 64 << 20, 0);
+    let (mut c, _) = s.client(ReplyMode::Extended);
+    if warm {
+        s.check_read(&mut c, 7, 0, 512);
+    }
+    let reads = s.counter.reads();
+    c.send_request(CMD_FLAG_PAYLOAD_LEN, CMD_READ, 1, 0, 512, &[0x5a; 512]);
+    let first = c.read_reply(512);
+    assert_eq!(first.len(), 1, "{first:?}");
+    assert_eq!(first[0].cookie, 1);
+    assert_eq!(first[0].error_code(), EINVAL, "{first:?}");
+    assert_eq!(s.counter.reads(), reads + 1, "not sent upstream");
+    // The stream is still in step: the next request is read as one.
+    s.check_read(&mut c, 2, 4096, 512);
+    c.disconnect();
+}
+
+#[test]
+fn a_read_with_a_payload_that_would_fill_goes_upstream() {
+    a_read_with_a_payload_goes_upstream(false);
+}
+
+#[test]
+fn a_read_with_a_payload_that_would_hit_goes_upstream() {
+    a_read_with_a_payload_goes_upstream(true);
+}

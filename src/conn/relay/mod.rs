@@ -82,11 +82,13 @@ where
     revocation::until_ended(registered, relay(ends, socket, link, registered)).await
 }
 
-/// The relay's layers, outermost first: each sees a request only if every
-/// layer before it passed it, and every reply. A new per-request feature
-/// (a quota, a rate limit) is one file in `layers/` that implements
-/// `layers::Layer`, and one `.with(...)` line here. Split into the two
-/// loops' halves once per session.
+/// The relay's layers, outermost first: each is asked to decide a request
+/// only if every layer before it passed it; the other events go to all
+/// (see `layers`). A new per-request feature (a quota, a rate limit) is
+/// one file in `layers/` that implements `layers::Layer` and one
+/// `.with(...)` line here, unless it must act outside a request
+/// (revocation also wraps the relay in `until_ended`, above). Split into
+/// the two loops' halves once per session.
 fn stack<'a>(
     link: &'a Transmit<'_>,
     (mode, read_only): (ReplyMode, bool),

@@ -45,8 +45,10 @@ pub fn max_reply(max_payload: u32) -> u64 {
 const SHUTDOWN_LINGER: std::time::Duration = std::time::Duration::from_millis(250);
 /// A buffer for payloads the layers see larger than this is not kept
 /// once used: a long read-ahead reply must not leave its buffer behind on
-/// every idle connection.
-const SCRATCH_KEPT: usize = super::layers::cache::TEE_MAX as usize;
+/// every idle connection. The loop's own figure, not a layer's: a layer
+/// that tees longer payloads still works, it only allocates per reply
+/// (the cache checks that its tees, up to `TEE_MAX`, fit).
+pub(in crate::conn::relay) const SCRATCH_KEPT: usize = (2 << 20) + (256 << 10);
 
 pub struct Replies<'a, U, L> {
     upstream: Buffered<U>,

@@ -148,11 +148,15 @@ impl<'a, C: AsyncRead + Unpin, U: AsyncWrite + Unpin, L: OnRequest> Requests<'a,
                 return Ok(queued || self.shutdown.is_draining());
             }
             Verdict::Answer(reply) => {
+                self.drop_payload_of_local(request, payload).await?;
                 if self.local.send(reply).await.is_err() {
                     return Ok(false);
                 }
             }
-            Verdict::Instead(own) => self.send_own(&[own]).await?,
+            Verdict::Instead(own) => {
+                self.drop_payload_of_local(request, payload).await?;
+                self.send_own(&[own]).await?;
+            }
             Verdict::End(error) => return Err(error),
         }
         let mut own = std::mem::take(&mut self.own);
@@ -161,6 +165,22 @@ impl<'a, C: AsyncRead + Unpin, U: AsyncWrite + Unpin, L: OnRequest> Requests<'a,
         own.clear();
         self.own = own;
         sent.map(|()| true)
+    }
+
+    /// A layer answers (or replaces) only requests without payload: a
+    /// payload left in the stream would be read as the next header. Should
+    /// one break that rule, its payload is still read and dropped.
+    async fn drop_payload_of_local(&mut self, req: &Request, len: u64) -> Result<(), ConnError> {
+        debug_assert_eq!(len, 0, "a layer answered a request with a payload");
+        if len != 0 {
+            let command = command_name(req.command);
+            tracing::error!(
+                command,
+                len,
+                "a layer answered a request with a payload: dropped"
+            );
+        }
+        self.discard(len).await
     }
 
     /// Requests of the layers' own, in one write.

@@ -11,8 +11,9 @@ use crate::metrics::Metrics;
 use crate::proto::consts::command_name;
 use crate::proto::transmission::{InFlight, ReplyMode, Request};
 
-/// Outermost in the stack, so that it sees every request, whichever
-/// layer decides it.
+/// Sees every request and every answer whichever layer decides it,
+/// because it listens to `arrived` and `answered`, which go to every
+/// layer (its place in the stack does not matter for that).
 pub struct Accounting<'a> {
     stats: &'a Stats,
     mode: ReplyMode,

@@ -26,10 +26,36 @@
 //!
 //! Dispatch is static: the stack is a nest of pairs (`Stack<((A, B), C)>`)
 //! whose methods the compiler inlines into the loops; a layer that is off
-//! for a session is an `Option` that passes everything. Layers are
-//! consulted in the order they are stacked (outermost first): the first
-//! that does not pass a request decides it, and the ones after it never
-//! see it.
+//! for a session is an `Option` that passes everything.
+//!
+//! Who sees what (the pair impls below are the whole of it):
+//!
+//! - [`OnRequest::request`] asks the layers in the order they are stacked
+//!   (outermost first); the first that does not pass a request decides
+//!   it, and the ones after it are not asked. Every other event goes to
+//!   every layer, whichever decided: [`OnRequest::arrived`] (each request
+//!   read), [`OnRequest::refused`] (after a `Refuse`), and
+//!   [`OnRequest::follow`], which runs after `Pass`, `Answer` and
+//!   `Instead` but not after `Refuse` or `End`, so a layer must look at
+//!   the request itself (the cache adds read-ahead only after a READ,
+//!   whether it was passed or its own). Accounting sees every request and
+//!   reply because it listens to `arrived` and `answered`, not because of
+//!   its place in the stack.
+//! - On the reply side every event goes to every layer: `take` is asked of
+//!   each and the strongest wish wins (`Claim` over `Tee` over `Pass`);
+//!   at most one layer may claim a reply, and at most one may answer from
+//!   `done` (debug builds assert both; a release build keeps the first
+//!   answer).
+//! - [`Verdict::Answer`] and [`Verdict::Instead`] are only for requests
+//!   without payload; the request loop drops a payload should a layer
+//!   break that rule.
+//!
+//! Adding a layer is a file and a `.with(...)` in `relay::run`, unless it
+//! needs what the interface does not carry: revocation, for one, also
+//! needs its `until_ended` wired into `relay::run` to end a session
+//! between requests. The reply loop keeps a scratch buffer for teed
+//! payloads up to its own `SCRATCH_KEPT`; a layer teeing longer ones
+//! allocates per reply.
 
 pub mod accounting;
 pub mod cache;
@@ -52,11 +78,14 @@ pub enum Verdict {
     /// Refused: the client gets this error, nothing goes upstream.
     Refuse { error: u32, message: &'static str },
     /// Answered by the layer: the reply goes to the client as it is.
+    /// Only for requests without payload (`request.payload_len(at.mode)`
+    /// is 0): the loop drops the payload of one that has it (and asserts
+    /// in debug builds), but the layer has answered what it never saw.
     Answer(Local),
     /// This request of the layer's own goes upstream instead (claimed in
     /// the flight table under its own cookie); the layer answers the
     /// client's request when that reply is done (see [`OnReply::done`]).
-    /// Only for requests without payload.
+    /// Only for requests without payload, as for `Answer`.
     Instead(Request),
     /// The session ends before this request reaches the upstream.
     End(ConnError),
@@ -118,6 +147,9 @@ pub trait OnReply {
     fn payload(&mut self, _frame: &ReplyFrame, _req: &InFlight, _payload: &[u8], _claimed: bool) {}
     /// A reply carried `error` (a simple reply's, or an error chunk's);
     /// `claimed`: in a reply a layer claimed, which the client never sees.
+    /// Also called, with `claimed` false, for an error reply a layer made
+    /// itself from [`OnReply::done`] (a failed fill) as it goes to the
+    /// client: the client got that error all the same.
     fn error(&mut self, _cookie: u64, _req: &InFlight, _error: u32, _claimed: bool) {}
     /// The reply to `cookie` is done. A layer that claimed it may answer
     /// the client request it made it for.
@@ -211,7 +243,12 @@ impl<A: OnRequest, B: OnRequest> OnRequest for (A, B) {
 
 impl<A: OnReply, B: OnReply> OnReply for (A, B) {
     fn take(&mut self, cookie: u64, req: &InFlight) -> Take {
-        self.0.take(cookie, req).max(self.1.take(cookie, req))
+        let (first, second) = (self.0.take(cookie, req), self.1.take(cookie, req));
+        debug_assert!(
+            first != Take::Claim || second != Take::Claim,
+            "two layers claim the reply to {cookie:#x}"
+        );
+        first.max(second)
     }
     fn payload(&mut self, frame: &ReplyFrame, req: &InFlight, payload: &[u8], claimed: bool) {
         self.0.payload(frame, req, payload, claimed);
@@ -224,6 +261,10 @@ impl<A: OnReply, B: OnReply> OnReply for (A, B) {
     fn done(&mut self, cookie: u64, claimed: bool) -> Option<Answer> {
         let first = self.0.done(cookie, claimed);
         let second = self.1.done(cookie, claimed);
+        debug_assert!(
+            first.is_none() || second.is_none(),
+            "two layers answer from the reply to {cookie:#x}"
+        );
         first.or(second)
     }
     fn answered(&mut self, command: u16, took: Duration) {

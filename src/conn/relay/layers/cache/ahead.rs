@@ -19,30 +19,26 @@ pub enum Purpose {
 
 /// nbdgw's own reads in flight, by cookie: the request side adds, the
 /// reply side takes away. At most `depth` read-aheads and `fills` fills.
-#[derive(Default)]
 pub struct Ahead {
     cookies: Mutex<HashMap<u64, Purpose>>,
     /// Where read-ahead ranges are marked as being fetched.
-    handle: Option<Handle>,
+    handle: Handle,
 }
 
 impl Drop for Ahead {
     /// The session ended with read-ahead in flight: other connections may
     /// fetch those blocks again.
     fn drop(&mut self) {
-        let Some(handle) = &self.handle else {
-            return;
-        };
         for purpose in self.lock().values() {
             if let Purpose::ReadAhead { offset, length } = *purpose {
-                handle.set_pending(offset, length, false);
+                self.handle.set_pending(offset, length, false);
             }
         }
     }
 }
 
 impl Ahead {
-    pub fn new(handle: Option<Handle>) -> Self {
+    pub fn new(handle: Handle) -> Self {
         Ahead {
             cookies: Mutex::default(),
             handle,
@@ -77,9 +73,8 @@ impl Ahead {
     /// read failed) and no longer being fetched.
     pub fn done(&self, cookie: u64) {
         let purpose = self.lock().remove(&cookie);
-        if let (Some(Purpose::ReadAhead { offset, length }), Some(handle)) = (purpose, &self.handle)
-        {
-            handle.set_pending(offset, length, false);
+        if let Some(Purpose::ReadAhead { offset, length }) = purpose {
+            self.handle.set_pending(offset, length, false);
         }
     }
 }

@@ -39,6 +39,8 @@ pub const MAX_HIT: u64 = 2 * 1024 * 1024;
 /// buffer as long as `--max-payload` on its connection. Fill reads (at
 /// most `MAX_HIT` and a block either side) always fit.
 pub const TEE_MAX: u64 = MAX_HIT + 2 * crate::cache::BLOCK_SIZE + 8;
+// A teed reply's buffer is kept for the next one on the connection.
+const _: () = assert!(TEE_MAX <= crate::conn::relay::replies::SCRATCH_KEPT as u64);
 /// Cookies for read-ahead start here and count up, skipping any the
 /// client has in flight: a client may use any value, so this is only
 /// where a clash is least likely, not a reserved range.
@@ -75,7 +77,7 @@ impl Layer for ReadCache {
     type Requests = CacheRequests;
     type Replies = CacheReplies;
     fn split(self) -> (CacheRequests, CacheReplies) {
-        let ahead = Arc::new(Ahead::new(Some(self.cached.handle.clone())));
+        let ahead = Arc::new(Ahead::new(self.cached.handle.clone()));
         let replies = CacheReplies::new(self.cached.handle.clone(), ahead.clone(), self.mode);
         (CacheRequests::new(self.cached, ahead), replies)
     }

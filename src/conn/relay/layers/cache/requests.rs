@@ -61,11 +61,11 @@ impl CacheRequests {
         })
     }
 
-    /// The read-ahead requests to send upstream after this client
-    /// request, each already claimed in the flight table.
-    fn read_ahead(&mut self, request: &Request, flight: &Flight) -> Vec<Request> {
+    /// Adds to `out` the read-ahead requests to send upstream after this
+    /// client request, each already claimed in the flight table.
+    fn read_ahead(&mut self, request: &Request, flight: &Flight, out: &mut Vec<Request>) {
         if request.command != CMD_READ {
-            return Vec::new();
+            return;
         }
         let depth = u64::from(self.cached.depth);
         let room = (self.cached.depth as usize).saturating_sub(self.ahead.read_aheads());
@@ -76,13 +76,11 @@ impl CacheRequests {
             (depth, room),
             |offset, length| handle.missing(offset, length),
         );
-        plan.into_iter()
-            .map(|(offset, length)| {
-                self.cached.handle.set_pending(offset, length, true);
-                let purpose = Purpose::ReadAhead { offset, length };
-                self.own_read((offset, length), purpose, flight)
-            })
-            .collect()
+        for (offset, length) in plan {
+            self.cached.handle.set_pending(offset, length, true);
+            let purpose = Purpose::ReadAhead { offset, length };
+            out.push(self.own_read((offset, length), purpose, flight));
+        }
     }
 
     /// For a READ that missed: the read of the whole blocks around it to
@@ -151,9 +149,16 @@ impl CacheRequests {
 }
 
 impl OnRequest for CacheRequests {
-    /// A hit, a fill, or (a READ the cache cannot take) as it came.
+    /// A hit, a fill, or (a READ the cache cannot take) as it came. A READ
+    /// that carries a payload (NBD_CMD_FLAG_PAYLOAD_LEN) is the upstream's
+    /// to judge (qemu-nbd: EINVAL), payload and all: answering it here
+    /// would leave its payload in the stream.
     fn request(&mut self, at: &At<'_>, request: &Request) -> Verdict {
         if request.command != CMD_READ {
+            return Verdict::Pass;
+        }
+        if request.payload_len(at.mode) != 0 {
+            self.cached.handle.count_upstream_read();
             return Verdict::Pass;
         }
         if let Some(hit) = self.answer(at.mode, request) {
@@ -169,8 +174,8 @@ impl OnRequest for CacheRequests {
     /// cache and never reach the client. None for a session that is
     /// closing: its replies would only hold the drain up.
     fn follow(&mut self, at: &At<'_>, request: &Request, out: &mut Vec<Request>) {
-        if at.draining.is_none() {
-            out.extend(self.read_ahead(request, at.flight));
+        if at.draining.is_none() && request.payload_len(at.mode) == 0 {
+            self.read_ahead(request, at.flight, out);
         }
     }
 }
