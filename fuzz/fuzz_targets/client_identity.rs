@@ -4,10 +4,10 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use nbdgw::tls::{AllowList, CertInfo};
+use nbdgw::identity::{AllowList, CertInfo};
 
 fuzz_target!(|data: &[u8]| {
-    let described = nbdgw::tls::identity::describe(data);
+    let described = nbdgw::identity::describe(data);
     assert!(
         !described.chars().any(char::is_control),
         "a control character reaches the log: {described:?}"

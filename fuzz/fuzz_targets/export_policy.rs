@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
 use nbdgw::policy::{Access, Policy};
-use nbdgw::tls::CertInfo;
+use nbdgw::identity::CertInfo;
 
 const POLICY: &str = r#"
 [[rule]]
