@@ -251,6 +251,48 @@ class Containerfile(unittest.TestCase):
         self.assertIn("target", (REPO / ".containerignore").read_text().split())
 
 
+class ContainerScripts(unittest.TestCase):
+    """scripts/container-*.sh's failure paths, with a fake apt-get: a base
+    whose making fails must stop the run and must not be cached."""
+
+    def run_bases(self, body, apt_get):
+        scratch = Path(tempfile.mkdtemp(prefix="nbdgw-bases-"))
+        self.addCleanup(shutil.rmtree, scratch)
+        (scratch / "bin").mkdir()
+        fake = scratch / "bin" / "apt-get"
+        fake.write_text("#!/bin/sh\n" + apt_get)
+        fake.chmod(0o755)
+        (scratch / "cache").mkdir()
+        (scratch / "work").mkdir()
+        # The shell options exactly as container-test.sh sets them.
+        header = (REPO / "scripts" / "container-test.sh").read_text().split("\ncd ")[0]
+        script = header + f"""
+cache={scratch}/cache work={scratch}/work
+log() {{ :; }}
+fail() {{ echo "FAILED: $*" >&2; exit 1; }}
+source {REPO}/scripts/container-bases.sh
+{body}
+echo reached
+"""
+        env = dict(os.environ, PATH=f"{scratch / 'bin'}:{os.environ['PATH']}")
+        done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+        return done, sorted(p.name for p in (scratch / "cache").iterdir())
+
+    def test_a_failed_download_stops_the_run_and_caches_no_runtime_base(self):
+        # A fake apt-get (a mirror that 404s): the lists and the URIs
+        # answer, the download fails.
+        apt_get = """case "$*" in
+  *--print-uris*) echo "'http://mirror/libc6.deb' libc6.deb 1 SHA256:00" ;;
+  update*) ;;
+  *) echo "E: 404 Not Found" >&2; exit 100 ;;
+esac
+"""
+        done, cached = self.run_bases("main() { runtime=$(runtime_image); }; main", apt_get)
+        self.assertNotIn("reached", done.stdout, done.stderr)
+        self.assertNotEqual(done.returncode, 0)
+        self.assertEqual(cached, [], done.stderr)
+
+
 class Pod:
     """The manifests' containers as local processes; each volume a directory."""
 

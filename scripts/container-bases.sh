@@ -29,7 +29,7 @@ minbase_tar() {
     if [ ! -s "$tar" ]; then
         root=$(mktemp -d "$work/minbase.XXXX")
         log "debootstrap --variant=minbase $suite (cached as $tar)"
-        nice -n 10 debootstrap --variant=minbase "$suite" "$root" "$mirror" >"$work/debootstrap.log" 2>&1 ||
+        nice -n 10 timeout 600 debootstrap --variant=minbase "$suite" "$root" "$mirror" >"$work/debootstrap.log" 2>&1 ||
             { tail -20 "$work/debootstrap.log" >&2; return 1; }
         rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
         tar -C "$root" -cf "$tar.part" . && mv "$tar.part" "$tar"
@@ -53,14 +53,21 @@ import_root() {
 path_env='ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin'
 
 minbase_image() {
-    import_root "$(minbase_tar)" localhost/nbdgw-test/bookworm-minbase "$path_env" 'CMD ["bash"]'
+    # In its own assignment: a failure inside "$(...)" as an argument is
+    # not seen by set -e.
+    local tar
+    tar=$(minbase_tar)
+    import_root "$tar" localhost/nbdgw-test/bookworm-minbase "$path_env" 'CMD ["bash"]'
 }
 
 # distroless/cc's content from the packages themselves: unpacked, not
 # installed (no maintainer scripts, no dpkg database, no shell), plus the
 # users and the CA bundle their scripts would have made.
 runtime_image() {
-    local key tar root debs
+    local key tar root debs got
+    # Fresh lists: after a security update the old ones name .debs the
+    # mirror no longer has (404).
+    apt-get update -qq
     key=$(apt-get download --print-uris "${runtime_packages[@]}" 2>/dev/null | awk '{print $2}' | sort | key_of)
     tar="$cache/runtime-$key.tar"
     if [ ! -s "$tar" ]; then
@@ -70,6 +77,9 @@ runtime_image() {
         # apt downloads as _apt where it can.
         chown _apt "$debs" 2>/dev/null || true
         (cd "$debs" && apt-get download "${runtime_packages[@]}" >/dev/null)
+        got=$(find "$debs" -name '*.deb' | wc -l)
+        [ "$got" -eq "${#runtime_packages[@]}" ] ||
+            { echo "container-test: $got .debs downloaded for ${#runtime_packages[@]} packages" >&2; return 1; }
         for deb in "$debs"/*.deb; do dpkg-deb -x "$deb" "$root"; done
         make_runtime_root "$root"
         tar -C "$root" -cf "$tar.part" . && mv "$tar.part" "$tar"
@@ -90,6 +100,13 @@ make_runtime_root() {
     # What update-ca-certificates would write from the packaged certificates.
     mkdir -p "$root/etc/ssl/certs"
     cat "$root"/usr/share/ca-certificates/mozilla/*.crt >"$root/etc/ssl/certs/ca-certificates.crt"
+    # What nbdgw cannot run without, checked before the root is cached.
+    # (The file itself: /lib64's link is absolute, so -e on it would
+    # look at the host's.)
+    [ -L "$root/lib64/ld-linux-x86-64.so.2" ] && [ -f "$root/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2" ] ||
+        { echo "container-test: no ld-linux in the runtime base" >&2; return 1; }
+    [ -s "$root/etc/ssl/certs/ca-certificates.crt" ] ||
+        { echo "container-test: an empty CA bundle in the runtime base" >&2; return 1; }
     # The point of distroless: nothing to run but the program.
     if [ -n "$(find "$root" -name sh -o -name bash -o -name dash)" ]; then
         echo "container-test: a shell slipped into the runtime base" >&2
@@ -105,7 +122,7 @@ builder_image() {
     local base=$1 sysroot key image context
     sysroot=$(rustc --print sysroot)
     key=$( { echo "$base ${builder_packages[*]}"; rustc -vV; cargo -V; declare -f builder_containerfile
-        cat /usr/local/share/ca-certificates/*.crt 2>/dev/null; } | key_of)
+        cat /usr/local/share/ca-certificates/*.crt 2>/dev/null || true; } | key_of)
     image="localhost/nbdgw-test/rust-builder:$key"
     if ! image_exists "$image"; then
         log "builder from $base and $(rustc -V)"

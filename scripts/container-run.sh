@@ -123,6 +123,8 @@ filled_volume() {
     shift
     podman volume create --label "nbdgw-test=$run_id" "$name" >/dev/null
     mount=$(podman volume mount "$name")
+    # Never into an empty path: "$mount/" would be the host's /.
+    [ -n "$mount" ] && [ -d "$mount" ] && [ "$mount" != / ] || fail "podman volume mount $name gave '$mount'"
     cp "$@" "$mount/"
     chown -R 65532:65532 "$mount"
     podman volume unmount "$name" >/dev/null

@@ -11,7 +11,7 @@
 #    mutual TLS; nbdinfo, nbdcopy (checksum), qemu-img and qemu-io on this
 #    host are its clients.
 # 3. `podman kube play` runs the kustomize base through the test overlay
-#    deploy/kubernetes/test-podman/ (what podman 4.3 lacks, patched there);
+#    deploy/kubernetes-test-podman/ (what podman 4.3 lacks, patched there);
 #    the backup identity copies the disk (checksum) and is refused a write,
 #    an unknown identity is refused, /readyz and /metrics answer; then
 #    `podman kube down`, and nothing may be left.
@@ -23,6 +23,10 @@
 #   scripts/container-test.sh --no-pod   # the image only
 #   NBDGW_CONTAINER_REUSE=1 scripts/container-test.sh   # no build if built
 set -euo pipefail
+# Without it bash switches -e off inside $(...), where the bases are made:
+# a failed step would cache a broken base (the review's experiment: a
+# 10 KB runtime tarball, status 0, reused by every later run).
+shopt -s inherit_errexit
 cd "$(dirname "$0")/.."
 repo=$PWD
 started=$SECONDS
