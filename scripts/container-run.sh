@@ -160,10 +160,9 @@ run_pod() {
     uri="nbds://localhost:$pod_nbd_port/disk?tls-certificates=$work/pki"
     timeout 120 nbdcopy "$uri" "$work/pod-copy.img" || { pod_logs; fail "the backup identity's nbdcopy through the pod"; }
     [ "$(sha "$work/pod-copy.img")" = "$(sha "$disk")" ] || fail "the pod's copy differs from the disk"
-    head -c 1M /dev/urandom >"$work/junk.img"
-    timeout 60 nbdcopy -- "$work/junk.img" "$uri" 2>"$work/write.err" && fail "the backup identity wrote through the pod"
+    pod_write_refused "$uri"
     [ "$(sha "$work/pod-data/disk.img")" = "$(sha "$disk")" ] || fail "the refused write changed the disk"
-    log "through the pod: the backup identity's nbdcopy (16 MiB, sha256 equal), its write refused ($(tail -1 "$work/write.err" | sed 's/.*: //'))"
+    log "through the pod: the backup identity's nbdcopy (16 MiB, sha256 equal); its write, put on the wire, refused by nbdgw (EPERM), and its session audited read-only by policy:1"
     intruder="$work/intruder"
     install -d -m 0700 "$intruder"
     cp "$work/pki/ca-cert.pem" "$intruder/"
@@ -175,6 +174,61 @@ run_pod() {
     grep -qx 'nbdgw_identities_refused_total 1' "$work/metrics" || fail "/metrics did not count the unknown identity"
     log "an unknown identity refused (nbdgw_identities_refused_total 1 in /metrics)"
     pod_down
+}
+
+# The backup identity's write, refused by nbdgw itself. nbdcopy would not
+# do: libnbd refuses to write to a read-only export before anything is
+# sent. So libnbd's strict check is switched off and a real NBD_CMD_WRITE
+# goes out; nbdgw's own error text (libnbd's debug "structured error server
+# message") tells its refusal from qemu-nbd's. The answer alone cannot show
+# the policy (nbdgw refuses any write to an export qemu-nbd serves
+# --read-only), so the session's audit line must say access "read-only"
+# under policy:1 for that identity.
+pod_write_refused() {
+    local uri=$1
+    timeout 60 /usr/bin/python3 - "$uri" >"$work/write.out" 2>&1 <<'EOF' || { cat "$work/write.out" >&2; pod_logs; fail "the backup identity's write was not refused by nbdgw"; }
+import errno, sys
+import nbd
+h = nbd.NBD()
+said = []
+h.set_debug_callback(lambda context, message: said.append(message))
+h.set_debug(True)
+h.set_strict_mode(h.get_strict_mode() & ~nbd.STRICT_COMMANDS)
+h.set_uri_allow_local_file(True)
+h.connect_uri(sys.argv[1])
+assert h.is_read_only(), "the export is not advertised read-only"
+try:
+    h.pwrite(b"\x5a" * 65536, 0)
+except nbd.Error as e:
+    assert e.errnum == errno.EPERM, f"the write failed otherwise: {e}"
+else:
+    sys.exit("the write was acknowledged")
+servers = [m for m in said if "server message" in m]
+assert any("nbdgw: the export is read-only" in m for m in servers), f"not nbdgw's refusal: {servers}"
+h.shutdown()
+EOF
+    podman logs disk-export-pod-nbdgw >"$work/pod-nbdgw.log" 2>&1
+    audited_read_only "$work/pod-nbdgw.log" "$backup_uri" || fail "the backup identity's session was not audited read-only by policy:1"
+}
+
+# A `negotiated` audit line (JSON) for the identity $2 in log $1 that says
+# access "read-only" under policy:1.
+audited_read_only() {
+    /usr/bin/python3 - "$1" "$2" <<'EOF'
+import json, sys
+path, uri = sys.argv[1:]
+for line in open(path):
+    try:
+        entry = json.loads(line)
+    except ValueError:
+        continue
+    fields = entry.get("fields", {})
+    if (entry.get("target") == "nbdgw::audit" and fields.get("message") == "negotiated"
+            and f'URI ["{uri}"]' in fields.get("client", "")):
+        wanted = ("read-only", "policy:1", True)
+        sys.exit(0 if (fields.get("access"), fields.get("rule"), fields.get("read_only")) == wanted else f"audited as {fields}")
+sys.exit(f"no negotiated line for {uri}")
+EOF
 }
 
 pod_logs() { podman pod logs disk-export-pod 2>&1 | tail -30 >&2; }
