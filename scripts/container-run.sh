@@ -152,7 +152,7 @@ run_pod() {
     podman volume exists nbdgw-policy && fail "a volume nbdgw-policy exists already"
     podman_objects >"$work/before-play"
     disk=$(pod_volumes)
-    kubectl kustomize deploy/kubernetes-test-podman >"$work/pod.yaml"
+    "$kubectl" kustomize deploy/kubernetes-test-podman >"$work/pod.yaml"
     pod_yaml="$work/pod.yaml"
     timeout 180 podman kube play "$pod_yaml" >"$work/play.log" 2>&1 || { cat "$work/play.log" >&2; fail "podman kube play"; }
     wait_ready "$admin/readyz" "the pod's nbdgw"

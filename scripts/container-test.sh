@@ -34,7 +34,11 @@ log() { echo "container-test: [$((SECONDS - started))s] $*" >&2; }
 fail() { echo "container-test: FAILED: $*" >&2; exit 1; }
 
 [ "$(id -u)" -eq 0 ] || fail "needs root (debootstrap, and podman's rootful storage)"
-for tool in podman buildah runc debootstrap kubectl qemu-nbd nbdinfo nbdcopy qemu-img qemu-io curl; do
+# kubectl from the deploy virtualenv scripts/setup.sh makes (as test.sh).
+deploy_venv="${NBDGW_DEPLOY_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/nbdgw/deploy-venv-2}"
+kubectl="$deploy_venv/bin/kubectl"
+[ -x "$kubectl" ] || fail "$kubectl is missing: run scripts/setup.sh"
+for tool in podman buildah runc debootstrap qemu-nbd nbdinfo nbdcopy qemu-img qemu-io curl; do
     command -v "$tool" >/dev/null || fail "$tool is missing: run scripts/setup.sh"
 done
 export CONTAINERS_CONF="$repo/scripts/containers.conf"

@@ -19,8 +19,9 @@ bash -c 'source docs/reference/completions/nbdgw.bash && complete -p nbdgw' >/de
 /usr/bin/python3 scripts/check_shape.py
 # The Containerfile, the Kubernetes manifests (validated, linted, and their
 # command lines run as local processes) and nothing else in deploy/.
-deploy_venv="${NBDGW_DEPLOY_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/nbdgw/deploy-venv-1}"
-NBDGW_DEPLOY_VENV="$deploy_venv" "$deploy_venv/bin/python" -m unittest -v deploy/test_deploy.py
+deploy_venv="${NBDGW_DEPLOY_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/nbdgw/deploy-venv-2}"
+export NBDGW_DEPLOY_VENV="$deploy_venv"
+"$deploy_venv/bin/python" -m unittest -v deploy/test_deploy.py
 # The image built from deploy/container/ (both stages, the release build
 # inside the builder) and run hardened with real clients, and the pod run
 # with `podman kube play` (bases cached in ~/.cache/nbdgw/container).
