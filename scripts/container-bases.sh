@@ -117,7 +117,8 @@ make_runtime_root() {
 # rust:1.95-bookworm stand-in: the minbase root, a C toolchain from Debian,
 # and this machine's Rust toolchain (rustc, cargo and the standard library,
 # copied, not downloaded), so that the Containerfile's build stage really
-# compiles inside it.
+# compiles inside it. Sets $builder, not printed: run outside "$(...)",
+# so that its build_pid is the main shell's, which the cleanup kills.
 builder_image() {
     local base=$1 sysroot key image context
     sysroot=$(rustc --print sysroot)
@@ -135,11 +136,16 @@ builder_image() {
         mkdir -p "$context/local-ca"
         cp /usr/local/share/ca-certificates/*.crt "$context/local-ca/" 2>/dev/null || true
         builder_containerfile "$base" >"$context/Containerfile"
-        nice -n 10 timeout 900 podman build --quiet --pull=never -t "$image" "$context" >"$work/build-builder.log" 2>&1 ||
+        # In the background and waited for, so that an INT or TERM trap runs
+        # at once, not after the build.
+        nice -n 10 timeout 900 podman build --quiet --pull=never -t "$image" "$context" >"$work/build-builder.log" 2>&1 &
+        build_pid=$!
+        wait "$build_pid" ||
             { tail -20 "$work/build-builder.log" >&2; return 1; }
+        build_pid=""
         rm -rf "$context"
     fi
-    echo "$image"
+    builder=$image
 }
 
 builder_containerfile() {

@@ -17,14 +17,20 @@ build_images() {
     nice -n 10 timeout 1800 podman build --pull=never --layers=false \
         --build-context "docker.io/library/rust:$wanted-bookworm=container-image://$builder" \
         --build-context "gcr.io/distroless/cc-debian12:nonroot=container-image://$runtime" \
-        -f deploy/container/Containerfile -t "$nbdgw_image" . >"$work/build-nbdgw.log" 2>&1 ||
+        -f deploy/container/Containerfile -t "$nbdgw_image" . >"$work/build-nbdgw.log" 2>&1 &
+    build_pid=$!
+    wait "$build_pid" ||
         { tail -30 "$work/build-nbdgw.log" >&2; fail "the nbdgw image did not build"; }
+    build_pid=""
     log "nbdgw image built in $((SECONDS - t0)) s; size $(image_size "$nbdgw_image")"
     t0=$SECONDS
     nice -n 10 timeout 900 podman build --pull=never \
         --build-context "docker.io/library/debian:bookworm-slim=container-image://$minbase" \
-        -f deploy/container/nbd-tools.Containerfile -t "$tools_image" deploy/container >"$work/build-tools.log" 2>&1 ||
+        -f deploy/container/nbd-tools.Containerfile -t "$tools_image" deploy/container >"$work/build-tools.log" 2>&1 &
+    build_pid=$!
+    wait "$build_pid" ||
         { tail -30 "$work/build-tools.log" >&2; fail "the nbd-tools image did not build"; }
+    build_pid=""
     log "nbd-tools image built in $((SECONDS - t0)) s; size $(image_size "$tools_image")"
     for id in $old; do
         if podman image inspect --format '{{.RepoTags}}' "$id" 2>/dev/null | grep -qx '\[\]'; then
@@ -38,13 +44,37 @@ image_size() { podman image inspect --format '{{.Size}}' "$1" | awk '{printf "%.
 # The hardening a cluster's restricted profile asks for, on every container.
 hardened=(--read-only --user 65532:65532 --cap-drop ALL --security-opt no-new-privileges --label "nbdgw-test=$run_id")
 
+# Until $url answers 200, while container $2 runs: a container that died
+# fails at once with its log, and one that never answers within 180 s
+# (a loaded machine) with its log too. Logs are printed here, before the
+# cleanup removes the containers.
 wait_ready() {
-    local url=$1 what=$2
-    for _ in $(seq 600); do
-        [ "$(curl -s -o /dev/null -w '%{http_code}' "$url")" = 200 ] && return 0
-        sleep 0.1
+    local url=$1 container=$2 deadline=$((SECONDS + 180))
+    while [ "$SECONDS" -lt "$deadline" ]; do
+        [ "$(curl -s --max-time 5 -o /dev/null -w '%{http_code}' "$url")" = 200 ] && return 0
+        if [ "$(podman inspect --format '{{.State.Running}}' "$container" 2>/dev/null)" != true ]; then
+            podman logs "$container" 2>&1 | tail -30 >&2
+            fail "$container stopped before $url answered 200"
+        fi
+        sleep 0.2
     done
-    fail "$what never answered 200 at $url"
+    podman logs "$container" 2>&1 | tail -30 >&2
+    fail "$container never answered 200 at $url in 180 s"
+}
+
+# What --read-only, --user, --cap-drop ALL and no-new-privileges (or the
+# pod's securityContext) really gave the container's process: every uid
+# 65532, no effective capability, NoNewPrivs, and / mounted read-only.
+check_hardened() {
+    local container=$1 pid status
+    pid=$(podman inspect --format '{{.State.Pid}}' "$container")
+    [ "${pid:-0}" -gt 0 ] || fail "$container has no process"
+    status=$(cat "/proc/$pid/status")
+    grep -Eq '^Uid:\s+65532\s+65532\s+65532\s+65532$' <<<"$status" || fail "$container runs as $(grep ^Uid: <<<"$status")"
+    grep -Eq '^CapEff:\s+0+$' <<<"$status" || fail "$container has capabilities: $(grep ^CapEff: <<<"$status")"
+    grep -Eq '^NoNewPrivs:\s+1$' <<<"$status" || fail "$container lacks no-new-privileges"
+    awk '$2 == "/" {ro = ($4 ~ /(^|,)ro(,|$)/)} END {exit !ro}' "/proc/$pid/mounts" ||
+        fail "$container's / is not read-only: $(awk '$2 == "/"' "/proc/$pid/mounts")"
 }
 
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
@@ -81,8 +111,9 @@ run_image() {
         -v "$work/run:/run/nbd" -v "$work/tls:/etc/nbdgw/tls:ro" -e RUST_LOG=info "$nbdgw_image" \
         --listen '[::]:10809' --admin-listen '0.0.0.0:9090' --tls-dir /etc/nbdgw/tls \
         --upstream /run/nbd/disk.sock >/dev/null
-    wait_ready "http://127.0.0.1:$admin/readyz" "the nbdgw container"
-    log "nbdgw container ready: read-only, user 65532, no capabilities, no-new-privileges"
+    wait_ready "http://127.0.0.1:$admin/readyz" "$run_id-nbdgw"
+    check_hardened "$run_id-nbdgw"
+    log "nbdgw container ready: read-only /, uid 65532, CapEff 0, NoNewPrivs 1 (read in /proc)"
     uri="nbds://localhost:$port/disk?tls-certificates=$work/pki"
     image_clients "$uri" "$port" "$disk"
     # A clean stop: SIGTERM, the drain, exit status 0.
@@ -113,6 +144,9 @@ image_clients() {
 # The ports deploy/kubernetes-test-podman publishes on the host's loopback.
 pod_nbd_port=31809
 pod_admin_port=31909
+# podman 4.3 names a Deployment's pod NAME-pod-0, its containers
+# NAME-pod-0-CONTAINER (seen here).
+pod_name=disk-export-pod-0
 
 port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
@@ -148,15 +182,18 @@ pod_volumes() {
 run_pod() {
     local disk uri admin="http://127.0.0.1:$pod_admin_port" intruder
     for port in $pod_nbd_port $pod_admin_port; do port_free "$port" || fail "port $port (the test overlay's hostPort) is in use"; done
-    podman pod exists disk-export-pod && fail "a pod disk-export-pod exists already"
+    podman pod exists "$pod_name" && fail "a pod $pod_name exists already (not a killed run's: it lacks the label nbdgw-test=overlay)"
     podman volume exists nbdgw-policy && fail "a volume nbdgw-policy exists already"
     podman_objects >"$work/before-play"
     disk=$(pod_volumes)
     "$kubectl" kustomize deploy/kubernetes-test-podman >"$work/pod.yaml"
     pod_yaml="$work/pod.yaml"
     timeout 180 podman kube play "$pod_yaml" >"$work/play.log" 2>&1 || { cat "$work/play.log" >&2; fail "podman kube play"; }
-    wait_ready "$admin/readyz" "the pod's nbdgw"
-    log "pod up (podman kube play of deploy/kubernetes-test-podman); /readyz 200"
+    podman container exists "$pod_name-nbdgw" ||
+        fail "kube play made no container $pod_name-nbdgw: $(podman ps -a --format '{{.Names}}' | tr '\n' ' ')"
+    wait_ready "$admin/readyz" "$pod_name-nbdgw"
+    check_hardened "$pod_name-nbdgw"
+    log "pod up (podman kube play of deploy/kubernetes-test-podman); /readyz 200; its nbdgw read-only /, uid 65532, CapEff 0, NoNewPrivs 1"
     uri="nbds://localhost:$pod_nbd_port/disk?tls-certificates=$work/pki"
     timeout 120 nbdcopy "$uri" "$work/pod-copy.img" || { pod_logs; fail "the backup identity's nbdcopy through the pod"; }
     [ "$(sha "$work/pod-copy.img")" = "$(sha "$disk")" ] || fail "the pod's copy differs from the disk"
@@ -170,7 +207,7 @@ run_pod() {
     cp "$work/pki/client-intruder-key.pem" "$intruder/client-key.pem"
     timeout 60 nbdinfo "nbds://localhost:$pod_nbd_port/disk?tls-certificates=$intruder" >/dev/null 2>&1 &&
         fail "an unknown identity opened the export"
-    curl -sf "$admin/metrics" >"$work/metrics"
+    curl -sf --max-time 10 "$admin/metrics" >"$work/metrics"
     grep -qx 'nbdgw_identities_refused_total 1' "$work/metrics" || fail "/metrics did not count the unknown identity"
     log "an unknown identity refused (nbdgw_identities_refused_total 1 in /metrics)"
     pod_down
@@ -207,7 +244,7 @@ servers = [m for m in said if "server message" in m]
 assert any("nbdgw: the export is read-only" in m for m in servers), f"not nbdgw's refusal: {servers}"
 h.shutdown()
 EOF
-    podman logs disk-export-pod-nbdgw >"$work/pod-nbdgw.log" 2>&1
+    podman logs "$pod_name-nbdgw" >"$work/pod-nbdgw.log" 2>&1
     audited_read_only "$work/pod-nbdgw.log" "$backup_uri" || fail "the backup identity's session was not audited read-only by policy:1"
 }
 
@@ -231,7 +268,7 @@ sys.exit(f"no negotiated line for {uri}")
 EOF
 }
 
-pod_logs() { podman pod logs disk-export-pod 2>&1 | tail -30 >&2; }
+pod_logs() { podman pod logs "$pod_name" 2>&1 | tail -30 >&2; }
 
 # Every pod, container, volume and secret podman has, one a line.
 podman_objects() {

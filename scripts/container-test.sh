@@ -48,10 +48,14 @@ work=$(mktemp -d /tmp/nbdgw-container.XXXXXX)
 chmod 0755 "$work"
 run_id="nbdgw-test-$$"
 pod_yaml=""
+build_pid=""
 
 cleanup() {
     local status=$?
     set +e
+    # A build still running (the run was interrupted): timeout passes the
+    # TERM on to podman build.
+    [ -z "$build_pid" ] || { kill "$build_pid"; wait "$build_pid"; } 2>/dev/null
     if [ -n "$pod_yaml" ]; then
         timeout 120 podman kube down "$pod_yaml" >/dev/null 2>&1
         podman volume rm nbdgw-policy >/dev/null 2>&1  # what kube down leaves
@@ -59,12 +63,28 @@ cleanup() {
     podman ps -a --filter "label=nbdgw-test=$run_id" -q | xargs -r podman rm -f -t 5 >/dev/null 2>&1
     podman pod ls --filter "label=nbdgw-test=$run_id" -q | xargs -r podman pod rm -f >/dev/null 2>&1
     podman volume ls --filter "label=nbdgw-test=$run_id" -q | xargs -r podman volume rm -f >/dev/null 2>&1
+    # An interrupted build's working containers (buildah's, GBs), which
+    # podman ps shows only with --external: those on this script's bases.
+    podman ps -a --external --format '{{.ID}} {{.Image}}' | awk '$2 ~ /^localhost\/nbdgw-test\// {print $1}' |
+        xargs -r podman rm -f >/dev/null 2>&1
     rm -rf "$work"
     [ "$status" -eq 0 ] || echo "container-test: FAILED (exit $status) after $((SECONDS - started)) s" >&2
     exit "$status"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
+
+# What a killed run left (holding the lock, no other run is going):
+# containers and volumes labelled nbdgw-test, the overlay's pod, and the
+# ConfigMap's volume only if that pod was there (kube down leaves it).
+remove_stale() {
+    local pods
+    pods=$(podman pod ls -q --filter label=nbdgw-test=overlay)
+    [ -z "$pods" ] || { log "removing a killed run's pod"; podman pod rm -f $pods >/dev/null; }
+    podman ps -a -q --filter label=nbdgw-test | xargs -r podman rm -f >/dev/null
+    podman volume ls -q --filter label=nbdgw-test | xargs -r podman volume rm -f >/dev/null
+    [ -z "$pods" ] || ! podman volume exists nbdgw-policy || podman volume rm -f nbdgw-policy >/dev/null
+}
 
 # shellcheck source=scripts/container-bases.sh
 source scripts/container-bases.sh
@@ -74,6 +94,11 @@ source scripts/container-run.sh
 # The rest in one function, which bash reads whole before running it: an
 # edit of this file during a run cannot derail the run.
 main() {
+# One run at a time: two would share the :test tags, the hostPorts and the
+# pod's names.
+exec 9>"$cache/lock"
+flock -w 3600 9 || fail "another container-test.sh held $cache/lock for an hour"
+remove_stale
 # The toolchain copied into the builder must be the one the Containerfile
 # names, or the stand-in would build with another compiler.
 wanted=$(sed -n 's|^FROM docker.io/library/rust:\([0-9.]*\)-bookworm AS build$|\1|p' deploy/container/Containerfile)
@@ -87,7 +112,7 @@ if [ "${NBDGW_CONTAINER_REUSE:-}" = 1 ] && podman image exists "$nbdgw_image" &&
 else
     minbase=$(minbase_image)
     runtime=$(runtime_image)
-    builder=$(builder_image "$minbase")
+    builder_image "$minbase"
     log "bases: $minbase $runtime $builder"
     build_images "$minbase" "$runtime" "$builder"
 fi
