@@ -174,6 +174,9 @@ class Manifests(unittest.TestCase):
         pod = load("deployment.yaml")["spec"]["template"]["spec"]
         sidecar, = pod["initContainers"]
         nbdgw, = pod["containers"]
+        # The test overlay's JSON patch moves initContainers/0 by index:
+        # it must be qemu-nbd, the only one.
+        self.assertEqual(sidecar["name"], "qemu-nbd")
         # qemu-nbd starts first and stops last.
         self.assertEqual(sidecar["restartPolicy"], "Always")
         # One user for both, so nbdgw may connect to qemu-nbd's socket.
@@ -202,6 +205,22 @@ class Manifests(unittest.TestCase):
         annotations = load("deployment.yaml")["spec"]["template"]["metadata"]["annotations"]
         self.assertEqual(annotations["prometheus.io/port"], flags["admin-listen"].rsplit(":", 1)[1])
 
+    def test_the_podman_overlay_renders_the_pod_container_test_expects(self):
+        rendered = subprocess.run([tool("kubectl"), "kustomize", str(REPO / "deploy" / "kubernetes-test-podman")],
+                                  capture_output=True, text=True, timeout=60)
+        self.assertEqual(rendered.returncode, 0, rendered.stderr)
+        deployment, = [d for d in yaml.safe_load_all(rendered.stdout) if d and d["kind"] == "Deployment"]
+        template = deployment["spec"]["template"]
+        self.assertEqual(template["metadata"]["labels"]["nbdgw-test"], "overlay")
+        pod = template["spec"]
+        self.assertNotIn("initContainers", pod)
+        self.assertEqual([c["name"] for c in pod["containers"]], ["qemu-nbd", "nbdgw"])
+        self.assertNotIn("restartPolicy", pod["containers"][0])
+        ports = {p["name"]: p["hostPort"] for p in pod["containers"][1]["ports"]}
+        script = (REPO / "scripts" / "container-run.sh").read_text()
+        self.assertIn(f"pod_nbd_port={ports['nbd']}\n", script)
+        self.assertIn(f"pod_admin_port={ports['admin']}\n", script)
+
     def test_client_modes_job_follows_the_same_pitfalls(self):
         job = load("backup-via-client-job.yaml", CLIENT_MODE)
         pod = job["spec"]["template"]["spec"]
@@ -211,6 +230,12 @@ class Manifests(unittest.TestCase):
         self.assertEqual(sidecar["restartPolicy"], "Always")
         self.assertEqual(sidecar["startupProbe"]["httpGet"]["path"], "/healthz")
         self.assertEqual(sidecar["args"][0], "client")
+        # Dual-stack like the base's: 0.0.0.0 never starts on an IPv6
+        # single-stack cluster, so the startupProbe would never pass.
+        self.assertIn("--admin-listen=[::]:9090", sidecar["args"])
+        # Not the file backup-job.yaml writes on the same claim.
+        plain = load("backup-job.yaml")["spec"]["template"]["spec"]["containers"][0]["command"]
+        self.assertNotEqual(nbdcopy["command"][-1], plain[-1])
         for key in ("runAsUser", "runAsGroup", "fsGroup"):
             self.assertIn(key, pod["securityContext"])
         for container in (sidecar, nbdcopy):
@@ -316,7 +341,6 @@ class Pod:
         swaps = {
             "[::]:10809": f"127.0.0.1:{self.nbd_port}",
             "[::]:9090": f"127.0.0.1:{self.admin_port}",
-            "0.0.0.0:9090": f"127.0.0.1:{self.admin_port}",
             "disk-export:10809": f"localhost:{self.nbd_port}",
             "disk-export.disks.svc:10809": f"localhost:{self.nbd_port}",
         }
@@ -575,7 +599,9 @@ class RunLocally(unittest.TestCase):
         copied = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
         logs = self.log(self.scratch, "nbdgw") + self.log(self.scratch / "client-job", "nbdgw-client")
         self.assertEqual(copied.returncode, 0, copied.stderr + logs)
-        self.assertEqual((client_pod.volume_dir("backups") / "disk.img").read_bytes(), self.disk)
+        # Its own file: backup-job.yaml writes disk.img on the same claim.
+        self.assertEqual((client_pod.volume_dir("backups") / "disk-via-client.img").read_bytes(), self.disk)
+        self.assertFalse((client_pod.volume_dir("backups") / "disk.img").exists())
         # The server saw the backup identity, and the sidecar stops cleanly
         # when the kubelet ends it after nbdcopy.
         self.assertIn("spiffe://cluster.local/ns/disks/sa/disk-backup", self.log(self.scratch, "nbdgw"))
