@@ -7,8 +7,10 @@
 #   docker.io/library/rust:1.95-bookworm   -> builder (minbase + gcc + the toolchain)
 #
 # Each is cached as a tarball under $cache, and as an image tagged with a
-# key hashed from its inputs, so a second run reuses it and a change of
-# input (a Debian point release, another toolchain) makes a new one.
+# key hashed from its inputs (the functions that make it among them), so
+# a second run reuses it and a change of input (a Debian point release,
+# another toolchain, an edit here) makes a new one; prune_bases then drops
+# the others.
 
 mirror="${NBDGW_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 suite=bookworm
@@ -24,7 +26,9 @@ key_of() { sha256sum | cut -c1-16; }
 # the minbase image and the builder.
 minbase_tar() {
     local key tar root
-    key=$( { echo "$suite $mirror"; dpkg-query -W -f='${Version}' debootstrap; } | key_of)
+    # The month too: debootstrap takes the suite as the mirror has it
+    # today, so the root is made afresh monthly (security updates).
+    key=$( { echo "$suite $mirror"; dpkg-query -W -f='${Version}' debootstrap; date +%Y-%m; declare -f minbase_tar; } | key_of)
     tar="$cache/minbase-$suite-$key.tar"
     if [ ! -s "$tar" ]; then
         root=$(mktemp -d "$work/minbase.XXXX")
@@ -68,7 +72,8 @@ runtime_image() {
     # Fresh lists: after a security update the old ones name .debs the
     # mirror no longer has (404).
     apt-get update -qq
-    key=$(apt-get download --print-uris "${runtime_packages[@]}" 2>/dev/null | awk '{print $2}' | sort | key_of)
+    key=$( { apt-get download --print-uris "${runtime_packages[@]}" 2>/dev/null | awk '{print $2}' | sort
+        declare -f runtime_image make_runtime_root; } | key_of)
     tar="$cache/runtime-$key.tar"
     if [ ! -s "$tar" ]; then
         log "runtime base from ${runtime_packages[*]} (cached as $tar)"
@@ -122,7 +127,7 @@ make_runtime_root() {
 builder_image() {
     local base=$1 sysroot key image context
     sysroot=$(rustc --print sysroot)
-    key=$( { echo "$base ${builder_packages[*]}"; rustc -vV; cargo -V; declare -f builder_containerfile
+    key=$( { echo "$base ${builder_packages[*]}"; rustc -vV; cargo -V; declare -f builder_image builder_containerfile
         cat /usr/local/share/ca-certificates/*.crt 2>/dev/null || true; } | key_of)
     image="localhost/nbdgw-test/rust-builder:$key"
     if ! image_exists "$image"; then
@@ -158,4 +163,21 @@ RUN update-ca-certificates >/dev/null
 COPY rust /usr/local/rust
 ENV CARGO_HOME=/usr/local/cargo PATH=/usr/local/rust/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 EOF
+}
+
+# Every other tag of the three bases' repositories, and every other
+# tarball, once the current ones are made: each change of input would
+# otherwise leave a builder of about 1 GB behind. Builders first (they are
+# the minbase's children).
+prune_bases() {
+    local keep=" $* " repo ref tar
+    for repo in rust-builder distroless-cc bookworm-minbase; do
+        for ref in $(podman images --format '{{.Repository}}:{{.Tag}}' "localhost/nbdgw-test/$repo"); do
+            [[ $keep == *" $ref "* ]] || { log "pruning $ref"; podman rmi "$ref" >/dev/null || true; }
+        done
+    done
+    for tar in "$cache"/minbase-*.tar "$cache"/runtime-*.tar; do
+        [ -e "$tar" ] || continue
+        [[ $keep == *":$(basename "$tar" .tar | sed 's/^[a-z]*-//')-"* ]] || { log "pruning $tar"; rm -f "$tar"; }
+    done
 }

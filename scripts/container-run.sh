@@ -10,11 +10,16 @@ backup_uri=spiffe://cluster.local/ns/disks/sa/disk-backup
 # Containerfiles stay as an operator with a registry would use them. The
 # release build inside is niced: CI shares its cores.
 build_images() {
-    local minbase=$1 runtime=$2 builder=$3 t0=$SECONDS old
+    local minbase=$1 runtime=$2 builder=$3 t0=$SECONDS old registry mounts=()
     # The previous run's images, dropped once replaced (not left dangling).
     old=$(podman image inspect --format '{{.Id}}' "$nbdgw_image" "$tools_image" 2>/dev/null || true)
     log "building $nbdgw_image (cargo build --release inside $builder)"
-    nice -n 10 timeout 1800 podman build --pull=never --layers=false \
+    # The host's crates, overlaid (the build's downloads stay in the
+    # build): the build still compiles everything inside the builder, it
+    # only does not fetch again what cargo already has here.
+    registry="${CARGO_HOME:-$HOME/.cargo}/registry"
+    [ -d "$registry" ] && mounts=(-v "$registry:/usr/local/cargo/registry:O")
+    nice -n 10 timeout 1800 podman build --pull=never --layers=false "${mounts[@]}" \
         --build-context "docker.io/library/rust:$wanted-bookworm=container-image://$builder" \
         --build-context "gcr.io/distroless/cc-debian12:nonroot=container-image://$runtime" \
         -f deploy/container/Containerfile -t "$nbdgw_image" . >"$work/build-nbdgw.log" 2>&1 &

@@ -114,6 +114,7 @@ else
     runtime=$(runtime_image)
     builder_image "$minbase"
     log "bases: $minbase $runtime $builder"
+    prune_bases "$minbase" "$runtime" "$builder"
     build_images "$minbase" "$runtime" "$builder"
 fi
 run_image
