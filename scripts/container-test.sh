@@ -38,14 +38,19 @@ fail() { echo "container-test: FAILED: $*" >&2; exit 1; }
 deploy_venv="${NBDGW_DEPLOY_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/nbdgw/deploy-venv-2}"
 kubectl="$deploy_venv/bin/kubectl"
 [ -x "$kubectl" ] || fail "$kubectl is missing: run scripts/setup.sh"
-for tool in podman buildah runc debootstrap qemu-nbd nbdinfo nbdcopy qemu-img qemu-io curl; do
+for tool in rustc cargo python3 podman buildah runc debootstrap qemu-nbd nbdinfo nbdcopy qemu-img qemu-io curl; do
     command -v "$tool" >/dev/null || fail "$tool is missing: run scripts/setup.sh"
 done
-export CONTAINERS_CONF="$repo/scripts/containers.conf"
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/nbdgw/container"
 mkdir -p "$cache"
 work=$(mktemp -d /tmp/nbdgw-container.XXXXXX)
 chmod 0755 "$work"
+# scripts/containers.conf with the containers' ulimits at this machine's
+# hard limits: a fixed figure above them fails every container ("error
+# setting rlimit type 7").
+hard() { local n; n=$(ulimit "-H$1"); [ "$n" = unlimited ] && echo -1 || echo "$n"; }
+sed -e "s/@NOFILE@/$(hard n)/g" -e "s/@NPROC@/$(hard u)/g" scripts/containers.conf >"$work/containers.conf"
+export CONTAINERS_CONF="$work/containers.conf"
 run_id="nbdgw-test-$$"
 pod_yaml=""
 build_pid=""
@@ -103,6 +108,12 @@ remove_stale
 # names, or the stand-in would build with another compiler.
 wanted=$(sed -n 's|^FROM docker.io/library/rust:\([0-9.]*\)-bookworm AS build$|\1|p' deploy/container/Containerfile)
 [ -n "$wanted" ] || fail "the Containerfile's build stage is not rust:X.Y-bookworm any more"
+# That version installed beside another default is used as it is.
+if [[ "$(rustc -V)" != "rustc $wanted."* ]] && command -v rustup >/dev/null &&
+    rustup toolchain list | grep -q "^$wanted"; then
+    RUSTUP_TOOLCHAIN=$(rustup toolchain list | grep -m1 "^$wanted" | cut -d' ' -f1)
+    export RUSTUP_TOOLCHAIN
+fi
 [[ "$(rustc -V)" == "rustc $wanted."* ]] || fail "the Containerfile wants rust $wanted, this machine has $(rustc -V)"
 
 # NBDGW_CONTAINER_REUSE=1 keeps images an earlier run built, to work on the
