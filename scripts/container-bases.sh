@@ -71,7 +71,7 @@ runtime_image() {
     local key tar root debs got
     # Fresh lists: after a security update the old ones name .debs the
     # mirror no longer has (404).
-    apt-get update -qq
+    apt-get update -qq >&2
     key=$( { apt-get download --print-uris "${runtime_packages[@]}" 2>/dev/null | awk '{print $2}' | sort
         declare -f runtime_image make_runtime_root; } | key_of)
     tar="$cache/runtime-$key.tar"

@@ -43,6 +43,13 @@ for tool in rustc cargo python3 podman buildah runc debootstrap qemu-nbd nbdinfo
 done
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/nbdgw/container"
 mkdir -p "$cache"
+# One run at a time: two would share the :test tags, the hostPorts and the
+# pod's names. The script runs again under flock; -o keeps the lock in
+# flock's own process, so that no container's conmon inherits it and holds
+# it past the run.
+if [ "${NBDGW_CONTAINER_LOCKED:-}" != "$cache/lock" ]; then
+    NBDGW_CONTAINER_LOCKED="$cache/lock" exec flock -o -w 3600 "$cache/lock" "$repo/scripts/container-test.sh" "$@"
+fi
 work=$(mktemp -d /tmp/nbdgw-container.XXXXXX)
 chmod 0755 "$work"
 # scripts/containers.conf with the containers' ulimits at this machine's
@@ -99,10 +106,6 @@ source scripts/container-run.sh
 # The rest in one function, which bash reads whole before running it: an
 # edit of this file during a run cannot derail the run.
 main() {
-# One run at a time: two would share the :test tags, the hostPorts and the
-# pod's names.
-exec 9>"$cache/lock"
-flock -w 3600 9 || fail "another container-test.sh held $cache/lock for an hour"
 remove_stale
 # The toolchain copied into the builder must be the one the Containerfile
 # names, or the stand-in would build with another compiler.
