@@ -26,7 +26,10 @@ export NBDGW_DEPLOY_VENV="$deploy_venv"
 # inside the builder) and run hardened with real clients, and the pod run
 # with `podman kube play` (bases cached in ~/.cache/nbdgw/container).
 # Timed 2026-12-03 on the dev machine under other builds: 851 s cold (the
-# release build inside the builder 645 s), 504 s with the bases cached.
+# release build inside the builder 645 s), 504 s with the bases cached;
+# after the review's fixes (crates from the host's registry, load 6 to 10)
+# 778 s with only the minbase root cached (the nbdgw image 673 s; a cold
+# debootstrap adds about 133 s).
 if [ "$(id -u)" -eq 0 ]; then
     scripts/container-test.sh
 else
