@@ -8,7 +8,7 @@ use clap::parser::ValueSource;
 use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 
 use crate::config::{self, Cork};
-use crate::sandbox::LandlockMode;
+use crate::confinement::LandlockMode;
 use crate::tls::kernel::KernelTlsMode;
 use crate::tls::MinVersion;
 
@@ -471,7 +471,7 @@ pub struct ServeArgs {
         value_name = "CIDR",
         value_delimiter = ','
     )]
-    pub proxy_protocol_from: Vec<crate::proxy::PrefixItem>,
+    pub proxy_protocol_from: Vec<crate::balancer::PrefixItem>,
     /// Serve connections whose PROXY v2 header is LOCAL as the balancer's
     /// own (true or false). HAProxy sends LOCAL for its health checks but
     /// also for clients it cannot name (a unix socket frontend), which
@@ -483,11 +483,11 @@ pub struct ServeArgs {
     /// Seconds a connection from a --proxy-protocol-from balancer has from
     /// accept to the end of its PROXY header (balancers send it at once);
     /// --handshake-timeout still bounds it if shorter.
-    #[arg(long, env = "NBDGW_PROXY_PROTOCOL_TIMEOUT", value_name = "SECONDS", default_value_t = crate::proxy::DEFAULT_HEADER_TIMEOUT_SECS)]
+    #[arg(long, env = "NBDGW_PROXY_PROTOCOL_TIMEOUT", value_name = "SECONDS", default_value_t = crate::balancer::DEFAULT_HEADER_TIMEOUT_SECS)]
     pub proxy_protocol_timeout: u64,
     /// The longest PROXY protocol v2 header taken, in bytes (16, the
     /// addresses, and TLVs, which are skipped); a longer one is refused.
-    #[arg(long, env = "NBDGW_PROXY_PROTOCOL_MAX_HEADER", value_name = "BYTES", default_value_t = crate::proxy::DEFAULT_MAX_HEADER)]
+    #[arg(long, env = "NBDGW_PROXY_PROTOCOL_MAX_HEADER", value_name = "BYTES", default_value_t = crate::balancer::DEFAULT_MAX_HEADER)]
     pub proxy_protocol_max_header: usize,
     /// Seconds a client has from its accept to its session: the wait for
     /// a handshake slot, the TLS handshake and negotiation together; one

@@ -42,7 +42,7 @@ pub struct Config {
     /// Which addresses are one source for `max_handshakes_per_source`.
     pub source_prefixes: SourcePrefixes,
     /// The balancers trusted to send a PROXY protocol header.
-    pub proxy_protocol: crate::proxy::Trusted,
+    pub proxy_protocol: crate::balancer::Trusted,
     /// Connections that may wait for a handshake slot, all sources
     /// together; beyond it the longest waiter of the source with the most
     /// waiting is shed.
@@ -154,7 +154,7 @@ impl Config {
             allow_lists: false,
             upstream,
             exports: None,
-            policy: Arc::new(crate::reload::Swap::new(Arc::new(
+            policy: Arc::new(crate::reloadable::Swap::new(Arc::new(
                 crate::policy::Policy::open(),
             ))),
             policy_revoke_closes: true,
@@ -165,12 +165,12 @@ impl Config {
             max_handshakes: DEFAULT_MAX_HANDSHAKES,
             max_handshakes_per_source: DEFAULT_MAX_HANDSHAKES_PER_SOURCE,
             source_prefixes: SourcePrefixes::default(),
-            proxy_protocol: crate::proxy::Trusted {
+            proxy_protocol: crate::balancer::Trusted {
                 from: Vec::new(),
-                max_header: crate::proxy::DEFAULT_MAX_HEADER,
+                max_header: crate::balancer::DEFAULT_MAX_HEADER,
                 pending: 0,
                 serve_local: false,
-                header_timeout: Duration::from_secs(crate::proxy::DEFAULT_HEADER_TIMEOUT_SECS),
+                header_timeout: Duration::from_secs(crate::balancer::DEFAULT_HEADER_TIMEOUT_SECS),
             },
             handshake_queue: DEFAULT_HANDSHAKE_QUEUE,
             handshake_queue_per_source: DEFAULT_HANDSHAKE_QUEUE_PER_SOURCE,

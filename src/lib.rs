@@ -8,24 +8,24 @@
 
 pub mod admin;
 mod admission;
+pub mod balancer;
 pub mod cache;
 pub mod certs;
 pub mod cli;
 pub mod client;
 pub mod config;
+pub mod confinement;
 mod conn;
+pub mod descriptors;
 pub mod exports;
 pub mod identity;
-pub mod limits;
 pub mod listeners;
 pub mod listening;
 pub mod logsafe;
 pub mod metrics;
 pub mod policy;
 pub mod proto;
-pub mod proxy;
-pub mod reload;
-pub mod sandbox;
+pub mod reloadable;
 mod server;
 pub mod setup;
 pub mod shutdown;

@@ -10,8 +10,8 @@ use tracing::{info, warn};
 
 use nbdgw::cli::{CertsArgs, ClientArgs, Command, LogFormat, PolicyCommand, ServeArgs};
 use nbdgw::config::{seconds_or_off, Config};
+use nbdgw::confinement::LandlockMode;
 use nbdgw::listeners::Listeners;
-use nbdgw::sandbox::LandlockMode;
 use nbdgw::setup::sandbox;
 use sd_notify::NotifyState;
 

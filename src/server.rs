@@ -23,7 +23,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
     let admission = Admission::new(&config);
-    let pre_header = crate::proxy::pending::Pending::new(config.proxy_protocol.pending);
+    let pre_header = crate::balancer::pending::Pending::new(config.proxy_protocol.pending);
     let mut connections = JoinSet::new();
     let mut next_id: u64 = 0;
     let (control, phase) = ShutdownControl::answering(config.drain_answer);
@@ -120,12 +120,12 @@ async fn serve(conn: crate::conn::Accepted, shared: Shared) {
 
 /// A connection from a trusted balancer: its PROXY header is read first
 /// (within `--handshake-timeout` of accept, and while it holds a place
-/// of the bound, see `crate::proxy::pending`), then it is admitted as the
+/// of the bound, see `crate::balancer::pending`), then it is admitted as the
 /// source the header names.
 fn behind_balancer(
     arrived: Arrived,
     shared: Shared,
-    pre_header: &Arc<crate::proxy::pending::Pending>,
+    pre_header: &Arc<crate::balancer::pending::Pending>,
 ) -> Option<impl Future<Output = ()>> {
     let Some(mut place) = pre_header.take(arrived.peer.ip()) else {
         pre_header.refused(&shared.config.metrics, arrived.peer.ip(), false);
@@ -133,7 +133,7 @@ fn behind_balancer(
     };
     let pre_header = pre_header.clone();
     Some(async move {
-        use crate::proxy::PreHeaderEnd;
+        use crate::balancer::PreHeaderEnd;
         let Shared {
             config,
             admission,
@@ -144,7 +144,7 @@ fn behind_balancer(
         let trusted = &config.proxy_protocol;
         let limit = trusted.header_timeout.min(config.handshake_timeout);
         let deadline = arrived.at + limit;
-        let read = crate::proxy::read_header(&mut arrived.tcp, balancer, trusted.max_header);
+        let read = crate::balancer::read_header(&mut arrived.tcp, balancer, trusted.max_header);
         let outcome = tokio::select! {
             read = tokio::time::timeout_at(deadline, read) => match read {
                 Ok(Ok(c)) if c.outcome == "local" && !trusted.serve_local => Err(PreHeaderEnd::Local),

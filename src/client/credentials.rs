@@ -12,7 +12,7 @@ use std::sync::Arc;
 use rustls::client::{Resumption, WebPkiServerVerifier};
 use rustls::{ClientConfig, RootCertStore};
 
-use crate::reload::{LastSeen, ReloadOutcome, Swap, Trigger, Triggers};
+use crate::reloadable::{LastSeen, ReloadOutcome, Swap, Trigger, Triggers};
 use crate::tls::TlsConfigError;
 use crate::tls::{
     certificates, check_groups, crls, private_key, provider, provider_with_groups, CertInfo,

@@ -45,7 +45,7 @@ pub struct ClientSettings {
     /// The name the server's certificate must carry (DNS or IP SAN).
     pub server_name: ServerName<'static>,
     /// Read afresh for each remote connection: a reload may replace it.
-    pub tls: Arc<crate::reload::Swap<rustls::ClientConfig>>,
+    pub tls: Arc<crate::reloadable::Swap<rustls::ClientConfig>>,
     /// Bounds reaching the server (connect, greeting, STARTTLS and TLS
     /// together), then each of its option replies.
     pub server_timeout: Duration,

@@ -13,7 +13,7 @@ use super::credentials::{ClientReloader, ClientTlsPaths, ClientTlsPolicy, Client
 use super::{parse_server, server_name, ClientSettings, Reconnect};
 use crate::cli::ClientArgs;
 use crate::config::{seconds_or_off, Cork, Keepalive, DEFAULT_ADMIN_MAX_CONNECTIONS};
-use crate::limits::{fd_limit_too_low, raised_fd_limit, FdDemand};
+use crate::descriptors::{fd_limit_too_low, raised_fd_limit, FdDemand};
 use crate::metrics::Metrics;
 
 /// What the start needs besides the settings: where the TLS files were
@@ -42,7 +42,7 @@ pub fn build(args: &ClientArgs) -> Result<Started> {
 fn settings(
     args: &ClientArgs,
     (host, port, server_name): (String, u16, ServerName<'static>),
-    tls: Arc<crate::reload::Swap<rustls::ClientConfig>>,
+    tls: Arc<crate::reloadable::Swap<rustls::ClientConfig>>,
 ) -> Result<ClientSettings> {
     let keepalive = (args.tcp_keepalive > 0).then(|| Keepalive {
         idle: Duration::from_secs(args.tcp_keepalive),

@@ -12,7 +12,7 @@ use thiserror::Error;
 use tracing::{debug, error, info, warn};
 
 use super::{Policy, PolicyError};
-use crate::reload::{ReloadOutcome, Swap, Trigger, Triggers};
+use crate::reloadable::{ReloadOutcome, Swap, Trigger, Triggers};
 
 /// The policy new connections use; each connection keeps the one it
 /// started with.

@@ -7,7 +7,7 @@ use tracing::{info, warn};
 use crate::admin::AdminLimits;
 use crate::cli::ServeArgs;
 use crate::config::Config;
-use crate::limits::{fd_limit_too_low, raised_fd_limit};
+use crate::descriptors::{fd_limit_too_low, raised_fd_limit};
 
 /// Returns the source prefixes, checked here with the other limits so a
 /// length out of range stops start-up, naming its flag, before anything
@@ -27,14 +27,14 @@ pub(crate) fn check_limits(args: &ServeArgs) -> Result<crate::config::SourcePref
     {
         bail!("--max-connections, --max-sessions-per-identity, --max-handshakes, --max-handshakes-per-source, --max-payload, --handshake-timeout, --upstream-timeout and --proxy-protocol-timeout must be greater than 0");
     }
-    if !(crate::proxy::MIN_MAX_HEADER..=crate::proxy::MAX_MAX_HEADER)
+    if !(crate::balancer::MIN_MAX_HEADER..=crate::balancer::MAX_MAX_HEADER)
         .contains(&args.proxy_protocol_max_header)
     {
         bail!(
             "--proxy-protocol-max-header must be {} to {}: a v2 header of TCP over IPv6 is {} bytes",
-            crate::proxy::MIN_MAX_HEADER,
-            crate::proxy::MAX_MAX_HEADER,
-            crate::proxy::MIN_MAX_HEADER
+            crate::balancer::MIN_MAX_HEADER,
+            crate::balancer::MAX_MAX_HEADER,
+            crate::balancer::MIN_MAX_HEADER
         );
     }
     if args
@@ -85,7 +85,7 @@ pub(crate) fn fit_fd_limit(
     args: &ServeArgs,
     client_certificates: bool,
 ) -> Result<()> {
-    use crate::limits::FdDemand;
+    use crate::descriptors::FdDemand;
     let limit = raised_fd_limit();
     let asked = FdDemand {
         sessions: config.max_connections,

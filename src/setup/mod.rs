@@ -78,7 +78,7 @@ fn read(args: &ServeArgs) -> Result<(Reloader, Option<PolicyReloader>, Config)> 
     let mut policy = files::policy_reloader(args, &reloader)?;
     let mut config = gateway_config(args, upstream, reloader.store());
     config.source_prefixes = source_prefixes;
-    config.proxy_protocol = crate::proxy::Trusted {
+    config.proxy_protocol = crate::balancer::Trusted {
         from: args
             .proxy_protocol_from
             .iter()

@@ -8,14 +8,14 @@ use tracing::{info, warn};
 
 use crate::cli::ServeArgs;
 use crate::config::Config;
+use crate::confinement::{Enforcement, LandlockMode, SocketRule};
 use crate::policy::PolicyReloader;
-use crate::sandbox::{Enforcement, LandlockMode, SocketRule};
 use crate::tls::Reloader;
 
 /// `--landlock true`: a kernel with less than all of it logs what stays
 /// open and serves anyway; `--landlock required` refuses to start then.
 /// Readable: the files (and directories) read after start; connectable:
-/// each upstream socket (see sandbox::socket_rule), all of --export-dir,
+/// each upstream socket (see confinement::socket_rule), all of --export-dir,
 /// and systemd's notification socket.
 pub fn apply(
     mode: LandlockMode,
@@ -31,17 +31,17 @@ pub fn apply(
     // The readiness check reads the mount table, which Landlock would
     // not let it open later.
     crate::listening::keep_mountinfo();
-    let outcome = match crate::sandbox::restrict(&rules) {
+    let outcome = match crate::confinement::restrict(&rules) {
         Ok(outcome) => outcome,
         Err(e) if mode == LandlockMode::Required => {
-            return Err(crate::sandbox::SandboxError::Restrict(e).into())
+            return Err(crate::confinement::SandboxError::Restrict(e).into())
         }
         Err(e) => {
             warn!(error = %e, "landlock: cannot restrict the process; it is not sandboxed");
             return Ok(());
         }
     };
-    crate::sandbox::decide(mode, &outcome)?;
+    crate::confinement::decide(mode, &outcome)?;
     match outcome.enforcement {
         Enforcement::None => {
             warn!("landlock is not available in this kernel: the process is not sandboxed (--landlock required refuses to start then)")
@@ -57,7 +57,7 @@ pub fn apply(
             // Info, not a warning: every kernel before Linux 7.1 lacks
             // something, and --landlock required is there for those who
             // must not run so.
-            let missing = crate::sandbox::missing_at(outcome.abi);
+            let missing = crate::confinement::missing_at(outcome.abi);
             if !missing.is_empty() {
                 info!(abi = outcome.abi, missing = ?missing, "landlock: this kernel leaves these open (--landlock required refuses to start then)");
             }
@@ -73,7 +73,7 @@ fn rules(
     policy: Option<&PolicyReloader>,
     config: &Config,
     args: &ServeArgs,
-) -> crate::sandbox::Rules {
+) -> crate::confinement::Rules {
     let readable: Vec<&Path> = tls
         .paths()
         .files()
@@ -81,7 +81,7 @@ fn rules(
         .chain(policy.map(|p| p.path()))
         .chain(config.exports.as_ref().and_then(|e| e.dir()))
         .collect();
-    let readable = crate::sandbox::dirs_covering(readable.iter().copied());
+    let readable = crate::confinement::dirs_covering(readable.iter().copied());
     let sockets: Vec<&Path> = match &config.exports {
         Some(table) => table.fixed_sockets().collect(),
         None => vec![config.upstream.as_path()],
@@ -89,19 +89,19 @@ fn rules(
     // The export directory is read at every lookup, sockets come and go
     // in it and its tenant subdirectories: the whole of it, nothing else.
     let mut connectable =
-        crate::sandbox::dirs_covering(config.exports.as_ref().and_then(|e| e.dir()));
+        crate::confinement::dirs_covering(config.exports.as_ref().and_then(|e| e.dir()));
     add_sockets(&mut connectable, sockets);
     add_notify_socket(&mut connectable);
-    crate::sandbox::Rules {
+    crate::confinement::Rules {
         readable,
         connectable,
     }
 }
 
-/// Each upstream socket's rule (see `sandbox::socket_rule`).
+/// Each upstream socket's rule (see `confinement::socket_rule`).
 fn add_sockets(connectable: &mut Vec<PathBuf>, sockets: Vec<&Path>) {
     for socket in sockets {
-        let rule = crate::sandbox::socket_rule(socket);
+        let rule = crate::confinement::socket_rule(socket);
         // A rule on the socket file would not survive the upstream's
         // restart (see socket_rule): said, not narrowed.
         if let SocketRule::SharedDirectory(dir) = &rule {

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use rustls::ServerConfig;
 use tracing::{error, info, warn};
 
-use crate::reload::{LastSeen, Swap, Triggers};
-pub use crate::reload::{ReloadOutcome, Trigger};
+use crate::reloadable::{LastSeen, Swap, Triggers};
+pub use crate::reloadable::{ReloadOutcome, Trigger};
 
 use super::{
     build, CertInfo, Guards, Loaded, Material, Sessions, TlsConfigError, TlsPaths, TlsPolicy,

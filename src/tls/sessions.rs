@@ -207,7 +207,7 @@ impl Sessions {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::reload::Swap;
+    use crate::reloadable::Swap;
 
     const BOTH: &str =
         "[[rule]]\nexports = [\"*\"]\nallow = { cn = [\"a\", \"b\"] }\naccess = \"read-write\"\n";

@@ -647,7 +647,7 @@ mod tests {
             host: "localhost".into(),
             port: 10809,
             server_name: "localhost".try_into().unwrap(),
-            tls: Arc::new(crate::reload::Swap::new(Arc::new(tls))),
+            tls: Arc::new(crate::reloadable::Swap::new(Arc::new(tls))),
             server_timeout: Duration::from_secs(10),
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: None,
