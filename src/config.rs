@@ -117,6 +117,25 @@ pub struct Config {
     pub cache_fill_depth: u32,
 }
 
+/// What the relay allows one connection, and when it gives up on it: the
+/// same for a server's clients and client mode's local ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RelayLimits {
+    /// Closes a connection with no request in flight and no reply being
+    /// written for this long, counted from the last reply's last byte.
+    pub idle_timeout: Option<Duration>,
+    /// Closes a connection whose started request payload, or whose reply
+    /// the client does not read, makes no progress for this long.
+    pub stall_timeout: Option<Duration>,
+    /// TCP keepalive, so a peer that vanished without a FIN or RST
+    /// (powered off, cable pulled) is noticed.
+    pub keepalive: Option<Keepalive>,
+    /// Largest request payload (and read length) accepted from a client.
+    pub max_payload: u32,
+    /// Largest option data (or option reply data) either side may send.
+    pub max_option_len: u32,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Keepalive {
     /// Silence before the first probe.

@@ -16,8 +16,10 @@ mod reconnect;
 mod remote;
 mod serve;
 pub mod settings;
+mod start;
 
 pub use serve::serve as serve_local;
+pub use start::start;
 
 use std::future::Future;
 use std::net::SocketAddr;

@@ -9,10 +9,10 @@ use anyhow::{bail, Context, Result};
 use rustls::pki_types::ServerName;
 use tracing::{info, warn};
 
-use super::credentials::{ClientReloader, ClientTlsPaths, ClientTlsPolicy, ClientTlsSources};
-use super::{parse_server, server_name, ClientSettings, Reconnect};
-use crate::cli::ClientArgs;
-use crate::config::{seconds_or_off, Cork, Keepalive, DEFAULT_ADMIN_MAX_CONNECTIONS};
+use super::credentials::{ClientReloader, ClientTlsPaths};
+use super::{parse_server, server_name, ClientSettings};
+use crate::cli::{ClientArgs, ClientTlsArgs, ReconnectArgs};
+use crate::config::{Cork, DEFAULT_ADMIN_MAX_CONNECTIONS};
 use crate::descriptors::{fd_limit_too_low, raised_fd_limit, FdDemand};
 use crate::metrics::Metrics;
 
@@ -26,8 +26,8 @@ pub struct Started {
 
 /// Reads the TLS files and builds the settings from `args`.
 pub fn build(args: &ClientArgs) -> Result<Started> {
-    let (host, port) = parse_server(&args.server)?;
-    let name = server_name(args.server_name.as_deref().unwrap_or(&host))?;
+    let (host, port) = parse_server(&args.server.server)?;
+    let name = server_name(args.server.server_name.as_deref().unwrap_or(&host))?;
     let (paths, reloader) = tls(args, &name)?;
     let settings = settings(args, (host, port, name), reloader.store())?;
     Ok(Started {
@@ -44,38 +44,34 @@ fn settings(
     (host, port, server_name): (String, u16, ServerName<'static>),
     tls: Arc<crate::reloadable::Swap<rustls::ClientConfig>>,
 ) -> Result<ClientSettings> {
-    let keepalive = (args.tcp_keepalive > 0).then(|| Keepalive {
-        idle: Duration::from_secs(args.tcp_keepalive),
-        ..Keepalive::default()
-    });
-    if args.server_timeout >= args.handshake_timeout {
+    let relay = args.relay.limits();
+    if args.server.server_timeout >= args.relay.handshake_timeout {
         warn!(
-            server_timeout = args.server_timeout,
-            handshake_timeout = args.handshake_timeout,
+            server_timeout = args.server.server_timeout,
+            handshake_timeout = args.relay.handshake_timeout,
             "--server-timeout is not below --handshake-timeout: a local client waiting on a slow server is cut before it hears why"
         );
     }
     Ok(ClientSettings {
-        server: args.server.clone(),
+        server: args.server.server.clone(),
         host,
         port,
         server_name,
         tls,
-        server_timeout: Duration::from_secs(args.server_timeout),
-        handshake_timeout: Duration::from_secs(args.handshake_timeout),
-        idle_timeout: seconds_or_off(args.idle_timeout),
-        stall_timeout: seconds_or_off(args.stall_timeout),
-        keepalive,
-        max_payload: args.max_payload,
-        max_option_len: args.max_option_len,
-        max_connections: fitted_connections(args.max_connections, args.admin_listen.is_some())?,
+        server_timeout: Duration::from_secs(args.server.server_timeout),
+        handshake_timeout: Duration::from_secs(args.relay.handshake_timeout),
+        idle_timeout: relay.idle_timeout,
+        stall_timeout: relay.stall_timeout,
+        keepalive: relay.keepalive,
+        max_payload: relay.max_payload,
+        max_option_len: relay.max_option_len,
+        max_connections: fitted_connections(
+            args.connections.max_connections,
+            args.admin.admin_listen.is_some(),
+        )?,
         cork: Cork::Deferred,
-        shutdown_grace: Duration::from_secs(args.shutdown_grace),
-        reconnect: args.reconnect.then(|| Reconnect {
-            timeout: Duration::from_secs(args.reconnect_timeout),
-            replay_buffer: args.replay_buffer,
-            reply_buffer: args.reply_buffer,
-        }),
+        shutdown_grace: args.shutdown.grace(),
+        reconnect: args.reconnect.settings(),
         metrics: Arc::new(Metrics::client_mode()),
         health: Arc::default(),
     })
@@ -88,18 +84,13 @@ fn tls(
     args: &ClientArgs,
     server_name: &ServerName<'static>,
 ) -> Result<(ClientTlsPaths, ClientReloader)> {
-    crate::tls::check_groups_or_warn(&args.tls_groups, args.tls_min_version)?;
-    let sources = ClientTlsSources {
-        dir: args.tls_dir.clone(),
-        ca: args.tls_ca.clone(),
-        cert: args.tls_cert.clone(),
-        key: args.tls_key.clone(),
-    };
+    crate::tls::check_groups_or_warn(
+        &args.tls.protocol.tls_groups,
+        args.tls.protocol.tls_min_version,
+    )?;
+    let sources = args.tls.sources();
     let paths = sources.resolve().context("client TLS files")?;
-    let policy = ClientTlsPolicy {
-        min_version: args.tls_min_version,
-        groups: args.tls_groups.clone(),
-    };
+    let policy = args.tls.policy();
     let (reloader, loaded) =
         ClientReloader::start(paths.clone(), policy).context("client TLS files")?;
     let identity = loaded
@@ -144,4 +135,38 @@ fn fitted_connections(max_connections: usize, admin: bool) -> Result<usize> {
         );
     }
     Ok(fitted.sessions.min(max_connections))
+}
+
+// The build steps of client mode's own flag groups, beside the settings
+// they fill (the groups are in `crate::cli`, which knows nothing of them).
+
+impl ClientTlsArgs {
+    /// Where the TLS files are read from.
+    pub fn sources(&self) -> super::credentials::ClientTlsSources {
+        super::credentials::ClientTlsSources {
+            dir: self.tls_dir.clone(),
+            ca: self.tls_ca.clone(),
+            cert: self.tls_cert.clone(),
+            key: self.tls_key.clone(),
+        }
+    }
+
+    /// What the client offers the server.
+    pub fn policy(&self) -> super::credentials::ClientTlsPolicy {
+        super::credentials::ClientTlsPolicy {
+            min_version: self.protocol.tls_min_version,
+            groups: self.protocol.tls_groups.clone(),
+        }
+    }
+}
+
+impl ReconnectArgs {
+    /// `None` without `--reconnect`.
+    pub fn settings(&self) -> Option<super::Reconnect> {
+        self.reconnect.then(|| super::Reconnect {
+            timeout: std::time::Duration::from_secs(self.reconnect_timeout),
+            replay_buffer: self.replay_buffer,
+            reply_buffer: self.reply_buffer,
+        })
+    }
 }

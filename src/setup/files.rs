@@ -8,7 +8,7 @@ use tracing::info;
 
 use crate::cli::ServeArgs;
 use crate::config::Config;
-use crate::tls::{AllowList, Reloader, TlsPolicy, TlsSources};
+use crate::tls::Reloader;
 
 pub(crate) fn export_table(args: &ServeArgs) -> Result<Option<crate::exports::ExportTable>> {
     // An owner check that checks nothing must not look like one. Unset,
@@ -16,17 +16,17 @@ pub(crate) fn export_table(args: &ServeArgs) -> Result<Option<crate::exports::Ex
     // default, which checks nothing anyway) is accepted alone, so a
     // deployment that set it everywhere keeps starting.
     let checks = !matches!(
-        args.export_dir_owner,
+        args.routing.export_dir_owner,
         None | Some(crate::exports::OwnerCheck::Any)
     );
-    if args.export_dir.is_none() && checks {
+    if args.routing.export_dir.is_none() && checks {
         bail!("--export-dir-owner (NBDGW_EXPORT_DIR_OWNER) needs --export-dir: it checks only the sockets found there");
     }
-    let owner = args.export_dir_owner.unwrap_or_default();
-    if args.exports.is_empty() && args.export_dir.is_none() {
+    let owner = args.routing.export_dir_owner.unwrap_or_default();
+    if args.routing.exports.is_empty() && args.routing.export_dir.is_none() {
         return Ok(None);
     }
-    if let Some(dir) = &args.export_dir {
+    if let Some(dir) = &args.routing.export_dir {
         if !dir.is_dir() {
             bail!("--export-dir {}: not a directory", dir.display());
         }
@@ -37,9 +37,12 @@ pub(crate) fn export_table(args: &ServeArgs) -> Result<Option<crate::exports::Ex
             bail!("--export-dir needs /proc mounted (sockets are connected through /proc/self/fd)");
         }
     }
-    let table = crate::exports::ExportTable::new(args.exports.clone(), args.export_dir.clone())?
-        .with_owner_check(owner);
-    info!(exports = ?table.names(), dir = ?args.export_dir, owner = %owner, "exports routed by name");
+    let table = crate::exports::ExportTable::new(
+        args.routing.exports.clone(),
+        args.routing.export_dir.clone(),
+    )?
+    .with_owner_check(owner);
+    info!(exports = ?table.names(), dir = ?args.routing.export_dir, owner = %owner, "exports routed by name");
     Ok(Some(table))
 }
 
@@ -47,30 +50,31 @@ pub(crate) fn export_table(args: &ServeArgs) -> Result<Option<crate::exports::Ex
 pub(crate) fn read_cache(args: &ServeArgs, config: &mut Config) -> Result<()> {
     // With named exports, every export immutable would be a blanket the
     // operator should spell out (--immutable-export '*').
-    if args.immutable && args.upstream.is_none() {
+    if args.cache.immutable && args.routing.upstream.is_none() {
         bail!(
             "--immutable (NBDGW_IMMUTABLE) needs --upstream; name exports with --immutable-export"
         );
     }
-    let immutable = crate::exports::Immutable::new(args.immutable, args.immutable_exports.clone())?;
-    if args.read_ahead > args.max_payload {
+    let immutable =
+        crate::exports::Immutable::new(args.cache.immutable, args.cache.immutable_exports.clone())?;
+    if args.cache.read_ahead > args.relay.common.max_payload {
         bail!("--read-ahead must not exceed --max-payload");
     }
-    config.read_ahead = args.read_ahead;
-    config.read_ahead_depth = args.read_ahead_depth;
-    config.cache_fill_depth = args.cache_fill_depth;
-    if immutable.any() && args.cache_size > 0 {
+    config.read_ahead = args.cache.read_ahead;
+    config.read_ahead_depth = args.cache.read_ahead_depth;
+    config.cache_fill_depth = args.cache.cache_fill_depth;
+    if immutable.any() && args.cache.cache_size > 0 {
         config.cache = Some(crate::cache::ReadCache::with_block_size(
-            args.cache_size,
-            args.cache_block_size,
+            args.cache.cache_size,
+            args.cache.cache_block_size,
             config.metrics.cache.clone(),
         ));
         info!(
-            cache_size = args.cache_size,
-            cache_block_size = args.cache_block_size,
-            read_ahead = args.read_ahead,
-            read_ahead_depth = args.read_ahead_depth,
-            cache_fill_depth = args.cache_fill_depth,
+            cache_size = args.cache.cache_size,
+            cache_block_size = args.cache.cache_block_size,
+            read_ahead = args.cache.read_ahead,
+            read_ahead_depth = args.cache.read_ahead_depth,
+            cache_fill_depth = args.cache.cache_fill_depth,
             "read cache on for immutable exports"
         );
     }
@@ -84,7 +88,7 @@ pub(crate) fn policy_reloader(
     args: &ServeArgs,
     tls: &Reloader,
 ) -> Result<Option<crate::policy::PolicyReloader>> {
-    let Some(path) = &args.policy else {
+    let Some(path) = &args.access.policy else {
         return Ok(None);
     };
     if !tls.requires_client_certificates() {
@@ -97,27 +101,13 @@ pub(crate) fn policy_reloader(
 
 /// The first load of the TLS files, whose failure stops start-up.
 pub(crate) fn tls_reloader(args: &ServeArgs, secret_extraction: bool) -> Result<Reloader> {
-    let sources = TlsSources {
-        dir: args.tls_dir.clone(),
-        cert: args.tls_cert.clone(),
-        key: args.tls_key.clone(),
-        client_ca: args.tls_client_ca.clone(),
-        crl: args.tls_crl.clone(),
-    };
-    let policy = TlsPolicy {
-        min_version: args.tls_min_version,
-        allow: AllowList::new(
-            args.allow_cn.clone(),
-            args.allow_dns.clone(),
-            args.allow_uri.clone(),
-        )?,
-        crl_allow_expired: args.tls_crl_allow_expired,
-        revoke_closes: args.tls_revoke_closes,
-        secret_extraction,
-        verified_chain_cache: args.verified_chain_cache,
-        cipher_order: args.tls_cipher_order,
-        groups: args.tls_groups.clone(),
-    };
-    crate::tls::check_groups_or_warn(&args.tls_groups, args.tls_min_version)?;
+    let sources = args.tls.sources();
+    let policy = args
+        .tls
+        .policy(args.access.allow_list()?, secret_extraction);
+    crate::tls::check_groups_or_warn(
+        &args.tls.protocol.tls_groups,
+        args.tls.protocol.tls_min_version,
+    )?;
     Reloader::start(sources, policy).context("loading the TLS files")
 }

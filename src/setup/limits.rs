@@ -13,22 +13,22 @@ use crate::descriptors::{fd_limit_too_low, raised_fd_limit};
 /// length out of range stops start-up, naming its flag, before anything
 /// is loaded.
 pub(crate) fn check_limits(args: &ServeArgs) -> Result<crate::config::SourcePrefixes> {
-    if args.tls_cert.is_none() && args.tls_dir.is_none() {
+    if args.tls.tls_cert.is_none() && args.tls.tls_dir.is_none() {
         bail!("a server certificate is required: --tls-cert and --tls-key, or --tls-dir (or NBDGW_TLS_CERT, NBDGW_TLS_KEY, NBDGW_TLS_DIR); see --help");
     }
-    if args.max_connections == 0
-        || args.max_sessions_per_identity == Some(0)
-        || args.max_handshakes == 0
-        || args.max_handshakes_per_source == 0
-        || args.max_payload == 0
-        || args.handshake_timeout == 0
-        || args.upstream_timeout == 0
-        || args.proxy_protocol_timeout == 0
+    if args.admission.connections.max_connections == 0
+        || args.admission.max_sessions_per_identity == Some(0)
+        || args.admission.max_handshakes == 0
+        || args.admission.max_handshakes_per_source == 0
+        || args.relay.common.max_payload == 0
+        || args.relay.handshake_timeout == 0
+        || args.relay.upstream_timeout == 0
+        || args.proxy_protocol.proxy_protocol_timeout == 0
     {
         bail!("--max-connections, --max-sessions-per-identity, --max-handshakes, --max-handshakes-per-source, --max-payload, --handshake-timeout, --upstream-timeout and --proxy-protocol-timeout must be greater than 0");
     }
     if !(crate::balancer::MIN_MAX_HEADER..=crate::balancer::MAX_MAX_HEADER)
-        .contains(&args.proxy_protocol_max_header)
+        .contains(&args.proxy_protocol.proxy_protocol_max_header)
     {
         bail!(
             "--proxy-protocol-max-header must be {} to {}: a v2 header of TCP over IPv6 is {} bytes",
@@ -38,38 +38,21 @@ pub(crate) fn check_limits(args: &ServeArgs) -> Result<crate::config::SourcePref
         );
     }
     if args
+        .admission
         .handshake_reserve
-        .is_some_and(|reserve| reserve >= args.max_handshakes)
+        .is_some_and(|reserve| reserve >= args.admission.max_handshakes)
     {
         bail!("--handshake-reserve must be less than --max-handshakes: unproven sources need at least one slot");
     }
-    if args.tcp_keepalive > 0 && (args.tcp_keepalive_interval == 0 || args.tcp_keepalive_count == 0)
+    if args.relay.common.tcp_keepalive > 0
+        && (args.relay.tcp_keepalive_interval == 0 || args.relay.tcp_keepalive_count == 0)
     {
         bail!("--tcp-keepalive-interval and --tcp-keepalive-count must be greater than 0 while keepalive is on");
     }
     Ok(crate::config::SourcePrefixes::new(
-        args.source_prefix_v4,
-        args.source_prefix_v6,
+        args.admission.source_prefix_v4,
+        args.admission.source_prefix_v6,
     )?)
-}
-
-/// The handshake slots kept for proven sources out of `handshakes`: none
-/// where no source can be proven (no client CA, or `--source-memory 0`);
-/// a quarter by default; a given reserve lowered with `--max-handshakes`
-/// when the descriptor limit lowers that.
-pub(crate) fn handshake_reserve(
-    args: &ServeArgs,
-    handshakes: usize,
-    client_certificates: bool,
-) -> usize {
-    if !client_certificates || args.source_memory == 0 {
-        return 0;
-    }
-    match args.handshake_reserve {
-        Some(given) => given * handshakes / args.max_handshakes.max(1),
-        None => handshakes / 4,
-    }
-    .min(handshakes.saturating_sub(1))
 }
 
 /// Raises the descriptor limit, then makes the bounds fit under it: every
@@ -91,7 +74,7 @@ pub(crate) fn fit_fd_limit(
         sessions: config.max_connections,
         handshakes: config.max_handshakes,
         waiting: config.handshake_queue,
-        admin: match args.admin_listen {
+        admin: match args.admin.listen.admin_listen {
             Some(_) => admin.max_connections as usize,
             None => 0,
         },
@@ -111,20 +94,22 @@ pub(crate) fn fit_fd_limit(
         handshake_queue = fitted.waiting,
         admin_max_connections = fitted.admin,
         proxy_header_waiting = fitted.pre_header,
-        handshake_reserve = handshake_reserve(args, fitted.handshakes, client_certificates),
+        handshake_reserve = args.admission.handshake_reserve(fitted.handshakes, client_certificates),
         "the file descriptor limit (RLIMIT_NOFILE, e.g. LimitNOFILE= in systemd) is too low for the configured bounds; lowered them in proportion to fit (was --max-connections {}, --max-handshakes {}, --handshake-queue {}, --admin-max-connections {})",
         asked.sessions, asked.handshakes, asked.waiting, asked.admin,
     );
     config.max_connections = fitted.sessions;
     config.max_handshakes = fitted.handshakes;
     config.max_handshakes_per_source = config.max_handshakes_per_source.min(fitted.handshakes);
-    config.handshake_reserve = handshake_reserve(args, fitted.handshakes, client_certificates);
+    config.handshake_reserve = args
+        .admission
+        .handshake_reserve(fitted.handshakes, client_certificates);
     config.handshake_queue = fitted.waiting;
     config.proxy_protocol.pending = fitted.pre_header;
     config.handshake_queue_per_source = config.handshake_queue_per_source.min(fitted.waiting);
     // The default share follows --max-connections down; a share given
     // is kept (the session budget caps it in any case).
-    if args.max_sessions_per_identity.is_none() {
+    if args.admission.max_sessions_per_identity.is_none() {
         config.max_sessions_per_identity =
             crate::config::default_sessions_per_identity(fitted.sessions, client_certificates);
     }

@@ -77,7 +77,7 @@ fn rules(
     let readable: Vec<&Path> = tls
         .paths()
         .files()
-        .chain(args.tls_dir.as_deref())
+        .chain(args.tls.tls_dir.as_deref())
         .chain(policy.map(|p| p.path()))
         .chain(config.exports.as_ref().and_then(|e| e.dir()))
         .collect();

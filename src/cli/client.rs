@@ -1,0 +1,158 @@
+//! `nbdgw client`'s flags: its own groups (the server it reaches, its TLS
+//! files, `--reconnect`) and the shared ones, flattened through
+//! [`ForClient`] so that each variable is `NBDGW_CLIENT_*`.
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+use super::shared::{
+    AdminListenArgs, ConnectionLimitArgs, ForClient, ProcessArgs, RelayArgs, ShutdownArgs,
+    TlsProtocolArgs,
+};
+use super::LocalAddr;
+
+const CLIENT_AFTER_HELP: &str = "\
+The server's certificate must chain to the CA (ca-cert.pem in --tls-dir, \
+or --tls-ca) and carry the --server host (or --server-name) as a DNS or IP \
+SAN; there is no way to turn verification off. A client certificate \
+(client-cert.pem and client-key.pem) is presented when there is one.
+
+Signals: SIGHUP re-reads the TLS files at once. SIGTERM or SIGINT stops \
+accepting, lets requests in flight finish within --shutdown-grace, then \
+exits 0.
+
+Examples:
+  nbdgw client --server nbd.example:10809 --tls-dir /etc/nbdgw/client
+  nbd-client -unix /run/nbdgw-client.sock /dev/nbd0 -N disk0
+  qemu-img info 'nbd+unix:///disk0?socket=/run/nbdgw-client.sock'";
+
+/// `nbdgw client`'s flags; their variables are NBDGW_CLIENT_*, so that a
+/// server's environment never configures a client by accident.
+#[derive(Args, Debug)]
+#[command(after_long_help = CLIENT_AFTER_HELP)]
+pub struct ClientArgs {
+    /// Where local clients connect: a Unix socket path, or a loopback
+    /// HOST:PORT (the local side is plaintext, so no other address is
+    /// accepted).
+    #[arg(
+        long,
+        env = "NBDGW_CLIENT_LISTEN",
+        value_name = "PATH|HOST:PORT",
+        default_value = "/run/nbdgw-client.sock"
+    )]
+    pub listen: LocalAddr,
+    #[command(flatten, next_help_heading = "Server")]
+    pub server: ServerArgs,
+    #[command(flatten, next_help_heading = "TLS")]
+    pub tls: ClientTlsArgs,
+    #[command(flatten, next_help_heading = "Reconnect")]
+    pub reconnect: ReconnectArgs,
+    #[command(flatten, next_help_heading = "Relay and timeouts")]
+    pub relay: ClientRelayArgs,
+    #[command(flatten, next_help_heading = "Admission")]
+    pub connections: ForClient<ConnectionLimitArgs>,
+    #[command(flatten, next_help_heading = "Admin endpoints")]
+    pub admin: ForClient<AdminListenArgs>,
+    #[command(flatten, next_help_heading = "Shutdown")]
+    pub shutdown: ForClient<ShutdownArgs>,
+    #[command(flatten, next_help_heading = "Process and logging")]
+    pub process: ForClient<ProcessArgs>,
+}
+
+/// The remote server and the name its certificate must carry.
+#[derive(Args, Debug)]
+pub struct ServerArgs {
+    /// The remote NBD server (TLS with STARTTLS), e.g. nbd.example:10809
+    /// or [2001:db8::1]:10809.
+    #[arg(long, env = "NBDGW_CLIENT_SERVER", value_name = "HOST:PORT")]
+    pub server: String,
+    /// The name the server's certificate must carry (a DNS or IP SAN);
+    /// default: the host of --server.
+    #[arg(long, env = "NBDGW_CLIENT_SERVER_NAME", value_name = "NAME")]
+    pub server_name: Option<String>,
+    /// Seconds the server may take to accept, greet and finish TLS, and
+    /// then to answer each option; a local client then hears why.
+    /// Keep it below --handshake-timeout.
+    #[arg(long, env = "NBDGW_CLIENT_SERVER_TIMEOUT", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    pub server_timeout: u64,
+}
+
+/// The CA the server must chain to, the client certificate, and the TLS
+/// protocol.
+#[derive(Args, Debug)]
+pub struct ClientTlsArgs {
+    /// Directory with the CA and the client certificate: the layout of
+    /// libnbd and qemu (ca-cert.pem, client-cert.pem, client-key.pem,
+    /// optionally ca-crl.pem) or a Kubernetes TLS Secret (ca.crt, tls.crt,
+    /// tls.key). Files named by the other --tls-* flags take precedence.
+    #[arg(long, env = "NBDGW_CLIENT_TLS_DIR", value_name = "DIR")]
+    pub tls_dir: Option<PathBuf>,
+    /// CA bundle (PEM) the server's certificate must chain to.
+    #[arg(long, env = "NBDGW_CLIENT_TLS_CA", value_name = "FILE")]
+    pub tls_ca: Option<PathBuf>,
+    /// Client certificate chain (PEM) to present.
+    #[arg(
+        long,
+        env = "NBDGW_CLIENT_TLS_CERT",
+        value_name = "FILE",
+        requires = "tls_key"
+    )]
+    pub tls_cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM).
+    #[arg(
+        long,
+        env = "NBDGW_CLIENT_TLS_KEY",
+        value_name = "FILE",
+        requires = "tls_cert"
+    )]
+    pub tls_key: Option<PathBuf>,
+    #[command(flatten)]
+    pub protocol: ForClient<TlsProtocolArgs>,
+}
+
+/// `--reconnect`: local connections kept across a drop of the server's.
+#[derive(Args, Debug)]
+pub struct ReconnectArgs {
+    /// Keep local connections when the server's connection drops:
+    /// reconnect, open the same export (its size and flags checked
+    /// unchanged) and send the requests in flight again, in order.
+    #[arg(long, env = "NBDGW_CLIENT_RECONNECT")]
+    pub reconnect: bool,
+    /// Seconds from a drop --reconnect waits for a server connection that
+    /// answers before the requests in flight fail with EIO; new ones then
+    /// fail at once until the server answers again (tries go on).
+    #[arg(long, env = "NBDGW_CLIENT_RECONNECT_TIMEOUT", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub reconnect_timeout: u64,
+    /// Bytes of requests in flight (write payloads included) --reconnect
+    /// keeps per connection until they are answered; beyond it new
+    /// requests wait. One request is always let through.
+    #[arg(long, env = "NBDGW_CLIENT_REPLAY_BUFFER", value_name = "BYTES", default_value_t = 64 * 1024 * 1024)]
+    pub replay_buffer: usize,
+    /// Bytes of structured replies --reconnect holds per connection until
+    /// their last chunk has come, so that a reply cut by a drop is asked
+    /// again whole instead of ending in EIO. A reply beyond it goes up as
+    /// it comes (and, if cut, ends in EIO).
+    #[arg(long, env = "NBDGW_CLIENT_REPLY_BUFFER", value_name = "BYTES", default_value_t = 64 * 1024 * 1024)]
+    pub reply_buffer: usize,
+}
+
+/// Client mode's relay: the local negotiation bound and the shared relay
+/// limits.
+#[derive(Args, Debug)]
+pub struct ClientRelayArgs {
+    /// Seconds a local client has from connecting to finishing negotiation.
+    #[arg(long, env = "NBDGW_CLIENT_HANDSHAKE_TIMEOUT", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub handshake_timeout: u64,
+    #[command(flatten)]
+    pub common: ForClient<RelayArgs>,
+}
+
+impl ClientRelayArgs {
+    /// Client mode has no keepalive interval or count flags: the
+    /// defaults, with `--tcp-keepalive` the idle time.
+    pub fn limits(&self) -> crate::config::RelayLimits {
+        let probes = crate::config::Keepalive::default();
+        self.common.limits(probes.interval, probes.count)
+    }
+}
