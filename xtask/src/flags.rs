@@ -42,7 +42,10 @@ fn command(out: &mut String, path: &str, cmd: &Command) {
         .get_arguments()
         .filter(|a| !a.is_hide_set() && !matches!(a.get_id().as_str(), "help" | "version"))
         .collect();
-    if !args.is_empty() {
+    for (heading, args) in sections(&args) {
+        if let Some(heading) = heading {
+            let _ = writeln!(out, "### {heading}\n");
+        }
         out.push_str("| flag | env | default | meaning |\n|---|---|---|---|\n");
         for arg in args {
             row(out, arg);
@@ -55,6 +58,22 @@ fn command(out: &mut String, path: &str, cmd: &Command) {
     for sub in cmd.get_subcommands() {
         command(out, &format!("{path} {}", sub.get_name()), sub);
     }
+}
+
+/// The arguments by `--help` section, in the order `--help` shows them:
+/// those without a heading first (clap's "Options"), then each heading
+/// where its first argument is declared.
+fn sections<'a>(args: &[&'a Arg]) -> Vec<(Option<&'a str>, Vec<&'a Arg>)> {
+    let mut sections: Vec<(Option<&str>, Vec<&Arg>)> = vec![(None, Vec::new())];
+    for &arg in args {
+        let heading = arg.get_help_heading();
+        match sections.iter_mut().find(|(h, _)| *h == heading) {
+            Some((_, list)) => list.push(arg),
+            None => sections.push((heading, vec![arg])),
+        }
+    }
+    sections.retain(|(_, list)| !list.is_empty());
+    sections
 }
 
 fn row(out: &mut String, arg: &Arg) {

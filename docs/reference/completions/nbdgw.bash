@@ -71,7 +71,7 @@ _nbdgw() {
 
     case "${cmd}" in
         nbdgw)
-            opts="-h -V --listen --tls-cert --tls-key --tls-dir --tls-client-ca --tls-crl --allow-cn --allow-dns --allow-uri --verified-chain-cache --tls-crl-allow-expired --tls-revoke-closes --tls-min-version --tls-cipher-order --tls-groups --tls-reload-interval --upstream --export --export-dir --export-dir-owner --immutable-export --immutable --cache-size --cache-block-size --read-ahead --read-ahead-depth --cache-fill-depth --policy --policy-revoke-closes --upstream-sndbuf --max-connections --max-sessions-per-identity --max-handshakes --max-handshakes-per-source --handshake-queue --handshake-queue-per-source --handshake-queue-timeout --handshake-reserve --source-memory --source-prefix-v4 --source-prefix-v6 --proxy-protocol-from --proxy-protocol-serve-local --proxy-protocol-timeout --proxy-protocol-max-header --handshake-timeout --upstream-timeout --idle-timeout --stall-timeout --tcp-keepalive --tcp-keepalive-interval --tcp-keepalive-count --max-payload --max-option-len --max-refused-options --admin-listen --admin-max-connections --admin-header-timeout --admin-keepalive-requests --admin-keepalive-timeout --admin-max-header-bytes --drain-delay --shutdown-grace --drain-answer --cork --ktls --ktls-key-limit --threads --landlock --log-format --help --version certs policy client help"
+            opts="-h -V --listen --tls-cert --tls-key --tls-dir --tls-client-ca --tls-crl --verified-chain-cache --tls-crl-allow-expired --tls-revoke-closes --tls-cipher-order --tls-min-version --tls-groups --tls-reload-interval --ktls --ktls-key-limit --allow-cn --allow-dns --allow-uri --policy --policy-revoke-closes --upstream --export --export-dir --export-dir-owner --upstream-sndbuf --immutable-export --immutable --cache-size --cache-block-size --read-ahead --read-ahead-depth --cache-fill-depth --max-connections --max-sessions-per-identity --max-handshakes --max-handshakes-per-source --handshake-queue --handshake-queue-per-source --handshake-queue-timeout --handshake-reserve --source-memory --source-prefix-v4 --source-prefix-v6 --proxy-protocol-from --proxy-protocol-serve-local --proxy-protocol-timeout --proxy-protocol-max-header --handshake-timeout --upstream-timeout --idle-timeout --stall-timeout --tcp-keepalive --max-payload --max-option-len --tcp-keepalive-interval --tcp-keepalive-count --max-refused-options --cork --admin-listen --admin-max-connections --admin-header-timeout --admin-keepalive-requests --admin-keepalive-timeout --admin-max-header-bytes --drain-delay --shutdown-grace --drain-answer --landlock --threads --log-format --help --version certs policy client help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 1 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -101,6 +101,38 @@ _nbdgw() {
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
+                --verified-chain-cache)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --tls-revoke-closes)
+                    COMPREPLY=($(compgen -W "true false" -- "${cur}"))
+                    return 0
+                    ;;
+                --tls-cipher-order)
+                    COMPREPLY=($(compgen -W "server client" -- "${cur}"))
+                    return 0
+                    ;;
+                --tls-min-version)
+                    COMPREPLY=($(compgen -W "1.2 1.3" -- "${cur}"))
+                    return 0
+                    ;;
+                --tls-groups)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --tls-reload-interval)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --ktls)
+                    COMPREPLY=($(compgen -W "auto off" -- "${cur}"))
+                    return 0
+                    ;;
+                --ktls-key-limit)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
                 --allow-cn)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
@@ -113,28 +145,12 @@ _nbdgw() {
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
-                --verified-chain-cache)
+                --policy)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
-                --tls-revoke-closes)
+                --policy-revoke-closes)
                     COMPREPLY=($(compgen -W "true false" -- "${cur}"))
-                    return 0
-                    ;;
-                --tls-min-version)
-                    COMPREPLY=($(compgen -W "1.2 1.3" -- "${cur}"))
-                    return 0
-                    ;;
-                --tls-cipher-order)
-                    COMPREPLY=($(compgen -W "server client" -- "${cur}"))
-                    return 0
-                    ;;
-                --tls-groups)
-                    COMPREPLY=($(compgen -f "${cur}"))
-                    return 0
-                    ;;
-                --tls-reload-interval)
-                    COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
                 --upstream)
@@ -150,6 +166,10 @@ _nbdgw() {
                     return 0
                     ;;
                 --export-dir-owner)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --upstream-sndbuf)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
@@ -174,18 +194,6 @@ _nbdgw() {
                     return 0
                     ;;
                 --cache-fill-depth)
-                    COMPREPLY=($(compgen -f "${cur}"))
-                    return 0
-                    ;;
-                --policy)
-                    COMPREPLY=($(compgen -f "${cur}"))
-                    return 0
-                    ;;
-                --policy-revoke-closes)
-                    COMPREPLY=($(compgen -W "true false" -- "${cur}"))
-                    return 0
-                    ;;
-                --upstream-sndbuf)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
@@ -269,14 +277,6 @@ _nbdgw() {
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
-                --tcp-keepalive-interval)
-                    COMPREPLY=($(compgen -f "${cur}"))
-                    return 0
-                    ;;
-                --tcp-keepalive-count)
-                    COMPREPLY=($(compgen -f "${cur}"))
-                    return 0
-                    ;;
                 --max-payload)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
@@ -285,8 +285,20 @@ _nbdgw() {
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
+                --tcp-keepalive-interval)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --tcp-keepalive-count)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
                 --max-refused-options)
                     COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --cork)
+                    COMPREPLY=($(compgen -W "deferred per-reply off" -- "${cur}"))
                     return 0
                     ;;
                 --admin-listen)
@@ -325,24 +337,12 @@ _nbdgw() {
                     COMPREPLY=($(compgen -W "close eshutdown" -- "${cur}"))
                     return 0
                     ;;
-                --cork)
-                    COMPREPLY=($(compgen -W "deferred per-reply off" -- "${cur}"))
-                    return 0
-                    ;;
-                --ktls)
-                    COMPREPLY=($(compgen -W "auto off" -- "${cur}"))
-                    return 0
-                    ;;
-                --ktls-key-limit)
-                    COMPREPLY=($(compgen -f "${cur}"))
+                --landlock)
+                    COMPREPLY=($(compgen -W "true false required" -- "${cur}"))
                     return 0
                     ;;
                 --threads)
                     COMPREPLY=($(compgen -f "${cur}"))
-                    return 0
-                    ;;
-                --landlock)
-                    COMPREPLY=($(compgen -W "true false required" -- "${cur}"))
                     return 0
                     ;;
                 --log-format)
@@ -399,7 +399,7 @@ _nbdgw() {
             return 0
             ;;
         nbdgw__subcmd__client)
-            opts="-h --listen --server --server-name --tls-dir --tls-ca --tls-cert --tls-key --tls-min-version --tls-groups --tls-reload-interval --server-timeout --reconnect --reconnect-timeout --replay-buffer --reply-buffer --handshake-timeout --idle-timeout --stall-timeout --tcp-keepalive --max-payload --max-option-len --max-connections --shutdown-grace --drain-answer --admin-listen --threads --log-format --help"
+            opts="-h --listen --server --server-name --server-timeout --tls-dir --tls-ca --tls-cert --tls-key --tls-min-version --tls-groups --tls-reload-interval --reconnect --reconnect-timeout --replay-buffer --reply-buffer --handshake-timeout --idle-timeout --stall-timeout --tcp-keepalive --max-payload --max-option-len --max-connections --admin-listen --shutdown-grace --drain-answer --threads --log-format --help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -414,6 +414,10 @@ _nbdgw() {
                     return 0
                     ;;
                 --server-name)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --server-timeout)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
@@ -442,10 +446,6 @@ _nbdgw() {
                     return 0
                     ;;
                 --tls-reload-interval)
-                    COMPREPLY=($(compgen -f "${cur}"))
-                    return 0
-                    ;;
-                --server-timeout)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
@@ -489,16 +489,16 @@ _nbdgw() {
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
+                --admin-listen)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
                 --shutdown-grace)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
                 --drain-answer)
                     COMPREPLY=($(compgen -W "close eshutdown" -- "${cur}"))
-                    return 0
-                    ;;
-                --admin-listen)
-                    COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
                 --threads)
