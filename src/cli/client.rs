@@ -156,3 +156,64 @@ impl ClientRelayArgs {
         self.common.limits(probes.interval, probes.count)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use clap::{CommandFactory, FromArgMatches};
+
+    use super::*;
+
+    fn client(args: &[&str]) -> ClientArgs {
+        let all = ["nbdgw", "client", "--server", "nbd.example:10809"];
+        let matches = crate::cli::Cli::command()
+            .try_get_matches_from(all.iter().chain(args))
+            .unwrap();
+        match crate::cli::Cli::from_arg_matches(&matches).unwrap().command {
+            Some(crate::cli::Command::Client(args)) => *args,
+            _ => panic!("not client mode"),
+        }
+    }
+
+    #[test]
+    fn client_mode_keepalive_has_the_default_probes_and_its_own_idle() {
+        let relay = client(&["--tcp-keepalive", "15"]).relay.limits();
+        let keepalive = relay.keepalive.unwrap();
+        assert_eq!(keepalive.idle, Duration::from_secs(15));
+        let defaults = crate::config::Keepalive::default();
+        assert_eq!(
+            (keepalive.interval, keepalive.count),
+            (defaults.interval, defaults.count)
+        );
+        assert_eq!(
+            client(&["--tcp-keepalive", "0"]).relay.limits().keepalive,
+            None
+        );
+    }
+
+    #[test]
+    fn reconnect_settings_only_with_reconnect() {
+        assert!(client(&[]).reconnect.settings().is_none());
+        let reconnect = client(&[
+            "--reconnect",
+            "--reconnect-timeout",
+            "9",
+            "--replay-buffer",
+            "1024",
+        ])
+        .reconnect
+        .settings()
+        .unwrap();
+        assert_eq!(reconnect.timeout, Duration::from_secs(9));
+        assert_eq!(reconnect.replay_buffer, 1024);
+        assert_eq!(reconnect.reply_buffer, 64 * 1024 * 1024);
+    }
+
+    #[test]
+    fn client_tls_takes_the_shared_protocol_flags() {
+        let tls = client(&["--tls-min-version", "1.3", "--tls-ca", "/ca.pem"]).tls;
+        assert_eq!(tls.policy().min_version, crate::tls::MinVersion::Tls13);
+        assert_eq!(tls.sources().ca, Some(PathBuf::from("/ca.pem")));
+    }
+}

@@ -239,3 +239,163 @@ impl std::str::FromStr for LocalAddr {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cli(args: &[&str]) -> Cli {
+        let matches = command()
+            .try_get_matches_from(std::iter::once("nbdgw").chain(args.iter().copied()))
+            .unwrap();
+        let mut cli = Cli::from_arg_matches(&matches).unwrap();
+        split_lists_from_the_environment(&mut cli.serve, &matches);
+        cli
+    }
+
+    fn every_arg(cmd: &clap::Command) -> Vec<&clap::Arg> {
+        cmd.get_arguments()
+            .filter(|a| a.get_env().is_some())
+            .collect()
+    }
+
+    #[test]
+    fn the_command_is_consistent() {
+        command().debug_assert();
+    }
+
+    /// A server's environment must never configure a client, nor a
+    /// client's a server: every shared flag is reworded in client mode.
+    #[test]
+    fn client_mode_reads_only_client_variables_and_the_server_none() {
+        let root = command();
+        for arg in every_arg(&root) {
+            let env = arg.get_env().unwrap().to_string_lossy();
+            assert!(
+                env.starts_with("NBDGW_") && !env.starts_with("NBDGW_CLIENT_"),
+                "--{}: {env}",
+                arg.get_id()
+            );
+        }
+        let client = root.find_subcommand("client").unwrap();
+        let args = every_arg(client);
+        assert_eq!(
+            args.len(),
+            27,
+            "every client flag but --help has a variable"
+        );
+        for arg in args {
+            let env = arg.get_env().unwrap().to_string_lossy();
+            assert!(
+                env.starts_with("NBDGW_CLIENT_"),
+                "--{}: {env}",
+                arg.get_id()
+            );
+        }
+    }
+
+    #[test]
+    fn a_shared_flag_is_parsed_in_both_modes_and_reads_as_each_mode_says() {
+        let serve = cli(&["--max-payload", "4096", "--threads", "3"]).serve;
+        assert_eq!(serve.relay.common.max_payload, 4096);
+        assert_eq!(serve.process.worker_threads(), 3);
+        let Some(Command::Client(client)) = cli(&[
+            "client",
+            "--server",
+            "nbd.example:10809",
+            "--max-payload",
+            "8192",
+            "--shutdown-grace",
+            "7",
+        ])
+        .command
+        else {
+            panic!("not client mode");
+        };
+        assert_eq!(client.relay.common.max_payload, 8192);
+        assert_eq!(client.shutdown.grace(), std::time::Duration::from_secs(7));
+        let root = command();
+        let help = |cmd: &clap::Command, id: &str| {
+            let arg = cmd.get_arguments().find(|a| a.get_id() == id).unwrap();
+            arg.get_help().unwrap().to_string()
+        };
+        let client = root.find_subcommand("client").unwrap();
+        assert_eq!(
+            help(&root, "tls_min_version"),
+            "Oldest TLS version accepted"
+        );
+        assert_eq!(
+            help(client, "tls_min_version"),
+            "Oldest TLS version offered to the server"
+        );
+        // Where the meaning is the same, so is the help.
+        assert_eq!(help(&root, "max_payload"), help(client, "max_payload"));
+    }
+
+    #[test]
+    fn the_help_reads_in_sections() {
+        let root = command();
+        let heading = |id: &str| {
+            let arg = root.get_arguments().find(|a| a.get_id() == id).unwrap();
+            arg.get_help_heading().map(str::to_string)
+        };
+        assert_eq!(heading("listen"), None);
+        assert_eq!(heading("tls_groups").as_deref(), Some("TLS"));
+        assert_eq!(
+            heading("max_payload").as_deref(),
+            Some("Relay and timeouts")
+        );
+        assert_eq!(heading("admin_listen").as_deref(), Some("Admin endpoints"));
+        assert_eq!(heading("landlock").as_deref(), Some("Sandbox"));
+        // A group flattened after a headed one does not inherit its
+        // heading.
+        assert_eq!(
+            heading("log_format").as_deref(),
+            Some("Process and logging")
+        );
+    }
+
+    /// The flags take a name whole, commas and all; only a variable is a
+    /// list (it holds one value). Set only here, and read by no other
+    /// test's assertions.
+    #[test]
+    fn allow_lists_from_the_environment_are_split_and_flags_are_not() {
+        std::env::set_var("NBDGW_ALLOW_DNS", "a.example, b.example,c.example");
+        let serve = cli(&["--allow-cn", "ACME, Backup"]).serve;
+        std::env::remove_var("NBDGW_ALLOW_DNS");
+        assert_eq!(serve.access.allow_cn, ["ACME, Backup"]);
+        assert_eq!(
+            serve.access.allow_dns,
+            ["a.example", "b.example", "c.example"]
+        );
+        assert!(serve.access.allow_lists());
+        assert!(!cli(&[]).serve.access.allow_lists());
+    }
+
+    #[test]
+    fn certs_without_names_makes_the_default_ones() {
+        let Some(Command::Certs(args)) = cli(&["certs", "--out", "/tmp/x"]).command else {
+            panic!("not certs");
+        };
+        let request = args.request();
+        assert_eq!(request.server_names, crate::certs::DEFAULT_SERVER_NAMES);
+        assert_eq!(request.client_names, [crate::certs::DEFAULT_CLIENT_NAME]);
+        assert!(request.ca.is_none());
+        let Some(Command::Certs(args)) = cli(&[
+            "certs",
+            "--out",
+            "/tmp/x",
+            "--server-name",
+            "gw.example",
+            "--client-name",
+            "backup",
+        ])
+        .command
+        else {
+            panic!("not certs");
+        };
+        let request = args.request();
+        assert_eq!(request.server_names, ["gw.example"]);
+        assert_eq!(request.client_names, ["backup"]);
+    }
+}

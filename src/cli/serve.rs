@@ -529,3 +529,160 @@ impl AdminArgs {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, FromArgMatches};
+
+    use super::*;
+
+    fn serve(args: &[&str]) -> ServeArgs {
+        let matches = crate::cli::Cli::command()
+            .try_get_matches_from(std::iter::once("nbdgw").chain(args.iter().copied()))
+            .unwrap();
+        crate::cli::Cli::from_arg_matches(&matches).unwrap().serve
+    }
+
+    #[test]
+    fn the_handshake_reserve_is_a_quarter_and_only_with_client_certificates() {
+        let admission = serve(&["--max-handshakes", "64"]).admission;
+        assert_eq!(admission.handshake_reserve(64, true), 16);
+        assert_eq!(admission.handshake_reserve(64, false), 0);
+        // Lowered by the descriptor limit, it follows the slots down.
+        assert_eq!(admission.handshake_reserve(8, true), 2);
+    }
+
+    #[test]
+    fn a_given_reserve_shrinks_with_the_slots_and_leaves_one_unproven() {
+        let admission = serve(&["--max-handshakes", "64", "--handshake-reserve", "32"]).admission;
+        assert_eq!(admission.handshake_reserve(64, true), 32);
+        assert_eq!(admission.handshake_reserve(16, true), 8);
+        assert_eq!(admission.handshake_reserve(1, true), 0);
+        let no_memory = serve(&["--handshake-reserve", "8", "--source-memory", "0"]).admission;
+        assert_eq!(no_memory.handshake_reserve(64, true), 0);
+    }
+
+    #[test]
+    fn sessions_per_identity_default_to_a_quarter_with_client_certificates() {
+        let admission = serve(&[]).admission;
+        assert_eq!(admission.sessions_per_identity(1024, true), 256);
+        assert_eq!(admission.sessions_per_identity(1024, false), 1024);
+        assert_eq!(admission.sessions_per_identity(2, true), 1);
+        let given = serve(&["--max-sessions-per-identity", "10"]).admission;
+        assert_eq!(given.sessions_per_identity(1024, true), 10);
+    }
+
+    #[test]
+    fn admission_bounds_are_applied_as_given() {
+        let args = serve(&[
+            "--max-connections",
+            "100",
+            "--max-handshakes",
+            "20",
+            "--max-handshakes-per-source",
+            "4",
+            "--handshake-queue",
+            "50",
+            "--handshake-queue-per-source",
+            "5",
+            "--handshake-queue-timeout",
+            "3",
+            "--source-memory",
+            "60",
+        ]);
+        let dir = tempfile::tempdir().unwrap();
+        crate::certs::for_test(dir.path(), "localhost", 1);
+        let (cert, key) = (
+            dir.path().join("server-cert.pem"),
+            dir.path().join("server-key.pem"),
+        );
+        let tls = crate::tls::TlsStore::fixed(crate::tls::load_server_config(&cert, &key).unwrap());
+        let mut config = config::Config::new(PathBuf::from("/u.sock"), tls);
+        args.admission.apply(&mut config);
+        assert_eq!(config.max_connections, 100);
+        assert_eq!(config.max_handshakes, 20);
+        assert_eq!(config.max_handshakes_per_source, 4);
+        assert_eq!(config.handshake_queue, 50);
+        assert_eq!(config.handshake_queue_per_source, 5);
+        assert_eq!(config.handshake_queue_timeout, Duration::from_secs(3));
+        assert_eq!(config.source_memory, Duration::from_secs(60));
+    }
+
+    #[test]
+    fn only_a_trusted_balancer_makes_connections_wait_for_a_header() {
+        let none = serve(&["--max-handshakes", "10", "--handshake-queue", "30"]);
+        assert_eq!(none.proxy_protocol.pending_bound(&none.admission), 0);
+        assert!(none.proxy_protocol.trusted(0).from.is_empty());
+        let args = serve(&[
+            "--max-handshakes",
+            "10",
+            "--handshake-queue",
+            "30",
+            "--proxy-protocol-from",
+            "10.0.0.0/8",
+            "--proxy-protocol-timeout",
+            "2",
+        ]);
+        let pending = args.proxy_protocol.pending_bound(&args.admission);
+        assert_eq!(pending, 40);
+        let trusted = args.proxy_protocol.trusted(pending);
+        assert_eq!(trusted.from.len(), 1);
+        assert_eq!(trusted.header_timeout, Duration::from_secs(2));
+        assert_eq!(trusted.pending, 40);
+        assert!(!trusted.serve_local);
+    }
+
+    #[test]
+    fn the_server_relay_takes_its_keepalive_probes_from_its_flags() {
+        let relay = serve(&[
+            "--tcp-keepalive",
+            "30",
+            "--tcp-keepalive-interval",
+            "4",
+            "--tcp-keepalive-count",
+            "2",
+        ])
+        .relay
+        .limits();
+        let keepalive = relay.keepalive.unwrap();
+        assert_eq!(keepalive.idle, Duration::from_secs(30));
+        assert_eq!(
+            (keepalive.interval, keepalive.count),
+            (Duration::from_secs(4), 2)
+        );
+        let defaults = serve(&[]).relay.limits();
+        assert_eq!(defaults.keepalive, Some(config::Keepalive::default()));
+        assert_eq!(defaults.idle_timeout, None);
+        assert_eq!(
+            defaults.stall_timeout,
+            Some(Duration::from_secs(config::DEFAULT_STALL_TIMEOUT_SECS))
+        );
+    }
+
+    #[test]
+    fn admin_limits_from_their_flags() {
+        let limits = serve(&[
+            "--admin-max-connections",
+            "7",
+            "--admin-header-timeout",
+            "2",
+        ])
+        .admin
+        .limits();
+        assert_eq!(limits.max_connections, 7);
+        assert_eq!(limits.header_timeout, Duration::from_secs(2));
+        assert_eq!(
+            limits.max_header_bytes,
+            config::DEFAULT_ADMIN_MAX_HEADER_BYTES as usize
+        );
+    }
+
+    #[test]
+    fn the_tls_policy_takes_the_shared_protocol_flags() {
+        let tls = serve(&["--tls-min-version", "1.3", "--tls-groups", "X25519"]).tls;
+        let policy = tls.policy(crate::tls::AllowList::default(), false);
+        assert_eq!(policy.min_version, crate::tls::MinVersion::Tls13);
+        assert_eq!(policy.groups.to_string(), "X25519");
+        assert!(policy.revoke_closes);
+    }
+}

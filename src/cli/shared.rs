@@ -301,3 +301,87 @@ impl ProcessArgs {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every flag of a shared group has client mode's wording: one left
+    /// out would read a server's variable.
+    fn worded<T: Args + ClientWording>() {
+        let cmd = T::augment_args(clap::Command::new("t"));
+        let ids: Vec<&str> = cmd
+            .get_arguments()
+            .filter(|a| a.get_env().is_some())
+            .map(|a| a.get_id().as_str())
+            .collect();
+        let worded: Vec<&str> = T::CLIENT.iter().map(|w| w.id).collect();
+        assert_eq!(ids, worded);
+    }
+
+    #[test]
+    fn every_shared_flag_has_its_client_wording() {
+        worded::<TlsProtocolArgs>();
+        worded::<RelayArgs>();
+        worded::<ConnectionLimitArgs>();
+        worded::<AdminListenArgs>();
+        worded::<ShutdownArgs>();
+        worded::<ProcessArgs>();
+    }
+
+    fn relay(idle: u64, stall: u64, keepalive: u64) -> RelayArgs {
+        RelayArgs {
+            idle_timeout: idle,
+            stall_timeout: stall,
+            tcp_keepalive: keepalive,
+            max_payload: 4096,
+            max_option_len: 512,
+        }
+    }
+
+    #[test]
+    fn zero_turns_a_relay_timeout_and_keepalive_off() {
+        let limits = relay(0, 0, 0).limits(Duration::from_secs(10), 6);
+        assert_eq!(limits.idle_timeout, None);
+        assert_eq!(limits.stall_timeout, None);
+        assert_eq!(limits.keepalive, None);
+        assert_eq!((limits.max_payload, limits.max_option_len), (4096, 512));
+    }
+
+    #[test]
+    fn relay_timeouts_and_keepalive_in_seconds() {
+        let limits = relay(300, 60, 30).limits(Duration::from_secs(5), 3);
+        assert_eq!(limits.idle_timeout, Some(Duration::from_secs(300)));
+        assert_eq!(limits.stall_timeout, Some(Duration::from_secs(60)));
+        assert_eq!(
+            limits.keepalive,
+            Some(Keepalive {
+                idle: Duration::from_secs(30),
+                interval: Duration::from_secs(5),
+                count: 3,
+            })
+        );
+    }
+
+    #[test]
+    fn zero_threads_is_one_per_cpu() {
+        let process = |threads| ProcessArgs {
+            threads,
+            log_format: LogFormat::Text,
+        };
+        assert_eq!(process(3).worker_threads(), 3);
+        let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+        assert_eq!(process(0).worker_threads(), cpus);
+    }
+
+    #[test]
+    fn a_zero_reload_interval_reloads_only_on_sighup() {
+        let tls = |secs| TlsProtocolArgs {
+            tls_min_version: MinVersion::Tls12,
+            tls_groups: crate::tls::KxGroups::parse(crate::tls::groups::DEFAULT_GROUPS).unwrap(),
+            tls_reload_interval: secs,
+        };
+        assert_eq!(tls(0).reload_interval(), None);
+        assert_eq!(tls(5).reload_interval(), Some(Duration::from_secs(5)));
+    }
+}
