@@ -64,19 +64,8 @@ pub struct Config {
     /// than the handshake timeout, so that a hung server gets the client
     /// an error reply rather than a silent close.
     pub upstream_timeout: Duration,
-    /// Closes a connection with no request in flight and no reply being
-    /// written for this long, counted from the last reply's last byte.
-    pub idle_timeout: Option<Duration>,
-    /// Closes a connection whose started request payload, or whose reply
-    /// the client does not read, makes no progress for this long.
-    pub stall_timeout: Option<Duration>,
-    /// TCP keepalive on client sockets, so a peer that vanished without a
-    /// FIN or RST (powered off, cable pulled) is noticed.
-    pub keepalive: Option<Keepalive>,
-    /// Largest request payload (and read length) accepted from a client.
-    pub max_payload: u32,
-    /// Largest option data (or option reply data) either side may send.
-    pub max_option_len: u32,
+    /// What the relay allows a connection: timeouts, keepalive, sizes.
+    pub relay: RelayLimits,
     /// Export names one connection may have refused (malformed, not
     /// granted, unknown) before it is closed.
     pub max_refused_options: u32,
@@ -134,6 +123,19 @@ pub struct RelayLimits {
     pub max_payload: u32,
     /// Largest option data (or option reply data) either side may send.
     pub max_option_len: u32,
+}
+
+impl Default for RelayLimits {
+    /// The flags' defaults.
+    fn default() -> Self {
+        RelayLimits {
+            idle_timeout: None,
+            stall_timeout: Some(Duration::from_secs(DEFAULT_STALL_TIMEOUT_SECS)),
+            keepalive: Some(Keepalive::default()),
+            max_payload: crate::proto::consts::DEFAULT_MAX_PAYLOAD,
+            max_option_len: DEFAULT_MAX_OPTION_LEN,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -200,11 +202,7 @@ impl Config {
             handshake_reserve: 0,
             handshake_timeout: Duration::from_secs(DEFAULT_HANDSHAKE_TIMEOUT_SECS),
             upstream_timeout: Duration::from_secs(DEFAULT_UPSTREAM_TIMEOUT_SECS),
-            idle_timeout: None,
-            stall_timeout: Some(Duration::from_secs(DEFAULT_STALL_TIMEOUT_SECS)),
-            keepalive: Some(Keepalive::default()),
-            max_payload: crate::proto::consts::DEFAULT_MAX_PAYLOAD,
-            max_option_len: DEFAULT_MAX_OPTION_LEN,
+            relay: RelayLimits::default(),
             max_refused_options: DEFAULT_MAX_REFUSED_OPTIONS,
             cork: Cork::Deferred,
             kernel_tls: None,

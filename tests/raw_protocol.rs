@@ -392,7 +392,7 @@ fn bad_request_magic_closes_only_that_connection() {
 
 #[test]
 fn oversize_payload_closes_and_oversize_read_is_einval() {
-    let s = setup_with(&[], |c| c.max_payload = 1 << 20);
+    let s = setup_with(&[], |c| c.relay.max_payload = 1 << 20);
     let mut c = s.client(ReplyMode::Structured);
     // A read over --max-payload: refused locally, session goes on.
     c.send_request(0, CMD_READ, 1, 0, 2 << 20, &[]);
@@ -539,7 +539,7 @@ fn handshake_timeout_and_connection_limit() {
 
 #[test]
 fn idle_timeout_closes_idle_connections() {
-    let s = setup_with(&[], |c| c.idle_timeout = Some(Duration::from_secs(1)));
+    let s = setup_with(&[], |c| c.relay.idle_timeout = Some(Duration::from_secs(1)));
     let mut c = s.client(ReplyMode::Structured);
     let image = std::fs::read(&s.upstream.image).unwrap();
     assert_eq!(c.read(1, 0, 512), image[..512]);

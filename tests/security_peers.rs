@@ -104,7 +104,9 @@ fn silent_connections_and_a_slow_handshaker_do_not_lock_out_real_clients() {
 
 #[test]
 fn a_half_sent_write_payload_is_closed_after_the_stall_timeout() {
-    let s = setup(SIZE, |c| c.stall_timeout = Some(Duration::from_secs(1)));
+    let s = setup(SIZE, |c| {
+        c.relay.stall_timeout = Some(Duration::from_secs(1))
+    });
     let mut c = s.client();
     let mut request = c.request_bytes(0, CMD_WRITE, 1, 0, 1 << 20);
     request.extend_from_slice(&[7u8; 1000]);
@@ -121,7 +123,9 @@ fn a_half_sent_write_payload_is_closed_after_the_stall_timeout() {
 
 #[test]
 fn a_client_that_stops_reading_replies_is_closed_after_the_stall_timeout() {
-    let s = setup(SIZE, |c| c.stall_timeout = Some(Duration::from_secs(1)));
+    let s = setup(SIZE, |c| {
+        c.relay.stall_timeout = Some(Duration::from_secs(1))
+    });
     let mut c = s.client();
     const READS: u64 = 48;
     let requests: Vec<u8> = (0..READS)
@@ -141,7 +145,7 @@ fn a_client_that_stops_reading_replies_is_closed_after_the_stall_timeout() {
 #[test]
 fn the_idle_timeout_counts_from_the_last_reply_byte() {
     const LEN: usize = 32 << 20;
-    let s = setup(LEN, |c| c.idle_timeout = Some(Duration::from_secs(3)));
+    let s = setup(LEN, |c| c.relay.idle_timeout = Some(Duration::from_secs(3)));
     let mut c = s.client();
     // A reply larger than the socket buffers, read only after 5.5 s: it
     // is being written all that time, so the connection is not idle.
@@ -443,7 +447,7 @@ fn after_the_grace_period_the_cut_is_logged_and_a_second_signal_exits_at_once() 
 
 #[test]
 fn the_advertised_maximum_block_size_is_clamped_to_max_payload() {
-    let s = setup(SIZE, |c| c.max_payload = 1 << 20);
+    let s = setup(SIZE, |c| c.relay.max_payload = 1 << 20);
     let mut c = RawClient::tls(s.gateway.addr, &s.env.certs());
     let replies = c.option(OPT_GO, &go_data("", &[INFO_BLOCK_SIZE]));
     let block_size = replies

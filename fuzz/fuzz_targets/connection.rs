@@ -89,8 +89,8 @@ fn start(cached: bool) -> Gateway {
     .expect("server config");
     let mut config = nbdgw::Config::new(socket, nbdgw::tls::TlsStore::fixed(tls));
     config.handshake_timeout = Duration::from_secs(2);
-    config.stall_timeout = Some(Duration::from_secs(1));
-    config.max_payload = 1 << 20;
+    config.relay.stall_timeout = Some(Duration::from_secs(1));
+    config.relay.max_payload = 1 << 20;
     if cached {
         // Small blocks and read-ahead: fills, hits and nbdgw's own
         // reads within a few requests.

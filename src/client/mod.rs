@@ -34,7 +34,7 @@ use tokio::task::JoinSet;
 use tracing::{info, warn};
 
 use crate::cli::LocalAddr;
-use crate::config::{Cork, Keepalive};
+use crate::config::Cork;
 use crate::metrics::{Health, Metrics};
 use crate::shutdown::ShutdownControl;
 
@@ -53,11 +53,8 @@ pub struct ClientSettings {
     pub server_timeout: Duration,
     /// From a local client's connect until transmission starts.
     pub handshake_timeout: Duration,
-    pub idle_timeout: Option<Duration>,
-    pub stall_timeout: Option<Duration>,
-    pub keepalive: Option<Keepalive>,
-    pub max_payload: u32,
-    pub max_option_len: u32,
+    /// The same bounds as a server's connections have.
+    pub relay: crate::config::RelayLimits,
     pub max_connections: usize,
     pub cork: Cork,
     pub shutdown_grace: Duration,

@@ -88,7 +88,7 @@ async fn connect_and_secure(settings: &ClientSettings) -> Result<Remote, RemoteE
     // As on the server side: TLS 1.3 lets the client speak last, and
     // Nagle would hold a request behind our unacknowledged data.
     let _ = tcp.set_nodelay(true);
-    crate::conn::set_keepalive(&tcp, settings.keepalive, settings.stall_timeout);
+    crate::conn::set_keepalive(&tcp, settings.relay.keepalive, settings.relay.stall_timeout);
     let pads_export_name =
         newstyle_greeting(&mut tcp)
             .await
@@ -108,7 +108,7 @@ async fn connect_and_secure(settings: &ClientSettings) -> Result<Remote, RemoteE
             error,
         })?;
     crate::conn::log_tls(tls.get_ref().1, Side::Upstream, &settings.metrics);
-    let channel = OptionChannel::new(tls, Side::Upstream, settings.max_option_len)
+    let channel = OptionChannel::new(tls, Side::Upstream, settings.relay.max_option_len)
         .bounded(settings.server_timeout);
     Ok(Remote {
         channel,
@@ -122,7 +122,7 @@ async fn starttls(tcp: TcpStream, settings: &ClientSettings) -> Result<TcpStream
         server: settings.server.clone(),
         error,
     };
-    let mut plain = OptionChannel::new(tcp, Side::Upstream, settings.max_option_len);
+    let mut plain = OptionChannel::new(tcp, Side::Upstream, settings.relay.max_option_len);
     plain.send_option(OPT_STARTTLS, &[]).await.map_err(failed)?;
     let mut reply = Vec::new();
     let header = plain

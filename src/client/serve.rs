@@ -126,9 +126,9 @@ where
     let mode = opened.framing.mode();
     let transmit = Transmit {
         limits: Limits {
-            max_payload: settings.max_payload,
-            idle_timeout: settings.idle_timeout,
-            stall_timeout: settings.stall_timeout,
+            max_payload: settings.relay.max_payload,
+            idle_timeout: settings.relay.idle_timeout,
+            stall_timeout: settings.relay.stall_timeout,
             cork: settings.cork,
         },
         shutdown,
@@ -178,7 +178,7 @@ async fn negotiate<S>(
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    let mut local = OptionChannel::new(local, Side::Client, settings.max_option_len);
+    let mut local = OptionChannel::new(local, Side::Client, settings.relay.max_option_len);
     let flags = crate::conn::plain::greet(&mut local).await?;
     let remote = match reach_server(settings).await {
         Ok(remote) => remote,
@@ -361,7 +361,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Options<'_, S> {
         if option.option == OPT_SET_META_CONTEXT && relayed.reply_type == REP_ACK {
             let Some(chosen) = contexts else {
                 warn!(
-                    max_option_len = self.settings.max_option_len,
+                    max_option_len = self.settings.relay.max_option_len,
                     "the server chose more metadata contexts than --max-option-len holds"
                 );
                 return Ok(Step::Closed("the server sent too many metadata contexts"));
@@ -405,8 +405,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Options<'_, S> {
         &mut self,
         option: &OptionHeader,
     ) -> Result<(Relayed, Option<Vec<Vec<u8>>>), ConnError> {
-        let max_payload = self.settings.max_payload;
-        let max_option_len = self.settings.max_option_len as usize;
+        let max_payload = self.settings.relay.max_payload;
+        let max_option_len = self.settings.relay.max_option_len as usize;
         let mut contexts = Vec::new();
         let (mut kept, mut too_many) = (0usize, false);
         let relayed = relayed::relay_replies(

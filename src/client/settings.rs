@@ -44,7 +44,6 @@ fn settings(
     (host, port, server_name): (String, u16, ServerName<'static>),
     tls: Arc<crate::reloadable::Swap<rustls::ClientConfig>>,
 ) -> Result<ClientSettings> {
-    let relay = args.relay.limits();
     if args.server.server_timeout >= args.relay.handshake_timeout {
         warn!(
             server_timeout = args.server.server_timeout,
@@ -60,11 +59,7 @@ fn settings(
         tls,
         server_timeout: Duration::from_secs(args.server.server_timeout),
         handshake_timeout: Duration::from_secs(args.relay.handshake_timeout),
-        idle_timeout: relay.idle_timeout,
-        stall_timeout: relay.stall_timeout,
-        keepalive: relay.keepalive,
-        max_payload: relay.max_payload,
-        max_option_len: relay.max_option_len,
+        relay: args.relay.limits(),
         max_connections: fitted_connections(
             args.connections.max_connections,
             args.admin.admin_listen.is_some(),

@@ -337,7 +337,7 @@ async fn negotiate(
             warn!(reason = %refusal, %client, "session refused");
             let message = format!("nbdgw: {refusal}; try again later");
             let client =
-                options::OptionChannel::new(tls, error::Side::Client, config.max_option_len);
+                options::OptionChannel::new(tls, error::Side::Client, config.relay.max_option_len);
             return negotiate::refuse_all(client, &message)
                 .await
                 .map(Negotiated::Closed);
@@ -401,7 +401,7 @@ pub(crate) fn log_tls(state: &rustls::CommonState, peer: Side, metrics: &crate::
 /// Keepalive notices a client that vanished without a FIN or RST while
 /// idle; TCP_USER_TIMEOUT one that vanished with our data unacknowledged.
 fn set_liveness_checks(tcp: &TcpStream, config: &Config) {
-    set_keepalive(tcp, config.keepalive, config.stall_timeout);
+    set_keepalive(tcp, config.relay.keepalive, config.relay.stall_timeout);
 }
 
 /// The liveness checks of either direction's TCP peer: keepalive, and the

@@ -57,7 +57,7 @@ pub async fn relay_options(
     config: &Config,
     shutdown: &Shutdown,
 ) -> Result<Outcome, ConnError> {
-    let client = OptionChannel::new(tls, Side::Client, config.max_option_len);
+    let client = OptionChannel::new(tls, Side::Client, config.relay.max_option_len);
     // No upstream hears of this client yet: only an option that passed
     // authorization connects one (see `reach_single` and `attach`).
     let mut negotiation = Negotiation::new(client, client_flags, identity, config);
@@ -202,7 +202,7 @@ impl Attached {
             }
         };
         let stream = Buffered::new(UPSTREAM_NEGOTIATION_BUF, upstream.stream);
-        let channel = OptionChannel::new(stream, Side::Upstream, config.max_option_len)
+        let channel = OptionChannel::new(stream, Side::Upstream, config.relay.max_option_len)
             .bounded(config.upstream_timeout);
         Ok(Attached {
             channel,
@@ -659,7 +659,7 @@ impl<'a> Negotiation<'a> {
             access: self.access,
             policy: &self.policy,
             identity: &self.identity,
-            max_payload: self.config.max_payload,
+            max_payload: self.config.relay.max_payload,
         };
         relayed::relay_or_answer(
             &mut self.client,

@@ -30,7 +30,7 @@ pub async fn negotiate(
     config: &Config,
     shutdown: &Shutdown,
 ) -> Result<Outcome, ConnError> {
-    let mut client = OptionChannel::new(io, Side::Client, config.max_option_len);
+    let mut client = OptionChannel::new(io, Side::Client, config.relay.max_option_len);
     let flags = greet(&mut client).await?;
     loop {
         let option = client.read_option().await?;

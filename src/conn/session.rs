@@ -172,9 +172,9 @@ pub struct Limits {
 impl Limits {
     pub fn of(config: &Config) -> Self {
         Limits {
-            max_payload: config.max_payload,
-            idle_timeout: config.idle_timeout,
-            stall_timeout: config.stall_timeout,
+            max_payload: config.relay.max_payload,
+            idle_timeout: config.relay.idle_timeout,
+            stall_timeout: config.relay.stall_timeout,
             cork: config.cork,
         }
     }

@@ -113,14 +113,9 @@ fn gateway_config(args: &ServeArgs, upstream: PathBuf, tls: Arc<TlsStore>) -> Co
     config.upstream_sndbuf = args.routing.upstream_sndbuf;
     config.policy_revoke_closes = args.access.policy_revoke_closes;
     args.admission.apply(&mut config);
-    let relay = args.relay.limits();
     config.handshake_timeout = Duration::from_secs(args.relay.handshake_timeout);
     config.upstream_timeout = Duration::from_secs(args.relay.upstream_timeout);
-    config.idle_timeout = relay.idle_timeout;
-    config.stall_timeout = relay.stall_timeout;
-    config.keepalive = relay.keepalive;
-    config.max_payload = relay.max_payload;
-    config.max_option_len = relay.max_option_len;
+    config.relay = args.relay.limits();
     config.max_refused_options = args.relay.max_refused_options;
     config.shutdown_grace = args.shutdown.common.grace();
     config.drain_delay = Duration::from_secs(args.shutdown.drain_delay);

@@ -266,7 +266,7 @@ impl Reconnecting {
         opened: Opened,
         mode: ReplyMode,
     ) -> Self {
-        let max_reply = crate::conn::relay::max_reply(settings.max_payload);
+        let max_reply = crate::conn::relay::max_reply(settings.relay.max_payload);
         Reconnecting {
             link,
             settings,
@@ -650,11 +650,13 @@ mod tests {
             tls: Arc::new(crate::reloadable::Swap::new(Arc::new(tls))),
             server_timeout: Duration::from_secs(10),
             handshake_timeout: Duration::from_secs(10),
-            idle_timeout: None,
-            stall_timeout: None,
-            keepalive: None,
-            max_payload: 32 << 20,
-            max_option_len: 64 << 10,
+            relay: crate::config::RelayLimits {
+                idle_timeout: None,
+                stall_timeout: None,
+                keepalive: None,
+                max_payload: 32 << 20,
+                max_option_len: 64 << 10,
+            },
             max_connections: 1,
             cork: crate::config::Cork::Deferred,
             shutdown_grace: Duration::from_secs(1),
