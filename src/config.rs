@@ -94,6 +94,13 @@ pub struct Config {
     pub allow_lists: bool,
     pub metrics: Arc<crate::metrics::Metrics>,
     pub health: Arc<crate::metrics::Health>,
+    /// Immutable exports and the read cache they share.
+    pub read_cache: ReadCacheSettings,
+}
+
+/// Exports declared immutable and the read cache they share.
+#[derive(Clone)]
+pub struct ReadCacheSettings {
     /// Exports declared immutable: read-only for everyone, and cached.
     pub immutable: Arc<crate::exports::Immutable>,
     /// The read cache immutable exports share; `None`: off.
@@ -104,6 +111,19 @@ pub struct Config {
     pub read_ahead_depth: u32,
     /// Fill reads one connection may have in flight.
     pub cache_fill_depth: u32,
+}
+
+impl Default for ReadCacheSettings {
+    /// No export immutable, so no cache; the flags' defaults otherwise.
+    fn default() -> Self {
+        ReadCacheSettings {
+            immutable: Arc::default(),
+            cache: None,
+            read_ahead: crate::cache::DEFAULT_READ_AHEAD,
+            read_ahead_depth: crate::cache::DEFAULT_READ_AHEAD_DEPTH,
+            cache_fill_depth: crate::cache::DEFAULT_CACHE_FILL_DEPTH,
+        }
+    }
 }
 
 /// What the relay allows one connection, and when it gives up on it: the
@@ -209,11 +229,7 @@ impl Config {
             kernel_tls_no_rekey: false,
             ktls_key_limit: None,
             shutdown_grace: Duration::from_secs(DEFAULT_SHUTDOWN_GRACE_SECS),
-            immutable: Arc::default(),
-            cache: None,
-            read_ahead: crate::cache::DEFAULT_READ_AHEAD,
-            read_ahead_depth: crate::cache::DEFAULT_READ_AHEAD_DEPTH,
-            cache_fill_depth: crate::cache::DEFAULT_CACHE_FILL_DEPTH,
+            read_cache: ReadCacheSettings::default(),
         }
     }
 }

@@ -47,15 +47,15 @@ fn site_with_blocks(immutable: bool, cache_size: u64, read_ahead: u32, block: u6
     let upstream = QemuNbd::start(&env, &path, &[]);
     let counter = UpstreamCounter::start(&upstream.socket, &env.path("counted.sock"));
     let mut config = env.config(&counter.socket);
-    config.immutable = Arc::new(Immutable::new(immutable, vec![]).unwrap());
+    config.read_cache.immutable = Arc::new(Immutable::new(immutable, vec![]).unwrap());
     if immutable && cache_size > 0 {
-        config.cache = Some(ReadCache::with_block_size(
+        config.read_cache.cache = Some(ReadCache::with_block_size(
             cache_size,
             block,
             config.metrics.cache.clone(),
         ));
     }
-    config.read_ahead = read_ahead;
+    config.read_cache.read_ahead = read_ahead;
     let metrics = config.metrics.clone();
     let gateway = Gateway::start(config);
     Site {
@@ -152,9 +152,9 @@ fn holes_are_cached_as_zeros() {
     let upstream = QemuNbd::start(&env, &path, &[]);
     let counter = UpstreamCounter::start(&upstream.socket, &env.path("counted.sock"));
     let mut config = env.config(&counter.socket);
-    config.immutable = Arc::new(Immutable::new(true, vec![]).unwrap());
-    config.cache = Some(ReadCache::new(64 << 20, config.metrics.cache.clone()));
-    config.read_ahead = 0;
+    config.read_cache.immutable = Arc::new(Immutable::new(true, vec![]).unwrap());
+    config.read_cache.cache = Some(ReadCache::new(64 << 20, config.metrics.cache.clone()));
+    config.read_cache.read_ahead = 0;
     let metrics = config.metrics.clone();
     let gateway = Gateway::start(config);
     for mode in MODES {
@@ -728,9 +728,9 @@ fn a_failed_fill_is_the_clients_error_and_caches_nothing() {
     let env = Env::new();
     let fake = fake_upstream::scripted(&env.path("fake.sock"), 1 << 20, script);
     let mut config = env.config(&fake.socket);
-    config.immutable = Arc::new(Immutable::new(true, vec![]).unwrap());
-    config.cache = Some(ReadCache::new(1 << 20, config.metrics.cache.clone()));
-    config.read_ahead = 0;
+    config.read_cache.immutable = Arc::new(Immutable::new(true, vec![]).unwrap());
+    config.read_cache.cache = Some(ReadCache::new(1 << 20, config.metrics.cache.clone()));
+    config.read_cache.read_ahead = 0;
     let metrics = config.metrics.clone();
     let gateway = Gateway::start(config);
     let mut c = RawClient::tls(gateway.addr, &env.certs());

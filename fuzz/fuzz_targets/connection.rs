@@ -94,14 +94,14 @@ fn start(cached: bool) -> Gateway {
     if cached {
         // Small blocks and read-ahead: fills, hits and nbdgw's own
         // reads within a few requests.
-        config.immutable =
+        config.read_cache.immutable =
             Arc::new(nbdgw::exports::Immutable::new(true, vec![]).expect("immutable"));
-        config.cache = Some(nbdgw::cache::ReadCache::with_block_size(
+        config.read_cache.cache = Some(nbdgw::cache::ReadCache::with_block_size(
             4 << 20,
             4096,
             config.metrics.cache.clone(),
         ));
-        config.read_ahead = 16384;
+        config.read_cache.read_ahead = 16384;
     }
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {

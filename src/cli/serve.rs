@@ -5,6 +5,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
@@ -443,6 +444,53 @@ impl AccessArgs {
     }
 }
 
+impl CacheArgs {
+    /// The immutable exports, and the read cache they share when it is
+    /// on; `upstream` says whether --upstream is given, `max_payload`
+    /// bounds --read-ahead.
+    pub fn settings(
+        &self,
+        upstream: bool,
+        max_payload: u32,
+        metrics: crate::metrics::CacheMetrics,
+    ) -> anyhow::Result<config::ReadCacheSettings> {
+        // With named exports, every export immutable would be a blanket
+        // the operator should spell out (--immutable-export '*').
+        if self.immutable && !upstream {
+            anyhow::bail!(
+                "--immutable (NBDGW_IMMUTABLE) needs --upstream; name exports with --immutable-export"
+            );
+        }
+        let immutable =
+            crate::exports::Immutable::new(self.immutable, self.immutable_exports.clone())?;
+        if self.read_ahead > max_payload {
+            anyhow::bail!("--read-ahead must not exceed --max-payload");
+        }
+        let cache = (immutable.any() && self.cache_size > 0).then(|| {
+            tracing::info!(
+                cache_size = self.cache_size,
+                cache_block_size = self.cache_block_size,
+                read_ahead = self.read_ahead,
+                read_ahead_depth = self.read_ahead_depth,
+                cache_fill_depth = self.cache_fill_depth,
+                "read cache on for immutable exports"
+            );
+            crate::cache::ReadCache::with_block_size(
+                self.cache_size,
+                self.cache_block_size,
+                metrics,
+            )
+        });
+        Ok(config::ReadCacheSettings {
+            immutable: Arc::new(immutable),
+            cache,
+            read_ahead: self.read_ahead,
+            read_ahead_depth: self.read_ahead_depth,
+            cache_fill_depth: self.cache_fill_depth,
+        })
+    }
+}
+
 impl AdmissionArgs {
     /// The handshake slots kept for proven sources out of `handshakes`:
     /// none where no source can be proven (no client CA, or
@@ -684,5 +732,44 @@ mod tests {
         assert_eq!(policy.min_version, crate::tls::MinVersion::Tls13);
         assert_eq!(policy.groups.to_string(), "X25519");
         assert!(policy.revoke_closes);
+    }
+
+    fn cache(args: &[&str], upstream: bool) -> anyhow::Result<config::ReadCacheSettings> {
+        let args = serve(args);
+        let metrics = crate::metrics::CacheMetrics::default();
+        args.cache
+            .settings(upstream, args.relay.common.max_payload, metrics)
+    }
+
+    #[test]
+    fn the_read_cache_is_on_only_for_immutable_exports_and_a_size() {
+        let off = cache(&[], true).unwrap();
+        assert!(off.cache.is_none());
+        assert!(!off.immutable.any());
+        let on = cache(&["--immutable", "--read-ahead", "65536"], true).unwrap();
+        assert!(on.cache.is_some());
+        assert!(on.immutable.matches(""));
+        assert_eq!(on.read_ahead, 65536);
+        let sized_out =
+            cache(&["--immutable-export", "golden", "--cache-size", "0"], true).unwrap();
+        assert!(sized_out.cache.is_none(), "0 turns the cache off");
+        assert!(
+            sized_out.immutable.matches("golden"),
+            "the export stays read-only"
+        );
+    }
+
+    #[test]
+    fn bad_read_cache_flags_are_refused() {
+        let err = cache(&["--immutable"], false).err().unwrap().to_string();
+        assert!(
+            err.contains("--immutable (NBDGW_IMMUTABLE) needs --upstream"),
+            "{err}"
+        );
+        let err = cache(&["--max-payload", "4096", "--read-ahead", "8192"], true)
+            .err()
+            .unwrap()
+            .to_string();
+        assert_eq!(err, "--read-ahead must not exceed --max-payload");
     }
 }

@@ -291,9 +291,9 @@ async fn transmit(
         read_only,
         cache: cache.map(|handle| relay::Cached {
             handle,
-            read_ahead: config.read_ahead,
-            depth: config.read_ahead_depth,
-            fills: config.cache_fill_depth,
+            read_ahead: config.read_cache.read_ahead,
+            depth: config.read_cache.read_ahead_depth,
+            fills: config.read_cache.cache_fill_depth,
         }),
     };
     relay::run(ends, socket_handle, &link.transmit(), registered).await

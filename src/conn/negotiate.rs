@@ -337,7 +337,7 @@ impl<'a> Negotiation<'a> {
     /// make the shared cache disagree with it.
     fn granted(&mut self, decision: crate::policy::Decision, name: &str) {
         (self.access, self.rule) = (decision.access, decision.rule);
-        self.immutable = self.config.immutable.matches(name);
+        self.immutable = self.config.read_cache.immutable.matches(name);
         if self.immutable {
             self.access = Access::ReadOnly;
         }
@@ -736,7 +736,7 @@ impl<'a> Negotiation<'a> {
         if !self.immutable {
             return None;
         }
-        let cache = self.config.cache.as_ref()?;
+        let cache = self.config.read_cache.cache.as_ref()?;
         let (key, in_dir) = match &self.target {
             Some(target) => (
                 crate::cache::ExportKey {

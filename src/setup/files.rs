@@ -1,13 +1,10 @@
 //! The files the start reads, whose failure stops it: TLS, the policy,
 //! the export table, and the immutable exports' read cache.
 
-use std::sync::Arc;
-
 use anyhow::{bail, Context, Result};
 use tracing::info;
 
 use crate::cli::ServeArgs;
-use crate::config::Config;
 use crate::tls::Reloader;
 
 pub(crate) fn export_table(args: &ServeArgs) -> Result<Option<crate::exports::ExportTable>> {
@@ -44,42 +41,6 @@ pub(crate) fn export_table(args: &ServeArgs) -> Result<Option<crate::exports::Ex
     .with_owner_check(owner);
     info!(exports = ?table.names(), dir = ?args.routing.export_dir, owner = %owner, "exports routed by name");
     Ok(Some(table))
-}
-
-/// The immutable exports, and the read cache they share when it is on.
-pub(crate) fn read_cache(args: &ServeArgs, config: &mut Config) -> Result<()> {
-    // With named exports, every export immutable would be a blanket the
-    // operator should spell out (--immutable-export '*').
-    if args.cache.immutable && args.routing.upstream.is_none() {
-        bail!(
-            "--immutable (NBDGW_IMMUTABLE) needs --upstream; name exports with --immutable-export"
-        );
-    }
-    let immutable =
-        crate::exports::Immutable::new(args.cache.immutable, args.cache.immutable_exports.clone())?;
-    if args.cache.read_ahead > args.relay.common.max_payload {
-        bail!("--read-ahead must not exceed --max-payload");
-    }
-    config.read_ahead = args.cache.read_ahead;
-    config.read_ahead_depth = args.cache.read_ahead_depth;
-    config.cache_fill_depth = args.cache.cache_fill_depth;
-    if immutable.any() && args.cache.cache_size > 0 {
-        config.cache = Some(crate::cache::ReadCache::with_block_size(
-            args.cache.cache_size,
-            args.cache.cache_block_size,
-            config.metrics.cache.clone(),
-        ));
-        info!(
-            cache_size = args.cache.cache_size,
-            cache_block_size = args.cache.cache_block_size,
-            read_ahead = args.cache.read_ahead,
-            read_ahead_depth = args.cache.read_ahead_depth,
-            cache_fill_depth = args.cache.cache_fill_depth,
-            "read cache on for immutable exports"
-        );
-    }
-    config.immutable = Arc::new(immutable);
-    Ok(())
 }
 
 /// The policy file's first read, which must succeed; it only means

@@ -92,7 +92,11 @@ fn read(args: &ServeArgs) -> Result<(Reloader, Option<PolicyReloader>, Config)> 
     config.kernel_tls = kernel_tls;
     config.kernel_tls_no_rekey = kernel_tls_no_rekey;
     config.ktls_key_limit = args.tls.ktls_key_limit;
-    files::read_cache(args, &mut config)?;
+    config.read_cache = args.cache.settings(
+        args.routing.upstream.is_some(),
+        args.relay.common.max_payload,
+        config.metrics.cache.clone(),
+    )?;
     if let Some(policy) = &mut policy {
         config.policy = policy.store();
         let m = &config.metrics;
