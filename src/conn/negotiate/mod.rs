@@ -217,9 +217,9 @@ impl<'a> Negotiation<'a> {
         relayed::refuse_unsupported(&mut self.client, option).await?;
         Ok(Step::Next)
     }
-}
 
-impl Negotiation<'_> {
+    /// Answers the option with `reply_type` (an error, or nbdgw's own
+    /// ACK) and goes on to the next; used by every file beside this one.
     async fn refuse(
         &mut self,
         option: &OptionHeader,
