@@ -10,7 +10,7 @@ use std::net::TcpStream;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::clients::http_get;
+use common::metrics::metric;
 use common::peers::{connect_from, slow_client_hello};
 use common::process::NbdgwProcess;
 use common::{free_port, Env, QemuNbd};
@@ -51,13 +51,6 @@ fn herd(port: u16, certs: &std::path::Path, image: &std::path::Path, n: usize) -
             .map(|a| a.iter().filter_map(|v| v.as_f64()).collect())
             .unwrap_or_default(),
     }
-}
-
-fn metric(admin: u16, name: &str) -> f64 {
-    let (_, body) = http_get(admin, "/metrics");
-    body.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
 }
 
 /// Default flags. 64 then 256 clients from 127.0.0.1, all at once, while

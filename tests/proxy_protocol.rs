@@ -16,7 +16,9 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::await_that;
 use common::clients::{http_get, nbds_uri, text};
+use common::metrics::metric;
 use common::peers::{connect_from, greeted};
 use common::process::NbdgwProcess;
 use common::site::PolicySite;
@@ -153,27 +155,11 @@ impl Drop for Haproxy {
     }
 }
 
-fn metric(admin: u16, name: &str) -> f64 {
-    let (_, body) = http_get(admin, "/metrics");
-    body.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
-}
-
 fn headers(admin: u16, outcome: &str) -> f64 {
     metric(
         admin,
         &format!("nbdgw_proxy_headers_total{{outcome=\"{outcome}\"}}"),
     )
-}
-
-/// Polls `what` until it holds (at most 30 s: the machine is loaded).
-fn await_that(what: &str, mut holds: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !holds() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 struct Setup {
