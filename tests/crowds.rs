@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::metrics::metric;
 use common::peers::{connect_from, slow_client_hello};
-use common::process::NbdgwProcess;
+use common::process::{front_args, NbdgwProcess};
 use common::{free_port, Env, QemuNbd};
 
 /// What tests/herd.py saw.
@@ -148,17 +148,8 @@ fn bounds_beyond_the_descriptor_limit_are_lowered_or_refused_at_start() {
     let upstream = QemuNbd::start(&env, &image, &[]);
     let certs = env.certs();
     let port = free_port();
-    let mut cmd = Command::new("prlimit");
-    cmd.arg("--nofile=1024:1024")
-        .arg(common::process::nbdgw_binary())
-        .arg("--tls-dir")
-        .arg(&certs)
-        .arg("--upstream")
-        .arg(&upstream.socket)
-        .arg("--listen")
-        .arg(format!("127.0.0.1:{port}"));
-    let gw = NbdgwProcess::spawn(cmd, port);
-    gw.wait_for_log("nbdgw listening", 1);
+    let args = front_args(&certs, &upstream.socket, &[]);
+    let gw = NbdgwProcess::start_at_with_nofile(1024, args, port);
     let log = gw.log();
     assert!(
         log.contains("lowered them in proportion to fit (was --max-connections 1024, --max-handshakes 64, --handshake-queue 1024, --admin-max-connections 0)"),

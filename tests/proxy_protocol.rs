@@ -595,22 +595,19 @@ fn connections_before_their_header_fit_under_the_descriptor_limit() {
     let image = env.random_image("disk.img", 1 << 20, 31);
     let upstream = QemuNbd::start(&env, &image, &[]);
     let (port, admin) = (free_port(), free_port());
-    let mut cmd = Command::new("prlimit");
-    cmd.arg("--nofile=190:190")
-        .arg(common::process::nbdgw_binary())
-        .arg("--tls-dir")
-        .arg(env.certs())
-        .arg("--upstream")
-        .arg(&upstream.socket)
-        .arg("--listen")
-        .arg(format!("127.0.0.1:{port}"))
-        .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
-        .args(["--proxy-protocol-from", "127.0.0.8"])
-        .args(["--max-connections", "4", "--admin-max-connections", "1"])
-        .args(["--max-handshakes", "2", "--handshake-queue", "100"])
-        .args(["--handshake-timeout", "120"]);
-    let gw = NbdgwProcess::spawn(cmd, port);
-    gw.wait_for_log("nbdgw listening", 1);
+    let admin_addr = format!("127.0.0.1:{admin}");
+    let flags = [
+        ["--admin-listen", &admin_addr],
+        ["--proxy-protocol-from", "127.0.0.8"],
+        ["--max-connections", "4"],
+        ["--admin-max-connections", "1"],
+        ["--max-handshakes", "2"],
+        ["--handshake-queue", "100"],
+        ["--handshake-timeout", "120"],
+    ]
+    .concat();
+    let args = common::process::front_args(&env.certs(), &upstream.socket, &flags);
+    let gw = NbdgwProcess::start_at_with_nofile(190, args, port);
     let bound: f64 = gw
         .log()
         .split("proxy_header_waiting=")

@@ -86,6 +86,25 @@ impl NbdgwProcess {
         process
     }
 
+    /// As [`Self::start_at`], under `prlimit --nofile=NOFILE:NOFILE`: a
+    /// descriptor limit of the test's choosing.
+    #[allow(dead_code)]
+    pub fn start_at_with_nofile<I, S>(nofile: u32, args: I, port: u16) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let mut cmd = Command::new("prlimit");
+        cmd.arg(format!("--nofile={nofile}:{nofile}"))
+            .arg(nbdgw_binary())
+            .args(args)
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{port}"));
+        let process = Self::spawn(cmd, port);
+        process.wait_for_log("nbdgw listening", 1);
+        process
+    }
+
     pub fn start_with<I, S>(args: I, env: &[(&str, &OsStr)]) -> Self
     where
         I: IntoIterator<Item = S>,
@@ -280,7 +299,7 @@ impl NbdgwProcess {
 
 /// The flags that put nbdgw with the certificate directory `certs` in
 /// front of the upstream socket `upstream`, then `extra`.
-fn front_args(certs: &Path, upstream: &Path, extra: &[&str]) -> Vec<OsString> {
+pub fn front_args(certs: &Path, upstream: &Path, extra: &[&str]) -> Vec<OsString> {
     let mut args: Vec<OsString> = vec![
         "--tls-dir".into(),
         certs.into(),
