@@ -4,36 +4,23 @@
 
 mod common;
 
-use std::ffi::OsStr;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::clients::{http_get, nbdinfo_size, nbds_uri, qemu_img_info, text};
+use common::metrics::sample;
 use common::process::NbdgwProcess;
 use common::{free_port, run_ok, Env, QemuNbd};
 
-/// The value of one sample, `name{labels}` exactly as exposed.
-fn sample(metrics: &str, name: &str) -> f64 {
-    metrics
-        .lines()
-        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
-        .and_then(|value| value.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no sample {name} in:\n{metrics}"))
-}
-
+/// nbdgw with the test's certificates in front of `upstream`, with an
+/// admin listener on `admin`.
 fn gateway(env: &Env, upstream: &std::path::Path, admin: u16, extra: &[&str]) -> NbdgwProcess {
-    let certs = env.certs();
     let admin = format!("127.0.0.1:{admin}");
-    let mut args = vec![
-        OsStr::new("--upstream"),
-        upstream.as_os_str(),
-        OsStr::new("--tls-dir"),
-        certs.as_os_str(),
-        OsStr::new("--admin-listen"),
-        OsStr::new(&admin),
-    ];
-    args.extend(extra.iter().map(OsStr::new));
-    NbdgwProcess::start(args)
+    let args: Vec<&str> = ["--admin-listen", &admin]
+        .into_iter()
+        .chain(extra.iter().copied())
+        .collect();
+    NbdgwProcess::in_front_of(env, upstream, &args)
 }
 
 #[test]
@@ -522,13 +509,13 @@ fn the_fallback_visit_is_silent_for_nbdkit_and_qemu_nbd() {
     let listed = run_ok(
         Command::new("nbdinfo")
             .arg("--size")
-            .arg(format!("nbd+unix:///?socket={}", qemu_socket.display())),
+            .arg(common::unix_uri(&qemu_socket)),
     );
     assert_eq!(String::from_utf8_lossy(&listed.stdout).trim(), "1048576");
     let listed = run_ok(
         Command::new("nbdinfo")
             .arg("--size")
-            .arg(format!("nbd+unix:///?socket={}", kit_socket.display())),
+            .arg(common::unix_uri(&kit_socket)),
     );
     assert_eq!(String::from_utf8_lossy(&listed.stdout).trim(), "1048576");
     assert_eq!(kit.errors(), "", "nbdkit logged the visits");

@@ -37,12 +37,6 @@ fn audit_lines(log: &str) -> Vec<Value> {
         .collect()
 }
 
-fn image(env: &Env, name: &str) -> std::path::PathBuf {
-    let path = env.path(name);
-    std::fs::write(&path, vec![b'I'; 1 << 20]).unwrap();
-    path
-}
-
 fn start(env: &Env, ca: &Ca, extra: &[&OsStr]) -> NbdgwProcess {
     let (cert, key, client_ca) =
         common::clients::write_server_files(&env.path("server"), &ca.server("gw"), ca);
@@ -87,7 +81,7 @@ fn a_policy_session_has_one_open_and_one_close_line_naming_rule_and_counts() {
     let ca = Ca::new("audit CA");
     let db = QemuNbd::start_at(
         env.path("db.sock"),
-        &image(&env, "db.img"),
+        &env.filled_image("db.img", b'I', 1 << 20),
         &["-x", "disk0"],
     );
     let policy = env.path("policy.toml");
@@ -175,7 +169,7 @@ fn a_policy_session_has_one_open_and_one_close_line_naming_rule_and_counts() {
 fn without_a_policy_the_allow_lists_are_named_as_the_grant() {
     let env = Env::new();
     let ca = Ca::new("audit CA");
-    let upstream = QemuNbd::start(&env, &image(&env, "u.img"), &[]);
+    let upstream = QemuNbd::start(&env, &env.filled_image("u.img", b'I', 1 << 20), &[]);
     let gw = start(
         &env,
         &ca,

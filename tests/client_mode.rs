@@ -15,17 +15,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use common::metrics::sample;
 use common::pki::{Ca, ClientDir};
 use common::process::NbdgwProcess;
 use common::raw::RawClient;
-use common::{pattern, run, run_ok, Env, QemuNbd};
+use common::{pattern, run, run_ok, unix_uri, Env, QemuNbd};
 use nbdgw::proto::transmission::ReplyMode;
 
 const SIZE: usize = 8 << 20;
-
-fn unix_uri(socket: &Path) -> String {
-    format!("nbd+unix:///?socket={}", socket.display())
-}
 
 /// `nbdgw client` on a Unix socket in front of `server`, with the test's
 /// certificate directory (libnbd/qemu layout: ca-cert.pem,
@@ -37,15 +34,7 @@ fn client_on_socket(
     tls_dir: &Path,
 ) -> (NbdgwProcess, PathBuf) {
     let socket = env.path(name);
-    let client = NbdgwProcess::client(
-        socket.as_os_str(),
-        [
-            OsStr::new("--server"),
-            OsStr::new(server),
-            OsStr::new("--tls-dir"),
-            tls_dir.as_os_str(),
-        ],
-    );
+    let client = NbdgwProcess::client_of(socket.as_os_str(), server, tls_dir, &[]);
     (client, socket)
 }
 
@@ -572,15 +561,6 @@ fn client_mode_to_nbdkit_with_tls_required() {
     assert!(!log.contains("WARN"), "{log}");
 }
 
-/// The value of the sample `name` in a metrics exposition.
-fn sample(metrics: &str, name: &str) -> f64 {
-    metrics
-        .lines()
-        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
-        .and_then(|value| value.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no sample {name} in:\n{metrics}"))
-}
-
 #[test]
 fn admin_endpoints_count_the_relayed_requests_and_readiness_follows_the_server() {
     use common::clients::http_get;
@@ -593,16 +573,11 @@ fn admin_endpoints_count_the_relayed_requests_and_readiness_follows_the_server()
     let certs = env.certs();
     let target = format!("localhost:{}", server.port);
     let admin_addr = format!("127.0.0.1:{admin}");
-    let client = NbdgwProcess::client(
+    let client = NbdgwProcess::client_of(
         socket.as_os_str(),
-        [
-            OsStr::new("--server"),
-            OsStr::new(&target),
-            OsStr::new("--tls-dir"),
-            certs.as_os_str(),
-            OsStr::new("--admin-listen"),
-            OsStr::new(&admin_addr),
-        ],
+        &target,
+        &certs,
+        &["--admin-listen", &admin_addr],
     );
     assert_eq!(http_get(admin, "/readyz").0, 200);
     let copy = env.path("copy.img");
@@ -683,16 +658,11 @@ fn a_server_that_never_greets_is_given_up_after_the_server_timeout() {
     let port = silent.local_addr().unwrap().port();
     let socket = env.path("client.sock");
     let certs = env.certs();
-    let client = NbdgwProcess::client(
+    let client = NbdgwProcess::client_of(
         socket.as_os_str(),
-        [
-            OsStr::new("--server"),
-            OsStr::new(&format!("localhost:{port}")),
-            OsStr::new("--tls-dir"),
-            certs.as_os_str(),
-            OsStr::new("--server-timeout"),
-            OsStr::new("1"),
-        ],
+        &format!("localhost:{port}"),
+        &certs,
+        &["--server-timeout", "1"],
     );
     let started = std::time::Instant::now();
     let out = run(Command::new("qemu-img").args(["info", &unix_uri(&socket)]));
@@ -733,16 +703,11 @@ fn a_rotated_ca_bundle_is_used_by_new_connections() {
         .client("client", &[], &[], 2)
         .client_dir(&env.path("client-dir"), &old);
     let socket = env.path("client.sock");
-    let client = NbdgwProcess::client(
+    let client = NbdgwProcess::client_of(
         socket.as_os_str(),
-        [
-            OsStr::new("--server"),
-            OsStr::new(&format!("localhost:{}", gateway.port)),
-            OsStr::new("--tls-dir"),
-            dir.as_os_str(),
-            OsStr::new("--tls-reload-interval"),
-            OsStr::new("1"),
-        ],
+        &format!("localhost:{}", gateway.port),
+        &dir,
+        &["--tls-reload-interval", "1"],
     );
     let size = || run(Command::new("nbdinfo").arg("--size").arg(unix_uri(&socket)));
     assert!(!size().status.success(), "untrusted before the rotation");
@@ -762,32 +727,13 @@ fn a_rotated_ca_bundle_is_used_by_new_connections() {
 /// The server mode on a port of the test's choosing, so that a restart
 /// comes back where `nbdgw client` reconnects to.
 fn gateway_at(env: &Env, upstream: &Path, port: u16) -> NbdgwProcess {
-    let mut cmd = Command::new(common::process::nbdgw_binary());
-    cmd.arg("--tls-dir")
-        .arg(env.certs())
-        .arg("--upstream")
-        .arg(upstream)
-        .args(["--landlock", "false", "--listen"])
-        .arg(format!("127.0.0.1:{port}"));
-    let process = NbdgwProcess::spawn(cmd, port);
-    process.wait_for_log("nbdgw listening", 1);
-    process
+    NbdgwProcess::in_front_of_at(env, upstream, port, &["--landlock", "false"])
 }
 
 /// `nbdgw client` on a loopback port, towards `server` (HOST:PORT), with
 /// the test CA's client files; returns it and its port.
 fn loopback_client(env: &Env, server: &str, extra: &[&str]) -> (NbdgwProcess, u16) {
-    let port = common::free_port();
-    let listen = format!("127.0.0.1:{port}");
-    let certs = env.certs();
-    let mut args = vec![
-        OsStr::new("--server"),
-        OsStr::new(server),
-        OsStr::new("--tls-dir"),
-        certs.as_os_str(),
-    ];
-    args.extend(extra.iter().map(OsStr::new));
-    (NbdgwProcess::client(OsStr::new(&listen), args), port)
+    NbdgwProcess::client_on_loopback(server, &env.certs(), extra)
 }
 
 /// `nbdgw client --reconnect` on a loopback port, towards `server_port`.

@@ -7,7 +7,6 @@
 
 mod common;
 
-use std::ffi::OsStr;
 use std::io::{BufRead, BufReader};
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -18,6 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::clients::http_get;
+use common::metrics::sample_or_zero;
 use common::process::NbdgwProcess;
 use common::raw::RawClient;
 use common::{Env, QemuNbd};
@@ -369,25 +369,17 @@ impl Peek for UnixStream {
 /// `nbdgw client --reconnect` on a loopback port towards the gateway on
 /// `server_port`, with an admin listener: it, its port, the admin port.
 fn reconnecting_client(env: &Env, server_port: u16, extra: &[&str]) -> (NbdgwProcess, u16, u16) {
-    let port = common::free_port();
     let admin = common::free_port();
-    let certs = env.certs();
     let (server, admin_addr) = (
         format!("localhost:{server_port}"),
         format!("127.0.0.1:{admin}"),
     );
-    let mut args = vec![
-        OsStr::new("--server"),
-        OsStr::new(&server),
-        OsStr::new("--tls-dir"),
-        certs.as_os_str(),
-        OsStr::new("--admin-listen"),
-        OsStr::new(&admin_addr),
-        OsStr::new("--reconnect"),
-    ];
-    args.extend(extra.iter().map(OsStr::new));
-    let listen = format!("127.0.0.1:{port}");
-    (NbdgwProcess::client(OsStr::new(&listen), args), port, admin)
+    let args: Vec<&str> = ["--admin-listen", &admin_addr, "--reconnect"]
+        .into_iter()
+        .chain(extra.iter().copied())
+        .collect();
+    let (client, port) = NbdgwProcess::client_on_loopback(&server, &env.certs(), &args);
+    (client, port, admin)
 }
 
 fn probe() -> Command {
@@ -398,14 +390,6 @@ fn probe() -> Command {
         "/tests/reconnect_probe.py"
     ));
     cmd
-}
-
-fn sample(metrics: &str, name: &str) -> f64 {
-    metrics
-        .lines()
-        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
-        .and_then(|value| value.trim().parse().ok())
-        .unwrap_or(0.0)
 }
 
 /// libnbd's `reads` probe: `n` reads through client mode on `port`, one
@@ -493,9 +477,12 @@ fn a_server_that_drops_every_first_request_is_given_up_after_the_timeout_without
         ("nbdgw_reconnect_give_ups_total{outcome=\"timeout\"}", 1.0),
         ("nbdgw_reconnect_tries_total{outcome=\"opened\"}", 1.0),
     ] {
-        assert!(sample(&metrics, name) >= at_least, "{name}: {metrics}");
+        assert!(
+            sample_or_zero(&metrics, name) >= at_least,
+            "{name}: {metrics}"
+        );
     }
-    assert_eq!(sample(&metrics, "nbdgw_reconnects_good_total"), 0.0);
+    assert_eq!(sample_or_zero(&metrics, "nbdgw_reconnects_good_total"), 0.0);
     drop(probe.stdin.take());
     assert!(probe.wait().unwrap().success());
     drop(server);
@@ -548,11 +535,11 @@ fn eshutdown_answers_simple_and_structured_are_held_and_the_requests_sent_again(
         );
         let (_, metrics) = http_get(admin, "/metrics");
         assert!(
-            sample(&metrics, "nbdgw_reconnect_shutdown_answers_held_total") >= 1.0,
+            sample_or_zero(&metrics, "nbdgw_reconnect_shutdown_answers_held_total") >= 1.0,
             "{metrics}"
         );
         assert_eq!(
-            sample(&metrics, "nbdgw_reconnects_good_total"),
+            sample_or_zero(&metrics, "nbdgw_reconnects_good_total"),
             1.0,
             "{metrics}"
         );
@@ -770,17 +757,9 @@ fn gateway_at(env: &Env, upstream: &Path, port: u16) -> NbdgwProcess {
 
 /// `gateway_at` with `extra` flags (a drain answer).
 fn gateway_draining(env: &Env, upstream: &Path, port: u16, extra: &[&str]) -> NbdgwProcess {
-    let mut cmd = Command::new(common::process::nbdgw_binary());
-    cmd.args(extra)
-        .arg("--tls-dir")
-        .arg(env.certs())
-        .arg("--upstream")
-        .arg(upstream)
-        .args(["--landlock", "false", "--shutdown-grace", "10", "--listen"])
-        .arg(format!("127.0.0.1:{port}"));
-    let process = NbdgwProcess::spawn(cmd, port);
-    process.wait_for_log("nbdgw listening", 1);
-    process
+    let flags = ["--landlock", "false", "--shutdown-grace", "10"];
+    let args: Vec<&str> = flags.into_iter().chain(extra.iter().copied()).collect();
+    NbdgwProcess::in_front_of_at(env, upstream, port, &args)
 }
 
 /// A QD1 libnbd read/write loop through client mode while the server
@@ -824,7 +803,7 @@ fn qd1_loop_through_graceful_restarts(drain: &str) -> (serde_json::Value, f64) {
         .unwrap_or_else(|e| panic!("no summary from the loop ({e}):\n{}", client.log()));
     assert!(probe.wait().unwrap().success());
     let (_, metrics) = http_get(admin, "/metrics");
-    let held = sample(&metrics, "nbdgw_reconnect_shutdown_answers_held_total");
+    let held = sample_or_zero(&metrics, "nbdgw_reconnect_shutdown_answers_held_total");
     eprintln!("--drain-answer {drain}: {summary}; ESHUTDOWN answers held: {held}");
     drop(server);
     (summary, held)

@@ -10,9 +10,9 @@ use std::net::TcpStream;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::clients::http_get;
+use common::metrics::metric;
 use common::peers::{connect_from, slow_client_hello};
-use common::process::NbdgwProcess;
+use common::process::{front_args, NbdgwProcess};
 use common::{free_port, Env, QemuNbd};
 
 /// What tests/herd.py saw.
@@ -51,13 +51,6 @@ fn herd(port: u16, certs: &std::path::Path, image: &std::path::Path, n: usize) -
             .map(|a| a.iter().filter_map(|v| v.as_f64()).collect())
             .unwrap_or_default(),
     }
-}
-
-fn metric(admin: u16, name: &str) -> f64 {
-    let (_, body) = http_get(admin, "/metrics");
-    body.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
 }
 
 /// Default flags. 64 then 256 clients from 127.0.0.1, all at once, while
@@ -155,17 +148,8 @@ fn bounds_beyond_the_descriptor_limit_are_lowered_or_refused_at_start() {
     let upstream = QemuNbd::start(&env, &image, &[]);
     let certs = env.certs();
     let port = free_port();
-    let mut cmd = Command::new("prlimit");
-    cmd.arg("--nofile=1024:1024")
-        .arg(common::process::nbdgw_binary())
-        .arg("--tls-dir")
-        .arg(&certs)
-        .arg("--upstream")
-        .arg(&upstream.socket)
-        .arg("--listen")
-        .arg(format!("127.0.0.1:{port}"));
-    let gw = NbdgwProcess::spawn(cmd, port);
-    gw.wait_for_log("nbdgw listening", 1);
+    let args = front_args(&certs, &upstream.socket, &[]);
+    let gw = NbdgwProcess::start_at_with_nofile(1024, args, port);
     let log = gw.log();
     assert!(
         log.contains("lowered them in proportion to fit (was --max-connections 1024, --max-handshakes 64, --handshake-queue 1024, --admin-max-connections 0)"),

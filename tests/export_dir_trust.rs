@@ -60,8 +60,7 @@ fn info(gateway: &NbdgwProcess, env: &Env, name: &str) -> u32 {
 }
 
 fn image(env: &Env, name: &str) -> PathBuf {
-    let path = env.path(name);
-    std::fs::write(&path, vec![0x5a; 1 << 16]).unwrap();
+    let path = env.filled_image(name, 0x5a, 1 << 16);
     // Readable and writable by the qemu-nbd run as another user.
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
     path

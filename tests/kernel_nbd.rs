@@ -63,15 +63,7 @@ fn the_kernel_nbd_driver_formats_and_reads_back_through_client_mode() {
     let server = NbdgwProcess::in_front_of(&env, &upstream.socket, &["--landlock", "false"]);
     let socket = env.path("client.sock");
     let server_addr = format!("localhost:{}", server.port);
-    let client = NbdgwProcess::client(
-        socket.as_os_str(),
-        [
-            OsStr::new("--server"),
-            OsStr::new(&server_addr),
-            OsStr::new("--tls-dir"),
-            env.certs().as_os_str(),
-        ],
-    );
+    let client = NbdgwProcess::client_of(socket.as_os_str(), &server_addr, &env.certs(), &[]);
 
     let attach = run(Command::new(nbd_client)
         .arg("-u")

@@ -292,12 +292,7 @@ fn a_sibling_socket_beside_the_upstream_is_not_connectable() {
 #[test]
 fn an_upstream_in_a_shared_directory_is_said_and_survives_its_restart() {
     let mut s = setup();
-    let gw = NbdgwProcess::start([
-        OsStr::new("--tls-dir"),
-        s.secret.as_os_str(),
-        OsStr::new("--upstream"),
-        s.upstream.socket.as_os_str(),
-    ]);
+    let gw = NbdgwProcess::in_front_of_certs(&s.secret, &s.upstream.socket, &[]);
     assert!(gw.log().contains("holds more than it"), "{}", gw.log());
     assert!(qemu_img_info(gw.port, &s.client).status.success());
     s.upstream.restart();

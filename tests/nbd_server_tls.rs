@@ -12,7 +12,6 @@
 
 mod common;
 
-use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -94,15 +93,8 @@ impl Drop for NbdServer {
 fn client_mode(env: &Env, server: &NbdServer) -> (NbdgwProcess, String) {
     let socket = env.path("client.sock");
     let certs = env.certs();
-    let client = NbdgwProcess::client(
-        socket.as_os_str(),
-        [
-            OsStr::new("--server"),
-            OsStr::new(&format!("localhost:{}", server.port)),
-            OsStr::new("--tls-dir"),
-            certs.as_os_str(),
-        ],
-    );
+    let server = format!("localhost:{}", server.port);
+    let client = NbdgwProcess::client_of(socket.as_os_str(), &server, &certs, &[]);
     let uri = format!("nbd+unix:///disk?socket={}", socket.display());
     (client, uri)
 }

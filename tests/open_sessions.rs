@@ -9,15 +9,14 @@ mod common;
 
 use std::ffi::OsStr;
 use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::time::Duration;
 
 use common::clients::{connect_as, try_connect_as};
 use common::process::NbdgwProcess;
 use common::raw::RawClient;
 use common::site::PolicySite;
-use common::{free_port, run, Env, QemuNbd};
+use common::{free_port, QemuNbd};
 use nbdgw::proto::consts::*;
 use nbdgw::proto::transmission::ReplyMode;
 
@@ -90,12 +89,6 @@ fn try_write(c: &mut RawClient, cookie: u64, offset: u64, data: &[u8]) -> Result
     }
 }
 
-fn image(env: &Env, name: &str) -> PathBuf {
-    let path = env.path(name);
-    std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
-    path
-}
-
 /// Waits for the reload of the policy file now holding `policy` to be
 /// logged for the `count`th time, then a little longer, so that whatever
 /// the reload does to open sessions is done.
@@ -109,7 +102,7 @@ fn reload(site: &Site, gateway: &NbdgwProcess, policy: &str, count: usize) {
 fn a_narrowing_reload_ends_the_sessions_it_narrows_before_their_next_write() {
     let site = Site::new(BOTH_WRITE);
     let (alice, bob) = (site.client("alice", 2), site.client("bob", 3));
-    let disk = image(&site.env, "disk.img");
+    let disk = site.env.filled_image("disk.img", 0, 1 << 20);
     let upstream = QemuNbd::start(&site.env, &disk, &[]);
     let gateway = site.gateway(
         &[
@@ -184,7 +177,7 @@ fn a_narrowing_reload_ends_the_sessions_it_narrows_before_their_next_write() {
 fn with_policy_revoke_closes_off_open_sessions_keep_their_access() {
     let site = Site::new(BOTH_WRITE);
     let bob = site.client("bob", 3);
-    let disk = image(&site.env, "disk.img");
+    let disk = site.env.filled_image("disk.img", 0, 1 << 20);
     let upstream = QemuNbd::start(&site.env, &disk, &[]);
     let gateway = site.gateway(
         &[
@@ -208,19 +201,11 @@ fn with_policy_revoke_closes_off_open_sessions_keep_their_access() {
     );
 }
 
-/// `GET /metrics` on the admin port, by curl.
-fn metrics(port: u16) -> String {
-    let out = run(Command::new("curl")
-        .args(["-s", "-m", "5"])
-        .arg(format!("http://127.0.0.1:{port}/metrics")));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 #[test]
 fn one_identity_holds_at_most_its_cap_and_another_still_connects() {
     let site = Site::new(BOTH_WRITE);
     let (alice, bob) = (site.client("alice", 2), site.client("bob", 3));
-    let disk = image(&site.env, "disk.img");
+    let disk = site.env.filled_image("disk.img", 0, 1 << 20);
     std::fs::write(&disk, vec![b'D'; 1 << 20]).unwrap();
     let upstream = QemuNbd::start(&site.env, &disk, &[]);
     let admin = free_port();
@@ -282,7 +267,7 @@ fn one_identity_holds_at_most_its_cap_and_another_still_connects() {
             && log.contains("CN=alice"),
         "{log}"
     );
-    let metrics = metrics(admin);
+    let metrics = common::metrics::scrape(admin);
     assert!(
         metrics.contains("nbdgw_sessions_refused_total{reason=\"per_identity\"} 2"),
         "{metrics}"

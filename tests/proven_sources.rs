@@ -11,9 +11,11 @@ mod common;
 use std::ffi::OsStr;
 use std::net::{IpAddr, Ipv4Addr, TcpStream};
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::clients::{http_get, nbdinfo_size, text};
+use common::await_that;
+use common::clients::{nbdinfo_size, text};
+use common::metrics::metric;
 use common::peers::{connect_from, greeted};
 use common::process::NbdgwProcess;
 use common::site::PolicySite;
@@ -41,22 +43,6 @@ access = "read-write"
 
 const PROVEN: IpAddr = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 1));
 const UNPROVEN: IpAddr = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2));
-
-fn metric(admin: u16, name: &str) -> f64 {
-    let (_, body) = http_get(admin, "/metrics");
-    body.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
-}
-
-/// Polls `what` until it holds (at most 30 s: the machine is loaded).
-fn await_that(what: &str, mut holds: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !holds() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
 
 /// Three handshake slots, one of them for unproven sources (two in
 /// reserve), silent handshakes allowed a minute.

@@ -16,7 +16,9 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::await_that;
 use common::clients::{http_get, nbds_uri, text};
+use common::metrics::metric;
 use common::peers::{connect_from, greeted};
 use common::process::NbdgwProcess;
 use common::site::PolicySite;
@@ -153,27 +155,11 @@ impl Drop for Haproxy {
     }
 }
 
-fn metric(admin: u16, name: &str) -> f64 {
-    let (_, body) = http_get(admin, "/metrics");
-    body.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
-}
-
 fn headers(admin: u16, outcome: &str) -> f64 {
     metric(
         admin,
         &format!("nbdgw_proxy_headers_total{{outcome=\"{outcome}\"}}"),
     )
-}
-
-/// Polls `what` until it holds (at most 30 s: the machine is loaded).
-fn await_that(what: &str, mut holds: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !holds() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 struct Setup {
@@ -609,22 +595,19 @@ fn connections_before_their_header_fit_under_the_descriptor_limit() {
     let image = env.random_image("disk.img", 1 << 20, 31);
     let upstream = QemuNbd::start(&env, &image, &[]);
     let (port, admin) = (free_port(), free_port());
-    let mut cmd = Command::new("prlimit");
-    cmd.arg("--nofile=190:190")
-        .arg(common::process::nbdgw_binary())
-        .arg("--tls-dir")
-        .arg(env.certs())
-        .arg("--upstream")
-        .arg(&upstream.socket)
-        .arg("--listen")
-        .arg(format!("127.0.0.1:{port}"))
-        .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
-        .args(["--proxy-protocol-from", "127.0.0.8"])
-        .args(["--max-connections", "4", "--admin-max-connections", "1"])
-        .args(["--max-handshakes", "2", "--handshake-queue", "100"])
-        .args(["--handshake-timeout", "120"]);
-    let gw = NbdgwProcess::spawn(cmd, port);
-    gw.wait_for_log("nbdgw listening", 1);
+    let admin_addr = format!("127.0.0.1:{admin}");
+    let flags = [
+        ["--admin-listen", &admin_addr],
+        ["--proxy-protocol-from", "127.0.0.8"],
+        ["--max-connections", "4"],
+        ["--admin-max-connections", "1"],
+        ["--max-handshakes", "2"],
+        ["--handshake-queue", "100"],
+        ["--handshake-timeout", "120"],
+    ]
+    .concat();
+    let args = common::process::front_args(&env.certs(), &upstream.socket, &flags);
+    let gw = NbdgwProcess::start_at_with_nofile(190, args, port);
     let bound: f64 = gw
         .log()
         .split("proxy_header_waiting=")

@@ -8,50 +8,18 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::raw::{assemble, go_data, meta_context_data, RawClient};
-use common::{Env, Gateway, QemuNbd, RecordCounter};
+use common::{Env, Gateway, RecordCounter, Served};
 use nbdgw::proto::consts::*;
 use nbdgw::proto::transmission::ReplyMode;
 
 const SIZE: usize = 4 << 20;
 
-struct Setup {
-    env: Env,
-    upstream: QemuNbd,
-    gateway: Gateway,
+fn setup_with(qemu_args: &[&str], tune: impl FnOnce(&mut nbdgw::Config)) -> Served {
+    Served::start((SIZE, 1), qemu_args, tune)
 }
 
-fn setup_with(qemu_args: &[&str], tune: impl FnOnce(&mut nbdgw::Config)) -> Setup {
-    let env = Env::new();
-    let image = env.random_image("disk.img", SIZE, 1);
-    let upstream = QemuNbd::start(&env, &image, qemu_args);
-    let mut config = env.config(&upstream.socket);
-    tune(&mut config);
-    let gateway = Gateway::start(config);
-    Setup {
-        env,
-        upstream,
-        gateway,
-    }
-}
-
-fn setup() -> Setup {
+fn setup() -> Served {
     setup_with(&[], |_| {})
-}
-
-impl Setup {
-    fn client(&self, mode: ReplyMode) -> RawClient {
-        let mut c = RawClient::tls(self.gateway.addr, &self.env.certs());
-        c.go(mode);
-        c
-    }
-
-    /// A good client still gets correct data.
-    fn assert_still_serving(&self) {
-        let mut c = self.client(ReplyMode::Structured);
-        let expected = std::fs::read(&self.upstream.image).unwrap();
-        assert_eq!(c.read(77, 8192, 4096), expected[8192..8192 + 4096]);
-        c.disconnect();
-    }
 }
 
 #[test]
@@ -551,7 +519,7 @@ fn idle_timeout_closes_idle_connections() {
 /// TLS 1.3 adds one content-type byte and a 16-byte tag to each record.
 const TLS13_OVERHEAD: usize = 17;
 
-fn counted_client(s: &Setup) -> (RecordCounter, RawClient) {
+fn counted_client(s: &Served) -> (RecordCounter, RawClient) {
     // Greeting (18) and the STARTTLS ACK (20) are plaintext.
     let counter = RecordCounter::start(s.gateway.addr, 18 + 20);
     let mut c = RawClient::tls(counter.addr, &s.env.certs());
@@ -600,10 +568,11 @@ fn a_1m_read_reply_fills_every_record_but_the_last() {
 
 #[test]
 fn shutdown_stops_accepting_and_ends_idle_sessions_at_once() {
-    let Setup {
+    let Served {
         env,
         upstream: _upstream,
         mut gateway,
+        ..
     } = setup_with(&[], |c| c.shutdown_grace = Duration::from_secs(2));
     let mut c = RawClient::tls(gateway.addr, &env.certs());
     c.go(ReplyMode::Structured);
@@ -621,10 +590,11 @@ fn shutdown_stops_accepting_and_ends_idle_sessions_at_once() {
 
 #[test]
 fn a_connection_finishing_during_shutdown_lets_the_gateway_stop_early() {
-    let Setup {
+    let Served {
         env,
         upstream: _upstream,
         mut gateway,
+        ..
     } = setup_with(&[], |c| c.shutdown_grace = Duration::from_secs(30));
     let mut c = RawClient::tls(gateway.addr, &env.certs());
     c.go(ReplyMode::Extended);
@@ -638,10 +608,11 @@ fn a_connection_finishing_during_shutdown_lets_the_gateway_stop_early() {
 
 #[test]
 fn clients_still_negotiating_at_shutdown_get_err_shutdown() {
-    let Setup {
+    let Served {
         env,
         upstream: _upstream,
         mut gateway,
+        ..
     } = setup_with(&[], |c| c.shutdown_grace = Duration::from_secs(3));
     let mut plain = RawClient::handshake(gateway.addr);
     let mut tls = RawClient::tls(gateway.addr, &env.certs());

@@ -9,6 +9,7 @@ use std::ffi::OsStr;
 use std::sync::Arc;
 
 use common::clients::{http_get, qemu_tls_args};
+use common::metrics::sample_as;
 use common::process::{NbdgwProcess, UpstreamCounter};
 use common::raw::RawClient;
 use common::{run_ok, Env, Gateway, QemuNbd};
@@ -391,24 +392,23 @@ fn qemu_img_reads_an_immutable_export_through_the_binary() {
     let certs = env.certs();
     let admin = common::free_port();
     let export = format!("golden={}", counter.socket.display());
-    let gw = NbdgwProcess::start([
-        OsStr::new("--tls-cert"),
-        certs.join("server-cert.pem").as_os_str(),
-        OsStr::new("--tls-key"),
-        certs.join("server-key.pem").as_os_str(),
-        OsStr::new("--export"),
-        OsStr::new(&export),
-        OsStr::new("--export"),
-        OsStr::new(&format!("plain={}", counter.socket.display())),
-        OsStr::new("--immutable-export"),
-        OsStr::new("golden"),
-        OsStr::new("--cache-size"),
-        OsStr::new("33554432"),
-        OsStr::new("--admin-listen"),
-        OsStr::new(&format!("127.0.0.1:{admin}")),
-        OsStr::new("--landlock"),
-        OsStr::new("false"),
-    ]);
+    let gw = NbdgwProcess::with_server_cert(
+        &env,
+        [
+            OsStr::new("--export"),
+            OsStr::new(&export),
+            OsStr::new("--export"),
+            OsStr::new(&format!("plain={}", counter.socket.display())),
+            OsStr::new("--immutable-export"),
+            OsStr::new("golden"),
+            OsStr::new("--cache-size"),
+            OsStr::new("33554432"),
+            OsStr::new("--admin-listen"),
+            OsStr::new(&format!("127.0.0.1:{admin}")),
+            OsStr::new("--landlock"),
+            OsStr::new("false"),
+        ],
+    );
     let [object, tls, image_opts, opts] = qemu_tls_args("localhost", gw.port, &certs);
     let opts_for = |export: &str| format!("{opts},export={export}");
     for round in 0..2 {
@@ -426,8 +426,8 @@ fn qemu_img_reads_an_immutable_export_through_the_binary() {
     }
     let first_copy_reads = counter.reads();
     let (_, metrics) = http_get(admin, "/metrics");
-    let hits = metric(&metrics, "nbdgw_cache_hits_total");
-    assert!(metric(&metrics, "nbdgw_cache_bytes") as usize >= SIZE);
+    let hits = sample_as::<u64>(&metrics, "nbdgw_cache_hits_total");
+    assert!(sample_as::<u64>(&metrics, "nbdgw_cache_bytes") as usize >= SIZE);
     // The second copy came from the cache: as many hits as the first
     // copy's reads, and no upstream read of its own.
     assert!(
@@ -436,7 +436,7 @@ fn qemu_img_reads_an_immutable_export_through_the_binary() {
     );
     // Every READ the upstream saw is one the cache counted as sent.
     assert_eq!(
-        metric(&metrics, "nbdgw_cache_upstream_reads_total") as usize,
+        sample_as::<u64>(&metrics, "nbdgw_cache_upstream_reads_total") as usize,
         first_copy_reads
     );
     assert!(gw.log().contains("immutable=true"));
@@ -461,19 +461,6 @@ fn qemu_img_reads_an_immutable_export_through_the_binary() {
     );
 }
 
-/// The gateway binary with the test's server certificate and `args`.
-fn gateway_process(env: &Env, args: &[&OsStr]) -> NbdgwProcess {
-    let certs = env.certs();
-    let mut all: Vec<std::ffi::OsString> = vec![
-        "--tls-cert".into(),
-        certs.join("server-cert.pem").into(),
-        "--tls-key".into(),
-        certs.join("server-key.pem").into(),
-    ];
-    all.extend(args.iter().map(|a| a.to_os_string()));
-    NbdgwProcess::start(all)
-}
-
 /// The whole export `export` as qemu-img copies it through the gateway.
 fn copy_through(env: &Env, port: u16, export: &str, name: &str) -> Vec<u8> {
     let [object, tls, image_opts, opts] = qemu_tls_args("localhost", port, &env.certs());
@@ -486,13 +473,6 @@ fn copy_through(env: &Env, port: u16, export: &str, name: &str) -> Vec<u8> {
             .arg(&out),
     );
     std::fs::read(&out).unwrap()
-}
-
-/// An image of `len` bytes of `byte`.
-fn filled(env: &Env, name: &str, byte: u8, len: usize) -> std::path::PathBuf {
-    let path = env.path(name);
-    std::fs::write(&path, vec![byte; len]).unwrap();
-    path
 }
 
 /// Asserts `got` is all `byte`, saying what it is instead.
@@ -516,14 +496,14 @@ fn a_server_started_again_on_the_same_socket_with_another_image_is_read_afresh()
     let env = Env::new();
     let size = 1 << 20;
     let socket = env.path("golden.sock");
-    let a = filled(&env, "a.img", b'A', size);
-    let b = filled(&env, "b.img", b'B', size);
+    let a = env.filled_image("a.img", b'A', size);
+    let b = env.filled_image("b.img", b'B', size);
     let mut upstream = QemuNbd::start_at(socket.clone(), &a, &[]);
     let admin = common::free_port();
     let admin_at = format!("127.0.0.1:{admin}");
-    let gw = gateway_process(
+    let gw = NbdgwProcess::with_server_cert(
         &env,
-        &[
+        [
             OsStr::new("--upstream"),
             socket.as_os_str(),
             OsStr::new("--immutable"),
@@ -534,7 +514,7 @@ fn a_server_started_again_on_the_same_socket_with_another_image_is_read_afresh()
     assert_all(&copy_through(&env, gw.port, "", "a1.img"), b'A', "image A");
     // Cached: a second copy reads no byte of A from anywhere else.
     let (_, metrics) = http_get(admin, "/metrics");
-    assert!(metric(&metrics, "nbdgw_cache_bytes") as usize >= size);
+    assert!(sample_as::<u64>(&metrics, "nbdgw_cache_bytes") as usize >= size);
     upstream.kill();
     let upstream = QemuNbd::start_at(socket.clone(), &b, &[]);
     assert_all(
@@ -554,8 +534,10 @@ fn a_server_started_again_on_the_same_socket_with_another_image_is_read_afresh()
         metrics.contains("nbdgw_cache_generations_ended_total{reason=\"replaced\"} 1"),
         "{metrics}"
     );
-    assert!(metric(&metrics, "nbdgw_cache_invalidated_blocks_total") as usize >= size / 65536);
-    assert!(metric(&metrics, "nbdgw_cache_bytes") as usize <= size);
+    assert!(
+        sample_as::<u64>(&metrics, "nbdgw_cache_invalidated_blocks_total") as usize >= size / 65536
+    );
+    assert!(sample_as::<u64>(&metrics, "nbdgw_cache_bytes") as usize <= size);
     gw.wait_for_log("another server answers at the export's socket", 1);
 }
 
@@ -571,12 +553,12 @@ fn sessions_of_the_old_server_never_bring_its_bytes_back() {
     let env = Env::new();
     let size = 1 << 20;
     let socket = env.path("golden.sock");
-    let a = filled(&env, "a.img", b'A', size);
-    let b = filled(&env, "b.img", b'B', size);
+    let a = env.filled_image("a.img", b'A', size);
+    let b = env.filled_image("b.img", b'B', size);
     let _old = QemuNbd::start_at(socket.clone(), &a, &[]);
-    let gw = gateway_process(
+    let gw = NbdgwProcess::with_server_cert(
         &env,
-        &[
+        [
             OsStr::new("--upstream"),
             socket.as_os_str(),
             OsStr::new("--immutable"),
@@ -633,14 +615,14 @@ fn a_tenant_directory_name_reused_by_a_new_tenant_is_read_afresh() {
     let dir = env.path("exports");
     let tenant = dir.join("t1");
     std::fs::create_dir_all(&tenant).unwrap();
-    let a = filled(&env, "a.img", b'A', size);
-    let b = filled(&env, "b.img", b'B', size);
+    let a = env.filled_image("a.img", b'A', size);
+    let b = env.filled_image("b.img", b'B', size);
     let mut old = QemuNbd::start_at(tenant.join("golden.sock"), &a, &[]);
     let admin = common::free_port();
     let admin_at = format!("127.0.0.1:{admin}");
-    let gw = gateway_process(
+    let gw = NbdgwProcess::with_server_cert(
         &env,
-        &[
+        [
             OsStr::new("--export-dir"),
             dir.as_os_str(),
             OsStr::new("--immutable-export"),
@@ -658,7 +640,7 @@ fn a_tenant_directory_name_reused_by_a_new_tenant_is_read_afresh() {
     // are not served, not that nothing was cached.
     let (_, metrics) = http_get(admin, "/metrics");
     assert!(
-        metric(&metrics, "nbdgw_cache_bytes") as usize >= size,
+        sample_as::<u64>(&metrics, "nbdgw_cache_bytes") as usize >= size,
         "{metrics}"
     );
     old.kill();
@@ -680,14 +662,6 @@ fn a_tenant_directory_name_reused_by_a_new_tenant_is_read_afresh() {
         metrics.contains("nbdgw_cache_generations_ended_total{reason=\"replaced\"} 1"),
         "{metrics}"
     );
-}
-
-fn metric(text: &str, name: &str) -> u64 {
-    text.lines()
-        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in {text}"))
 }
 
 /// An upstream that fails a read, and one that answers with data and a
@@ -1182,7 +1156,7 @@ fn read_ahead_longer_than_a_teed_client_read_is_cached() {
         !metrics.contains("nbdgw_cache_upstream_faults_total{"),
         "{metrics}"
     );
-    let read_ahead = metric(&metrics, "nbdgw_cache_read_ahead_bytes_total");
+    let read_ahead = sample_as::<u64>(&metrics, "nbdgw_cache_read_ahead_bytes_total");
     assert!(
         read_ahead >= 8 << 20,
         "read ahead: {read_ahead}\n{}",

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use common::clients::{nbdinfo_size, qemu_img_info, text};
 use common::fake_upstream;
+use common::metrics::await_reads;
 use common::process::NbdgwProcess;
 use common::raw::RawClient;
 use common::{Env, QemuNbd};
@@ -18,15 +19,7 @@ use nbdgw::proto::consts::*;
 use nbdgw::proto::transmission::ReplyMode;
 
 fn gateway(env: &Env, upstream: &std::path::Path) -> NbdgwProcess {
-    let certs = env.certs();
-    NbdgwProcess::start([
-        OsStr::new("--upstream"),
-        upstream.as_os_str(),
-        OsStr::new("--tls-cert"),
-        certs.join("server-cert.pem").as_os_str(),
-        OsStr::new("--tls-key"),
-        certs.join("server-key.pem").as_os_str(),
-    ])
+    NbdgwProcess::with_server_cert(env, [OsStr::new("--upstream"), upstream.as_os_str()])
 }
 
 #[test]
@@ -351,27 +344,6 @@ fn a_read_issued_during_the_shutdown_grace_is_answered_with_eshutdown() {
     );
 }
 
-/// `nbdgw_requests_total{command="READ"}` on an admin port.
-fn reads_counted(admin: u16) -> u64 {
-    let (_, body) = common::clients::http_get(admin, "/metrics");
-    body.lines()
-        .find_map(|l| l.strip_prefix(r#"nbdgw_requests_total{command="READ"} "#))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .unwrap_or(0.0) as u64
-}
-
-fn await_reads(admin: u16, n: u64, gw: &NbdgwProcess) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while reads_counted(admin) < n {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "nbdgw did not count {n} reads:\n{}",
-            gw.log()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// nbdgw serving `upstream` on `port`, with an admin port.
 fn gateway_on(
     env: &Env,
@@ -379,19 +351,10 @@ fn gateway_on(
     (port, admin): (u16, u16),
     extra: &[&str],
 ) -> NbdgwProcess {
-    let mut cmd = Command::new(common::process::nbdgw_binary());
-    cmd.arg("--tls-dir")
-        .arg(env.certs())
-        .arg("--upstream")
-        .arg(upstream)
-        .args(["--shutdown-grace", "20", "--listen"])
-        .arg(format!("127.0.0.1:{port}"))
-        .arg("--admin-listen")
-        .arg(format!("127.0.0.1:{admin}"))
-        .args(extra);
-    let gw = NbdgwProcess::spawn(cmd, port);
-    gw.wait_for_log("nbdgw listening", 1);
-    gw
+    let admin = format!("127.0.0.1:{admin}");
+    let flags = ["--shutdown-grace", "20", "--admin-listen", &admin];
+    let args: Vec<&str> = flags.into_iter().chain(extra.iter().copied()).collect();
+    NbdgwProcess::in_front_of_at(env, upstream, port, &args)
 }
 
 /// What qemu-io said, and the old and new nbdgw's logs.

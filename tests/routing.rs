@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::clients::text;
+use common::metrics::{sample, scrape};
 use common::pki::{Ca, ClientDir};
 use common::process::NbdgwProcess;
 use common::{run, Env, QemuNbd};
@@ -55,9 +56,7 @@ struct Clients {
 }
 
 fn image(env: &Env, name: &str, fill: u8) -> PathBuf {
-    let path = env.path(name);
-    std::fs::write(&path, vec![fill; 1 << 20]).unwrap();
-    path
+    env.filled_image(name, fill, 1 << 20)
 }
 
 fn host() -> Host {
@@ -139,16 +138,9 @@ fn probe(port: u16, args: &[&str], cert_dir: &Path) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
-/// One sample of the gateway's /metrics, by curl.
+/// One sample of the gateway's /metrics.
 fn metric(host: &Host, name: &str) -> f64 {
-    let out = run(Command::new("curl")
-        .args(["-s", "-m", "5"])
-        .arg(format!("http://127.0.0.1:{}/metrics", host.admin_port)));
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.lines()
-        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
-        .and_then(|value| value.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
+    sample(&scrape(host.admin_port), name)
 }
 
 fn list(host: &Host, cert_dir: &Path) -> String {

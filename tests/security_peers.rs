@@ -11,48 +11,18 @@ use std::io::Read;
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
+use common::metrics::await_reads;
 use common::peers::{connect_from, slow_client_hello};
 use common::process::{NbdgwProcess, UpstreamCounter};
 use common::raw::{go_data, RawClient};
-use common::{run_ok, Env, Gateway, QemuNbd};
+use common::{run_ok, Env, QemuNbd, Served};
 use nbdgw::proto::consts::*;
 use nbdgw::proto::transmission::ReplyMode;
 
 const SIZE: usize = 4 << 20;
 
-struct Setup {
-    env: Env,
-    _upstream: QemuNbd,
-    gateway: Gateway,
-    image: Vec<u8>,
-}
-
-fn setup(size: usize, tune: impl FnOnce(&mut nbdgw::Config)) -> Setup {
-    let env = Env::new();
-    let path = env.random_image("disk.img", size, 5);
-    let upstream = QemuNbd::start(&env, &path, &[]);
-    let mut config = env.config(&upstream.socket);
-    tune(&mut config);
-    Setup {
-        gateway: Gateway::start(config),
-        image: std::fs::read(&path).unwrap(),
-        env,
-        _upstream: upstream,
-    }
-}
-
-impl Setup {
-    fn client(&self) -> RawClient {
-        let mut c = RawClient::tls(self.gateway.addr, &self.env.certs());
-        c.go(ReplyMode::Structured);
-        c
-    }
-
-    fn assert_still_serving(&self) {
-        let mut c = self.client();
-        assert_eq!(c.read(9, 8192, 4096), self.image[8192..8192 + 4096]);
-        c.disconnect();
-    }
+fn setup(size: usize, tune: impl FnOnce(&mut nbdgw::Config)) -> Served {
+    Served::start((size, 5), &[], tune)
 }
 
 #[test]
@@ -61,17 +31,16 @@ fn silent_connections_and_a_slow_handshaker_do_not_lock_out_real_clients() {
     let path = env.random_image("disk.img", SIZE, 6);
     let upstream = QemuNbd::start(&env, &path, &[]);
     let certs = env.certs();
-    let gw = NbdgwProcess::start([
-        "--upstream".as_ref(),
-        upstream.socket.as_os_str(),
-        "--tls-cert".as_ref(),
-        certs.join("server-cert.pem").as_os_str(),
-        "--tls-key".as_ref(),
-        certs.join("server-key.pem").as_os_str(),
-        // Before the handshake budget, this many silent peers were enough.
-        "--max-connections".as_ref(),
-        "64".as_ref() as &std::ffi::OsStr,
-    ]);
+    let gw = NbdgwProcess::with_server_cert(
+        &env,
+        [
+            "--upstream".as_ref(),
+            upstream.socket.as_os_str(),
+            // Before the handshake budget, this many silent peers were enough.
+            "--max-connections".as_ref(),
+            "64".as_ref() as &std::ffi::OsStr,
+        ],
+    );
     // Hundreds of connections that never say a word, from one address.
     let silent: Vec<TcpStream> = (0..300)
         .filter_map(|_| connect_from([127, 0, 0, 2].into(), gw.addr()).ok())
@@ -107,7 +76,7 @@ fn a_half_sent_write_payload_is_closed_after_the_stall_timeout() {
     let s = setup(SIZE, |c| {
         c.relay.stall_timeout = Some(Duration::from_secs(1))
     });
-    let mut c = s.client();
+    let mut c = s.client(ReplyMode::Structured);
     let mut request = c.request_bytes(0, CMD_WRITE, 1, 0, 1 << 20);
     request.extend_from_slice(&[7u8; 1000]);
     c.send(&request);
@@ -126,7 +95,7 @@ fn a_client_that_stops_reading_replies_is_closed_after_the_stall_timeout() {
     let s = setup(SIZE, |c| {
         c.relay.stall_timeout = Some(Duration::from_secs(1))
     });
-    let mut c = s.client();
+    let mut c = s.client(ReplyMode::Structured);
     const READS: u64 = 48;
     let requests: Vec<u8> = (0..READS)
         .flat_map(|cookie| c.request_bytes(0, CMD_READ, cookie, 0, 1 << 20))
@@ -146,7 +115,7 @@ fn a_client_that_stops_reading_replies_is_closed_after_the_stall_timeout() {
 fn the_idle_timeout_counts_from_the_last_reply_byte() {
     const LEN: usize = 32 << 20;
     let s = setup(LEN, |c| c.relay.idle_timeout = Some(Duration::from_secs(3)));
-    let mut c = s.client();
+    let mut c = s.client(ReplyMode::Structured);
     // A reply larger than the socket buffers, read only after 5.5 s: it
     // is being written all that time, so the connection is not idle.
     c.send_request(0, CMD_READ, 1, 0, LEN as u64, &[]);
@@ -169,10 +138,10 @@ fn the_idle_timeout_counts_from_the_last_reply_byte() {
 
 #[test]
 fn export_name_while_shutting_down_ends_the_connection_without_a_reply() {
-    let Setup {
+    let Served {
         env,
         mut gateway,
-        _upstream,
+        upstream: _upstream,
         ..
     } = setup(SIZE, |c| c.shutdown_grace = Duration::from_secs(3));
     let mut c = RawClient::tls(gateway.addr, &env.certs());
@@ -186,10 +155,10 @@ fn export_name_while_shutting_down_ends_the_connection_without_a_reply() {
 
 #[test]
 fn shutdown_closes_idle_sessions_at_once_with_close_notify() {
-    let Setup {
+    let Served {
         env,
         mut gateway,
-        _upstream,
+        upstream: _upstream,
         ..
     } = setup(SIZE, |c| c.shutdown_grace = Duration::from_secs(30));
     let mut idle = RawClient::tls(gateway.addr, &env.certs());
@@ -238,19 +207,17 @@ impl HeldUpstream {
     }
 
     fn gateway_answering(&self, grace_secs: &str, answer: &str) -> NbdgwProcess {
-        let certs = self.env.certs();
-        NbdgwProcess::start([
-            "--upstream".as_ref(),
-            self.relay.socket.as_os_str(),
-            "--tls-cert".as_ref(),
-            certs.join("server-cert.pem").as_os_str(),
-            "--tls-key".as_ref(),
-            certs.join("server-key.pem").as_os_str(),
-            "--shutdown-grace".as_ref(),
-            grace_secs.as_ref() as &std::ffi::OsStr,
-            "--drain-answer".as_ref(),
-            answer.as_ref(),
-        ])
+        NbdgwProcess::with_server_cert(
+            &self.env,
+            [
+                "--upstream".as_ref(),
+                self.relay.socket.as_os_str(),
+                "--shutdown-grace".as_ref(),
+                grace_secs.as_ref() as &std::ffi::OsStr,
+                "--drain-answer".as_ref(),
+                answer.as_ref(),
+            ],
+        )
     }
 
     /// SIGTERM with a read (cookie 1) in flight, then that read let go
@@ -478,17 +445,12 @@ impl SlowReader {
         let upstream = QemuNbd::start(&env, &path, &[]);
         // Server certificate only: anonymous clients (the raw client has
         // no certificate).
-        let certs = env.certs();
         let mut args = vec![
             "--upstream".into(),
             upstream.socket.clone().into_os_string(),
-            "--tls-cert".into(),
-            certs.join("server-cert.pem").into_os_string(),
-            "--tls-key".into(),
-            certs.join("server-key.pem").into_os_string(),
         ];
         args.extend(flags.iter().map(std::ffi::OsString::from));
-        let gw = NbdgwProcess::start(args);
+        let gw = NbdgwProcess::with_server_cert(&env, args);
         let mut c = RawClient::connect(gw.addr());
         if let common::raw::Stream::Plain(tcp) = &c.stream {
             socket2::SockRef::from(tcp)
@@ -634,11 +596,7 @@ fn replies_written_before_a_drain_reach_a_slow_client_that_keeps_sending() {
     // All 64 on their way upstream before the drain (a read is counted
     // once nbdgw has decided to forward it); 4 MiB of replies then waits
     // in the gateway's buffers and sockets.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while reads_counted(admin) < 64 {
-        assert!(Instant::now() < deadline, "the 64 reads were not all read");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    await_reads(admin, 64, &s.gw);
     let started = s.sigterm();
     let (mut got, mut sent, mut last_send) = (0, 0u64, Instant::now());
     while got < 64 {
@@ -657,13 +615,4 @@ fn replies_written_before_a_drain_reach_a_slow_client_that_keeps_sending() {
     }
     assert!(started.elapsed() < Duration::from_secs(30));
     exits_cleanly(&mut s.gw);
-}
-
-/// `nbdgw_requests_total{command="READ"}` on an admin port.
-fn reads_counted(admin: u16) -> u64 {
-    let (_, body) = common::clients::http_get(admin, "/metrics");
-    body.lines()
-        .find_map(|l| l.strip_prefix(r#"nbdgw_requests_total{command="READ"} "#))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .unwrap_or(0.0) as u64
 }

@@ -11,25 +11,12 @@ use std::ffi::OsStr;
 use std::path::Path;
 use std::process::Command;
 
-use common::clients::{http_get, nbdinfo_size, qemu_img_info, text};
+use common::clients::{nbdinfo_size, qemu_img_info, text};
+use common::metrics::{sample, scrape};
 use common::process::{start_must_fail, NbdgwProcess};
-use common::{free_port, pattern, run_ok, Env, QemuNbd};
+use common::{free_port, pattern, run_ok, unix_uri, Env, QemuNbd};
 
 const SIZE: usize = 1 << 20;
-
-fn sample(metrics: &str, name: &str) -> f64 {
-    metrics
-        .lines()
-        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
-        .and_then(|value| value.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no sample {name} in:\n{metrics}"))
-}
-
-fn metrics(admin: u16) -> String {
-    let (code, body) = http_get(admin, "/metrics");
-    assert_eq!(code, 200, "{body}");
-    body
-}
 
 fn sessions_with(group: &str) -> String {
     format!("nbdgw_tls_sessions_total{{key_exchange=\"{group}\"}}")
@@ -43,18 +30,9 @@ fn server(env: &Env, upstream: &Path, admin: u16, extra: &[&str]) -> NbdgwProces
 /// [`server`] with its certificates from `certs`.
 fn server_in(certs: &Path, upstream: &Path, admin: u16, extra: &[&str]) -> NbdgwProcess {
     let admin = format!("127.0.0.1:{admin}");
-    let mut args = vec![
-        OsStr::new("--upstream"),
-        upstream.as_os_str(),
-        OsStr::new("--tls-dir"),
-        certs.as_os_str(),
-        OsStr::new("--admin-listen"),
-        OsStr::new(&admin),
-        OsStr::new("--landlock"),
-        OsStr::new("false"),
-    ];
-    args.extend(extra.iter().map(OsStr::new));
-    NbdgwProcess::start(args)
+    let flags = ["--admin-listen", &admin, "--landlock", "false"];
+    let args: Vec<&str> = flags.into_iter().chain(extra.iter().copied()).collect();
+    NbdgwProcess::in_front_of_certs(certs, upstream, &args)
 }
 
 /// `nbdgw client` on a Unix socket towards `server`, with an admin
@@ -74,23 +52,18 @@ fn client_mode_in(
     let socket = env.path("client.sock");
     let target = format!("localhost:{}", server.port);
     let admin = format!("127.0.0.1:{admin}");
-    let mut args = vec![
-        OsStr::new("--server"),
-        OsStr::new(&target),
-        OsStr::new("--tls-dir"),
-        certs.as_os_str(),
-        OsStr::new("--admin-listen"),
-        OsStr::new(&admin),
-    ];
-    args.extend(extra.iter().map(OsStr::new));
-    NbdgwProcess::client(socket.as_os_str(), args)
+    let args: Vec<&str> = ["--admin-listen", &admin]
+        .into_iter()
+        .chain(extra.iter().copied())
+        .collect();
+    NbdgwProcess::client_of(socket.as_os_str(), &target, certs, &args)
 }
 
 /// nbdcopy through client mode's socket reads the image.
 fn copy_through(env: &Env, client: &NbdgwProcess) {
     let copy = env.path("copy.img");
     let _ = std::fs::remove_file(&copy);
-    let uri = format!("nbd+unix:///?socket={}", env.path("client.sock").display());
+    let uri = unix_uri(&env.path("client.sock"));
     let out = run_ok(Command::new("nbdcopy").arg(&uri).arg(&copy));
     assert!(out.status.success(), "{}\n{}", text(&out), client.log());
     assert_eq!(std::fs::read(&copy).unwrap(), pattern(SIZE, 31));
@@ -125,9 +98,9 @@ fn client_mode_and_server_negotiate_x25519mlkem768_by_default() {
         );
     }
     let hybrid = sessions_with("X25519MLKEM768");
-    assert!(sample(&metrics(server_admin), &hybrid) >= 1.0);
-    assert!(sample(&metrics(client_admin), &hybrid) >= 1.0);
-    assert!(!metrics(server_admin).contains("key_exchange=\"X25519\""));
+    assert!(sample(&scrape(server_admin), &hybrid) >= 1.0);
+    assert!(sample(&scrape(client_admin), &hybrid) >= 1.0);
+    assert!(!scrape(server_admin).contains("key_exchange=\"X25519\""));
 }
 
 #[test]
@@ -160,7 +133,7 @@ fn gnutls_clients_still_connect_with_a_classical_group() {
             "a GnuTLS client with a group other than a classical one: {line}"
         );
     }
-    let metrics = metrics(admin);
+    let metrics = scrape(admin);
     let counted: f64 = classical
         .iter()
         .filter_map(|g| {
@@ -197,7 +170,7 @@ fn a_server_without_the_hybrid_still_takes_client_mode() {
                 "{who} with a {group}-only server:\n{log}"
             );
         }
-        assert!(sample(&metrics(client_admin), &sessions_with(group)) >= 1.0);
+        assert!(sample(&scrape(client_admin), &sessions_with(group)) >= 1.0);
     }
 }
 
@@ -211,7 +184,7 @@ fn client_mode_offers_the_groups_it_is_given() {
     // OpenSSL's spelling of P-256.
     let client = client_mode(&env, &server, client_admin, &["--tls-groups", "P-256"]);
     copy_through(&env, &client);
-    assert!(sample(&metrics(server_admin), &sessions_with("secp256r1")) >= 1.0);
+    assert!(sample(&scrape(server_admin), &sessions_with("secp256r1")) >= 1.0);
     assert!(tls_lines(&client.log())
         .iter()
         .all(|l| l.contains("key_exchange=secp256r1 ")));
@@ -347,8 +320,8 @@ fn groups_survive_a_certificate_reload_on_both_sides() {
     copy_through(&env, &client);
     let after = all_sessions_with("secp384r1", &[&server, &client], before);
     let sessions = sessions_with("secp384r1");
-    assert_eq!(sample(&metrics(server_admin), &sessions), after as f64);
-    assert_eq!(sample(&metrics(client_admin), &sessions), after as f64);
+    assert_eq!(sample(&scrape(server_admin), &sessions), after as f64);
+    assert_eq!(sample(&scrape(client_admin), &sessions), after as f64);
 }
 
 /// A CA whose key `nbdgw certs` keeps, in `dir`.
@@ -412,7 +385,7 @@ fn a_pure_mlkem_list_starts_with_a_warning() {
     let warning = line_with(&client.log(), "pure ML-KEM").to_string();
     assert!(warning.contains("before the hybrid"), "{warning}");
     copy_through(&env, &client);
-    assert!(sample(&metrics(server_admin), &sessions_with("MLKEM768")) >= 1.0);
+    assert!(sample(&scrape(server_admin), &sessions_with("MLKEM768")) >= 1.0);
     // The default list is not warned about.
     assert_eq!(
         server_in(&env.certs(), &upstream.socket, free_port(), &[]).count_in_log("pure ML-KEM"),

@@ -329,18 +329,11 @@ async fn negotiate(
     let slot = match link.admission.session(who.clone()) {
         Ok(slot) => slot,
         Err(refusal) => {
-            config.metrics.session_refused(refusal.metric_reason());
             let client = match anonymous {
                 true => "no certificate".to_string(),
                 false => identity.to_string(),
             };
-            warn!(reason = %refusal, %client, "session refused");
-            let message = format!("nbdgw: {refusal}; try again later");
-            let client =
-                options::OptionChannel::new(tls, error::Side::Client, config.relay.max_option_len);
-            return negotiate::refuse_all(client, &message)
-                .await
-                .map(Negotiated::Closed);
+            return refuse_session(tls, refusal, &client, config).await;
         }
     };
     drop(handshake_permit);
@@ -352,15 +345,7 @@ async fn negotiate(
         negotiate::Outcome::Transmission(session, audit) => {
             link.stats.opened(*audit);
             if let Some(guard) = &registered {
-                let grant = Grant {
-                    identity,
-                    export: session.export.clone(),
-                    access: session.access,
-                };
-                guard.granted(
-                    grant,
-                    config.policy_revoke_closes.then_some(&*config.policy),
-                );
+                record_grant(guard, identity, &session, config);
             }
             Negotiated::Transmission {
                 session,
@@ -370,6 +355,44 @@ async fn negotiate(
             }
         }
     })
+}
+
+/// Tells the TLS store's registry what the session was granted, so that
+/// a reload revoking the certificate, or a policy reload narrowing its
+/// access (with `--policy-revoke-closes`), can end it.
+fn record_grant(
+    guard: &SessionGuard,
+    identity: crate::tls::CertInfo,
+    session: &session::Session,
+    config: &Config,
+) {
+    let grant = Grant {
+        identity,
+        export: session.export.clone(),
+        access: session.access,
+    };
+    guard.granted(
+        grant,
+        config.policy_revoke_closes.then_some(&*config.policy),
+    );
+}
+
+/// An authenticated client refused a session (`--max-connections`,
+/// `--max-sessions-per-identity`): every option it sends is answered with
+/// why, so that it hears the reason rather than a bare close.
+async fn refuse_session(
+    tls: session::ClientStream,
+    refusal: crate::admission::Refusal,
+    client: &str,
+    config: &Config,
+) -> Result<Negotiated, ConnError> {
+    config.metrics.session_refused(refusal.metric_reason());
+    warn!(reason = %refusal, %client, "session refused");
+    let message = format!("nbdgw: {refusal}; try again later");
+    let client = options::OptionChannel::new(tls, error::Side::Client, config.relay.max_option_len);
+    negotiate::refuse_all(client, &message)
+        .await
+        .map(Negotiated::Closed)
 }
 
 /// The line that says a TLS session is up, in either direction: its

@@ -5,6 +5,7 @@
 pub mod clients;
 pub mod fake_upstream;
 pub mod gnutls_client;
+pub mod metrics;
 pub mod peers;
 pub mod pki;
 pub mod process;
@@ -70,6 +71,13 @@ impl Env {
         path
     }
 
+    /// An image of `len` bytes, every one `byte`.
+    pub fn filled_image(&self, name: &str, byte: u8, len: usize) -> PathBuf {
+        let path = self.path(name);
+        std::fs::write(&path, vec![byte; len]).expect("write image");
+        path
+    }
+
     pub fn config(&self, upstream: &Path) -> Config {
         let tls = nbdgw::tls::load_server_config(
             &self.certs().join("server-cert.pem"),
@@ -79,6 +87,54 @@ impl Env {
         let mut config = Config::new(upstream.to_owned(), nbdgw::tls::TlsStore::fixed(tls));
         config.shutdown_grace = Duration::from_secs(2);
         config
+    }
+}
+
+/// A real qemu-nbd serving a random image, and the gateway run
+/// in-process in front of it with the test's certificates. Fields drop
+/// in order: the directory, qemu-nbd, then the gateway.
+pub struct Served {
+    pub env: Env,
+    pub upstream: QemuNbd,
+    pub gateway: Gateway,
+    /// The image's bytes as served.
+    pub image: Vec<u8>,
+}
+
+impl Served {
+    /// qemu-nbd (with `qemu_args`) serving `size` bytes of
+    /// `pattern(size, seed)`, and the gateway with its `Config` as
+    /// `tune` leaves it.
+    pub fn start(
+        (size, seed): (usize, u64),
+        qemu_args: &[&str],
+        tune: impl FnOnce(&mut Config),
+    ) -> Self {
+        let env = Env::new();
+        let path = env.random_image("disk.img", size, seed);
+        let upstream = QemuNbd::start(&env, &path, qemu_args);
+        let mut config = env.config(&upstream.socket);
+        tune(&mut config);
+        Served {
+            gateway: Gateway::start(config),
+            image: std::fs::read(&path).expect("read image"),
+            env,
+            upstream,
+        }
+    }
+
+    /// A raw client through TLS, in transmission in `mode`.
+    pub fn client(&self, mode: nbdgw::proto::transmission::ReplyMode) -> raw::RawClient {
+        let mut c = raw::RawClient::tls(self.gateway.addr, &self.env.certs());
+        c.go(mode);
+        c
+    }
+
+    /// A good client still gets the image's bytes.
+    pub fn assert_still_serving(&self) {
+        let mut c = self.client(nbdgw::proto::transmission::ReplyMode::Structured);
+        assert_eq!(c.read(77, 8192, 4096), self.image[8192..8192 + 4096]);
+        c.disconnect();
     }
 }
 
@@ -100,6 +156,21 @@ pub fn wait_until_listening(
         std::thread::sleep(Duration::from_millis(20));
     }
     Ok(())
+}
+
+/// Polls `holds` until it is true; panics naming `what` after 30 s (the
+/// machine is loaded: generous, and only the bound of a failure).
+pub fn await_that(what: &str, mut holds: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !holds() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The NBD URI of the default export on the Unix socket `socket`.
+pub fn unix_uri(socket: &Path) -> String {
+    format!("nbd+unix:///?socket={}", socket.display())
 }
 
 pub fn free_port() -> u16 {
@@ -183,7 +254,7 @@ impl QemuNbd {
     }
 
     pub fn unix_uri(&self) -> String {
-        format!("nbd+unix:///?socket={}", self.socket.display())
+        unix_uri(&self.socket)
     }
 }
 

@@ -1,7 +1,7 @@
 //! The nbdgw binary as operators run it, with its log collected while it
 //! runs; and a counting relay in front of the upstream socket.
 
-use std::ffi::OsStr;
+use std::ffi::{OsStr, OsString};
 use std::io::{BufRead, BufReader, Read};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -26,19 +26,83 @@ impl NbdgwProcess {
         Self::start_with(args, &[])
     }
 
-    /// nbdgw with the test's certificates (`Env::certs`) in front of
-    /// one upstream socket, and flags.
+    /// nbdgw with the test's certificates (`Env::certs`, whose CA makes
+    /// client certificates required) in front of one upstream socket,
+    /// and flags.
     #[allow(dead_code)]
     pub fn in_front_of(env: &super::Env, upstream: &Path, extra: &[&str]) -> Self {
+        Self::in_front_of_certs(&env.certs(), upstream, extra)
+    }
+
+    /// As [`Self::in_front_of`], with the certificate directory `certs`.
+    #[allow(dead_code)]
+    pub fn in_front_of_certs(certs: &Path, upstream: &Path, extra: &[&str]) -> Self {
+        Self::start(front_args(certs, upstream, extra))
+    }
+
+    /// As [`Self::in_front_of`], on a port of the test's choosing, so that
+    /// a restart comes back where clients reconnect to (see
+    /// [`Self::start_at`]).
+    #[allow(dead_code)]
+    pub fn in_front_of_at(env: &super::Env, upstream: &Path, port: u16, extra: &[&str]) -> Self {
+        Self::start_at(front_args(&env.certs(), upstream, extra), port)
+    }
+
+    /// nbdgw with only the test's server certificate and key (no client
+    /// CA: no client certificate asked for), and `args`.
+    #[allow(dead_code)]
+    pub fn with_server_cert<I, S>(env: &super::Env, args: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
         let certs = env.certs();
-        let mut args = vec![
-            OsStr::new("--tls-dir"),
-            certs.as_os_str(),
-            OsStr::new("--upstream"),
-            upstream.as_os_str(),
+        let mut all: Vec<OsString> = vec![
+            "--tls-cert".into(),
+            certs.join("server-cert.pem").into(),
+            "--tls-key".into(),
+            certs.join("server-key.pem").into(),
         ];
-        args.extend(extra.iter().map(OsStr::new));
-        Self::start(args)
+        all.extend(args.into_iter().map(|a| a.as_ref().to_os_string()));
+        Self::start(all)
+    }
+
+    /// Starts `nbdgw ARGS --listen 127.0.0.1:PORT` on a port of the
+    /// test's choosing and waits for its log to say it listens. It never
+    /// connects to see (as `start` does): on a port a restarted gateway
+    /// comes back to, a probe would be one more connection in its counts.
+    #[allow(dead_code)]
+    pub fn start_at<I, S>(args: I, port: u16) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let mut cmd = Command::new(nbdgw_binary());
+        cmd.args(args)
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{port}"));
+        let process = Self::spawn(cmd, port);
+        process.wait_for_log("nbdgw listening", 1);
+        process
+    }
+
+    /// As [`Self::start_at`], under `prlimit --nofile=NOFILE:NOFILE`: a
+    /// descriptor limit of the test's choosing.
+    #[allow(dead_code)]
+    pub fn start_at_with_nofile<I, S>(nofile: u32, args: I, port: u16) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let mut cmd = Command::new("prlimit");
+        cmd.arg(format!("--nofile={nofile}:{nofile}"))
+            .arg(nbdgw_binary())
+            .args(args)
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{port}"));
+        let process = Self::spawn(cmd, port);
+        process.wait_for_log("nbdgw listening", 1);
+        process
     }
 
     pub fn start_with<I, S>(args: I, env: &[(&str, &OsStr)]) -> Self
@@ -97,6 +161,30 @@ impl NbdgwProcess {
             std::thread::sleep(Duration::from_millis(20));
         }
         process
+    }
+
+    /// `nbdgw client` on `listen` (a Unix socket's path, or HOST:PORT)
+    /// towards `server` (HOST:PORT) with the certificate directory
+    /// `tls_dir` (libnbd/qemu layout), and flags; waits until it listens.
+    #[allow(dead_code)]
+    pub fn client_of(listen: &OsStr, server: &str, tls_dir: &Path, extra: &[&str]) -> Self {
+        let mut args = vec![
+            OsStr::new("--server"),
+            OsStr::new(server),
+            OsStr::new("--tls-dir"),
+            tls_dir.as_os_str(),
+        ];
+        args.extend(extra.iter().map(OsStr::new));
+        Self::client(listen, args)
+    }
+
+    /// As [`Self::client_of`], on a free loopback port: it, and its port.
+    #[allow(dead_code)]
+    pub fn client_on_loopback(server: &str, tls_dir: &Path, extra: &[&str]) -> (Self, u16) {
+        let port = super::free_port();
+        let listen = format!("127.0.0.1:{port}");
+        let client = Self::client_of(OsStr::new(&listen), server, tls_dir, extra);
+        (client, port)
     }
 
     /// Runs `cmd` (nbdgw, or a wrapper such as `ip netns exec … nbdgw`)
@@ -207,6 +295,19 @@ impl NbdgwProcess {
         std::thread::sleep(Duration::from_millis(100));
         (status, self.log())
     }
+}
+
+/// The flags that put nbdgw with the certificate directory `certs` in
+/// front of the upstream socket `upstream`, then `extra`.
+pub fn front_args(certs: &Path, upstream: &Path, extra: &[&str]) -> Vec<OsString> {
+    let mut args: Vec<OsString> = vec![
+        "--tls-dir".into(),
+        certs.into(),
+        "--upstream".into(),
+        upstream.into(),
+    ];
+    args.extend(extra.iter().map(OsString::from));
+    args
 }
 
 /// Runs `nbdgw ARGS`, which must fail to start; returns what it said.
