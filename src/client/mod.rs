@@ -14,11 +14,11 @@
 pub mod credentials;
 mod reconnect;
 mod remote;
-mod serve;
+mod local;
 pub mod settings;
 mod start;
 
-pub use serve::serve as serve_local;
+pub use local::serve as serve_local;
 pub use start::start;
 
 use std::future::Future;
