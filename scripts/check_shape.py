@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """The code's shape, checked in CI: no import circle between the crate's
-modules, no function over 60 lines, no `impl` block over 300 lines.
+modules, no function over 60 lines, no `impl` block over 300 lines, one
+module style (a module with submodules is `name/mod.rs`, never `name.rs`
+beside `name/`), and no two source files of one name unless the name is
+a role every module may have (`SHARED_NAMES`).
 
 Rust is read with a small lexer that knows strings, raw strings, chars,
 lifetimes and comments, so a brace inside a string or a comment does not
@@ -26,6 +29,28 @@ FN_LIMIT = 60
 IMPL_LIMIT = 300
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 ALLOW = os.path.join(ROOT, "scripts", "shape-allow.txt")
+# Names that say a file's role inside its module, not what it does: a
+# module's root, its tests, and the request and reply halves of a relay
+# (the transmission relay, the read cache's layer, client mode's
+# reconnecting stream each have both).
+SHARED_NAMES = {"mod.rs", "tests.rs", "requests.rs", "replies.rs"}
+
+
+def layout_problems(src):
+    """Mixed module styles and file names used twice for different things."""
+    problems, seen = [], {}
+    for path in rust_files(src):
+        rel = os.path.relpath(path, ROOT)
+        base = os.path.basename(path)
+        if base != "mod.rs" and os.path.isdir(path[:-3]):
+            problems.append(f"{rel}: beside {rel[:-3]}/; move it to {rel[:-3]}/mod.rs")
+        if base in ("lib.rs", "main.rs") and os.path.dirname(path) == src:
+            continue
+        seen.setdefault(base, []).append(rel)
+    for base, paths in sorted(seen.items()):
+        if len(paths) > 1 and base not in SHARED_NAMES:
+            problems.append(f"two files named {base}: " + ", ".join(sorted(paths)) + " (rename one for what it does)")
+    return problems
 
 
 def blank_out(text):
@@ -252,7 +277,7 @@ def check(src):
             problems.append(f"{key}: grew to {length} lines (allowed {allow[key]}, limit {limit})")
     for key in sorted(set(allow) - set(found)):
         problems.append(f"{key}: fits now (or is gone): remove it from scripts/shape-allow.txt")
-    return problems
+    return problems + layout_problems(src)
 
 
 SELF_TEST = r'''
@@ -295,7 +320,7 @@ def main():
     for p in problems:
         print("shape: " + p, file=sys.stderr)
     if not problems:
-        print("shape: no import circle; every function and impl within its limit or allowed")
+        print("shape: no import circle; every function and impl within its limit or allowed; one module style; no file name used twice")
     return 1 if problems else 0
 
 

@@ -14,11 +14,11 @@
 pub mod credentials;
 mod reconnect;
 mod remote;
-mod local;
+mod local_client;
 pub mod settings;
 mod start;
 
-pub use local::serve as serve_local;
+pub use local_client::serve as serve_local;
 pub use start::start;
 
 use std::future::Future;
