@@ -601,6 +601,9 @@ pub struct ServeArgs {
     /// Log format; the filter comes from RUST_LOG (default info).
     #[arg(long, env = "NBDGW_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    /// Hand-over to a successor process (`crate::handover`).
+    #[command(flatten)]
+    pub handover: crate::handover::HandoverArgs,
 }
 
 #[derive(Args, Debug)]

@@ -111,6 +111,9 @@ pub struct Metrics {
     pub policy_changes: Counter,
     pub admin_connections_open: Gauge,
     pub admin_connections_refused: Counter,
+    /// Hand-overs to a successor process, by outcome (see
+    /// `crate::handover`).
+    pub handovers: Family<Outcome, Counter>,
     pub cache: CacheMetrics,
     /// `nbdgw client --reconnect`'s counters (registered in client mode).
     pub reconnects: ReconnectMetrics,
@@ -244,6 +247,7 @@ impl Metrics {
             policy_reload_failures: Counter::default(),
             admin_connections_open: Gauge::default(),
             admin_connections_refused: Counter::default(),
+            handovers: Family::default(),
             cache: CacheMetrics::default(),
             reconnects: ReconnectMetrics::default(),
             registry: Registry::default(),
@@ -251,6 +255,7 @@ impl Metrics {
         metrics.register_connections(&mut registry);
         metrics.register_handshakes(&mut registry);
         metrics.register_proxy(&mut registry);
+        metrics.register_handover(&mut registry);
         metrics.register_kernel_tls(&mut registry);
         metrics.register_requests(&mut registry, tls);
         metrics.register_exports(&mut registry);
@@ -262,6 +267,30 @@ impl Metrics {
             registry,
             ..metrics
         }
+    }
+}
+
+/// Counted per event, outside the registry's making.
+impl Metrics {
+    /// A connection from a trusted balancer, by `outcome` (one of the
+    /// fixed few `register_proxy` names).
+    pub fn proxy_header(&self, outcome: &'static str) {
+        self.proxy_headers
+            .get_or_create(&ProxyOutcome { outcome })
+            .inc();
+    }
+
+    fn register_handover(&self, r: &mut Registry) {
+        r.register(
+            "handovers",
+            "Successors that connected to --handover-socket, by outcome (handed_over: it serves the listening sockets and this process drains; refused_uid: another uid; refused_version: no state version in common; timeout: not done within --handover-timeout; successor_gone: it closed or died first; failed: a broken message or socket); every outcome but handed_over leaves this process serving",
+            self.handovers.clone(),
+        );
+    }
+
+    /// One successor's attempt, by `outcome` (one of `register_handover`'s).
+    pub fn handover(&self, outcome: &'static str) {
+        self.handovers.get_or_create(&Outcome { outcome }).inc();
     }
 }
 
@@ -390,14 +419,6 @@ impl Metrics {
             "Connections from a --proxy-protocol-from balancer, by what their PROXY header was (v1, v2: a client's address taken; local: v2 LOCAL, closed after it unless --proxy-protocol-serve-local; unknown: refused, it gave no address (v1 UNKNOWN, v2 PROXY not over TCP); invalid; timeout: none within --proxy-protocol-timeout (or --handshake-timeout if shorter); closed; busy: closed before their header for the bound of --max-handshakes plus --handshake-queue, refused or shed for a less busy balancer address; shutting_down)",
             self.proxy_headers.clone(),
         );
-    }
-
-    /// A connection from a trusted balancer, by `outcome` (one of the
-    /// fixed few `register_proxy` names).
-    pub fn proxy_header(&self, outcome: &'static str) {
-        self.proxy_headers
-            .get_or_create(&ProxyOutcome { outcome })
-            .inc();
     }
 
     /// Sessions handed to the kernel, and their key updates.

@@ -71,7 +71,7 @@ _nbdgw() {
 
     case "${cmd}" in
         nbdgw)
-            opts="-h -V --listen --tls-cert --tls-key --tls-dir --tls-client-ca --tls-crl --allow-cn --allow-dns --allow-uri --verified-chain-cache --tls-crl-allow-expired --tls-revoke-closes --tls-min-version --tls-cipher-order --tls-groups --tls-reload-interval --upstream --export --export-dir --export-dir-owner --immutable-export --immutable --cache-size --cache-block-size --read-ahead --read-ahead-depth --cache-fill-depth --policy --policy-revoke-closes --upstream-sndbuf --max-connections --max-sessions-per-identity --max-handshakes --max-handshakes-per-source --handshake-queue --handshake-queue-per-source --handshake-queue-timeout --handshake-reserve --source-memory --source-prefix-v4 --source-prefix-v6 --proxy-protocol-from --proxy-protocol-serve-local --proxy-protocol-timeout --proxy-protocol-max-header --handshake-timeout --upstream-timeout --idle-timeout --stall-timeout --tcp-keepalive --tcp-keepalive-interval --tcp-keepalive-count --max-payload --max-option-len --max-refused-options --admin-listen --admin-max-connections --admin-header-timeout --admin-keepalive-requests --admin-keepalive-timeout --admin-max-header-bytes --drain-delay --shutdown-grace --drain-answer --cork --ktls --ktls-key-limit --threads --landlock --log-format --help --version certs policy client help"
+            opts="-h -V --listen --tls-cert --tls-key --tls-dir --tls-client-ca --tls-crl --allow-cn --allow-dns --allow-uri --verified-chain-cache --tls-crl-allow-expired --tls-revoke-closes --tls-min-version --tls-cipher-order --tls-groups --tls-reload-interval --upstream --export --export-dir --export-dir-owner --immutable-export --immutable --cache-size --cache-block-size --read-ahead --read-ahead-depth --cache-fill-depth --policy --policy-revoke-closes --upstream-sndbuf --max-connections --max-sessions-per-identity --max-handshakes --max-handshakes-per-source --handshake-queue --handshake-queue-per-source --handshake-queue-timeout --handshake-reserve --source-memory --source-prefix-v4 --source-prefix-v6 --proxy-protocol-from --proxy-protocol-serve-local --proxy-protocol-timeout --proxy-protocol-max-header --handshake-timeout --upstream-timeout --idle-timeout --stall-timeout --tcp-keepalive --tcp-keepalive-interval --tcp-keepalive-count --max-payload --max-option-len --max-refused-options --admin-listen --admin-max-connections --admin-header-timeout --admin-keepalive-requests --admin-keepalive-timeout --admin-max-header-bytes --drain-delay --shutdown-grace --drain-answer --cork --ktls --ktls-key-limit --threads --landlock --log-format --handover-socket --take-over --handover-timeout --help --version certs policy client help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 1 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -347,6 +347,18 @@ _nbdgw() {
                     ;;
                 --log-format)
                     COMPREPLY=($(compgen -W "text json" -- "${cur}"))
+                    return 0
+                    ;;
+                --handover-socket)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --take-over)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --handover-timeout)
+                    COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
                 *)
