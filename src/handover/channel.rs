@@ -93,7 +93,10 @@ impl Channel {
             return Err(WireError::FdCount(fds.len(), header.fds.into()).into());
         }
         match Message::decode(&header, &body)? {
-            Message::Refuse { reason } => Err(ChannelError::Peer(reason)),
+            // The peer's words go into our log and errors: escaped.
+            Message::Refuse { reason } => Err(ChannelError::Peer(
+                crate::logsafe::escape(&reason).into_owned(),
+            )),
             message => Ok((message, fds)),
         }
     }
