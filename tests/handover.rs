@@ -458,3 +458,75 @@ fn backlog(port: u16) -> usize {
         .filter_map(|l| l.split_whitespace().nth(1)?.parse::<usize>().ok())
         .sum()
 }
+
+/// python3-libnbd: one session, a 1 MiB read when told (a line on
+/// stdin), its bytes checked, then another read, which the drain ends.
+const ONE_SESSION: &str = r#"
+import nbd, sys
+port, certs, image = sys.argv[1], sys.argv[2], sys.argv[3]
+data = open(image, "rb").read()
+h = nbd.NBD()
+h.set_tls(nbd.TLS_REQUIRE)
+h.set_tls_certificates(certs)
+h.connect_uri(f"nbds://localhost:{port}/")
+print("connected", flush=True)
+sys.stdin.readline()
+print("first read", "right" if h.pread(1 << 20, 0) == data[:1 << 20] else "WRONG", flush=True)
+try:
+    h.pread(4096, 0)
+    print("second read answered", flush=True)
+except nbd.Error as e:
+    print("second read failed:", e, flush=True)
+"#;
+
+/// A session open on the old gateway with a read in flight at the
+/// hand-over (its reply held by a relay in front of the real qemu-nbd):
+/// the read is answered with the right bytes after the successor serves,
+/// the session then ends as at SIGTERM, and the old process exits 0.
+#[test]
+fn a_read_in_flight_on_the_old_gateway_finishes_after_the_hand_over() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 3);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let relay = common::process::UpstreamCounter::start(&upstream.socket, &env.path("relay.sock"));
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let mut old = generation(&env, &relay.socket, port, &handover, false);
+    let mut client = Command::new("/usr/bin/python3")
+        .arg("-c")
+        .arg(ONE_SESSION)
+        .arg(port.to_string())
+        .arg(env.certs())
+        .arg(&image)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(client.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "connected");
+    relay.hold_replies(true);
+    writeln!(client.stdin.as_mut().unwrap(), "go").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while relay.reads() == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the read never reached the upstream"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let new = generation(&env, &relay.socket, port, &handover, true);
+    new.wait_for_log("take-over: serving", 1);
+    old.wait_for_log("shutting down: no longer accepting", 1);
+    assert!(old.is_running(), "the old gateway waits for its read");
+    relay.hold_replies(false);
+    let mut rest = String::new();
+    out.read_to_string(&mut rest).unwrap();
+    assert!(rest.contains("first read right"), "{rest}");
+    assert!(rest.contains("second read failed"), "{rest}");
+    let status = old.wait_exit(Duration::from_secs(30)).expect("exits");
+    assert!(status.success(), "{}", old.log());
+    let _ = client.wait();
+    assert!(nbdinfo_size(port, &env.certs()).status.success());
+}
