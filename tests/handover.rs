@@ -530,3 +530,27 @@ fn a_read_in_flight_on_the_old_gateway_finishes_after_the_hand_over() {
     let _ = client.wait();
     assert!(nbdinfo_size(port, &env.certs()).status.success());
 }
+
+/// One successor at a time: a real one that arrives while a fake one
+/// stalls waits its turn, and takes over once the fake is given up.
+#[test]
+fn a_successor_waits_while_another_is_served_then_takes_over() {
+    let mut s = served("3");
+    let _fake = fake_successor(&s.handover, b"");
+    let new = generation(&s.env, &s.env.path("nbd.sock"), s.port, &s.handover, true);
+    s.gateway
+        .wait_for_log("the successor serves the listeners", 1);
+    let log = s.gateway.log();
+    let (timeout, handed) = (
+        log.find("outcome=\"timeout\"").expect(&log),
+        log.find("the successor serves the listeners").expect(&log),
+    );
+    assert!(timeout < handed, "{log}");
+    assert!(s
+        .gateway
+        .wait_exit(Duration::from_secs(30))
+        .expect("exits")
+        .success());
+    s.gateway = new;
+    assert_serves(&s);
+}
