@@ -55,7 +55,7 @@ pub async fn run_gated(
             _ = tokio::time::sleep_until(stop_accepting_at.unwrap_or_else(tokio::time::Instant::now)),
                 if stop_accepting_at.is_some() => break,
             // The successor accepts now: drain, with no delay to wait.
-            state = gate.changed() => if state == Accepting::HandedOver { break },
+            state = gate.changed() => if state == Accepting::HandedOver { control.handed_over(); break },
             // Reap finished connections so the set does not grow.
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
             accepted = listener.accept(), if gate.accepting() => {

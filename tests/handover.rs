@@ -153,7 +153,7 @@ impl LoopClient {
     }
 }
 
-/// Three replacements in a row under two clients opening connections
+/// Five replacements in a row under two clients opening connections
 /// back to back: the port never refuses, each old process exits 0 after
 /// its drain, and every byte read is right.
 #[test]
@@ -169,7 +169,7 @@ fn replacements_in_a_row_refuse_no_connection() {
         LoopClient::start(port, &env, &image),
     ];
     clients.iter_mut().for_each(|c| c.wait_for(20));
-    for round in 1..=3 {
+    for round in 1..=5 {
         let new = generation(&env, &upstream.socket, port, &handover, true);
         new.wait_for_log("take-over: serving", 1);
         let status = old
@@ -193,20 +193,19 @@ fn replacements_in_a_row_refuse_no_connection() {
         let ((ok, connect, io, mismatches), errors) = client.finish();
         eprintln!("loop client: {ok} connections served, {connect} connect errors, {io} io errors: {errors:?}");
         assert_eq!(mismatches, 0);
-        // Refused or reset at connect: never. The only failures allowed
-        // are the drain's own, as at SIGTERM, for a connection the old
-        // process had accepted before it handed over (per-session
-        // hand-over, the next step, ends them).
+        // Refused at connect (TCP, TLS or negotiation): never. A
+        // connection the old process accepted before it handed over
+        // finishes negotiating there, and its session drains as at
+        // SIGTERM: a request it sends after the drain began is not
+        // answered and the connection closes (per-session hand-over,
+        // the next step, moves it instead).
+        assert_eq!(connect, 0, "{errors:?}");
         for e in &errors {
-            assert!(
-                e.contains("shut") || e.contains("ESHUTDOWN") || e.contains("ENOTCONN"),
-                "{e}"
-            );
-            assert!(!e.contains("refused") && !e.contains("reset"), "{e}");
+            assert!(e.contains("ENOTCONN"), "{e}");
         }
         total += ok;
     }
-    assert!(total >= 160, "{total}");
+    assert!(total >= 240, "{total}");
     assert!(nbdinfo_size(port, &env.certs()).status.success());
     let (status, _) = old.stop();
     assert!(status.success());
