@@ -22,6 +22,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, warn};
 
+use crate::handover::gate::{Accepting, Gate};
 use crate::listening::{look, visit, Look};
 use crate::logsafe::Escaped;
 use crate::metrics::{Health, Metrics};
@@ -72,9 +73,28 @@ pub async fn serve(
     health: Arc<Health>,
     limits: AdminLimits,
 ) {
+    serve_gated(listener, metrics, health, limits, Gate::always()).await
+}
+
+/// `serve`, pausing while a successor takes the listener over and ending
+/// once it serves (`crate::handover`).
+pub async fn serve_gated(
+    listener: TcpListener,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+    limits: AdminLimits,
+    mut gate: Gate,
+) {
     let slots = Arc::new(Semaphore::new(limits.max_connections as usize));
     loop {
-        let (stream, peer) = match listener.accept().await {
+        let accepted = tokio::select! {
+            state = gate.changed() => match state {
+                Accepting::HandedOver => return,
+                _ => continue,
+            },
+            accepted = listener.accept(), if gate.accepting() => accepted,
+        };
+        let (stream, peer) = match accepted {
             Ok(accepted) => accepted,
             Err(e) => {
                 warn!(error = %e, "admin listener: accept failed");

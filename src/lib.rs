@@ -18,6 +18,7 @@ pub mod confinement;
 mod conn;
 pub mod descriptors;
 pub mod exports;
+pub mod handover;
 pub mod identity;
 pub mod listeners;
 pub mod listening;
@@ -34,4 +35,4 @@ pub mod tls;
 pub mod upstream;
 
 pub use config::Config;
-pub use server::run;
+pub use server::{run, run_gated};

@@ -69,6 +69,31 @@ impl Listeners {
         Ok(listeners)
     }
 
+    /// Those taken over from a running gateway (`--take-over`), and
+    /// the ones it did not give bound here.
+    pub fn with(
+        nbd: Option<TcpListener>,
+        admin: Option<TcpListener>,
+        listen: SocketAddr,
+        admin_addr: Option<SocketAddr>,
+    ) -> Result<Self, ListenError> {
+        let nbd = match nbd {
+            Some(nbd) => nbd,
+            None => bind(listen, "")?,
+        };
+        let admin = match admin {
+            Some(admin) => Some(admin),
+            None => admin_addr
+                .map(|addr| bind(addr, " (--admin-listen)"))
+                .transpose()?,
+        };
+        Ok(Listeners {
+            nbd,
+            admin,
+            from_systemd: false,
+        })
+    }
+
     fn from_passed(passed: &mut listenfd::ListenFd, names: &str) -> Result<Self, ListenError> {
         let count = passed.len();
         let mut each_name = names.split(':');

@@ -11,6 +11,7 @@ use tracing::{info, warn};
 
 use crate::admission::Admission;
 use crate::config::Config;
+use crate::handover::gate::{Accepting, Gate};
 use crate::shutdown::Shutdown;
 use crate::shutdown::ShutdownControl;
 
@@ -21,6 +22,18 @@ pub async fn run(
     listener: TcpListener,
     config: Arc<Config>,
     shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()> {
+    run_gated(listener, config, shutdown, Gate::always()).await
+}
+
+/// `run`, with accepting paused while a successor takes the listener
+/// over, and ended, then the drain as at SIGTERM, once it serves
+/// (`crate::handover`).
+pub async fn run_gated(
+    listener: TcpListener,
+    config: Arc<Config>,
+    shutdown: impl Future<Output = ()>,
+    mut gate: Gate,
 ) -> std::io::Result<()> {
     let admission = Admission::new(&config);
     let pre_header = crate::balancer::pending::Pending::new(config.proxy_protocol.pending);
@@ -41,9 +54,11 @@ pub async fn run(
             },
             _ = tokio::time::sleep_until(stop_accepting_at.unwrap_or_else(tokio::time::Instant::now)),
                 if stop_accepting_at.is_some() => break,
+            // The successor accepts now: drain, with no delay to wait.
+            state = gate.changed() => if state == Accepting::HandedOver { control.handed_over(); break },
             // Reap finished connections so the set does not grow.
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
-            accepted = listener.accept() => {
+            accepted = listener.accept(), if gate.accepting() => {
                 let (tcp, peer) = match accepted {
                     Ok(a) => a,
                     Err(e) => {

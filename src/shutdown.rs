@@ -2,6 +2,8 @@
 //! draining (SIGTERM: finish what is in flight, refuse what is new), then
 //! cut (the grace period is over).
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -30,17 +32,27 @@ pub enum Phase {
 }
 
 /// Owned by the accept loop, which moves the phase forward.
-pub struct ShutdownControl(watch::Sender<Phase>);
+pub struct ShutdownControl(watch::Sender<Phase>, Arc<AtomicBool>);
 
-/// Each connection's view of the phase, and what it does with requests
-/// read while draining.
+/// Each connection's view of the phase, what it does with requests
+/// read while draining, and whether the drain follows a hand-over.
 #[derive(Clone)]
-pub struct Shutdown(watch::Receiver<Phase>, DrainAnswer);
+pub struct Shutdown(watch::Receiver<Phase>, DrainAnswer, Arc<AtomicBool>);
 
 impl ShutdownControl {
     pub fn answering(answer: DrainAnswer) -> (Self, Shutdown) {
         let (tx, rx) = watch::channel(Phase::Running);
-        (ShutdownControl(tx), Shutdown(rx, answer))
+        let handed_over = Arc::new(AtomicBool::new(false));
+        (
+            ShutdownControl(tx, handed_over.clone()),
+            Shutdown(rx, answer, handed_over),
+        )
+    }
+
+    /// The drain to come follows a hand-over (`crate::handover`): a
+    /// successor serves the listeners.
+    pub fn handed_over(&self) {
+        self.1.store(true, Ordering::Relaxed);
     }
 
     pub fn enter(&self, phase: Phase) {
@@ -57,6 +69,15 @@ impl ShutdownControl {
 impl Shutdown {
     pub fn is_draining(&self) -> bool {
         *self.0.borrow() >= Phase::Draining
+    }
+
+    /// Whether negotiation refuses options now (NBD_REP_ERR_SHUTDOWN):
+    /// while draining, but not after a hand-over. A connection still
+    /// negotiating then was accepted just before the successor took the
+    /// listeners; it is let finish negotiating, so that no client is
+    /// refused at connect, and its session drains as any other.
+    pub fn refuses_options(&self) -> bool {
+        self.is_draining() && !self.2.load(Ordering::Relaxed)
     }
 
     /// What a request read now gets: `None` while running, else the drain's
@@ -187,5 +208,18 @@ mod tests {
                 assert_eq!(shutdown.answer_now(), Some(answer));
             }
         }
+    }
+
+    /// After a hand-over a connection still negotiating is let finish;
+    /// at SIGTERM it is refused.
+    #[test]
+    fn options_are_refused_while_draining_unless_handed_over() {
+        let (control, shutdown) = ShutdownControl::answering(DrainAnswer::Close);
+        assert!(!shutdown.refuses_options());
+        control.enter(Phase::Draining);
+        assert!(shutdown.refuses_options());
+        control.handed_over();
+        assert!(!shutdown.refuses_options());
+        assert!(shutdown.is_draining());
     }
 }

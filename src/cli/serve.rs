@@ -40,6 +40,8 @@ pub struct ServeArgs {
     pub admin: AdminArgs,
     #[command(flatten, next_help_heading = "Shutdown")]
     pub shutdown: ServerShutdownArgs,
+    #[command(flatten, next_help_heading = "Hand-over to a successor process")]
+    pub handover: crate::handover::HandoverArgs,
     #[command(flatten, next_help_heading = "Sandbox")]
     pub sandbox: SandboxArgs,
     #[command(flatten, next_help_heading = "Process and logging")]

@@ -201,7 +201,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> OptionChannel<S> {
         option: &OptionHeader,
         shutdown: &Shutdown,
     ) -> Result<ShutdownAnswer, ConnError> {
-        if option.option == OPT_ABORT || !shutdown.is_draining() {
+        if option.option == OPT_ABORT || !shutdown.refuses_options() {
             return Ok(ShutdownAnswer::Serve);
         }
         if option.option == OPT_EXPORT_NAME {

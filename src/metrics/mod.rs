@@ -9,6 +9,7 @@
 //! `tls_sessions` (kernel TLS and the served certificate's reloads),
 //! `traffic` (requests, their errors and latency, the upstream socket),
 //! `access` (exports refused, policy reloads, the admin listener),
+//! `handovers` (successors given the listening sockets),
 //! `read_cache` and `client_reconnect` (each its own struct of counters),
 //! and `health` (what `/healthz`, `/readyz` and `/server` say, no metric).
 //! The order families are registered in is the order `/metrics` and
@@ -17,6 +18,7 @@
 mod access;
 mod client_reconnect;
 mod connections;
+mod handovers;
 mod handshakes;
 mod health;
 mod read_cache;
@@ -77,6 +79,9 @@ pub struct Metrics {
     pub policy_changes: Counter,
     pub admin_connections_open: Gauge,
     pub admin_connections_refused: Counter,
+    /// Hand-overs to a successor process, by outcome (see
+    /// `crate::handover`).
+    pub handovers: Family<Outcome, Counter>,
     pub cache: CacheMetrics,
     /// `nbdgw client --reconnect`'s counters (registered in client mode).
     pub reconnects: ReconnectMetrics,
@@ -130,6 +135,7 @@ impl Metrics {
             policy_reload_failures: Counter::default(),
             admin_connections_open: Gauge::default(),
             admin_connections_refused: Counter::default(),
+            handovers: Family::default(),
             cache: CacheMetrics::default(),
             reconnects: ReconnectMetrics::default(),
             registry: Registry::default(),
@@ -137,6 +143,7 @@ impl Metrics {
         metrics.register_connections(&mut registry);
         metrics.register_handshakes(&mut registry);
         metrics.register_proxy(&mut registry);
+        metrics.register_handover(&mut registry);
         metrics.register_kernel_tls(&mut registry);
         metrics.register_requests(&mut registry);
         if let Some(tls) = tls {

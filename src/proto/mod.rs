@@ -3,6 +3,7 @@
 //! unit-, property- and fuzz-tested on plain byte slices.
 
 pub mod consts;
+pub mod handover;
 pub mod handshake;
 pub mod name;
 pub mod proxy;

@@ -14,7 +14,7 @@ use crate::admin::AdminLimits;
 use crate::cli::ServeArgs;
 use crate::config::Config;
 use crate::confinement::LandlockMode;
-use crate::listeners::Listeners;
+use crate::handover;
 
 /// `nbdgw` without a subcommand.
 pub fn serve(args: ServeArgs) -> Result<()> {
@@ -26,7 +26,12 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         admin_limits,
     } = super::configure(&args)?;
     let reload_interval = args.tls.protocol.reload_interval();
-    let listeners = Listeners::open(args.listen, args.admin.listen.admin_listen)?;
+    let opened = handover::open(
+        &args.handover,
+        args.listen,
+        args.admin.listen.admin_listen,
+        &config.metrics,
+    )?;
     // Counted before the sandbox hides /sys and /proc from the runtime.
     let threads = args.process.worker_threads();
     match args.sandbox.landlock {
@@ -36,36 +41,41 @@ pub fn serve(args: ServeArgs) -> Result<()> {
 
     let runtime = runtime(threads)?;
     runtime.block_on(async move {
+        let handover::Opened { listeners, predecessor, mut successor, gate } = opened;
+        // A successor accepts only once the running gateway has stopped.
+        if let Some(successor) = &mut successor {
+            tokio::task::block_in_place(|| successor.commit())?;
+        }
         tokio::spawn(reloader.watch(reload_interval));
         if let Some(policy) = policy {
             tokio::spawn(policy.watch(reload_interval));
         }
         sandbox::debug_probe::after_start();
         if let Some(admin) = listeners.admin {
-            start_admin(async_listener(admin)?, &config, admin_limits);
+            start_admin(async_listener(admin)?, &config, admin_limits, gate.clone());
         }
         let listener = async_listener(listeners.nbd)?;
-        info!(
-            listen = %display_addr(&listener),
-            from_systemd = listeners.from_systemd,
-            upstream = %config.upstream.display(),
-            exports = config.exports.is_some(),
-            cork = ?config.cork,
-            "nbdgw listening"
-        );
-        notify(&[NotifyState::Ready]);
+        let shown = display_addr(&listener);
+        let (upstream, exports, cork) = (config.upstream.display().to_string(), config.exports.is_some(), config.cork);
         // The accept loop runs on a worker, not on this thread (which
         // only waits): each accepted connection's task then starts on the
         // worker that accepted it, instead of one thread waking another
         // for every connection (bench/RESULTS.md, handshake CPU).
-        tokio::spawn(crate::run(listener, Arc::new(config), stopping()))
-            .await
-            .context("the accept loop")??;
+        let serving = tokio::spawn(crate::run_gated(listener, Arc::new(config), stopping(), gate));
+        if let Some(successor) = successor {
+            tokio::task::block_in_place(|| successor.serving())?;
+        }
+        if let Some(predecessor) = predecessor {
+            tokio::spawn(predecessor.serve());
+        }
+        info!(listen = %shown, from_systemd = listeners.from_systemd, %upstream, exports, ?cork, "nbdgw listening");
+        notify(&[NotifyState::Ready]);
+        serving.await.context("the accept loop")??;
         Ok(())
     })
 }
 
-fn start_admin(listener: TcpListener, config: &Config, limits: AdminLimits) {
+fn start_admin(listener: TcpListener, config: &Config, limits: AdminLimits, gate: handover::Gate) {
     info!(admin = %display_addr(&listener), "admin endpoints: /healthz /readyz /metrics");
     let (metrics, health) = (config.metrics.clone(), config.health.clone());
     // With named exports each has its own server; one being down does
@@ -74,5 +84,7 @@ fn start_admin(listener: TcpListener, config: &Config, limits: AdminLimits) {
         let upstream = config.upstream.clone();
         tokio::spawn(crate::admin::watch_upstream(upstream, health.clone()));
     }
-    tokio::spawn(crate::admin::serve(listener, metrics, health, limits));
+    tokio::spawn(crate::admin::serve_gated(
+        listener, metrics, health, limits, gate,
+    ));
 }

@@ -1,0 +1,32 @@
+//! The hand-over's flags, one clap group flattened into the server's.
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+/// Seconds a successor has, from its connection, to finish taking the
+/// listeners over; past it the predecessor takes them back.
+pub const DEFAULT_HANDOVER_TIMEOUT_SECS: u64 = 10;
+
+#[derive(Args, Debug, Clone)]
+pub struct HandoverArgs {
+    /// Listen on this Unix socket for a successor (`--take-over PATH`):
+    /// it is given the listening sockets, this process stops accepting,
+    /// drains its sessions as on SIGTERM and exits 0. Created 0600; a
+    /// directory others may write is refused unless it is sticky; only
+    /// a stale socket of this uid is replaced. Off by default.
+    #[arg(long, env = "NBDGW_HANDOVER_SOCKET", value_name = "PATH")]
+    pub handover_socket: Option<PathBuf>,
+    /// Start as the successor of the gateway listening on this hand-over
+    /// socket (same uid): take its listening sockets (those whose address
+    /// matches --listen / --admin-listen / --handover-socket; others are
+    /// bound here) and serve them. Fails the start if the predecessor
+    /// refuses.
+    #[arg(long, env = "NBDGW_TAKE_OVER", value_name = "PATH")]
+    pub take_over: Option<PathBuf>,
+    /// Seconds a hand-over may take, on either side, from the successor's
+    /// connection to its first accept; a successor that stalls or dies
+    /// sooner leaves the predecessor serving.
+    #[arg(long, env = "NBDGW_HANDOVER_TIMEOUT", default_value_t = DEFAULT_HANDOVER_TIMEOUT_SECS, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub handover_timeout: u64,
+}

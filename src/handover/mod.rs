@@ -1,0 +1,104 @@
+//! Handing the gateway over to a successor process without refusing a
+//! connection (docs/design/handover.md).
+//!
+//! A gateway started with `--handover-socket` listens there; a new one
+//! started with `--take-over` on that path receives its listening
+//! sockets (SCM_RIGHTS) and serves them, while the old one stops
+//! accepting, drains its sessions as on SIGTERM and exits. The sessions
+//! themselves are not handed over yet: that is the next step, on the
+//! same channel.
+//!
+//! - `flags`: the flag group.
+//! - `channel`: frames and descriptors over the Unix socket, bounded.
+//! - `socket`: the hand-over socket made safely.
+//! - `describe`: what a descriptor is, sent with it and checked on arrival.
+//! - `gate`: pausing and ending the accept loops.
+//! - `predecessor`, `successor`: the two ends.
+
+pub mod channel;
+pub mod describe;
+pub mod flags;
+pub mod gate;
+pub mod predecessor;
+pub mod socket;
+pub mod successor;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+
+pub use flags::HandoverArgs;
+pub use gate::Gate;
+
+use crate::listeners::Listeners;
+use crate::metrics::Metrics;
+use crate::proto::handover::Role;
+
+/// The listeners, where they came from, and the hand-over's two ends if
+/// asked for.
+pub struct Opened {
+    pub listeners: Listeners,
+    /// `--handover-socket`: to be served (`Predecessor::serve`).
+    pub predecessor: Option<predecessor::Predecessor>,
+    /// `--take-over`: to commit and then say it serves.
+    pub successor: Option<successor::Successor>,
+    /// What the accept loops follow.
+    pub gate: Gate,
+}
+
+/// The server's listening sockets: taken over from a running gateway
+/// (`--take-over`), else as `Listeners::open` makes them; and the
+/// hand-over socket, taken over or made.
+pub fn open(
+    args: &HandoverArgs,
+    listen: SocketAddr,
+    admin: Option<SocketAddr>,
+    metrics: &Arc<Metrics>,
+) -> Result<Opened> {
+    let timeout = Duration::from_secs(args.handover_timeout);
+    let (successor, listeners, handover) = match &args.take_over {
+        None => (None, Listeners::open(listen, admin)?, None),
+        Some(path) => {
+            let wanted = successor::Wanted {
+                listen,
+                admin,
+                handover: args.handover_socket.as_deref(),
+            };
+            let (successor, taken) = successor::take_over(path, &wanted, timeout)?;
+            let listeners = Listeners::with(taken.nbd, taken.admin, listen, admin)?;
+            (Some(successor), listeners, taken.handover)
+        }
+    };
+    let handover = match (handover, &args.handover_socket) {
+        (Some(taken), _) => Some(taken),
+        (None, Some(path)) => Some(socket::create(path)?),
+        (None, None) => None,
+    };
+    let Some(handover) = handover else {
+        return Ok(Opened {
+            listeners,
+            predecessor: None,
+            successor,
+            gate: Gate::always(),
+        });
+    };
+    let (control, gate) = Gate::controlled();
+    let mut predecessor =
+        predecessor::Predecessor::new(handover.try_clone()?, timeout, control, metrics.clone());
+    predecessor
+        .offer(Role::Nbd, &listeners.nbd)
+        .and_then(|()| match &listeners.admin {
+            Some(admin) => predecessor.offer(Role::Admin, admin),
+            None => Ok(()),
+        })
+        .and_then(|()| predecessor.offer(Role::Handover, &handover))
+        .context("keeping copies of the listening sockets for a successor")?;
+    Ok(Opened {
+        listeners,
+        predecessor: Some(predecessor),
+        successor,
+        gate,
+    })
+}

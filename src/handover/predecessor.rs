@@ -1,0 +1,224 @@
+//! The running gateway's end: it waits on the hand-over socket for a
+//! successor, one at a time, and gives it the listening sockets.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tracing::{info, warn};
+
+use super::channel::{peer_uid, Channel, ChannelError};
+use super::describe::{describe, show};
+use super::gate::{Accepting, GateControl};
+use crate::metrics::Metrics;
+use crate::proto::handover::{choose, Message, Role, KNOWN_STATE_VERSIONS};
+
+/// The hand-over socket and what it gives away.
+pub struct Predecessor {
+    listener: UnixListener,
+    giver: Giver,
+}
+
+/// What one hand-over needs, shared with the blocking task that runs it.
+struct Giver {
+    /// Copies of the listening sockets, so that giving them does not
+    /// stop this process from serving them if the successor fails.
+    offered: Vec<(Role, OwnedFd)>,
+    timeout: Duration,
+    control: GateControl,
+    metrics: Arc<Metrics>,
+}
+
+/// How one successor's attempt ended (the metric's label, and a line).
+struct Failure {
+    outcome: &'static str,
+    why: String,
+}
+
+impl Failure {
+    fn new(outcome: &'static str, why: impl std::fmt::Display) -> Self {
+        Failure {
+            outcome,
+            why: why.to_string(),
+        }
+    }
+
+    fn channel(e: ChannelError) -> Self {
+        let outcome = match e {
+            ChannelError::Timeout => "timeout",
+            ChannelError::Closed => "successor_gone",
+            _ => "failed",
+        };
+        Failure::new(outcome, e)
+    }
+}
+
+impl Predecessor {
+    pub fn new(
+        listener: UnixListener,
+        timeout: Duration,
+        control: GateControl,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Predecessor {
+            listener,
+            giver: Giver {
+                offered: Vec::new(),
+                timeout,
+                control,
+                metrics,
+            },
+        }
+    }
+
+    /// Offers a copy of `fd` to successors, in `role`.
+    pub fn offer(&mut self, role: Role, fd: impl AsFd) -> std::io::Result<()> {
+        let copy = fd.as_fd().try_clone_to_owned()?;
+        self.giver.offered.push((role, copy));
+        Ok(())
+    }
+
+    /// Serves successors, one at a time (the next waits in the socket's
+    /// backlog), until one serves.
+    pub async fn serve(self) {
+        let listener = self
+            .listener
+            .set_nonblocking(true)
+            .and_then(|()| tokio::net::UnixListener::from_std(self.listener));
+        let listener = match listener {
+            Ok(listener) => listener,
+            Err(e) => {
+                return warn!(error = %e, "hand-over socket: cannot serve it; no successor can take over")
+            }
+        };
+        let giver = Arc::new(self.giver);
+        loop {
+            let stream = match listener.accept().await.and_then(|(s, _)| s.into_std()) {
+                Ok(stream) => stream,
+                Err(e) => {
+                    warn!(error = %e, "hand-over socket: accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let one = giver.clone();
+            // Blocking, and bounded by --handover-timeout (every read and
+            // write is).
+            let outcome = tokio::task::spawn_blocking(move || one.hand_over(stream)).await;
+            let outcome = outcome.unwrap_or_else(|e| Err(Failure::new("failed", e)));
+            if giver.finish(outcome) {
+                return;
+            }
+        }
+    }
+}
+
+impl Giver {
+    /// Counts and logs the end of one attempt, and opens or ends the
+    /// accept loops; true once handed over.
+    fn finish(&self, outcome: Result<(), Failure>) -> bool {
+        let label = match &outcome {
+            Ok(()) => "handed_over",
+            Err(failure) => failure.outcome,
+        };
+        self.metrics.handover(label);
+        match outcome {
+            Ok(()) => {
+                info!("hand-over: the successor serves the listeners; no longer accepting, draining the sessions open here as on SIGTERM");
+                self.control.set(Accepting::HandedOver);
+                true
+            }
+            Err(failure) => {
+                warn!(outcome = failure.outcome, reason = %failure.why, "hand-over: refused or failed; this gateway goes on serving (accepting again if it had paused)");
+                self.control.set(Accepting::Yes);
+                false
+            }
+        }
+    }
+
+    /// One successor, from its connection to its first accept.
+    fn hand_over(&self, stream: UnixStream) -> Result<(), Failure> {
+        let ours = rustix::process::getuid().as_raw();
+        let theirs = peer_uid(&stream).map_err(|e| Failure::new("failed", e))?;
+        let mut channel = Channel::new(stream, Instant::now() + self.timeout)
+            .map_err(|e| Failure::new("failed", e))?;
+        if theirs != ours {
+            channel.refuse("another uid may not take this gateway over");
+            return Err(Failure::new(
+                "refused_uid",
+                format!("a successor of uid {theirs} connected; only uid {ours} may take over"),
+            ));
+        }
+        let version = self.agree(&mut channel)?;
+        info!(
+            version,
+            "hand-over: a successor connected; giving it the listening sockets"
+        );
+        self.give_listeners(&mut channel)?;
+        self.await_serving(&mut channel)
+    }
+
+    /// Hello, then Chosen or a refusal.
+    fn agree(&self, channel: &mut Channel) -> Result<u32, Failure> {
+        let versions = match channel.recv().map_err(Failure::channel)? {
+            (Message::Hello { versions }, _) => versions,
+            (other, _) => return Err(unexpected(channel, "hello", &other)),
+        };
+        let Some(version) = choose(&versions, KNOWN_STATE_VERSIONS) else {
+            channel.refuse(&format!(
+                "no state version in common: this gateway knows {KNOWN_STATE_VERSIONS:?}"
+            ));
+            return Err(Failure::new(
+                "refused_version",
+                format!("the successor knows state versions {versions:?}, this gateway {KNOWN_STATE_VERSIONS:?}"),
+            ));
+        };
+        channel
+            .send(&Message::Chosen { version }, &[])
+            .map_err(Failure::channel)?;
+        Ok(version)
+    }
+
+    /// The listeners, each described as the kernel sees it; the accept
+    /// loops pause first, so that from here on only the backlog fills.
+    fn give_listeners(&self, channel: &mut Channel) -> Result<(), Failure> {
+        let sockets = self
+            .offered
+            .iter()
+            .map(|(role, fd)| describe(fd, *role))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| Failure::new("failed", e))?;
+        for socket in &sockets {
+            info!(role = socket.role.as_str(), socket = %show(socket), "hand-over: giving a listening socket");
+        }
+        let fds: Vec<_> = self.offered.iter().map(|(_, fd)| fd.as_fd()).collect();
+        self.control.set(Accepting::Paused);
+        channel
+            .send(&Message::Listeners { sockets }, &fds)
+            .map_err(Failure::channel)
+    }
+
+    /// Ready, Go, Serving: until Serving the listeners are taken back at
+    /// any failure (a dead successor accepts nothing, so both accepting
+    /// for a moment is the worst case).
+    fn await_serving(&self, channel: &mut Channel) -> Result<(), Failure> {
+        match channel.recv().map_err(Failure::channel)? {
+            (Message::Ready, _) => {}
+            (other, _) => return Err(unexpected(channel, "ready", &other)),
+        }
+        channel.send(&Message::Go, &[]).map_err(Failure::channel)?;
+        match channel.recv().map_err(Failure::channel)? {
+            (Message::Serving, _) => Ok(()),
+            (other, _) => Err(unexpected(channel, "serving", &other)),
+        }
+    }
+}
+
+fn unexpected(channel: &mut Channel, wanted: &str, got: &Message) -> Failure {
+    channel.refuse(&format!("expected {wanted}, got {}", got.name()));
+    Failure::new(
+        "failed",
+        format!("the successor sent {} where {wanted} was due", got.name()),
+    )
+}

@@ -1,0 +1,163 @@
+//! The new gateway's end (`--take-over PATH`): it asks the running one
+//! for its listening sockets, checks each, takes those that match its own
+//! flags, and says when it serves them.
+
+use std::net::{SocketAddr, TcpListener};
+use std::os::fd::OwnedFd;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use tracing::{info, warn};
+
+use super::channel::{peer_uid, Channel, ChannelError};
+use super::describe::{check, show};
+use crate::proto::handover::{Address, Descriptor, Message, Role, KNOWN_STATE_VERSIONS};
+
+/// What this gateway wants to serve, from its own flags.
+pub struct Wanted<'a> {
+    pub listen: SocketAddr,
+    pub admin: Option<SocketAddr>,
+    pub handover: Option<&'a Path>,
+}
+
+/// The sockets taken over (None: not given, or not matching).
+#[derive(Default)]
+pub struct Taken {
+    pub nbd: Option<TcpListener>,
+    pub admin: Option<TcpListener>,
+    pub handover: Option<UnixListener>,
+}
+
+/// The connection to the predecessor, between taking its listeners and
+/// serving them.
+pub struct Successor {
+    channel: Channel,
+    path: PathBuf,
+}
+
+/// Connects to `path`, agrees on a state version and takes the
+/// listeners. Any failure fails the start; the predecessor, seeing the
+/// connection end, goes on serving.
+pub fn take_over(path: &Path, wanted: &Wanted, timeout: Duration) -> Result<(Successor, Taken)> {
+    let shown = path.display();
+    let stream = UnixStream::connect(path).with_context(|| format!("--take-over {shown}"))?;
+    let (ours, theirs) = (rustix::process::getuid().as_raw(), peer_uid(&stream)?);
+    if theirs != ours {
+        bail!("--take-over {shown}: the gateway there runs as uid {theirs}, this one as {ours}");
+    }
+    let mut channel = Channel::new(stream, Instant::now() + timeout)?;
+    let refused = |e: ChannelError| anyhow::anyhow!("--take-over {shown}: {e}");
+    let hello = Message::Hello {
+        versions: KNOWN_STATE_VERSIONS.to_vec(),
+    };
+    channel.send(&hello, &[]).map_err(refused)?;
+    match channel.recv().map_err(refused)? {
+        (Message::Chosen { version }, _) if KNOWN_STATE_VERSIONS.contains(&version) => {
+            info!(
+                version,
+                "take-over: the running gateway agreed on a state version"
+            )
+        }
+        (other, _) => return Err(violation(&mut channel, path, &other)),
+    }
+    let (sockets, fds) = match channel.recv().map_err(refused)? {
+        (Message::Listeners { sockets }, fds) => (sockets, fds),
+        (other, _) => return Err(violation(&mut channel, path, &other)),
+    };
+    let taken = match take(sockets, fds, wanted) {
+        Ok(taken) => taken,
+        Err(e) => {
+            channel.refuse(&e);
+            bail!("--take-over {shown}: {e}");
+        }
+    };
+    debug_stall();
+    let successor = Successor {
+        channel,
+        path: path.to_path_buf(),
+    };
+    Ok((successor, taken))
+}
+
+fn violation(channel: &mut Channel, path: &Path, got: &Message) -> anyhow::Error {
+    channel.refuse(&format!("unexpected {}", got.name()));
+    anyhow::anyhow!(
+        "--take-over {}: the running gateway sent {} out of turn",
+        path.display(),
+        got.name()
+    )
+}
+
+/// Each descriptor checked against its description, then kept if its
+/// address is what this gateway's flags ask for; one that is not is
+/// closed here (the predecessor closes its own as it exits).
+fn take(sockets: Vec<Descriptor>, fds: Vec<OwnedFd>, wanted: &Wanted) -> Result<Taken, String> {
+    let mut taken = Taken::default();
+    for (said, fd) in sockets.iter().zip(fds) {
+        check(&fd, said)?;
+        let matches = match (&said.role, &said.address) {
+            (Role::Nbd, Address::Inet(addr)) => *addr == wanted.listen,
+            (Role::Admin, Address::Inet(addr)) => Some(*addr) == wanted.admin,
+            (Role::Handover, Address::Unix(path)) => {
+                wanted.handover.map(|p| p.as_os_str().as_bytes()) == Some(path.as_slice())
+            }
+            _ => false,
+        };
+        let (role, socket) = (said.role.as_str(), show(said));
+        if !matches {
+            warn!(role, %socket, "take-over: the running gateway's socket does not match this one's flags; it closes with the old process, this one binds its own");
+            continue;
+        }
+        let duplicate = match said.role {
+            Role::Nbd => taken.nbd.replace(TcpListener::from(fd)).is_some(),
+            Role::Admin => taken.admin.replace(TcpListener::from(fd)).is_some(),
+            Role::Handover => taken.handover.replace(UnixListener::from(fd)).is_some(),
+        };
+        if duplicate {
+            return Err(format!("two {role} sockets were given"));
+        }
+        info!(role, %socket, "take-over: serving the running gateway's socket");
+    }
+    Ok(taken)
+}
+
+impl Successor {
+    /// Ready, then Go: after this the predecessor no longer accepts, and
+    /// this process must (it calls `serving` once its loops run).
+    pub fn commit(&mut self) -> Result<()> {
+        let shown = self.path.display();
+        self.channel
+            .send(&Message::Ready, &[])
+            .with_context(|| format!("--take-over {shown}"))?;
+        match self.channel.recv() {
+            Ok((Message::Go, _)) => Ok(()),
+            Ok((other, _)) => Err(violation(&mut self.channel, &self.path, &other)),
+            Err(e) => bail!("--take-over {shown}: {e}"),
+        }
+    }
+
+    /// The accept loops run: the predecessor may drain and exit.
+    pub fn serving(mut self) -> Result<()> {
+        let shown = self.path.display();
+        self.channel
+            .send(&Message::Serving, &[])
+            .with_context(|| format!("--take-over {shown}: telling the running gateway"))?;
+        info!(from = %shown, "take-over: serving; the old gateway drains its sessions and exits");
+        Ok(())
+    }
+}
+
+/// Debug builds: NBDGW_DEBUG_HANDOVER_STALL=1 makes a successor stop
+/// once it holds the listeners, so that a test can kill it there.
+fn debug_stall() {
+    #[cfg(debug_assertions)]
+    if std::env::var_os("NBDGW_DEBUG_HANDOVER_STALL").is_some() {
+        warn!("debug: stalling the take-over with the listeners held (NBDGW_DEBUG_HANDOVER_STALL)");
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
+    }
+}

@@ -1,0 +1,555 @@
+//! Replacing a running nbdgw with `--take-over` (issue 29, first step):
+//! the listening sockets move, no client is refused at connect, the old
+//! process drains and exits 0; and the refusals: another uid, an unknown
+//! state version, a successor that stalls, one that dies in the middle.
+//! Real qemu-nbd upstream, python3-libnbd clients over TLS; the fake
+//! successors are named so.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::clients::{nbdinfo_size, text};
+use common::process::{nbdgw_binary, NbdgwProcess};
+use common::{Env, QemuNbd};
+use nbdgw::proto::handover::{decode_frame, Message, HEADER_LEN};
+
+const IMAGE_LEN: usize = 1 << 20;
+
+/// One generation of the gateway, on the port every generation shares.
+fn generation(
+    env: &Env,
+    upstream: &Path,
+    port: u16,
+    handover: &Path,
+    take_over: bool,
+) -> NbdgwProcess {
+    let mut cmd = Command::new(nbdgw_binary());
+    cmd.arg("--tls-dir")
+        .arg(env.certs())
+        .arg("--upstream")
+        .arg(upstream)
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--handover-socket")
+        .arg(handover)
+        .args(["--shutdown-grace", "20", "--handover-timeout", "20"]);
+    if take_over {
+        cmd.arg("--take-over").arg(handover);
+    }
+    let process = NbdgwProcess::spawn(cmd, port);
+    process.wait_for_log("nbdgw listening", 1);
+    process
+}
+
+/// A directory only root may write into, for the hand-over socket.
+fn private_dir(env: &Env) -> PathBuf {
+    let dir = env.path("run");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+    dir
+}
+
+/// python3-libnbd opening connections back to back, each reading and
+/// checking 64 KiB, until its stdin closes; prints a line per 10
+/// connections and a summary. A failure is classified by where it came:
+/// `connect` (connect_uri: refused, reset, TLS or negotiation) or `io`.
+const LOOP_CLIENT: &str = r#"
+import nbd, sys
+port, certs, image = sys.argv[1], sys.argv[2], sys.argv[3]
+data = open(image, "rb").read()
+import threading
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+ok, connect_errors, io_errors, mismatches, i = 0, [], [], 0, 0
+while not stop.is_set():
+    i += 1
+    off = (i * 65536) % len(data)
+    h = nbd.NBD()
+    h.set_tls(nbd.TLS_REQUIRE)
+    h.set_tls_certificates(certs)
+    try:
+        h.connect_uri(f"nbds://localhost:{port}/")
+    except nbd.Error as e:
+        connect_errors.append(str(e))
+        continue
+    try:
+        if h.pread(65536, off) != data[off:off + 65536]:
+            mismatches += 1
+        ok += 1
+        h.shutdown()
+    except nbd.Error as e:
+        io_errors.append(str(e))
+    if (ok + len(connect_errors) + len(io_errors)) % 10 == 0:
+        print("progress", ok, flush=True)
+print("done", ok, len(connect_errors), len(io_errors), mismatches, flush=True)
+for e in connect_errors:
+    print("connect_error", e, flush=True)
+for e in io_errors:
+    print("io_error", e, flush=True)
+"#;
+
+struct LoopClient {
+    child: Child,
+    out: BufReader<ChildStdout>,
+    ok: usize,
+}
+
+impl LoopClient {
+    fn start(port: u16, env: &Env, image: &Path) -> Self {
+        let mut child = Command::new("/usr/bin/python3")
+            .arg("-c")
+            .arg(LOOP_CLIENT)
+            .arg(port.to_string())
+            .arg(env.certs())
+            .arg(image)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("python3-libnbd");
+        let out = BufReader::new(child.stdout.take().unwrap());
+        LoopClient { child, out, ok: 0 }
+    }
+
+    /// Waits until `more` connections beyond those seen have succeeded.
+    fn wait_for(&mut self, more: usize) {
+        let want = self.ok + more;
+        let mut line = String::new();
+        while self.ok < want {
+            line.clear();
+            assert!(
+                self.out.read_line(&mut line).unwrap() > 0,
+                "the loop client ended"
+            );
+            if let Some(n) = line.strip_prefix("progress ") {
+                self.ok = n.trim().parse().unwrap();
+            }
+        }
+    }
+
+    /// Stops it: (successes, connect errors, io errors, mismatches) and
+    /// each error's text.
+    fn finish(mut self) -> ((usize, usize, usize, usize), Vec<String>) {
+        drop(self.child.stdin.take());
+        let mut rest = String::new();
+        self.out.read_to_string(&mut rest).unwrap();
+        assert!(self.child.wait().unwrap().success(), "{rest}");
+        let done = rest
+            .lines()
+            .find_map(|l| l.strip_prefix("done "))
+            .expect(&rest);
+        let n: Vec<usize> = done.split(' ').map(|x| x.parse().unwrap()).collect();
+        let errors = rest
+            .lines()
+            .filter(|l| l.contains("_error "))
+            .map(String::from)
+            .collect();
+        ((n[0], n[1], n[2], n[3]), errors)
+    }
+}
+
+/// Five replacements in a row under two clients opening connections
+/// back to back: the port never refuses, each old process exits 0 after
+/// its drain, and every byte read is right.
+#[test]
+fn replacements_in_a_row_refuse_no_connection() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 29);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let mut old = generation(&env, &upstream.socket, port, &handover, false);
+    let mut clients = [
+        LoopClient::start(port, &env, &image),
+        LoopClient::start(port, &env, &image),
+    ];
+    clients.iter_mut().for_each(|c| c.wait_for(20));
+    for round in 1..=5 {
+        let new = generation(&env, &upstream.socket, port, &handover, true);
+        new.wait_for_log("take-over: serving", 1);
+        let status = old
+            .wait_exit(Duration::from_secs(60))
+            .expect("the old gateway exits");
+        let log = old.log();
+        assert!(
+            status.success(),
+            "round {round}: old gateway {status}:\n{log}"
+        );
+        assert!(
+            log.contains("hand-over: the successor serves the listeners"),
+            "{log}"
+        );
+        assert!(log.contains("stopped"), "{log}");
+        old = new;
+        clients.iter_mut().for_each(|c| c.wait_for(20));
+    }
+    let mut total = 0;
+    for client in clients {
+        let ((ok, connect, io, mismatches), errors) = client.finish();
+        eprintln!("loop client: {ok} connections served, {connect} connect errors, {io} io errors: {errors:?}");
+        assert_eq!(mismatches, 0);
+        // Refused at connect (TCP, TLS or negotiation): never. A
+        // connection the old process accepted before it handed over
+        // finishes negotiating there, and its session drains as at
+        // SIGTERM: a request it sends after the drain began is not
+        // answered and the connection closes (per-session hand-over,
+        // the next step, moves it instead).
+        assert_eq!(connect, 0, "{errors:?}");
+        for e in &errors {
+            assert!(e.contains("ENOTCONN"), "{e}");
+        }
+        total += ok;
+    }
+    assert!(total >= 240, "{total}");
+    assert!(nbdinfo_size(port, &env.certs()).status.success());
+    let (status, _) = old.stop();
+    assert!(status.success());
+}
+
+/// A fake successor: connects to the hand-over socket and sends `frame`.
+fn fake_successor(path: &Path, frame: &[u8]) -> UnixStream {
+    let mut stream = UnixStream::connect(path).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    stream.write_all(frame).unwrap();
+    stream
+}
+
+/// The predecessor's answer to a fake successor.
+fn answer(stream: &mut UnixStream) -> Message {
+    let mut head = [0u8; HEADER_LEN];
+    stream.read_exact(&mut head).unwrap();
+    let length = u32::from_be_bytes(head[12..16].try_into().unwrap()) as usize;
+    let mut frame = head.to_vec();
+    frame.resize(HEADER_LEN + length, 0);
+    stream.read_exact(&mut frame[HEADER_LEN..]).unwrap();
+    decode_frame(&frame, 0).unwrap().0
+}
+
+struct Served {
+    env: Env,
+    _upstream: QemuNbd,
+    handover: PathBuf,
+    port: u16,
+    admin: u16,
+    gateway: NbdgwProcess,
+}
+
+fn served(timeout: &str) -> Served {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 7);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let mut cmd = Command::new(nbdgw_binary());
+    cmd.arg("--tls-dir")
+        .arg(env.certs())
+        .arg("--upstream")
+        .arg(&upstream.socket);
+    cmd.arg("--listen").arg(format!("127.0.0.1:{port}"));
+    let admin = common::free_port();
+    cmd.arg("--admin-listen").arg(format!("127.0.0.1:{admin}"));
+    cmd.arg("--handover-socket")
+        .arg(&handover)
+        .args(["--handover-timeout", timeout]);
+    let gateway = NbdgwProcess::spawn(cmd, port);
+    gateway.wait_for_log("nbdgw listening", 1);
+    Served {
+        env,
+        _upstream: upstream,
+        handover,
+        port,
+        admin,
+        gateway,
+    }
+}
+
+fn assert_serves(s: &Served) {
+    let out = nbdinfo_size(s.port, &s.env.certs());
+    assert!(out.status.success(), "{}\n{}", text(&out), s.gateway.log());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        IMAGE_LEN.to_string()
+    );
+}
+
+/// A successor that knows only a state version this build does not is
+/// refused, and the gateway serves on untouched; a real successor then
+/// still takes over.
+#[test]
+fn a_fake_successor_of_an_unknown_version_is_refused_and_the_gateway_serves_on() {
+    let mut s = served("20");
+    let mut fake = fake_successor(&s.handover, &Message::Hello { versions: vec![99] }.encode());
+    match answer(&mut fake) {
+        Message::Refuse { reason } => {
+            assert!(reason.contains("no state version in common"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    s.gateway.wait_for_log("outcome=\"refused_version\"", 1);
+    assert!(s.gateway.log().contains("[99]"), "{}", s.gateway.log());
+    assert_serves(&s);
+    let (status, metrics) = common::clients::http_get(s.admin, "/metrics");
+    assert_eq!(status, 200);
+    assert!(
+        metrics.contains("nbdgw_handovers_total{outcome=\"refused_version\"} 1"),
+        "{metrics}"
+    );
+    assert!(s.gateway.is_running());
+    let new = generation(&s.env, &s.env.path("nbd.sock"), s.port, &s.handover, true);
+    assert!(s
+        .gateway
+        .wait_exit(Duration::from_secs(30))
+        .expect("exits")
+        .success());
+    // The successor has no --admin-listen: the old admin socket was not
+    // taken, and closed with the old process.
+    let log = new.log();
+    assert!(
+        log.contains("role=\"admin\"") && log.contains("does not match this one's flags"),
+        "{log}"
+    );
+    assert!(std::net::TcpStream::connect(("127.0.0.1", s.admin)).is_err());
+    s.gateway = new;
+    assert_serves(&s);
+}
+
+/// A fake successor that connects and says nothing holds the gateway for
+/// --handover-timeout only; it never stops accepting meanwhile (the
+/// listeners are given only after Hello).
+#[test]
+fn a_fake_successor_that_stalls_is_given_up_at_the_timeout() {
+    let s = served("3");
+    let mut fake = fake_successor(&s.handover, b"");
+    assert_serves(&s);
+    s.gateway.wait_for_log("outcome=\"timeout\"", 1);
+    let mut rest = Vec::new();
+    // The predecessor closed its end.
+    let _ = fake.read_to_end(&mut rest);
+    assert_serves(&s);
+}
+
+/// A real successor killed after it took the listeners, before it said
+/// it serves: the predecessor takes them back, and the connections that
+/// waited in the backlog meanwhile are served.
+#[test]
+fn a_successor_killed_in_the_middle_leaves_the_gateway_serving() {
+    let s = served("60");
+    let mut cmd = Command::new(nbdgw_binary());
+    cmd.arg("--tls-dir")
+        .arg(s.env.certs())
+        .arg("--upstream")
+        .arg(s.env.path("nbd.sock"));
+    cmd.arg("--listen").arg(format!("127.0.0.1:{}", s.port));
+    cmd.arg("--take-over")
+        .arg(&s.handover)
+        .env("NBDGW_DEBUG_HANDOVER_STALL", "1");
+    let successor = NbdgwProcess::spawn(cmd, s.port);
+    successor.wait_for_log("debug: stalling the take-over", 1);
+    s.gateway
+        .wait_for_log("hand-over: giving a listening socket", 1);
+    // A client connecting now waits in the backlog: neither accepts.
+    let (port, certs) = (s.port, s.env.certs());
+    let waiting = std::thread::spawn(move || nbdinfo_size(port, &certs));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while backlog(s.port) == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the client never reached the backlog"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(successor); // SIGKILL
+    s.gateway.wait_for_log("outcome=\"successor_gone\"", 1);
+    let out = waiting.join().unwrap();
+    assert!(out.status.success(), "{}\n{}", text(&out), s.gateway.log());
+    assert_serves(&s);
+}
+
+/// A successor of another uid: the socket is 0600, so it cannot even
+/// connect; widened by hand, SO_PEERCRED refuses it with a log line.
+#[test]
+fn a_successor_of_another_uid_is_refused() {
+    if uid() != 0 {
+        eprintln!("skipped: needs root to run the successor as nobody");
+        return;
+    }
+    let s = served("20");
+    let mode = std::fs::metadata(&s.handover).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    // The successor reads the same TLS files: let nobody read them.
+    for path in [s.env.dir.path().to_path_buf(), s.env.certs()] {
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    for entry in std::fs::read_dir(s.env.certs()).unwrap() {
+        std::fs::set_permissions(
+            entry.unwrap().path(),
+            std::fs::Permissions::from_mode(0o644),
+        )
+        .unwrap();
+    }
+    let run_dir = s.handover.parent().unwrap();
+    std::fs::set_permissions(run_dir, std::fs::Permissions::from_mode(0o711)).unwrap();
+    let as_nobody = || {
+        let mut cmd = Command::new("setpriv");
+        cmd.args([
+            "--reuid",
+            "nobody",
+            "--regid",
+            "nogroup",
+            "--clear-groups",
+            &nbdgw_binary(),
+        ]);
+        cmd.arg("--tls-dir")
+            .arg(s.env.certs())
+            .arg("--upstream")
+            .arg(s.env.path("nbd.sock"));
+        cmd.arg("--listen")
+            .arg(format!("127.0.0.1:{}", s.port))
+            .arg("--landlock")
+            .arg("false");
+        cmd.arg("--take-over").arg(&s.handover);
+        cmd.output().unwrap()
+    };
+    let denied = as_nobody();
+    assert!(!denied.status.success());
+    assert!(
+        text(&denied).contains("Permission denied"),
+        "{}",
+        text(&denied)
+    );
+    std::fs::set_permissions(&s.handover, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let refused = as_nobody();
+    assert!(!refused.status.success());
+    // Each end checks the other: the successor refuses a predecessor of
+    // another uid too, and the predecessor refuses it with a log line.
+    assert!(
+        text(&refused).contains("the gateway there runs as uid 0, this one as 65534"),
+        "{}",
+        text(&refused)
+    );
+    s.gateway.wait_for_log("outcome=\"refused_uid\"", 1);
+    assert_serves(&s);
+}
+
+/// The test's uid, from /proc (the tests use no unsafe code).
+fn uid() -> u32 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// Connections waiting in the accept queue of the listener on `port`
+/// (ss's Recv-Q for a listening socket).
+fn backlog(port: u16) -> usize {
+    let out = Command::new("ss")
+        .args(["-Hltn", &format!("sport = :{port}")])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .filter_map(|l| l.split_whitespace().nth(1)?.parse::<usize>().ok())
+        .sum()
+}
+
+/// python3-libnbd: one session, a 1 MiB read when told (a line on
+/// stdin), its bytes checked, then another read, which the drain ends.
+const ONE_SESSION: &str = r#"
+import nbd, sys
+port, certs, image = sys.argv[1], sys.argv[2], sys.argv[3]
+data = open(image, "rb").read()
+h = nbd.NBD()
+h.set_tls(nbd.TLS_REQUIRE)
+h.set_tls_certificates(certs)
+h.connect_uri(f"nbds://localhost:{port}/")
+print("connected", flush=True)
+sys.stdin.readline()
+print("first read", "right" if h.pread(1 << 20, 0) == data[:1 << 20] else "WRONG", flush=True)
+try:
+    h.pread(4096, 0)
+    print("second read answered", flush=True)
+except nbd.Error as e:
+    print("second read failed:", e, flush=True)
+"#;
+
+/// A session open on the old gateway with a read in flight at the
+/// hand-over (its reply held by a relay in front of the real qemu-nbd):
+/// the read is answered with the right bytes after the successor serves,
+/// the session then ends as at SIGTERM, and the old process exits 0.
+#[test]
+fn a_read_in_flight_on_the_old_gateway_finishes_after_the_hand_over() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 3);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let relay = common::process::UpstreamCounter::start(&upstream.socket, &env.path("relay.sock"));
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let mut old = generation(&env, &relay.socket, port, &handover, false);
+    let mut client = Command::new("/usr/bin/python3")
+        .arg("-c")
+        .arg(ONE_SESSION)
+        .arg(port.to_string())
+        .arg(env.certs())
+        .arg(&image)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(client.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "connected");
+    relay.hold_replies(true);
+    writeln!(client.stdin.as_mut().unwrap(), "go").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while relay.reads() == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the read never reached the upstream"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let new = generation(&env, &relay.socket, port, &handover, true);
+    new.wait_for_log("take-over: serving", 1);
+    old.wait_for_log("shutting down: no longer accepting", 1);
+    assert!(old.is_running(), "the old gateway waits for its read");
+    relay.hold_replies(false);
+    let mut rest = String::new();
+    out.read_to_string(&mut rest).unwrap();
+    assert!(rest.contains("first read right"), "{rest}");
+    assert!(rest.contains("second read failed"), "{rest}");
+    let status = old.wait_exit(Duration::from_secs(30)).expect("exits");
+    assert!(status.success(), "{}", old.log());
+    let _ = client.wait();
+    assert!(nbdinfo_size(port, &env.certs()).status.success());
+}
+
+/// One successor at a time: a real one that arrives while a fake one
+/// stalls waits its turn, and takes over once the fake is given up.
+#[test]
+fn a_successor_waits_while_another_is_served_then_takes_over() {
+    let mut s = served("3");
+    let _fake = fake_successor(&s.handover, b"");
+    let new = generation(&s.env, &s.env.path("nbd.sock"), s.port, &s.handover, true);
+    s.gateway
+        .wait_for_log("the successor serves the listeners", 1);
+    let log = s.gateway.log();
+    let (timeout, handed) = (
+        log.find("outcome=\"timeout\"").expect(&log),
+        log.find("the successor serves the listeners").expect(&log),
+    );
+    assert!(timeout < handed, "{log}");
+    assert!(s
+        .gateway
+        .wait_exit(Duration::from_secs(30))
+        .expect("exits")
+        .success());
+    s.gateway = new;
+    assert_serves(&s);
+}
