@@ -553,3 +553,108 @@ fn a_successor_waits_while_another_is_served_then_takes_over() {
     s.gateway = new;
     assert_serves(&s);
 }
+
+/// A fake predecessor (a real one cannot be made to die at this point):
+/// it gives a real listening socket, says Go, and is gone before the
+/// successor can say it serves (its read side shut, so that the send
+/// fails every time). The successor must serve on: after Go nothing
+/// else accepts (review M1).
+#[test]
+fn a_successor_serves_on_when_the_predecessor_is_gone_after_go() {
+    use nbdgw::handover::channel::Channel;
+    use nbdgw::handover::describe::describe;
+    use nbdgw::proto::handover::Role;
+    use std::os::fd::AsFd;
+
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 7);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let nbd = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+    let socket = std::os::unix::net::UnixListener::bind(&handover).unwrap();
+    let fake = std::thread::spawn(move || {
+        let (stream, _) = socket.accept().unwrap();
+        let mut channel = Channel::new(stream, Instant::now() + Duration::from_secs(60)).unwrap();
+        assert!(matches!(channel.recv().unwrap().0, Message::Hello { .. }));
+        channel.send(&Message::Chosen { version: 1 }, &[]).unwrap();
+        let sockets = vec![describe(&nbd, Role::Nbd).unwrap()];
+        let listeners = Message::Listeners { sockets };
+        channel.send(&listeners, &[nbd.as_fd()]).unwrap();
+        assert_eq!(channel.recv().unwrap().0, Message::Ready);
+        channel.stream().shutdown(std::net::Shutdown::Read).unwrap();
+        channel.send(&Message::Go, &[]).unwrap();
+    });
+    let mut cmd = Command::new(nbdgw_binary());
+    cmd.arg("--tls-dir")
+        .arg(env.certs())
+        .arg("--upstream")
+        .arg(&upstream.socket)
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--take-over")
+        .arg(&handover);
+    let mut successor = NbdgwProcess::spawn(cmd, port);
+    fake.join().unwrap();
+    successor.wait_for_log("nbdgw listening", 1);
+    successor.wait_for_log("did not hear that this one serves", 1);
+    let out = nbdinfo_size(port, &env.certs());
+    assert!(out.status.success(), "{}\n{}", text(&out), successor.log());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        IMAGE_LEN.to_string()
+    );
+    assert!(successor.is_running(), "{}", successor.log());
+}
+
+/// With --handover-socket, a stop signal still closes the NBD port at
+/// once while a session drains: the copies kept for a successor close
+/// too, so a new client is refused (and retries elsewhere) instead of
+/// waiting in a backlog nobody accepts from (review M2).
+#[test]
+fn a_stopping_gateway_closes_its_port_while_it_drains() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 7);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let mut cmd = Command::new(nbdgw_binary());
+    cmd.arg("--tls-dir")
+        .arg(env.certs())
+        .arg("--upstream")
+        .arg(&upstream.socket)
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--handover-socket")
+        .arg(&handover)
+        .args(["--shutdown-grace", "60", "--handshake-timeout", "60"]);
+    let mut gateway = NbdgwProcess::spawn(cmd, port);
+    gateway.wait_for_log("nbdgw listening", 1);
+    // A connection still negotiating keeps the drain going.
+    let mut held = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let mut greeting = [0u8; 18];
+    held.read_exact(&mut greeting).unwrap();
+    assert_eq!(&greeting[..8], b"NBDMAGIC");
+    gateway.signal("TERM");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+        match std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => break,
+            other => assert!(
+                Instant::now() < deadline,
+                "10 s after SIGTERM the port still queues clients ({other:?}):\n{}",
+                gateway.log()
+            ),
+        }
+        // Few enough tries that the old backlog (128) never fills.
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(
+        gateway.is_running(),
+        "the drain ended early:\n{}",
+        gateway.log()
+    );
+    assert!(!handover.exists() || UnixStream::connect(&handover).is_err());
+    drop(held);
+}

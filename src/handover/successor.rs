@@ -139,14 +139,20 @@ impl Successor {
         }
     }
 
-    /// The accept loops run: the predecessor may drain and exit.
-    pub fn serving(mut self) -> Result<()> {
+    /// The accept loops run: the predecessor may drain and exit. Never
+    /// fatal: after Go the predecessor has stopped accepting, so if it
+    /// cannot be told (it died, or gave up and accepts again) this process
+    /// serves on rather than leave nothing accepting.
+    pub fn serving(mut self) {
         let shown = self.path.display();
-        self.channel
-            .send(&Message::Serving, &[])
-            .with_context(|| format!("--take-over {shown}: telling the running gateway"))?;
-        info!(from = %shown, "take-over: serving; the old gateway drains its sessions and exits");
-        Ok(())
+        match self.channel.send(&Message::Serving, &[]) {
+            Ok(()) => {
+                info!(from = %shown, "take-over: serving; the old gateway drains its sessions and exits")
+            }
+            Err(e) => {
+                warn!(from = %shown, error = %e, "take-over: the old gateway did not hear that this one serves (it may have died); serving on")
+            }
+        }
     }
 }
 

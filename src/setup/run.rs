@@ -6,6 +6,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use sd_notify::NotifyState;
 use tokio::net::TcpListener;
+use tokio::sync::oneshot;
 use tracing::info;
 
 use super::process::{async_listener, display_addr, init_logging, notify, runtime, stopping};
@@ -15,6 +16,7 @@ use crate::cli::ServeArgs;
 use crate::config::Config;
 use crate::confinement::LandlockMode;
 use crate::handover;
+use crate::handover::predecessor::Predecessor;
 
 /// `nbdgw` without a subcommand.
 pub fn serve(args: ServeArgs) -> Result<()> {
@@ -61,18 +63,42 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         // only waits): each accepted connection's task then starts on the
         // worker that accepted it, instead of one thread waking another
         // for every connection (bench/RESULTS.md, handshake CPU).
-        let serving = tokio::spawn(crate::run_gated(listener, Arc::new(config), stopping(), gate));
+        let (stop, on_stop) = stop_signal();
+        let serving = tokio::spawn(crate::run_gated(listener, Arc::new(config), stop, gate));
         if let Some(successor) = successor {
-            tokio::task::block_in_place(|| successor.serving())?;
+            tokio::task::block_in_place(|| successor.serving());
         }
         if let Some(predecessor) = predecessor {
-            tokio::spawn(predecessor.serve());
+            tokio::spawn(serve_successors(predecessor, on_stop));
         }
         info!(listen = %shown, from_systemd = listeners.from_systemd, %upstream, exports, ?cork, "nbdgw listening");
         notify(&[NotifyState::Ready]);
         serving.await.context("the accept loop")??;
         Ok(())
     })
+}
+
+/// The stop signal for the accept loop, also told to the hand-over
+/// socket's task.
+fn stop_signal() -> (impl std::future::Future<Output = ()>, oneshot::Receiver<()>) {
+    let (stopped, on_stop) = oneshot::channel();
+    let stop = async move {
+        stopping().await;
+        let _ = stopped.send(());
+    };
+    (stop, on_stop)
+}
+
+/// Serves successors until a stop signal. Then the copies of the
+/// listening sockets kept for one close with it, so that the ports close
+/// when accepting stops, as without --handover-socket, instead of
+/// queueing clients nobody will accept: a stopping gateway is not taken
+/// over.
+async fn serve_successors(predecessor: Predecessor, on_stop: oneshot::Receiver<()>) {
+    tokio::select! {
+        () = predecessor.serve() => {}
+        _ = on_stop => info!("stopping: the hand-over socket is closed, no successor can take over"),
+    }
 }
 
 fn start_admin(listener: TcpListener, config: &Config, limits: AdminLimits, gate: handover::Gate) {
