@@ -285,7 +285,11 @@ fn assert_serves(s: &Served) {
 #[test]
 fn a_fake_successor_of_an_unknown_version_is_refused_and_the_gateway_serves_on() {
     let mut s = served("20");
-    let mut fake = fake_successor(&s.handover, &Message::Hello { versions: vec![99] }.encode());
+    let hello = Message::Hello {
+        versions: vec![99],
+        pid: std::process::id(),
+    };
+    let mut fake = fake_successor(&s.handover, &hello.encode());
     match answer(&mut fake) {
         Message::Refuse { reason } => {
             assert!(reason.contains("no state version in common"), "{reason}")
@@ -577,7 +581,11 @@ fn a_successor_serves_on_when_the_predecessor_is_gone_after_go() {
         let (stream, _) = socket.accept().unwrap();
         let mut channel = Channel::new(stream, Instant::now() + Duration::from_secs(60)).unwrap();
         assert!(matches!(channel.recv().unwrap().0, Message::Hello { .. }));
-        channel.send(&Message::Chosen { version: 1 }, &[]).unwrap();
+        let chosen = Message::Chosen {
+            version: 1,
+            pid: std::process::id(),
+        };
+        channel.send(&chosen, &[]).unwrap();
         let sockets = vec![describe(&nbd, Role::Nbd).unwrap()];
         let listeners = Message::Listeners { sockets };
         channel.send(&listeners, &[nbd.as_fd()]).unwrap();
@@ -657,4 +665,137 @@ fn a_stopping_gateway_closes_its_port_while_it_drains() {
     );
     assert!(!handover.exists() || UnixStream::connect(&handover).is_err());
     drop(held);
+}
+
+/// A fake predecessor (python3): it gives a real listening socket, says
+/// its pid in Chosen and exits before Go, as a crash would (no Refuse).
+const FAKE_PREDECESSOR: &str = r#"
+import socket, struct, sys, os
+path, port = sys.argv[1], int(sys.argv[2])
+def frame(kind, body=b"", nfds=0):
+    return struct.pack(">4sHHHHI", b"NBGH", 1, kind, nfds, 0, len(body)) + body
+def read(c, n):
+    b = b""
+    while len(b) < n:
+        d = c.recv(n - len(b))
+        if not d: sys.exit("the successor closed")
+        b += d
+    return b
+tcp = socket.socket()
+tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+tcp.bind(("127.0.0.1", port)); tcp.listen(128)
+os.umask(0o177)
+u = socket.socket(socket.AF_UNIX); u.bind(path); u.listen(4)
+print("listening", flush=True)
+c, _ = u.accept()
+head = read(c, 16)
+read(c, struct.unpack(">I", head[12:16])[0])    # Hello
+c.sendall(frame(3, struct.pack(">II", 1, os.getpid())))
+desc = struct.pack(">BBBB", 1, 1, 1, 2) + socket.inet_aton("127.0.0.1") + struct.pack(">H", port)
+c.sendmsg([frame(4, struct.pack(">H", 1) + desc, 1)],
+          [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", tcp.fileno()))])
+os._exit(0)
+"#;
+
+/// The predecessor dies after giving the listeners, before Go (a fake
+/// one, which exits there): the successor tells the death from a
+/// give-up (no Refuse, and the pid from Chosen is gone) and serves the
+/// listening socket it holds, the only one left (review M1(a)).
+#[test]
+fn a_successor_serves_when_a_fake_predecessor_dies_before_go() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 7);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let mut fake = Command::new("/usr/bin/python3")
+        .arg("-c")
+        .arg(FAKE_PREDECESSOR)
+        .arg(&handover)
+        .arg(port.to_string())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(fake.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "listening");
+    let mut cmd = Command::new(nbdgw_binary());
+    cmd.arg("--tls-dir")
+        .arg(env.certs())
+        .arg("--upstream")
+        .arg(&upstream.socket)
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--take-over")
+        .arg(&handover);
+    let mut successor = NbdgwProcess::spawn(cmd, port);
+    assert!(fake.wait().unwrap().success());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !successor.log().contains("nbdgw listening") {
+        let log = successor.log();
+        assert!(successor.is_running(), "the successor quit:\n{log}");
+        assert!(Instant::now() < deadline, "not serving:\n{log}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        successor.log().contains("the old gateway died before Go"),
+        "{}",
+        successor.log()
+    );
+    let out = nbdinfo_size(port, &env.certs());
+    assert!(out.status.success(), "{}\n{}", text(&out), successor.log());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        IMAGE_LEN.to_string()
+    );
+}
+
+/// A real predecessor SIGKILLed after it gave the listeners, before Go
+/// (held there by its debug hook): the successor serves them, a client
+/// that waited in the backlog meanwhile is served (review M1(a)).
+#[test]
+fn a_successor_serves_when_the_real_predecessor_is_killed_before_go() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 7);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let (port, admin) = (common::free_port(), common::free_port());
+    let gateway_cmd = |take_over: bool| {
+        let mut cmd = Command::new(nbdgw_binary());
+        cmd.arg("--tls-dir")
+            .arg(env.certs())
+            .arg("--upstream")
+            .arg(&upstream.socket)
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{port}"))
+            .arg("--admin-listen")
+            .arg(format!("127.0.0.1:{admin}"))
+            .args(["--handover-timeout", "60"]);
+        if take_over {
+            cmd.arg("--take-over").arg(&handover);
+        } else {
+            cmd.arg("--handover-socket").arg(&handover);
+            cmd.env("NBDGW_DEBUG_HANDOVER_GIVER_STALL", "1");
+        }
+        cmd
+    };
+    let old = NbdgwProcess::spawn(gateway_cmd(false), port);
+    old.wait_for_log("nbdgw listening", 1);
+    let mut new = NbdgwProcess::spawn(gateway_cmd(true), port);
+    old.wait_for_log("debug: stalling the hand-over", 1);
+    let (certs, waiting_port) = (env.certs(), port);
+    let waiting = std::thread::spawn(move || nbdinfo_size(waiting_port, &certs));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while backlog(port) == 0 {
+        assert!(Instant::now() < deadline, "no client in the backlog");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(old); // SIGKILL
+    new.wait_for_log("the old gateway died before Go", 1);
+    new.wait_for_log("nbdgw listening", 1);
+    let out = waiting.join().unwrap();
+    assert!(out.status.success(), "{}\n{}", text(&out), new.log());
+    assert!(new.is_running());
 }

@@ -23,23 +23,56 @@ pub enum ChannelError {
     Closed,
     #[error("the hand-over took longer than its timeout")]
     Timeout,
+    // The cause is in the text and not a `source`, so that an anyhow
+    // chain does not print it twice (review N1).
     #[error("hand-over connection: {0}")]
-    Io(#[from] std::io::Error),
-    #[error("{0}")]
+    Io(std::io::Error),
+    #[error(transparent)]
     Wire(#[from] WireError),
     #[error("hand-over peer: {0}")]
     Peer(String),
 }
 
+impl From<std::io::Error> for ChannelError {
+    fn from(e: std::io::Error) -> Self {
+        ChannelError::Io(e)
+    }
+}
+
+impl ChannelError {
+    /// The peer's end is gone without a word (EOF, EPIPE, ECONNRESET):
+    /// a death, or a peer that gave up without Refuse.
+    pub fn is_bare_end(&self) -> bool {
+        match self {
+            ChannelError::Closed => true,
+            ChannelError::Io(e) => matches!(
+                e.kind(),
+                std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+            ),
+            _ => false,
+        }
+    }
+}
+
+/// How long a Refuse may take past the hand-over's deadline: a give-up
+/// at the timeout still says so, so that the peer never reads a bare end
+/// as a death.
+const REFUSE_GRACE: Duration = Duration::from_secs(1);
+
 pub struct Channel {
     stream: UnixStream,
     deadline: Instant,
+    refused: bool,
 }
 
 impl Channel {
     pub fn new(stream: UnixStream, deadline: Instant) -> std::io::Result<Self> {
         stream.set_nonblocking(false)?;
-        Ok(Channel { stream, deadline })
+        Ok(Channel {
+            stream,
+            deadline,
+            refused: false,
+        })
     }
 
     pub fn stream(&self) -> &UnixStream {
@@ -138,8 +171,13 @@ impl Channel {
         Ok(())
     }
 
-    /// Refuses, best effort: the connection is ending either way.
+    /// Refuses, best effort, once: the connection is ending either way.
+    /// Bounded by REFUSE_GRACE even when the deadline has passed.
     pub fn refuse(&mut self, reason: &str) {
+        if std::mem::replace(&mut self.refused, true) {
+            return;
+        }
+        self.deadline = self.deadline.max(Instant::now() + REFUSE_GRACE);
         let _ = self.send(
             &Message::Refuse {
                 reason: reason.to_string(),
@@ -160,4 +198,17 @@ impl AsFd for Channel {
 pub fn peer_uid(stream: &impl AsFd) -> std::io::Result<u32> {
     let cred = rustix::net::sockopt::socket_peercred(stream)?;
     Ok(cred.uid.as_raw())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_io_error_is_told_once_in_a_chain() {
+        let e = ChannelError::from(std::io::Error::from(std::io::ErrorKind::BrokenPipe));
+        assert!(e.is_bare_end());
+        let text = format!("{:#}", anyhow::Error::from(e).context("--take-over P"));
+        assert_eq!(text.matches("broken pipe").count(), 1, "{text}");
+    }
 }

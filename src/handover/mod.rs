@@ -11,10 +11,12 @@
 //! - `flags`: the flag group.
 //! - `channel`: frames and descriptors over the Unix socket, bounded.
 //! - `socket`: the hand-over socket made safely.
+//! - `alive`: whether the process at the other end is gone.
 //! - `describe`: what a descriptor is, sent with it and checked on arrival.
 //! - `gate`: pausing and ending the accept loops.
 //! - `predecessor`, `successor`: the two ends.
 
+pub mod alive;
 pub mod channel;
 pub mod describe;
 pub mod flags;

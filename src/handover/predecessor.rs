@@ -137,7 +137,9 @@ impl Giver {
         }
     }
 
-    /// One successor, from its connection to its first accept.
+    /// One successor, from its connection to its first accept. Every
+    /// give-up says Refuse, so that a successor reads a bare end of the
+    /// channel as this process's death, never as a give-up.
     fn hand_over(&self, stream: UnixStream) -> Result<(), Failure> {
         let ours = rustix::process::getuid().as_raw();
         let theirs = peer_uid(&stream).map_err(|e| Failure::new("failed", e))?;
@@ -150,19 +152,28 @@ impl Giver {
                 format!("a successor of uid {theirs} connected; only uid {ours} may take over"),
             ));
         }
-        let version = self.agree(&mut channel)?;
+        let outcome = self.exchange(&mut channel);
+        if let Err(failure) = &outcome {
+            channel.refuse(&format!("the running gateway gives up: {}", failure.why));
+        }
+        outcome
+    }
+
+    fn exchange(&self, channel: &mut Channel) -> Result<(), Failure> {
+        let version = self.agree(channel)?;
         info!(
             version,
             "hand-over: a successor connected; giving it the listening sockets"
         );
-        self.give_listeners(&mut channel)?;
-        self.await_serving(&mut channel)
+        self.give_listeners(channel)?;
+        debug_stall();
+        self.await_serving(channel)
     }
 
     /// Hello, then Chosen or a refusal.
     fn agree(&self, channel: &mut Channel) -> Result<u32, Failure> {
         let versions = match channel.recv().map_err(Failure::channel)? {
-            (Message::Hello { versions }, _) => versions,
+            (Message::Hello { versions, .. }, _) => versions,
             (other, _) => return Err(unexpected(channel, "hello", &other)),
         };
         let Some(version) = choose(&versions, KNOWN_STATE_VERSIONS) else {
@@ -174,9 +185,11 @@ impl Giver {
                 format!("the successor knows state versions {versions:?}, this gateway {KNOWN_STATE_VERSIONS:?}"),
             ));
         };
-        channel
-            .send(&Message::Chosen { version }, &[])
-            .map_err(Failure::channel)?;
+        let chosen = Message::Chosen {
+            version,
+            pid: std::process::id(),
+        };
+        channel.send(&chosen, &[]).map_err(Failure::channel)?;
         Ok(version)
     }
 
@@ -211,6 +224,19 @@ impl Giver {
         match channel.recv().map_err(Failure::channel)? {
             (Message::Serving, _) => Ok(()),
             (other, _) => Err(unexpected(channel, "serving", &other)),
+        }
+    }
+}
+
+/// Debug builds: NBDGW_DEBUG_HANDOVER_GIVER_STALL=1 makes a predecessor
+/// stop once it has given the listeners, before Go, so that a test can
+/// kill it there.
+fn debug_stall() {
+    #[cfg(debug_assertions)]
+    if std::env::var_os("NBDGW_DEBUG_HANDOVER_GIVER_STALL").is_some() {
+        warn!("debug: stalling the hand-over with the listeners given, before Go (NBDGW_DEBUG_HANDOVER_GIVER_STALL)");
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
         }
     }
 }

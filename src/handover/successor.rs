@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use tracing::{info, warn};
 
+use super::alive::Peer;
 use super::channel::{peer_uid, Channel, ChannelError};
 use super::describe::{check, show};
 use crate::proto::handover::{Address, Descriptor, Message, Role, KNOWN_STATE_VERSIONS};
@@ -36,6 +37,11 @@ pub struct Taken {
 pub struct Successor {
     channel: Channel,
     path: PathBuf,
+    /// The running gateway's process, from its Chosen.
+    predecessor: Peer,
+    timeout: Duration,
+    /// The predecessor died before Go: nobody to tell Serving.
+    orphaned: bool,
 }
 
 /// Connects to `path`, agrees on a state version and takes the
@@ -52,17 +58,19 @@ pub fn take_over(path: &Path, wanted: &Wanted, timeout: Duration) -> Result<(Suc
     let refused = |e: ChannelError| anyhow::anyhow!("--take-over {shown}: {e}");
     let hello = Message::Hello {
         versions: KNOWN_STATE_VERSIONS.to_vec(),
+        pid: std::process::id(),
     };
     channel.send(&hello, &[]).map_err(refused)?;
-    match channel.recv().map_err(refused)? {
-        (Message::Chosen { version }, _) if KNOWN_STATE_VERSIONS.contains(&version) => {
+    let predecessor = match channel.recv().map_err(refused)? {
+        (Message::Chosen { version, pid }, _) if KNOWN_STATE_VERSIONS.contains(&version) => {
             info!(
                 version,
-                "take-over: the running gateway agreed on a state version"
-            )
+                pid, "take-over: the running gateway agreed on a state version"
+            );
+            Peer::watch(pid)
         }
         (other, _) => return Err(violation(&mut channel, path, &other)),
-    }
+    };
     let (sockets, fds) = match channel.recv().map_err(refused)? {
         (Message::Listeners { sockets }, fds) => (sockets, fds),
         (other, _) => return Err(violation(&mut channel, path, &other)),
@@ -78,6 +86,9 @@ pub fn take_over(path: &Path, wanted: &Wanted, timeout: Duration) -> Result<(Suc
     let successor = Successor {
         channel,
         path: path.to_path_buf(),
+        predecessor,
+        timeout,
+        orphaned: false,
     };
     Ok((successor, taken))
 }
@@ -126,15 +137,24 @@ fn take(sockets: Vec<Descriptor>, fds: Vec<OwnedFd>, wanted: &Wanted) -> Result<
 
 impl Successor {
     /// Ready, then Go: after this the predecessor no longer accepts, and
-    /// this process must (it calls `serving` once its loops run).
+    /// this process must (it calls `serving` once its loops run). A
+    /// predecessor that ends the channel without a Refuse and whose
+    /// process is gone died holding nothing: this process serves the
+    /// listeners it was given rather than leave nothing accepting.
     pub fn commit(&mut self) -> Result<()> {
         let shown = self.path.display();
-        self.channel
-            .send(&Message::Ready, &[])
-            .with_context(|| format!("--take-over {shown}"))?;
-        match self.channel.recv() {
+        let answer = match self.channel.send(&Message::Ready, &[]) {
+            Ok(()) => self.channel.recv(),
+            Err(e) => Err(e),
+        };
+        match answer {
             Ok((Message::Go, _)) => Ok(()),
             Ok((other, _)) => Err(violation(&mut self.channel, &self.path, &other)),
+            Err(e) if e.is_bare_end() && self.predecessor.gone_within(self.timeout) => {
+                warn!(from = %shown, error = %e, "take-over: the old gateway died before Go (its process is gone); serving the listening sockets it gave");
+                self.orphaned = true;
+                Ok(())
+            }
             Err(e) => bail!("--take-over {shown}: {e}"),
         }
     }
@@ -145,6 +165,9 @@ impl Successor {
     /// serves on rather than leave nothing accepting.
     pub fn serving(mut self) {
         let shown = self.path.display();
+        if self.orphaned {
+            return info!(from = %shown, "take-over: serving the old gateway's listening sockets (it had died)");
+        }
         match self.channel.send(&Message::Serving, &[]) {
             Ok(()) => {
                 info!(from = %shown, "take-over: serving; the old gateway drains its sessions and exits")

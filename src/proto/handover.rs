@@ -48,13 +48,19 @@ pub struct Header {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Message {
-    /// Successor → predecessor, first: the state versions it knows.
-    Hello { versions: Vec<u32> },
+    /// Successor → predecessor, first: the state versions it knows, and
+    /// its pid (after Go the predecessor takes the listeners back only
+    /// if that process is gone).
+    Hello { versions: Vec<u32>, pid: u32 },
     /// Either side: the hand-over ends here, for this reason; the
     /// predecessor goes on serving.
     Refuse { reason: String },
-    /// Predecessor → successor: the state version both will speak.
-    Chosen { version: u32 },
+    /// Predecessor → successor: the state version both will speak, and
+    /// its pid (SO_PEERCRED's is that of whoever first listened on the
+    /// hand-over socket, wrong after one replacement): a bare end of the
+    /// channel before Go is a death if that process is gone, since every
+    /// deliberate give-up says Refuse.
+    Chosen { version: u32, pid: u32 },
     /// Predecessor → successor: its listening sockets, one descriptor
     /// each, in this order. The predecessor has stopped accepting.
     Listeners { sockets: Vec<Descriptor> },
@@ -234,19 +240,21 @@ impl Message {
     pub fn encode(&self) -> Vec<u8> {
         let mut body = Vec::new();
         let kind = match self {
-            Message::Hello { versions } => {
+            Message::Hello { versions, pid } => {
                 put_u16(&mut body, versions.len() as u16);
                 versions
                     .iter()
                     .for_each(|v| body.extend_from_slice(&v.to_be_bytes()));
+                body.extend_from_slice(&pid.to_be_bytes());
                 kind::HELLO
             }
             Message::Refuse { reason } => {
                 put_bytes(&mut body, truncated(reason, MAX_REASON.into()).as_bytes());
                 kind::REFUSE
             }
-            Message::Chosen { version } => {
+            Message::Chosen { version, pid } => {
                 body.extend_from_slice(&version.to_be_bytes());
+                body.extend_from_slice(&pid.to_be_bytes());
                 kind::CHOSEN
             }
             Message::Listeners { sockets } => {
@@ -280,7 +288,10 @@ impl Message {
                     return Err(WireError::Invalid("state version count", count.into()));
                 }
                 let versions = (0..count).map(|_| r.u32()).collect::<Result<_, _>>()?;
-                Message::Hello { versions }
+                Message::Hello {
+                    versions,
+                    pid: r.u32()?,
+                }
             }
             kind::REFUSE => {
                 let reason = r.bytes(MAX_REASON, "refusal reason length")?;
@@ -288,7 +299,10 @@ impl Message {
                     .map_err(|_| WireError::Invalid("refusal reason (not UTF-8)", 0))?;
                 Message::Refuse { reason }
             }
-            kind::CHOSEN => Message::Chosen { version: r.u32()? },
+            kind::CHOSEN => Message::Chosen {
+                version: r.u32()?,
+                pid: r.u32()?,
+            },
             kind::LISTENERS => {
                 let count = r.u16()?;
                 if count > MAX_FDS {
@@ -483,10 +497,14 @@ mod tests {
 
     fn message() -> impl Strategy<Value = Message> {
         prop_oneof![
-            proptest::collection::vec(any::<u32>(), 0..=64)
-                .prop_map(|versions| Message::Hello { versions }),
+            (
+                proptest::collection::vec(any::<u32>(), 0..=64),
+                any::<u32>()
+            )
+                .prop_map(|(versions, pid)| Message::Hello { versions, pid }),
             "\\PC{0,200}".prop_map(|reason| Message::Refuse { reason }),
-            any::<u32>().prop_map(|version| Message::Chosen { version }),
+            (any::<u32>(), any::<u32>())
+                .prop_map(|(version, pid)| Message::Chosen { version, pid }),
             proptest::collection::vec(descriptor(), 0..=8)
                 .prop_map(|sockets| Message::Listeners { sockets }),
             Just(Message::Ready),
@@ -548,7 +566,10 @@ mod tests {
             decode_frame(&m.encode(), 0).unwrap_err(),
             WireError::FdCount(0, 1)
         );
-        let hello = Message::Hello { versions: vec![1] };
+        let hello = Message::Hello {
+            versions: vec![1],
+            pid: 1,
+        };
         assert_eq!(
             decode_frame(&hello.encode(), 1).unwrap_err(),
             WireError::FdCount(1, 0)
