@@ -799,3 +799,35 @@ fn a_successor_serves_when_the_real_predecessor_is_killed_before_go() {
     assert!(out.status.success(), "{}\n{}", text(&out), new.log());
     assert!(new.is_running());
 }
+
+/// Go is the commit point: a fake successor that is told Go and never
+/// says it serves (alive, its channel open) is not undone at the
+/// timeout; the predecessor never accepts again, and drains and exits 0
+/// (review S2).
+#[test]
+fn after_go_a_fake_successor_that_never_says_serving_still_gets_the_port() {
+    use nbdgw::handover::channel::Channel;
+
+    let mut s = served("3");
+    let stream = UnixStream::connect(&s.handover).unwrap();
+    let mut channel = Channel::new(stream, Instant::now() + Duration::from_secs(60)).unwrap();
+    let hello = Message::Hello {
+        versions: vec![1],
+        pid: std::process::id(),
+    };
+    channel.send(&hello, &[]).unwrap();
+    assert!(matches!(channel.recv().unwrap().0, Message::Chosen { .. }));
+    let (listeners, fds) = channel.recv().unwrap();
+    assert!(
+        matches!(listeners, Message::Listeners { .. }),
+        "{listeners:?}"
+    );
+    channel.send(&Message::Ready, &[]).unwrap();
+    assert_eq!(channel.recv().unwrap().0, Message::Go);
+    let status = s.gateway.wait_exit(Duration::from_secs(60));
+    let log = s.gateway.log();
+    assert!(status.expect(&log).success(), "{log}");
+    assert!(log.contains("did not say it serves"), "{log}");
+    assert!(!log.contains("goes on serving"), "{log}");
+    drop((channel, fds));
+}

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
 
+use super::alive::Peer;
 use super::channel::{peer_uid, Channel, ChannelError};
 use super::describe::{describe, show};
 use super::gate::{Accepting, GateControl};
@@ -160,20 +161,21 @@ impl Giver {
     }
 
     fn exchange(&self, channel: &mut Channel) -> Result<(), Failure> {
-        let version = self.agree(channel)?;
+        let (version, successor) = self.agree(channel)?;
         info!(
             version,
             "hand-over: a successor connected; giving it the listening sockets"
         );
         self.give_listeners(channel)?;
         debug_stall();
-        self.await_serving(channel)
+        self.await_serving(channel, &successor)
     }
 
-    /// Hello, then Chosen or a refusal.
-    fn agree(&self, channel: &mut Channel) -> Result<u32, Failure> {
-        let versions = match channel.recv().map_err(Failure::channel)? {
-            (Message::Hello { versions, .. }, _) => versions,
+    /// Hello, then Chosen or a refusal; the successor's process, from
+    /// its Hello, to be watched after Go.
+    fn agree(&self, channel: &mut Channel) -> Result<(u32, Peer), Failure> {
+        let (versions, pid) = match channel.recv().map_err(Failure::channel)? {
+            (Message::Hello { versions, pid }, _) => (versions, pid),
             (other, _) => return Err(unexpected(channel, "hello", &other)),
         };
         let Some(version) = choose(&versions, KNOWN_STATE_VERSIONS) else {
@@ -190,7 +192,7 @@ impl Giver {
             pid: std::process::id(),
         };
         channel.send(&chosen, &[]).map_err(Failure::channel)?;
-        Ok(version)
+        Ok((version, Peer::watch(pid)))
     }
 
     /// The listeners, each described as the kernel sees it; the accept
@@ -212,19 +214,31 @@ impl Giver {
             .map_err(Failure::channel)
     }
 
-    /// Ready, Go, Serving: until Serving the listeners are taken back at
-    /// any failure (a dead successor accepts nothing, so both accepting
-    /// for a moment is the worst case).
-    fn await_serving(&self, channel: &mut Channel) -> Result<(), Failure> {
+    /// Ready, Go, Serving. Until Go is sent the listeners are taken back
+    /// at any failure (the successor, never told Go, does not accept).
+    /// Go is the commit point: after it the successor may accept, so
+    /// they are taken back only if its process is gone; a Serving that
+    /// does not come in time is logged and this process drains as on
+    /// success, so that two gateways never both accept for good.
+    fn await_serving(&self, channel: &mut Channel, successor: &Peer) -> Result<(), Failure> {
         match channel.recv().map_err(Failure::channel)? {
             (Message::Ready, _) => {}
             (other, _) => return Err(unexpected(channel, "ready", &other)),
         }
         channel.send(&Message::Go, &[]).map_err(Failure::channel)?;
-        match channel.recv().map_err(Failure::channel)? {
-            (Message::Serving, _) => Ok(()),
-            (other, _) => Err(unexpected(channel, "serving", &other)),
-        }
+        let why = match channel.recv() {
+            Ok((Message::Serving, _)) => return Ok(()),
+            Ok((other, _)) => format!("the successor sent {} where serving was due", other.name()),
+            Err(e) if e.is_bare_end() && successor.gone_within(self.timeout) => {
+                return Err(Failure::new(
+                    "successor_gone",
+                    format!("the successor died after Go: {e}"),
+                ));
+            }
+            Err(e) => e.to_string(),
+        };
+        warn!(reason = %why, "hand-over: the successor was told Go but did not say it serves; it may accept, so this gateway does not take the listening sockets back");
+        Ok(())
     }
 }
 
