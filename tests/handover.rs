@@ -754,7 +754,8 @@ fn a_successor_serves_when_a_fake_predecessor_dies_before_go() {
 
 /// A real predecessor SIGKILLed after it gave the listeners, before Go
 /// (held there by its debug hook): the successor serves them, a client
-/// that waited in the backlog meanwhile is served (review M1(a)).
+/// that waited in the backlog meanwhile is served, and the take-over is
+/// counted on the admin port it took (review M1(a), S1).
 #[test]
 fn a_successor_serves_when_the_real_predecessor_is_killed_before_go() {
     let env = Env::new();
@@ -798,6 +799,12 @@ fn a_successor_serves_when_the_real_predecessor_is_killed_before_go() {
     let out = waiting.join().unwrap();
     assert!(out.status.success(), "{}\n{}", text(&out), new.log());
     assert!(new.is_running());
+    let (status, metrics) = common::clients::http_get(admin, "/metrics");
+    assert_eq!(status, 200);
+    assert!(
+        metrics.contains("nbdgw_takeovers_total{outcome=\"predecessor_gone\"} 1"),
+        "{metrics}"
+    );
 }
 
 /// Go is the commit point: a fake successor that is told Go and never
@@ -830,4 +837,39 @@ fn after_go_a_fake_successor_that_never_says_serving_still_gets_the_port() {
     assert!(log.contains("did not say it serves"), "{log}");
     assert!(!log.contains("goes on serving"), "{log}");
     drop((channel, fds));
+}
+
+/// The successor counts its take-over where it can be read, on the
+/// admin port it took over, and logs the pause the listeners saw
+/// (review S1).
+#[test]
+fn a_take_over_is_counted_on_the_successors_admin_port() {
+    let mut s = served("20");
+    let mut cmd = Command::new(nbdgw_binary());
+    cmd.arg("--tls-dir")
+        .arg(s.env.certs())
+        .arg("--upstream")
+        .arg(s.env.path("nbd.sock"))
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{}", s.port))
+        .arg("--admin-listen")
+        .arg(format!("127.0.0.1:{}", s.admin))
+        .arg("--take-over")
+        .arg(&s.handover);
+    let new = NbdgwProcess::spawn(cmd, s.port);
+    new.wait_for_log("take-over: serving", 1);
+    assert!(s
+        .gateway
+        .wait_exit(Duration::from_secs(30))
+        .expect("exits")
+        .success());
+    let (status, metrics) = common::clients::http_get(s.admin, "/metrics");
+    assert_eq!(status, 200);
+    assert!(
+        metrics.contains("nbdgw_takeovers_total{outcome=\"taken_over\"} 1"),
+        "{metrics}"
+    );
+    assert!(new.log().contains("pause_ms="), "{}", new.log());
+    s.gateway = new;
+    assert_serves(&s);
 }

@@ -15,6 +15,7 @@ use tracing::{info, warn};
 use super::alive::Peer;
 use super::channel::{peer_uid, Channel, ChannelError};
 use super::describe::{check, show};
+use crate::metrics::Metrics;
 use crate::proto::handover::{Address, Descriptor, Message, Role, KNOWN_STATE_VERSIONS};
 
 /// What this gateway wants to serve, from its own flags.
@@ -40,6 +41,9 @@ pub struct Successor {
     /// The running gateway's process, from its Chosen.
     predecessor: Peer,
     timeout: Duration,
+    /// When the listeners arrived: from then on they only queue, until
+    /// this process accepts (the pause logged at Serving).
+    paused_at: Instant,
     /// The predecessor died before Go: nobody to tell Serving.
     orphaned: bool,
 }
@@ -75,6 +79,7 @@ pub fn take_over(path: &Path, wanted: &Wanted, timeout: Duration) -> Result<(Suc
         (Message::Listeners { sockets }, fds) => (sockets, fds),
         (other, _) => return Err(violation(&mut channel, path, &other)),
     };
+    let paused_at = Instant::now();
     let taken = match take(sockets, fds, wanted) {
         Ok(taken) => taken,
         Err(e) => {
@@ -88,6 +93,7 @@ pub fn take_over(path: &Path, wanted: &Wanted, timeout: Duration) -> Result<(Suc
         path: path.to_path_buf(),
         predecessor,
         timeout,
+        paused_at,
         orphaned: false,
     };
     Ok((successor, taken))
@@ -162,18 +168,24 @@ impl Successor {
     /// The accept loops run: the predecessor may drain and exit. Never
     /// fatal: after Go the predecessor has stopped accepting, so if it
     /// cannot be told (it died, or gave up and accepts again) this process
-    /// serves on rather than leave nothing accepting.
-    pub fn serving(mut self) {
+    /// serves on rather than leave nothing accepting. Counted here, where
+    /// the admin port now is (`nbdgw_takeovers_total`).
+    pub fn serving(mut self, metrics: &Metrics) {
         let shown = self.path.display();
+        // What a client that connected just after the listeners left
+        // the old accept loops waited, at most, before an accept.
+        let pause_ms = self.paused_at.elapsed().as_millis() as u64;
         if self.orphaned {
-            return info!(from = %shown, "take-over: serving the old gateway's listening sockets (it had died)");
+            metrics.takeover("predecessor_gone");
+            return info!(from = %shown, pause_ms, "take-over: serving the old gateway's listening sockets (it had died)");
         }
+        metrics.takeover("taken_over");
         match self.channel.send(&Message::Serving, &[]) {
             Ok(()) => {
-                info!(from = %shown, "take-over: serving; the old gateway drains its sessions and exits")
+                info!(from = %shown, pause_ms, "take-over: serving; the old gateway drains its sessions and exits")
             }
             Err(e) => {
-                warn!(from = %shown, error = %e, "take-over: the old gateway did not hear that this one serves (it may have died); serving on")
+                warn!(from = %shown, pause_ms, error = %e, "take-over: the old gateway did not hear that this one serves (it may have died); serving on")
             }
         }
     }

@@ -9,7 +9,8 @@
 //! `tls_sessions` (kernel TLS and the served certificate's reloads),
 //! `traffic` (requests, their errors and latency, the upstream socket),
 //! `access` (exports refused, policy reloads, the admin listener),
-//! `handovers` (successors given the listening sockets),
+//! `handovers` (successors given the listening sockets, and this
+//! process's own take-over),
 //! `read_cache` and `client_reconnect` (each its own struct of counters),
 //! and `health` (what `/healthz`, `/readyz` and `/server` say, no metric).
 //! The order families are registered in is the order `/metrics` and
@@ -82,6 +83,9 @@ pub struct Metrics {
     /// Hand-overs to a successor process, by outcome (see
     /// `crate::handover`).
     pub handovers: Family<Outcome, Counter>,
+    /// This process's own start as a successor (`--take-over`), by
+    /// outcome: readable here, on the admin port it took over.
+    pub takeovers: Family<Outcome, Counter>,
     pub cache: CacheMetrics,
     /// `nbdgw client --reconnect`'s counters (registered in client mode).
     pub reconnects: ReconnectMetrics,
@@ -136,6 +140,7 @@ impl Metrics {
             admin_connections_open: Gauge::default(),
             admin_connections_refused: Counter::default(),
             handovers: Family::default(),
+            takeovers: Family::default(),
             cache: CacheMetrics::default(),
             reconnects: ReconnectMetrics::default(),
             registry: Registry::default(),

@@ -64,9 +64,10 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         // worker that accepted it, instead of one thread waking another
         // for every connection (bench/RESULTS.md, handshake CPU).
         let (stop, on_stop) = stop_signal();
+        let metrics = config.metrics.clone();
         let serving = tokio::spawn(crate::run_gated(listener, Arc::new(config), stop, gate));
         if let Some(successor) = successor {
-            tokio::task::block_in_place(|| successor.serving());
+            tokio::task::block_in_place(|| successor.serving(&metrics));
         }
         if let Some(predecessor) = predecessor {
             tokio::spawn(serve_successors(predecessor, on_stop));
