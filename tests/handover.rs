@@ -873,3 +873,29 @@ fn a_take_over_is_counted_on_the_successors_admin_port() {
     s.gateway = new;
     assert_serves(&s);
 }
+
+/// Under systemd (NOTIFY_SOCKET set) --take-over is refused at start:
+/// the unit would kill the successor with the old gateway, and the
+/// file-descriptor store path is not built (review S3). The running
+/// gateway is not touched.
+#[test]
+fn take_over_under_systemd_is_refused_at_start() {
+    let s = served("20");
+    let mut cmd = Command::new(nbdgw_binary());
+    cmd.arg("--tls-dir")
+        .arg(s.env.certs())
+        .arg("--upstream")
+        .arg(s.env.path("nbd.sock"))
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{}", s.port))
+        .arg("--take-over")
+        .arg(&s.handover)
+        .env("NOTIFY_SOCKET", s.env.path("notify.sock"));
+    let mut new = NbdgwProcess::spawn(cmd, s.port);
+    let status = new.wait_exit(Duration::from_secs(30));
+    let log = new.log();
+    assert!(!status.expect(&log).success(), "{log}");
+    assert!(log.contains("file-descriptor store"), "{log}");
+    assert!(!s.gateway.log().contains("a successor connected"));
+    assert_serves(&s);
+}

@@ -21,7 +21,8 @@ pub struct HandoverArgs {
     /// socket (same uid): take its listening sockets (those whose address
     /// matches --listen / --admin-listen / --handover-socket; others are
     /// bound here) and serve them. Fails the start if the predecessor
-    /// refuses.
+    /// refuses, and under systemd (NOTIFY_SOCKET set: its
+    /// file-descriptor store path is not built yet).
     #[arg(long, env = "NBDGW_TAKE_OVER", value_name = "PATH")]
     pub take_over: Option<PathBuf>,
     /// Seconds a hand-over may take, on either side, from the successor's
