@@ -26,8 +26,11 @@ pub struct HandoverArgs {
     #[arg(long, env = "NBDGW_TAKE_OVER", value_name = "PATH")]
     pub take_over: Option<PathBuf>,
     /// Seconds a hand-over may take, on either side, from the successor's
-    /// connection to its first accept; a successor that stalls or dies
-    /// sooner leaves the predecessor serving.
+    /// connection to its first accept. A successor that stalls or dies
+    /// before it is told to serve leaves the predecessor serving; once
+    /// told, it keeps the sockets unless its process is gone. While a
+    /// successor holds the listeners nobody accepts (connections wait in
+    /// the backlog), so this is also the longest such pause.
     #[arg(long, env = "NBDGW_HANDOVER_TIMEOUT", default_value_t = DEFAULT_HANDOVER_TIMEOUT_SECS, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub handover_timeout: u64,
 }
