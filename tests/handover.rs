@@ -668,10 +668,12 @@ fn a_stopping_gateway_closes_its_port_while_it_drains() {
 }
 
 /// A fake predecessor (python3): it gives a real listening socket, says
-/// its pid in Chosen and exits before Go, as a crash would (no Refuse).
+/// its pid in Chosen and, before Go, either exits as a crash would (no
+/// Refuse; mode `die`) or refuses, closes the channel and stays alive
+/// until its stdin closes (mode `refuse`).
 const FAKE_PREDECESSOR: &str = r#"
 import socket, struct, sys, os
-path, port = sys.argv[1], int(sys.argv[2])
+path, port, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 def frame(kind, body=b"", nfds=0):
     return struct.pack(">4sHHHHI", b"NBGH", 1, kind, nfds, 0, len(body)) + body
 def read(c, n):
@@ -694,8 +696,48 @@ c.sendall(frame(3, struct.pack(">II", 1, os.getpid())))
 desc = struct.pack(">BBBB", 1, 1, 1, 2) + socket.inet_aton("127.0.0.1") + struct.pack(">H", port)
 c.sendmsg([frame(4, struct.pack(">H", 1) + desc, 1)],
           [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", tcp.fileno()))])
-os._exit(0)
+if mode == "die":
+    os._exit(0)
+reason = b"the running gateway gives up: test"
+c.sendall(frame(2, struct.pack(">H", len(reason)) + reason))
+c.close(); tcp.close(); u.close()
+sys.stdin.read()
 "#;
+
+/// Starts the fake predecessor in `mode` and waits until it listens.
+fn fake_predecessor(handover: &Path, port: u16, mode: &str) -> Child {
+    let mut fake = Command::new("/usr/bin/python3")
+        .arg("-c")
+        .arg(FAKE_PREDECESSOR)
+        .arg(handover)
+        .arg(port.to_string())
+        .arg(mode)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(fake.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "listening");
+    fake
+}
+
+/// A successor of the fake predecessor on `handover`, for `port`.
+fn successor_of_fake(env: &Env, upstream: &Path, port: u16, handover: &Path) -> NbdgwProcess {
+    let mut cmd = Command::new(nbdgw_binary());
+    cmd.arg("--tls-dir")
+        .arg(env.certs())
+        .arg("--upstream")
+        .arg(upstream)
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--take-over")
+        .arg(handover)
+        .args(["--handover-timeout", "60"]);
+    NbdgwProcess::spawn(cmd, port)
+}
 
 /// The predecessor dies after giving the listeners, before Go (a fake
 /// one, which exits there): the successor tells the death from a
@@ -708,29 +750,8 @@ fn a_successor_serves_when_a_fake_predecessor_dies_before_go() {
     let upstream = QemuNbd::start(&env, &image, &[]);
     let handover = private_dir(&env).join("handover.sock");
     let port = common::free_port();
-    let mut fake = Command::new("/usr/bin/python3")
-        .arg("-c")
-        .arg(FAKE_PREDECESSOR)
-        .arg(&handover)
-        .arg(port.to_string())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(fake.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert_eq!(line.trim(), "listening");
-    let mut cmd = Command::new(nbdgw_binary());
-    cmd.arg("--tls-dir")
-        .arg(env.certs())
-        .arg("--upstream")
-        .arg(&upstream.socket)
-        .arg("--listen")
-        .arg(format!("127.0.0.1:{port}"))
-        .arg("--take-over")
-        .arg(&handover);
-    let mut successor = NbdgwProcess::spawn(cmd, port);
+    let mut fake = fake_predecessor(&handover, port, "die");
+    let mut successor = successor_of_fake(&env, &upstream.socket, port, &handover);
     assert!(fake.wait().unwrap().success());
     let deadline = Instant::now() + Duration::from_secs(30);
     while !successor.log().contains("nbdgw listening") {
@@ -750,6 +771,27 @@ fn a_successor_serves_when_a_fake_predecessor_dies_before_go() {
         String::from_utf8_lossy(&out.stdout).trim(),
         IMAGE_LEN.to_string()
     );
+}
+
+/// A fake predecessor that refuses before Go, closes the channel and
+/// stays alive: a give-up, not a death. The successor fails its start
+/// at once with the reason (read behind the broken pipe of its Ready,
+/// if the channel closed before it sent Ready), never serves, and does
+/// not wait out its timeout.
+#[test]
+fn a_successor_fails_its_start_when_a_fake_predecessor_refuses_before_go() {
+    let env = Env::new();
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let mut fake = fake_predecessor(&handover, port, "refuse");
+    let mut successor = successor_of_fake(&env, &env.path("nbd.sock"), port, &handover);
+    let status = successor.wait_exit(Duration::from_secs(30));
+    let log = successor.log();
+    assert!(!status.expect(&log).success(), "{log}");
+    assert!(log.contains("the running gateway gives up: test"), "{log}");
+    assert!(!log.contains("nbdgw listening"), "{log}");
+    drop(fake.stdin.take());
+    assert!(fake.wait().unwrap().success());
 }
 
 /// A real predecessor SIGKILLed after it gave the listeners, before Go

@@ -151,7 +151,12 @@ impl Successor {
         let shown = self.path.display();
         let answer = match self.channel.send(&Message::Ready, &[]) {
             Ok(()) => self.channel.recv(),
-            Err(e) => Err(e),
+            // A predecessor that gave up said Refuse before it closed:
+            // its reason is still there to read behind the broken pipe.
+            Err(e) => match self.channel.recv() {
+                Err(refused @ ChannelError::Peer(_)) => Err(refused),
+                _ => Err(e),
+            },
         };
         match answer {
             Ok((Message::Go, _)) => Ok(()),
