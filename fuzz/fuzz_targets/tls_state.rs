@@ -21,7 +21,7 @@ fuzz_target!(|data: &[u8]| {
     };
     if mode % 2 == 0 {
         if let Ok(state) = TlsState::decode(rest) {
-            assert_eq!(state.encode(), rest);
+            assert_eq!(&*state.encode(), rest);
             RecordLayer::new(&state, None).expect("a decoded state gives a layer");
         }
         return;

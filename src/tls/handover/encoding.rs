@@ -34,8 +34,26 @@ pub enum DecodeError {
     State(#[from] StateError),
 }
 
+/// An encoded state: it holds the session's keys, so it is wiped when
+/// dropped; read it as bytes.
+pub struct Encoded(Vec<u8>);
+
+impl std::ops::Deref for Encoded {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl Drop for Encoded {
+    fn drop(&mut self) {
+        self.0.iter_mut().for_each(|b| *b = 0);
+        std::hint::black_box(&self.0);
+    }
+}
+
 impl TlsState {
-    pub fn encode(&self) -> Vec<u8> {
+    pub fn encode(&self) -> Encoded {
         let mut out = Vec::with_capacity(128 + self.plaintext.len() + self.partial.len());
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&FORMAT.to_be_bytes());
@@ -56,7 +74,7 @@ impl TlsState {
         }
         put_long(&mut out, &self.plaintext);
         put_long(&mut out, &self.partial);
-        out
+        Encoded(out)
     }
 
     pub fn decode(bytes: &[u8]) -> Result<TlsState, DecodeError> {
@@ -238,7 +256,7 @@ mod tests {
             let bytes = state.encode();
             let at = cut.index(bytes.len());
             prop_assert!(TlsState::decode(&bytes[..at]).is_err());
-            let mut longer = bytes.clone();
+            let mut longer = bytes.to_vec();
             longer.push(0);
             prop_assert!(matches!(TlsState::decode(&longer), Err(DecodeError::Trailing(1))));
         }
@@ -247,7 +265,7 @@ mod tests {
         /// panic); a changed key or secret of TLS 1.3 is always refused.
         #[test]
         fn changed_bytes_never_panic(state in states(), at in any::<prop::sample::Index>(), x in 1u8..) {
-            let mut bytes = state.encode();
+            let mut bytes = state.encode().to_vec();
             let i = at.index(bytes.len());
             bytes[i] ^= x;
             let _ = TlsState::decode(&bytes);
@@ -273,7 +291,7 @@ mod tests {
             read_closed: false,
             partial: vec![],
         };
-        let mut bytes = state.encode();
+        let mut bytes = state.encode().to_vec();
         bytes[9] = 2;
         assert!(matches!(
             TlsState::decode(&bytes),

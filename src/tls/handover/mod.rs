@@ -70,7 +70,7 @@ mod refusals;
 #[cfg(test)]
 mod tests;
 
-pub use encoding::DecodeError;
+pub use encoding::{DecodeError, Encoded};
 pub use quiesce::{send_owed_client, send_owed_server, take_client, take_server};
 pub use record::{RecordError, RecordLayer};
 pub use state::{Side, StateError, TlsState, Version};

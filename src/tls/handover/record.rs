@@ -189,6 +189,8 @@ pub struct RecordLayer {
     warning_alerts: u32,
     /// Key updates followed: received, sent.
     pub updates: [u64; 2],
+    /// A TLS 1.3 server's NewSessionTickets skipped in client mode.
+    pub tickets_skipped: u64,
     write_closed: bool,
     /// A TLS 1.2 key reached its limit and the session was closed.
     worn_out: bool,
@@ -213,6 +215,7 @@ impl RecordLayer {
             updates_without_data: 0,
             warning_alerts: 0,
             updates: [0; 2],
+            tickets_skipped: 0,
             write_closed: false,
             worn_out: false,
         })
@@ -505,7 +508,7 @@ impl RecordLayer {
             };
             messages = &messages[4 + len..];
             match message[0] {
-                NEW_SESSION_TICKET if self.side == Side::Client => {}
+                NEW_SESSION_TICKET if self.side == Side::Client => self.tickets_skipped += 1,
                 KEY_UPDATE if messages.is_empty() && message.len() == KEY_UPDATE_LEN => {
                     self.key_update(message)?;
                 }
