@@ -48,7 +48,7 @@ impl<IO> ResumedTls<IO> {
             read_closed,
             partial,
             ..
-        } = state.clone();
+        } = state;
         Ok(ResumedTls {
             io,
             layer,
