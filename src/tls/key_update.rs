@@ -95,14 +95,14 @@ impl Suite {
         }
     }
 
-    fn key_len(self) -> usize {
+    pub fn key_len(self) -> usize {
         match self {
             Suite::Aes128GcmSha256 => 16,
             _ => 32,
         }
     }
 
-    fn hash_len(self) -> usize {
+    pub fn hash_len(self) -> usize {
         match self {
             Suite::Aes256GcmSha384 => 48,
             _ => 32,
@@ -224,6 +224,11 @@ impl Secret {
     pub fn new(bytes: &[u8]) -> Self {
         Secret(bytes.to_vec())
     }
+
+    /// The secret itself, for a hand-over's encoding.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
 }
 
 impl Drop for Secret {
@@ -274,6 +279,26 @@ impl TrafficSecrets {
     /// are taken at the generation that gives the extracted keys, a few
     /// generations on at most.
     pub fn new(logged: &SecretLog, rx: &Keys, tx: &Keys) -> Result<Self, KeyUpdateError> {
+        Self::matched(logged, rx, tx)
+    }
+
+    /// As `new`, for a client-side session: what it receives is the
+    /// server's, what it sends the client's.
+    pub fn for_client(logged: &SecretLog, rx: &Keys, tx: &Keys) -> Result<Self, KeyUpdateError> {
+        Self::matched(logged, tx, rx)
+    }
+
+    /// The secrets of this generation: the client's, the server's.
+    pub fn into_secrets(self) -> (Secret, Secret) {
+        (self.client, self.server)
+    }
+
+    fn matched(
+        logged: &SecretLog,
+        client_keys: &Keys,
+        server_keys: &Keys,
+    ) -> Result<Self, KeyUpdateError> {
+        let (rx, tx) = (client_keys, server_keys);
         let suite = rx.suite;
         let (client, server) = logged.take().ok_or(KeyUpdateError::NotLogged)?;
         let matching = |mut secret: Secret, keys: &Keys, generations: usize| {

@@ -3,6 +3,7 @@
 //! which a reload may replace at any time.
 
 pub mod groups;
+pub mod handover;
 pub mod kernel;
 pub mod key_update;
 mod material;
