@@ -12,9 +12,9 @@
 //! relay, errors) is `crate::conn`'s; arrows point from here to there only.
 
 pub mod credentials;
+mod local_client;
 mod reconnect;
 mod remote;
-mod local_client;
 pub mod settings;
 mod start;
 
