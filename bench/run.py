@@ -878,9 +878,13 @@ def main():
         args.fronts = set(args.fronts.split(","))
     if os.geteuid() != 0:
         sys.exit("bench: run as root (network namespaces, packet capture, pinning)")
+    # tshark and fio only for the rows that use them (a run of a subset
+    # needs only its own tools).
+    wants = {"tshark": "wire" in args.workloads,
+             "fio": any(w in args.workloads for w in NOT_UNIX)}
     for tool in ("qemu-nbd", "qemu-io", "nbdkit", "nbdcopy", "tshark", "iperf3", "openssl", "ethtool",
                  "taskset", "fio", "setpriv", "curl"):
-        if not shutil.which(tool):
+        if wants.get(tool, True) and not shutil.which(tool):
             sys.exit(f"bench: {tool} missing: run bench/setup.sh")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
