@@ -705,7 +705,7 @@ def bench_mode(args, lan, work):
             print(f"  {net.name}: rep {rep + 1}/{args.reps} done", file=sys.stderr)
         if lan and "wire" in args.workloads:
             tls = [n for n in [*TLS_FRONTS, *variant_names] if n in fronts.names and not is_cached(n)]
-        extra["wire"] = {n: wire_stats(fronts, n, args) for n in tls}
+            extra["wire"] = {n: wire_stats(fronts, n, args) for n in tls}
         if not lan and "rss" in args.workloads:
             extra["rss"] = {n: idle_rss(fronts, n, args) for n in TLS_FRONTS if n in fronts.names}
     finally:
