@@ -30,7 +30,9 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     // Counted before the sandbox hides /sys and /proc from the runtime.
     let threads = args.process.worker_threads();
     match args.sandbox.landlock {
-        LandlockMode::Off => info!("--landlock false: the process is not sandboxed"),
+        LandlockMode::Off => {
+            info!(target: "nbdgw", "--landlock false: the process is not sandboxed")
+        }
         mode => sandbox::apply(mode, &reloader, policy.as_ref(), &config, &args)?,
     }
 
@@ -45,7 +47,9 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             start_admin(async_listener(admin)?, &config, admin_limits);
         }
         let listener = async_listener(listeners.nbd)?;
+        // Target "nbdgw", as when main.rs logged these: operators filter on it.
         info!(
+            target: "nbdgw",
             listen = %display_addr(&listener),
             from_systemd = listeners.from_systemd,
             upstream = %config.upstream.display(),
@@ -66,7 +70,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
 }
 
 fn start_admin(listener: TcpListener, config: &Config, limits: AdminLimits) {
-    info!(admin = %display_addr(&listener), "admin endpoints: /healthz /readyz /metrics");
+    info!(target: "nbdgw", admin = %display_addr(&listener), "admin endpoints: /healthz /readyz /metrics");
     let (metrics, health) = (config.metrics.clone(), config.health.clone());
     // With named exports each has its own server; one being down does
     // not make the gateway unready.
