@@ -31,7 +31,12 @@ into data for whichever case runs after it.
 Kernel TLS is off (`--ktls off`): with it, encryption leaves user space
 and the count would depend on whether the machine has the kernel module.
 
-    bench/callgrind.py [--binary PATH] [--label TEXT] [--n1 N] [--n2 N] [--runs R]
+    bench/callgrind.py [--binary PATH] [--label TEXT] [--n1 N] [--n2 N] [--runs R] [--keep DIR]
+
+--keep DIR keeps each run's callgrind output there (callgrind.CASE.N.RUN),
+for `callgrind_annotate` per function: the difference of a function's
+cost between the N2 and the N1 file, over N2 - N1, is its share of a
+request.
 
 Prints a Markdown table: per case the median of R runs (default 3) and,
 under it, each run's figure.
@@ -127,8 +132,9 @@ def metric(port, name):
     return 0
 
 
-def measure(binary, work, case, count):
-    """Ir of one nbdgw run serving one client that sends `count` requests."""
+def measure(binary, work, case, count, keep=None):
+    """Ir of one nbdgw run serving one client that sends `count` requests;
+    its callgrind output moved to `keep` (a path) if given."""
     port, admin = free_port(), free_port()
     out = os.path.join(work, f"callgrind.{case}.{count}")
     extra = ["--immutable"] if case == "hit" else []
@@ -151,7 +157,10 @@ def measure(binary, work, case, count):
         gw.send_signal(signal.SIGTERM)
         gw.wait(timeout=300)
     ir = total_ir(out)
-    os.unlink(out)
+    if keep:
+        shutil.move(out, keep)
+    else:
+        os.unlink(out)
     return ir
 
 
@@ -179,6 +188,7 @@ def main():
     p.add_argument("--n2", type=int, default=1100)
     p.add_argument("--cases", default="read,write,hit")
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--keep", default=None, help="keep the callgrind output files in this directory")
     args = p.parse_args()
     work = tempfile.mkdtemp(prefix="nbdgw-callgrind-")
     upstream = None
@@ -189,10 +199,16 @@ def main():
         label = args.label or args.binary
         cases = args.cases.split(",")
         runs = {case: [] for case in cases}
-        for _ in range(args.runs):
+        if args.keep:
+            os.makedirs(args.keep, exist_ok=True)
+
+        def kept(case, count, run):
+            return args.keep and os.path.join(args.keep, f"callgrind.{case}.{count}.{run}")
+
+        for run in range(args.runs):
             for case in cases:
-                low = measure(args.binary, work, case, args.n1)
-                high = measure(args.binary, work, case, args.n2)
+                low = measure(args.binary, work, case, args.n1, kept(case, args.n1, run))
+                high = measure(args.binary, work, case, args.n2, kept(case, args.n2, run))
                 runs[case].append((high - low) / (args.n2 - args.n1))
         names = {"read": "QD1 4 KiB read", "write": "QD1 4 KiB write", "hit": "4 KiB cache hit"}
         print("| binary | " + " | ".join(f"{names[c]} (Ir/request)" for c in cases) + " |")

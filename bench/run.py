@@ -50,6 +50,8 @@ TLS_FRONTS = ("nbdgw", "qemu-nbd-tls", "nbdkit-proxy")
 # nbdgw's --cache-size). They run only the read workloads a cache is for.
 CACHED_FRONTS = ("nbdgw-cached", "nbdkit-cached")
 CACHE_SIZE = 256 << 20
+# The flags that make nbdgw-cached (and --variant-bin-cached's twins).
+CACHE_FLAGS = ["--immutable", "--cache-size", str(CACHE_SIZE)]
 LAN_SERVER_IP = "10.231.0.1"
 LAN_CLIENT_IP = "10.231.0.2"
 
@@ -139,6 +141,9 @@ class Fronts:
         self.certs = os.path.join(work, "certs")
         self.sock = os.path.join(work, "up.sock")
         self.nbdgw = os.path.join(ROOT, "target", "release", "nbdgw")
+        # Admin ports of the nbdgw instances with a read cache, whose
+        # /metrics say how many READs went upstream.
+        self.admin = {}
 
     def spawn(self, cmd):
         p = subprocess.Popen(self.net.server(cmd), stdin=subprocess.DEVNULL,
@@ -149,7 +154,7 @@ class Fronts:
     def null(self):
         return f"driver=null-co,size={self.size},read-zeroes=off"
 
-    def start(self):
+    def start(self, only=None):
         if not os.path.exists(self.certs):
             run([self.nbdgw, "certs", "--out", self.certs, "--server-name", "localhost",
                  "--server-name", "127.0.0.1", "--server-name", LAN_SERVER_IP],
@@ -166,14 +171,15 @@ class Fronts:
         def nbdgw(name, extra, binary):
             port = free_port()
             self.ports[name] = port
+            if is_cached(name):
+                self.admin[name] = free_port()
+                extra = [*CACHE_FLAGS, "--admin-listen", f"127.0.0.1:{self.admin[name]}", *extra]
             self.pids[name] = self.spawn(
                 [binary, "--listen", f"{bind}:{port}", "--tls-dir", self.certs,
                  "--upstream", self.sock, "--max-connections", "2000", *extra]).pid
 
         nbdgw("nbdgw", [], self.nbdgw)
-        self.admin_cached = free_port()
-        nbdgw("nbdgw-cached", ["--immutable", "--cache-size", str(CACHE_SIZE),
-                               "--admin-listen", f"127.0.0.1:{self.admin_cached}"], self.nbdgw)
+        nbdgw("nbdgw-cached", [], self.nbdgw)
         for name, extra, binary in self.variants:
             nbdgw(name, extra, binary or self.nbdgw)
         for name, tls in ((REFERENCE, True), ("qemu-nbd-tcp", False)):
@@ -202,6 +208,8 @@ class Fronts:
         self.pids["unix"] = None
         self.names = ["nbdgw", *[v[0] for v in self.variants], REFERENCE, "nbdkit-proxy",
                       *CACHED_FRONTS, "qemu-nbd-tcp"] + ([] if self.net.lan else ["unix"])
+        if only:
+            self.names = [n for n in self.names if n in only]
 
     def uri(self, name):
         if name == "unix":
@@ -416,7 +424,7 @@ def boot_storm(fronts, name, args, n):
     the READs it sent upstream per client read."""
     seed = 9000 + 100 * n + args.rep
     up = fronts.upstream.pid
-    before = cache_counters(fronts) if name == "nbdgw-cached" else None
+    before = cache_counters(fronts, name) if name in fronts.admin else None
     up_cpu = cpu_seconds(up)
     with Measure(fronts.pids[name]) as m:
         procs = [subprocess.Popen(fronts.net.client(
@@ -430,21 +438,27 @@ def boot_storm(fronts, name, args, n):
     upstream = float("nan") if name == REFERENCE else cpu_seconds(up) - up_cpu
     row = {"ms": m.took * 1e3, "CPU us/req": m.cpu * 1e6 / requests, "upstream CPU s": upstream}
     if before is not None:
-        after = cache_counters(fronts)
+        after = cache_counters(fronts, name)
         row["upstream reads/req"] = (after - before) / requests
     return row
 
 
-def cache_counters(fronts):
-    """The READs nbdgw-cached has sent upstream (its /metrics, read in the
-    servers' namespace)."""
-    url = f"http://127.0.0.1:{fronts.admin_cached}/metrics"
+def cache_counters(fronts, name):
+    """The READs a cached nbdgw has sent upstream (its /metrics, read in
+    the servers' namespace)."""
+    url = f"http://127.0.0.1:{fronts.admin[name]}/metrics"
     text = run(fronts.net.server(["curl", "-sf", "--max-time", "5", url]),
                capture_output=True, text=True).stdout
     for line in text.splitlines():
         if line.startswith("nbdgw_cache_upstream_reads_total "):
             return float(line.split()[1])
-    raise RuntimeError("nbdgw-cached has no nbdgw_cache_upstream_reads_total")
+    raise RuntimeError(f"{name} has no nbdgw_cache_upstream_reads_total")
+
+
+def is_cached(name):
+    """Whether a front end runs with a read cache: nbdkit's, nbdgw-cached,
+    and --variant-bin-cached's twins (named ...-cached)."""
+    return name in CACHED_FRONTS or (name.startswith("nbdgw-") and name.endswith("-cached"))
 
 
 def many_vms(fronts, name, args):
@@ -520,7 +534,7 @@ STORMS = {"boot storm 8", "boot storm 16"}
 
 def runs(workload, name, variant_names):
     """Whether this front end runs this workload."""
-    if name in CACHED_FRONTS:
+    if is_cached(name):
         return workload in CACHE_WORKLOADS
     tls = name in TLS_FRONTS or name in variant_names
     if (workload in TLS_ONLY or workload in STORMS) and not tls:
@@ -676,7 +690,7 @@ def bench_mode(args, lan, work):
     extra = {}
     try:
         net.up()
-        fronts.start()
+        fronts.start(args.fronts)
         aes, gbit = references(net, work)
         extra["references"] = (aes, gbit)
         for rep in range(args.reps):
@@ -690,9 +704,10 @@ def bench_mode(args, lan, work):
                     results.setdefault((workload, name), []).append(fn(fronts, name, args))
             print(f"  {net.name}: rep {rep + 1}/{args.reps} done", file=sys.stderr)
         if lan and "wire" in args.workloads:
-            extra["wire"] = {n: wire_stats(fronts, n, args) for n in [*TLS_FRONTS, *variant_names]}
+            tls = [n for n in [*TLS_FRONTS, *variant_names] if n in fronts.names and not is_cached(n)]
+            extra["wire"] = {n: wire_stats(fronts, n, args) for n in tls}
         if not lan and "rss" in args.workloads:
-            extra["rss"] = {n: idle_rss(fronts, n, args) for n in TLS_FRONTS}
+            extra["rss"] = {n: idle_rss(fronts, n, args) for n in TLS_FRONTS if n in fronts.names}
     finally:
         fronts.stop()
         net.down()
@@ -825,6 +840,13 @@ def parse_variant_bin(text):
     return (f"nbdgw-{name}", [], os.path.abspath(path))
 
 
+def parse_variant_bin_cached(text):
+    """Another nbdgw binary with nbdgw-cached's flags, named NAME-cached:
+    the boot storms through the read cache, before and after a change."""
+    name, flags, path = parse_variant_bin(text)
+    return (f"{name}-cached", flags, path)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size-gib", type=int, default=1, help="export size; bytes per sequential run")
@@ -843,13 +865,26 @@ def main():
     ap.add_argument("--variant-bin", dest="variants", action="append", type=parse_variant_bin,
                     metavar="NAME=PATH",
                     help="also run this nbdgw binary, e.g. a build with another reply chunk size")
+    ap.add_argument("--variant-bin-cached", dest="variants", action="append",
+                    type=parse_variant_bin_cached, metavar="NAME=PATH",
+                    help="also run this nbdgw binary with nbdgw-cached's flags (as nbdgw-NAME-cached; "
+                    "the cached rows only)")
+    ap.add_argument("--fronts", default=None,
+                    help="comma-separated front ends to measure (default: all, and the variants); "
+                    "a shorter run, at the cost of the ratios to the fronts left out")
     args = ap.parse_args()
     args.workloads = set(args.workloads.split(","))
+    if args.fronts:
+        args.fronts = set(args.fronts.split(","))
     if os.geteuid() != 0:
         sys.exit("bench: run as root (network namespaces, packet capture, pinning)")
+    # tshark and fio only for the rows that use them (a run of a subset
+    # needs only its own tools).
+    wants = {"tshark": "wire" in args.workloads,
+             "fio": any(w in args.workloads for w in NOT_UNIX)}
     for tool in ("qemu-nbd", "qemu-io", "nbdkit", "nbdcopy", "tshark", "iperf3", "openssl", "ethtool",
                  "taskset", "fio", "setpriv", "curl"):
-        if not shutil.which(tool):
+        if wants.get(tool, True) and not shutil.which(tool):
             sys.exit(f"bench: {tool} missing: run bench/setup.sh")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

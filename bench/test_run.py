@@ -55,6 +55,14 @@ class WhoRunsWhat(unittest.TestCase):
         self.assertIn("| nbdgw-cached | 1.00 (1.00-1.00) | 0.25x | 0.100 (0.100-0.100) | - |", text)
         self.assertEqual(medians[("boot storm 8", "nbdgw-cached", "upstream reads/req")], 0.1)
 
+    def test_a_cached_variant_runs_only_the_cached_rows(self):
+        name = "nbdgw-before-cached"
+        ran = {w for w in run.WORKLOADS if run.runs(w, name, {name})}
+        self.assertEqual(ran, run.CACHE_WORKLOADS)
+        # A plain variant of another binary still runs every TLS row.
+        self.assertTrue(run.runs("seq read", "nbdgw-before", {"nbdgw-before"}))
+        self.assertFalse(run.is_cached("nbdgw-before"))
+
     def test_fio_never_reaches_the_root_owned_socket(self):
         for w in run.NOT_UNIX:
             self.assertFalse(run.runs(w, "unix", set()))

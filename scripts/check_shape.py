@@ -30,10 +30,10 @@ IMPL_LIMIT = 300
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 ALLOW = os.path.join(ROOT, "scripts", "shape-allow.txt")
 # Names that say a file's role inside its module, not what it does: a
-# module's root, its tests, and the request and reply halves of a relay
+# module's root, its tests, its settings, and the request and reply halves of a relay
 # (the transmission relay, the read cache's layer, client mode's
 # reconnecting stream each have both).
-SHARED_NAMES = {"mod.rs", "tests.rs", "requests.rs", "replies.rs"}
+SHARED_NAMES = {"mod.rs", "tests.rs", "settings.rs", "requests.rs", "replies.rs"}
 
 
 def layout_problems(src):

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use crate::cache::ReadCacheSettings;
 pub use crate::source::{
     PrefixError, Source, SourcePrefixes, DEFAULT_SOURCE_PREFIX_V4, DEFAULT_SOURCE_PREFIX_V6,
 };
@@ -96,34 +97,6 @@ pub struct Config {
     pub health: Arc<crate::metrics::Health>,
     /// Immutable exports and the read cache they share.
     pub read_cache: ReadCacheSettings,
-}
-
-/// Exports declared immutable and the read cache they share.
-#[derive(Clone)]
-pub struct ReadCacheSettings {
-    /// Exports declared immutable: read-only for everyone, and cached.
-    pub immutable: Arc<crate::exports::Immutable>,
-    /// The read cache immutable exports share; `None`: off.
-    pub cache: Option<Arc<crate::cache::ReadCache>>,
-    /// Bytes one read-ahead request fetches; 0: no read-ahead.
-    pub read_ahead: u32,
-    /// Read-ahead requests one connection may have in flight.
-    pub read_ahead_depth: u32,
-    /// Fill reads one connection may have in flight.
-    pub cache_fill_depth: u32,
-}
-
-impl Default for ReadCacheSettings {
-    /// No export immutable, so no cache; the flags' defaults otherwise.
-    fn default() -> Self {
-        ReadCacheSettings {
-            immutable: Arc::default(),
-            cache: None,
-            read_ahead: crate::cache::DEFAULT_READ_AHEAD,
-            read_ahead_depth: crate::cache::DEFAULT_READ_AHEAD_DEPTH,
-            cache_fill_depth: crate::cache::DEFAULT_CACHE_FILL_DEPTH,
-        }
-    }
 }
 
 /// What the relay allows one connection, and when it gives up on it: the

@@ -21,6 +21,8 @@
 //! lands in the new server's generation.
 
 mod eviction;
+mod settings;
+pub use settings::ReadCacheSettings;
 
 use std::collections::HashMap;
 use std::path::PathBuf;

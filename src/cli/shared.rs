@@ -67,7 +67,9 @@ impl<T: Args + ClientWording> Args for ForClient<T> {
 fn reword(mut cmd: clap::Command, words: &[Wording]) -> clap::Command {
     for word in words {
         cmd = cmd.mut_arg(word.id, |arg| match word.help {
-            Some(help) => arg.env(word.env).help(help),
+            // The long help too: a server doc comment of two paragraphs
+            // would otherwise show in client mode's `--help`.
+            Some(help) => arg.env(word.env).help(help).long_help(None::<&str>),
             None => arg.env(word.env),
         });
     }

@@ -36,7 +36,7 @@ pub fn start(args: ClientArgs) -> Result<()> {
         tokio::spawn(reloader.watch(args.tls.protocol.reload_interval()));
         if let Some(admin) = admin {
             let admin = async_listener(admin)?;
-            info!(admin = %display_addr(&admin), "admin endpoints: /healthz /readyz /server /metrics");
+            info!(target: "nbdgw", admin = %display_addr(&admin), "admin endpoints: /healthz /readyz /server /metrics");
             let limits = crate::admin::AdminLimits::default();
             let (metrics, health) = (settings.metrics.clone(), settings.health.clone());
             tokio::spawn(crate::admin::serve(admin, metrics, health, limits));

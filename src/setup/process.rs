@@ -58,7 +58,7 @@ pub async fn stopping() {
 /// without NOTIFY_SOCKET.
 pub fn notify(state: &[NotifyState]) {
     if let Err(e) = sd_notify::notify(state) {
-        warn!(error = %e, "cannot notify systemd (NOTIFY_SOCKET)");
+        warn!(target: "nbdgw", error = %e, "cannot notify systemd (NOTIFY_SOCKET)");
     }
 }
 

@@ -37,7 +37,9 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     // Counted before the sandbox hides /sys and /proc from the runtime.
     let threads = args.process.worker_threads();
     match args.sandbox.landlock {
-        LandlockMode::Off => info!("--landlock false: the process is not sandboxed"),
+        LandlockMode::Off => {
+            info!(target: "nbdgw", "--landlock false: the process is not sandboxed")
+        }
         mode => sandbox::apply(mode, &reloader, policy.as_ref(), &config, &args)?,
     }
 
@@ -72,7 +74,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         if let Some(predecessor) = predecessor {
             tokio::spawn(serve_successors(predecessor, on_stop));
         }
-        info!(listen = %shown, from_systemd = listeners.from_systemd, %upstream, exports, ?cork, "nbdgw listening");
+        info!(target: "nbdgw", listen = %shown, from_systemd = listeners.from_systemd, %upstream, exports, ?cork, "nbdgw listening");
         notify(&[NotifyState::Ready]);
         serving.await.context("the accept loop")??;
         Ok(())
@@ -103,7 +105,7 @@ async fn serve_successors(predecessor: Predecessor, on_stop: oneshot::Receiver<(
 }
 
 fn start_admin(listener: TcpListener, config: &Config, limits: AdminLimits, gate: handover::Gate) {
-    info!(admin = %display_addr(&listener), "admin endpoints: /healthz /readyz /metrics");
+    info!(target: "nbdgw", admin = %display_addr(&listener), "admin endpoints: /healthz /readyz /metrics");
     let (metrics, health) = (config.metrics.clone(), config.health.clone());
     // With named exports each has its own server; one being down does
     // not make the gateway unready.
