@@ -12,6 +12,7 @@ restarted, the server certificate is rotated, and SIGHUP comes in storms.
     bench/soak.py --seconds 14400 --clients 64 # a long run by hand
     bench/soak.py --through-client --seconds 60
     bench/soak.py --immutable --seconds 60     # the read cache
+    bench/soak.py --handover --seconds 40      # replaced every 4 s
 
 --through-client puts `nbdgw client --reconnect` between the clients and
 the gateway (they speak plaintext NBD to its Unix socket) and adds three
@@ -33,6 +34,16 @@ on it), which the cache must notice too. Each connection checks every
 read against the one image it opened: the one its upstream served at
 some moment between its connect and that read, the same for its whole
 life.
+
+With --handover the gateway runs with --handover-socket and is replaced
+every --handover-every seconds by a successor started with --take-over
+(the same flags; alternately the binary in NBDGW_HANDOVER_OTHER when
+set), among the faults, minus the upstream restart: a new qemu-nbd ends
+every session whatever the gateway does, and here no client may see an
+error. Every established session must move to the successor: no client
+error, no reconnect, each predecessor exits 0, and the last gateway's
+descriptors and memory come back to the first one's baseline. Until the
+session hand-over lands (issue 29) this fails: sessions drain.
 
 Prints operations, acknowledged writes, mismatches (must be 0), errors by
 kind, faults injected, latency percentiles, nbdgw's peak RSS, and its
@@ -76,6 +87,7 @@ class Stats:
         self.faults = collections.Counter()
         self.latency = collections.defaultdict(list)
         self.acked_writes = 0
+        self.connects = 0
         self.mismatches = []
         # (start, end) of each fault that may make a connect fail (the
         # upstream down, the client's CA file being rewritten), and of
@@ -173,6 +185,8 @@ def client_loop(cid, region, uri, stats, stop, start_together):
                 stats.connect_failed(attempt, time.time(), short(e))
                 time.sleep(0.2)
                 continue
+            with stats.lock:
+                stats.connects += 1
         blocks = rng.choice([1, 1, 1, 4, 16])
         offset = region.start + rng.randrange(region.length // BLOCK - blocks + 1) * BLOCK
         length = blocks * BLOCK
@@ -401,8 +415,21 @@ def request(command, cookie, offset, length):
 
 class Processes:
     def __init__(self, work, image, certs, host, port, netns, gw_extra=(), images=None,
-                 through_client=False, served=None):
+                 through_client=False, served=None, handover=False):
         self.work, self.image, self.certs = work, image, certs
+        # --handover: the hand-over socket, in a directory of our own;
+        # the generations started so far, and the predecessors replaced
+        # (each must exit 0).
+        self.handover = None
+        if handover:
+            run = os.path.join(work, "run")
+            os.mkdir(run, 0o700)
+            self.handover = os.path.join(run, "handover.sock")
+        self.generation, self.predecessors, self.pauses = 0, [], []
+        # `nbdgw certs` rewrites the TLS files in place, not atomically: a
+        # successor that read them half-written would rightly fail its
+        # start, so a rotation and a successor's start never overlap.
+        self.files = threading.Lock()
         # --immutable: the images ({name: path}) an upstream resize or
         # swap switches between, and the history of which was served.
         self.images, self.served = images or {}, served
@@ -428,14 +455,17 @@ class Processes:
                     sys.exit("soak: nbdgw client did not start")
                 time.sleep(0.05)
 
-    def start_gateway(self):
+    def gateway_command(self, binary=NBDGW):
         # `ip netns exec` execs nbdgw in place: the pid is nbdgw's.
         inside = ["ip", "netns", "exec", self.netns] if self.netns else []
-        self.gw = subprocess.Popen(
-            [*inside, NBDGW, "--listen", f"{self.host}:{self.port}", "--upstream", self.sock,
-             "--tls-dir", self.certs, "--tls-reload-interval", "1", "--stall-timeout", "3",
-             "--handshake-timeout", "5", "--shutdown-grace", "5", *self.gw_extra],
-            stderr=self.log, env={**os.environ, "RUST_LOG": "info"})
+        handover = ["--handover-socket", self.handover, "--handover-timeout", "30"] if self.handover else []
+        return [*inside, binary, "--listen", f"{self.host}:{self.port}", "--upstream", self.sock,
+                "--tls-dir", self.certs, "--tls-reload-interval", "1", "--stall-timeout", "3",
+                "--handshake-timeout", "5", "--shutdown-grace", "5", *handover, *self.gw_extra]
+
+    def start_gateway(self):
+        self.gw = subprocess.Popen(self.gateway_command(), stderr=self.log,
+                                   env={**os.environ, "RUST_LOG": "info"})
         deadline = time.time() + 10
         while time.time() < deadline:
             try:
@@ -444,6 +474,50 @@ class Processes:
             except OSError:
                 time.sleep(0.05)
         sys.exit("soak: nbdgw did not start")
+
+    def hand_over(self):
+        """Starts a successor with --take-over (alternately the binary in
+        NBDGW_HANDOVER_OTHER) and waits until it serves; the predecessor
+        is reaped later (`predecessors_exit`), so a slow drain does not
+        hold up the next hand-over."""
+        n = self.generation + 1
+        binary = os.environ.get("NBDGW_HANDOVER_OTHER", NBDGW) if n % 2 else NBDGW
+        path = os.path.join(self.work, f"nbdgw-{n}.log")
+        with self.files:
+            self.start_successor(binary, path)
+        old, self.gw, self.generation = self.gw, self.successor, n
+        self.predecessors.append((n - 1, old))
+
+    def start_successor(self, binary, path):
+        with open(path, "w") as log:
+            new = subprocess.Popen(self.gateway_command(binary) + ["--take-over", self.handover],
+                                   stderr=log, env={**os.environ, "RUST_LOG": "info"})
+        deadline = time.time() + 60
+        while True:
+            with open(path, errors="replace") as f:
+                text = f.read()
+            if "take-over: serving" in text:
+                break
+            if new.poll() is not None or time.time() > deadline:
+                new.kill()
+                new.wait()
+                raise OSError(f"successor did not take over (exit {new.returncode}): {text[-300:]!r}")
+            time.sleep(0.05)
+        self.successor = new
+        pause = [w for w in text.split() if w.startswith("pause_ms=")]
+        if pause:
+            self.pauses.append(float(pause[0].split("=")[1]))
+
+    def predecessors_exit(self, timeout=60):
+        """The exit code of every replaced gateway: (generation, code)."""
+        codes = []
+        for n, old in self.predecessors:
+            try:
+                codes.append((n, old.wait(timeout=timeout)))
+            except subprocess.TimeoutExpired:
+                old.kill()
+                codes.append((n, "still running"))
+        return codes
 
     def restart_gateway(self):
         """SIGKILL, as a crash or a node's eviction would: no drain."""
@@ -515,6 +589,10 @@ class Processes:
             self.gw.wait(timeout=40)
         except subprocess.TimeoutExpired:
             self.gw.kill()
+        for _, old in self.predecessors:
+            if old.poll() is None:
+                old.kill()
+                old.wait()
         self.qemu.kill()
         self.qemu.wait()
 
@@ -579,6 +657,9 @@ def faults(procs, certs, stats, stop, rng, every):
         kinds[1:1] = ["gateway restart", "graceful gateway restart", "gateway flapping"]
     if len(procs.images) > 1:
         kinds[3:3] = ["upstream resize", "image swap"]
+    if procs.handover:
+        # A new qemu-nbd ends every session, which --handover forbids.
+        kinds.remove("upstream restart")
     i = 0
     while not stop.wait(every):
         kind = kinds[i % len(kinds)]
@@ -615,10 +696,11 @@ def faults(procs, certs, stats, stop, rng, every):
             elif kind == "certificate rotation":
                 # Clients read the same files (the CA is kept, rewritten).
                 began = time.time()
-                subprocess.run([NBDGW, "certs", "--out", certs, "--force", "--server-name", procs.host,
-                                "--ca-cert", os.path.join(certs, "ca-cert.pem"),
-                                "--ca-key", os.path.join(certs, "ca-key.pem")],
-                               check=True, stdout=subprocess.DEVNULL)
+                with procs.files:
+                    subprocess.run([NBDGW, "certs", "--out", certs, "--force", "--server-name", procs.host,
+                                    "--ca-cert", os.path.join(certs, "ca-cert.pem"),
+                                    "--ca-key", os.path.join(certs, "ca-key.pem")],
+                                   check=True, stdout=subprocess.DEVNULL)
                 stats.window(began, time.time())
                 if not serves_new_certificate(procs, certs):
                     stats.error("rotation: new sessions never got the new certificate")
@@ -628,6 +710,16 @@ def faults(procs, certs, stats, stop, rng, every):
             stats.fault(kind)
         except (OSError, ssl.SSLError, ConnectionError, subprocess.CalledProcessError) as e:
             stats.error(f"fault {kind}: {e}")
+
+
+def handovers(procs, stats, stop, every):
+    """A hand-over every `every` seconds (from the end of the last)."""
+    while not stop.wait(every):
+        try:
+            procs.hand_over()
+            stats.fault("hand-over")
+        except OSError as e:
+            stats.error(f"hand-over: {e}")
 
 
 def serves_new_certificate(procs, certs, within=5.0):
@@ -675,9 +767,15 @@ def main():
                     help="the gateway's --drain-answer (default: the gateway's own default)")
     ap.add_argument("--max-op-seconds", type=float, default=0,
                     help="fail if a successful operation took longer (0: no limit)")
+    ap.add_argument("--handover", action="store_true",
+                    help="replace the gateway every --handover-every seconds (--take-over): no client error allowed")
+    ap.add_argument("--handover-every", type=float, default=4,
+                    help="seconds between hand-overs with --handover")
     args = ap.parse_args()
     if args.size_mib is None:
         args.size_mib = 64 if args.immutable else 256
+    if args.handover and (args.through_client or args.immutable or args.gateway_netns):
+        sys.exit("soak: --handover goes with the plain mode only")
     if not os.access(NBDGW, os.X_OK):
         sys.exit(f"soak: build nbdgw first (cargo build): {NBDGW}")
     with tempfile.TemporaryDirectory() as work:
@@ -704,7 +802,7 @@ def main():
                        check=True, stdout=subprocess.DEVNULL)
         port = args.port or free_port()
         procs = Processes(work, image, certs, args.host, port, args.gateway_netns, gw_extra, paths,
-                          args.through_client, served)
+                          args.through_client, served, args.handover)
         # Through client mode the gateway is restarted: the process whose
         # descriptors and memory are watched is client mode's.
         pid = procs.client.pid if procs.client else procs.gw.pid
@@ -726,9 +824,12 @@ def main():
                        for c in range(args.clients)]
         faulter = threading.Thread(target=faults, args=(procs, certs, stats, stop, random.Random(args.seed),
                                                         args.fault_every))
+        replacer = threading.Thread(target=handovers, args=(procs, stats, stop, args.handover_every))
         for w in workers:
             w.start()
         faulter.start()
+        if args.handover:
+            replacer.start()
         started, peak = time.time(), rss_idle
         while time.time() - started < args.seconds:
             time.sleep(0.5)
@@ -738,11 +839,20 @@ def main():
             if procs.client and procs.client.poll() is not None:
                 stop.set()
                 sys.exit(f"soak: nbdgw client died with {procs.client.returncode}")
-            peak = max(peak, rss_mib(pid))
+            if args.handover:
+                # The process watched is the gateway serving now.
+                pid = procs.gw.pid
+            try:
+                peak = max(peak, rss_mib(pid))
+            except FileNotFoundError:
+                pass  # replaced between the two lines
         stop.set()
         for w in workers:
             w.join()
         faulter.join()
+        if args.handover:
+            replacer.join()
+            pid = procs.gw.pid
         # The stalled readers are closed by the stall timeout; then every
         # connection nbdgw held is gone.
         fds_after, rss_after = settle(pid, fds_before, rss_idle + margin - RSS_MARGIN_MIB)
@@ -776,7 +886,28 @@ def main():
                 for line in said[-40:]:
                     print("client mode:", line.rstrip()[:400])
                 print(f"client mode: {len(said)} warnings and errors in all, the last 40 shown")
+        handover_checks = {}
+        if args.handover:
+            client_errors = {k: v for k, v in seen.items() if not k.startswith("hand-over: ")}
+            failed_handovers = {k: v for k, v in seen.items() if k.startswith("hand-over: ")}
+            exits = procs.predecessors_exit()
+            reconnects = stats.connects - args.clients
+            pauses = sorted(procs.pauses)
+            print(f"hand-overs done: {stats.faults['hand-over']}, failed: {failed_handovers}")
+            print(f"predecessors' exit codes other than 0: {[(n, c) for n, c in exits if c != 0]}")
+            print(f"client errors: {sum(client_errors.values())} {client_errors}")
+            print(f"reconnects: {reconnects} ({stats.connects} connects by {args.clients} clients)")
+            if pauses:
+                print(f"listeners' pause (successor's pause_ms): median {pauses[len(pauses) // 2]:.0f} ms, "
+                      f"max {pauses[-1]:.0f} ms")
+            handover_checks = {
+                "hand-overs done": stats.faults["hand-over"] > 0 and not failed_handovers,
+                "no client error": not client_errors,
+                "no reconnect": reconnects == 0,
+                "every predecessor exited 0": all(c == 0 for _, c in exits),
+            }
         checks = {
+            **handover_checks,
             "no mismatch": not stats.mismatches,
             "nbdgw exited 0": procs.gw.returncode == 0,
             "no unexplained connect error": not unexplained,
