@@ -43,7 +43,7 @@ mod common;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -332,6 +332,7 @@ impl Drop for Watched {
 /// there (zeros at first), writes the next generation's pattern (offset
 /// and generation), reads it back and compares. Never pauses; on any
 /// error it prints it and exits 1 (a libnbd handle never reconnects).
+/// At the end it reads its whole region back.
 const LIBNBD_CLIENT: &str = r#"
 import nbd, struct, sys, threading
 uri, start, length, block = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -360,6 +361,10 @@ try:
         ops += 1
         print("ok", ops, flush=True)
     h.flush()
+    for b, gen in enumerate(gens):
+        if h.pread(block, start + b * block) != pattern(start + b * block, gen):
+            print("error mismatch at the end at", start + b * block, "generation", gen, flush=True)
+            sys.exit(1)
     h.shutdown()
 except nbd.Error as e:
     print("error after", ops, "operations:", e, flush=True)
@@ -418,10 +423,33 @@ fn qemu_io_line(line: &str, is_err: bool) -> Line {
     }
 }
 
+/// qemu-io's script as fed: until `stop`, and how many blocks' commands
+/// went in (it runs them all before it exits at the end of its input).
+#[derive(Default)]
+struct Feed {
+    stop: AtomicBool,
+    fed: AtomicUsize,
+}
+
+impl Feed {
+    /// The second half of the disk as qemu-io's last write to each block
+    /// left it.
+    fn expected(&self) -> Vec<u8> {
+        let (blocks, fed) = (DISK_LEN / 2 / BLOCK, self.fed.load(Ordering::SeqCst));
+        let mut half = Vec::with_capacity(DISK_LEN / 2);
+        for block in 0..blocks {
+            let writes = fed / blocks + usize::from(block < fed % blocks);
+            let byte = qemu_io_pattern(block, writes.checked_sub(1));
+            half.resize(half.len() + BLOCK, byte as u8);
+        }
+        half
+    }
+}
+
 /// qemu-io over TLS (tls-creds-x509, no reconnect-delay: its default,
 /// 0, fails a request at once when the connection is lost), fed its
-/// script on stdin as fast as it takes it until `stop`.
-fn start_qemu_io(rig: &Rig, stop: Arc<AtomicBool>) -> Watched {
+/// script on stdin as fast as it takes it until told to stop.
+fn start_qemu_io(rig: &Rig, feed: Arc<Feed>) -> Watched {
     let [_, object, _, _] = common::clients::qemu_tls_args("localhost", rig.port, &rig.env.certs());
     let opts = format!(
         "driver=nbd,host=localhost,port={},export=disk,tls-creds=tls0",
@@ -433,11 +461,12 @@ fn start_qemu_io(rig: &Rig, stop: Arc<AtomicBool>) -> Watched {
     let mut stdin = watched.child.stdin.take().unwrap();
     std::thread::spawn(move || {
         let mut k = 0;
-        while !stop.load(Ordering::SeqCst) {
+        while !feed.stop.load(Ordering::SeqCst) {
             if stdin.write_all(qemu_io_commands(k).as_bytes()).is_err() {
                 return;
             }
             k += 1;
+            feed.fed.store(k, Ordering::SeqCst);
         }
         // qemu-io runs what it has and exits at the end of its input.
     });
@@ -575,13 +604,13 @@ fn replaced_in_a_row(tls: Tls) {
         }
     );
     let mut gateway = rig.generation(&under_test, false);
-    let stop = Arc::new(AtomicBool::new(false));
+    let feed = Arc::new(Feed::default());
     let (in_tx, in_rx) = channel();
     let (out_tx, out_rx) = channel();
     let copied_out = rig.env.path("copied-out.bin");
     let clients = [
         start_libnbd(&rig),
-        start_qemu_io(&rig, stop.clone()),
+        start_qemu_io(&rig, feed.clone()),
         start_copy_in(&rig, in_rx),
         start_copy_out(&rig, out_rx, copied_out.clone()),
     ];
@@ -612,7 +641,7 @@ fn replaced_in_a_row(tls: Tls) {
         gateway = new;
         assert_all_alive(&clients, &format!("after round {round}"));
     }
-    finish_clients(&rig, clients, stop, [in_tx, out_tx], &copied_out);
+    finish_clients(&rig, clients, &feed, [in_tx, out_tx], &copied_out);
     // NBDGW_REPLACEMENTS=0 checks the harness alone, on one gateway.
     let made = handshakes(&gateway);
     let expected = if replacements() == 0 { 4 } else { 0 };
@@ -625,14 +654,14 @@ fn replaced_in_a_row(tls: Tls) {
 fn finish_clients(
     rig: &Rig,
     clients: [Watched; 4],
-    stop: Arc<AtomicBool>,
+    feed: &Feed,
     permits: [Sender<()>; 2],
     copied_out: &Path,
 ) {
     for c in &clients[..2] {
         c.wait_progress(c.progress(), PROGRESS_PER_ROUND, "after the last round");
     }
-    stop.store(true, Ordering::SeqCst);
+    feed.stop.store(true, Ordering::SeqCst);
     drop(permits);
     for mut c in clients {
         drop(c.child.stdin.take());
@@ -650,7 +679,12 @@ fn finish_clients(
             .arg(&rig.source)
             .arg(&copied_in),
     );
-    assert_eq!(rig.disk.read_direct().len(), DISK_LEN);
+    // Every write qemu-io was acknowledged reached the upstream.
+    let disk = rig.disk.read_direct();
+    assert!(
+        disk[DISK_LEN / 2..] == feed.expected(),
+        "qemu-io's half differs"
+    );
 }
 
 /// The last generation established no TLS session either (its counter,
