@@ -262,6 +262,11 @@ def measure(rig, idle, busy, handovers, settle):
         add("busy gap, no hand-over", [b.longest_gap(quiet - 1 - span, quiet - 1, False) for b in busy])
         print(f"hand-over {n + 1}: {ended - began:.2f} s from the successor's connection to the "
               f"predecessor's exit", flush=True)
+        if rows["idle request, hand-over"][1] or rows["busy gap, hand-over"][1]:
+            # Sessions lost (drained, not handed over): later rounds
+            # would only measure dead ones.
+            print("sessions were lost in this hand-over: no further rounds", flush=True)
+            break
     return rows
 
 
