@@ -130,10 +130,13 @@ class Rig:
 def wait_for_line(path, needle, process, within=120):
     deadline = time.time() + within
     while True:
+        # Whether it had exited before the read: a line it logged just
+        # before it exited is still found.
+        exited = process.poll() is not None
         with open(path, errors="replace") as f:
             if needle in f.read():
                 return
-        if process.poll() is not None or time.time() > deadline:
+        if exited or time.time() > deadline:
             sys.exit(f"handover_pause: no {needle!r} in {path} (exit {process.poll()})")
         time.sleep(0.005)
 

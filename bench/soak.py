@@ -426,6 +426,7 @@ class Processes:
             os.mkdir(run, 0o700)
             self.handover = os.path.join(run, "handover.sock")
         self.generation, self.predecessors, self.pauses = 0, [], []
+        self.handing_over = False
         # `nbdgw certs` rewrites the TLS files in place, not atomically: a
         # successor that read them half-written would rightly fail its
         # start, so a rotation and a successor's start never overlap.
@@ -483,10 +484,14 @@ class Processes:
         n = self.generation + 1
         binary = os.environ.get("NBDGW_HANDOVER_OTHER", NBDGW) if n % 2 else NBDGW
         path = os.path.join(self.work, f"nbdgw-{n}.log")
-        with self.files:
-            self.start_successor(binary, path)
-        old, self.gw, self.generation = self.gw, self.successor, n
-        self.predecessors.append((n - 1, old))
+        self.handing_over = True
+        try:
+            with self.files:
+                self.start_successor(binary, path)
+            old, self.gw, self.generation = self.gw, self.successor, n
+            self.predecessors.append((n - 1, old))
+        finally:
+            self.handing_over = False
 
     def start_successor(self, binary, path):
         with open(path, "w") as log:
@@ -494,11 +499,12 @@ class Processes:
                                    stderr=log, env={**os.environ, "RUST_LOG": "info"})
         deadline = time.time() + 60
         while True:
+            exited = new.poll() is not None
             with open(path, errors="replace") as f:
                 text = f.read()
             if "take-over: serving" in text:
                 break
-            if new.poll() is not None or time.time() > deadline:
+            if exited or time.time() > deadline:
                 new.kill()
                 new.wait()
                 raise OSError(f"successor did not take over (exit {new.returncode}): {text[-300:]!r}")
@@ -833,15 +839,23 @@ def main():
         started, peak = time.time(), rss_idle
         while time.time() - started < args.seconds:
             time.sleep(0.5)
-            if procs.gw.poll() is not None and not (procs.client and stats.faults["gateway restart"]):
+            gw = procs.gw
+            # A predecessor exits once it has handed over, maybe before
+            # procs.gw names its successor: its exit code is checked
+            # with the others' at the end.
+            replaced = args.handover and (procs.handing_over or gw is not procs.gw)
+            if gw.poll() is not None and not (procs.client and stats.faults["gateway restart"]) \
+                    and not replaced:
                 stop.set()
                 sys.exit(f"soak: nbdgw died with {procs.gw.returncode}")
             if procs.client and procs.client.poll() is not None:
                 stop.set()
                 sys.exit(f"soak: nbdgw client died with {procs.client.returncode}")
-            if args.handover:
-                # The process watched is the gateway serving now.
-                pid = procs.gw.pid
+            if not args.handover:
+                peak = max(peak, rss_mib(pid))
+                continue
+            # The process watched is the gateway serving now.
+            pid = procs.gw.pid
             try:
                 peak = max(peak, rss_mib(pid))
             except FileNotFoundError:
