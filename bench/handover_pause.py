@@ -255,7 +255,9 @@ def measure(rig, idle, busy, handovers, settle):
         result = {}
         worker = threading.Thread(target=lambda: result.update(ended=rig.hand_over(started)))
         worker.start()
-        started.wait()
+        while not started.wait(0.1):
+            if not worker.is_alive():
+                sys.exit("handover_pause: the hand-over never started")
         began = time.monotonic()
         add("idle request, hand-over", idle_round(idle))
         worker.join()
