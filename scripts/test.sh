@@ -49,19 +49,20 @@ scripts/fuzz.sh 30
 # session hand-over lands (today they drain, and these fail): the lead
 # flips NBDGW_HANDOVER_SESSIONS's default to 1 then. The replacements
 # alternate two builds: nbdgw compiled again at opt-level 1 (only the
-# nbdgw crate rebuilds, 45 s on the dev machine; the normal binary comes
-# back from target/ without a rebuild). Timed 2026-12-03 on the dev
+# nbdgw crate rebuilds, with cargo test's features so no dependency
+# does: 45 s on an idle dev machine, 72 s beside two other builds; the
+# normal binary comes back from target/ without a rebuild, 0.2 s). Timed 2026-12-03 on the dev
 # machine: the two tests (TLS 1.3 and 1.2, in parallel) 3.3 s with
 # NBDGW_REPLACEMENTS=0, and 20 replacements without sessions take 0.6 s,
 # so about 10 s expected once sessions move; the soak 44 s (40 s of
 # load, then the settle and a burst of 1,000 failed handshakes, not the
-# plain soak's 10,000: nothing new to see there). About 1 min 40 s in
-# all with the build.
+# plain soak's 10,000: nothing new to see there). About 2 min in all
+# with the build.
 if [ "${NBDGW_HANDOVER_SESSIONS:-0}" = 1 ]; then
-    cargo build --locked --bin nbdgw --config 'profile.dev.package.nbdgw.opt-level=1'
+    cargo test --locked --test handover_replace --no-run \
+        --config 'profile.dev.package.nbdgw.opt-level=1'
     mkdir -p target/handover-other
     cp target/debug/nbdgw target/handover-other/nbdgw
-    cargo build --locked --bin nbdgw
     NBDGW_HANDOVER_OTHER="$PWD/target/handover-other/nbdgw" \
         cargo test --locked --test handover_replace -- --ignored
     NBDGW_HANDOVER_OTHER="$PWD/target/handover-other/nbdgw" \
