@@ -52,9 +52,10 @@ scripts/fuzz.sh 30
 # nbdgw crate rebuilds, with cargo test's features so no dependency
 # does: 45 s on an idle dev machine, 72 s beside two other builds; the
 # normal binary comes back from target/ without a rebuild, 0.2 s).
-# Timed 2026-12-03 on the dev machine: the two tests (TLS 1.3 and 1.2, in parallel) 3.3 s with
-# NBDGW_REPLACEMENTS=0, and 20 replacements without sessions take 0.6 s,
-# so about 10 s expected once sessions move; the soak 44 s (40 s of
+# Timed 2026-12-03 on the dev machine: the two tests (TLS 1.3 and 1.2,
+# in parallel) 3.3 s with NBDGW_REPLACEMENTS=0, and 20 replacements
+# without sessions take 0.6 s, so about 10 s expected once sessions
+# move; the soak 44 s (40 s of
 # load, then the settle and a burst of 1,000 failed handshakes, not the
 # plain soak's 10,000: nothing new to see there). About 2 min in all
 # with the build.
