@@ -10,6 +10,10 @@
 #   scripts/ktls-vm.sh real_clients    # or the named test binaries
 #   scripts/ktls-vm.sh --run FILE      # or a script of your own, as root in the VM
 #
+# KTLS_VM_QEMU_ARGS adds arguments to qemu-system-x86_64 (word-split), e.g.
+# a disk the guest sees as /dev/vda (tests/vm_guest.py); KTLS_VM_IO names
+# the directory shared as the guest's /tmp/io, for a caller that watches it.
+#
 # The kernel is Debian's linux-image-amd64 of this machine's apt sources
 # (bookworm: 6.1). Another one, e.g. for TLS 1.3 key updates (Linux 6.14 on):
 #
@@ -107,8 +111,15 @@ vmlinuz=$kroot/boot/vmlinuz-$version
 # drivers (nbd, for tests/kernel_nbd.rs), and an init
 # that mounts this machine's root, runs the script, and powers off.
 initrd=$(mktemp -d)
-io=$(mktemp -d)
-trap 'rm -rf "$initrd" "$io"' EXIT
+if [ -n "${KTLS_VM_IO:-}" ]; then
+    # The caller's directory, which it watches while the VM runs (the
+    # guest's /tmp/io); the caller removes it.
+    io=$KTLS_VM_IO
+    trap 'rm -rf "$initrd"' EXIT
+else
+    io=$(mktemp -d)
+    trap 'rm -rf "$initrd" "$io"' EXIT
+fi
 mkdir -p "$initrd/bin" "$initrd/lib/modules/$version/kernel"
 cp "$cache/busybox/bin/busybox" "$initrd/bin/"
 for dir in crypto arch/x86/crypto lib/crypto net/tls net/9p fs/9p fs/netfs fs/fscache drivers/virtio drivers/block; do
@@ -131,7 +142,7 @@ cat > "$initrd/init" <<'EOF'
 /bin/busybox mkdir -p /sbin /usr/bin /usr/sbin /proc /sys /dev /mnt
 /bin/busybox --install -s
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
-for m in virtio_pci 9pnet_virtio 9p tls nbd; do
+for m in virtio_pci 9pnet_virtio 9p tls nbd virtio_blk; do
     grep -qs "/$m.ko\$" /lib/modules/*/modules.builtin || modprobe $m || echo "ktls-vm: modprobe $m failed"
 done
 # The ciphers' modules, those that this kernel has (names vary by version).
@@ -198,6 +209,7 @@ timeout "${KTLS_VM_TIMEOUT:-900}" qemu-system-x86_64 -accel tcg -cpu max -m 4096
     -virtfs "local,path=/,mount_tag=host,security_model=none,readonly=on" \
     -virtfs "local,path=$io,mount_tag=io,security_model=none" \
     -virtfs "local,path=$root,mount_tag=repo,security_model=none,readonly=on" \
+    ${KTLS_VM_QEMU_ARGS:-} \
     > "$io/console.log" 2>&1 || true
 cat "$io/out.log" 2>/dev/null || true
 if [ "$(cat "$io/status" 2>/dev/null)" != 0 ]; then
