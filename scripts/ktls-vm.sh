@@ -10,6 +10,8 @@
 #   scripts/ktls-vm.sh real_clients    # or the named test binaries
 #   scripts/ktls-vm.sh --run FILE      # or a script of your own, as root in the VM
 #
+# KTLS_VM_SYSTEMD=1 boots systemd as PID 1 (this machine's, from its root)
+# and runs the script as a unit, for tests of systemctl itself.
 # KTLS_VM_QEMU_ARGS adds arguments to qemu-system-x86_64 (word-split), e.g.
 # a disk the guest sees as /dev/vda (tests/vm_guest.py); KTLS_VM_IO names
 # the directory shared as the guest's /tmp/io, for a caller that watches it.
@@ -161,6 +163,20 @@ fi
 mount -t tmpfs run /mnt/run; mount -t tmpfs root /mnt/root
 mount --bind /proc /mnt/proc; mount --bind /sys /mnt/sys; mount --bind /dev /mnt/dev
 echo "ktls-vm: kernel $(uname -r), ULPs: $(cat /proc/sys/net/ipv4/tcp_available_ulp)"
+if [ -e /mnt/tmp/io/systemd ]; then
+    # systemd as PID 1 (KTLS_VM_SYSTEMD=1): the script runs as a unit of
+    # its own, and the VM powers off when it ends.
+    mkdir -p /mnt/run/systemd/system
+    cat > /mnt/run/systemd/system/ktls-vm.service <<'UNIT'
+[Unit]
+Description=ktls-vm's script
+[Service]
+Type=oneshot
+ExecStart=/bin/bash -c '/bin/bash /tmp/io/run.sh > /tmp/io/out.log 2>&1; echo $? > /tmp/io/status; sync; systemctl poweroff -ff'
+UNIT
+    umount /mnt/proc /mnt/sys /mnt/dev
+    exec switch_root /mnt /lib/systemd/systemd --unit=ktls-vm.service --log-target=console --show-status=no
+fi
 chroot /mnt /bin/bash /tmp/io/run.sh > /mnt/tmp/io/out.log 2>&1
 echo "$?" > /mnt/tmp/io/status
 sync
@@ -169,6 +185,8 @@ EOF
 chmod +x "$initrd/init"
 (cd "$initrd" && find . | ./bin/busybox cpio -o -H newc 2>/dev/null | gzip -1 > "$io/initrd.gz")
 echo "$root" > "$io/repo"
+rm -f "$io/systemd"
+[ "${KTLS_VM_SYSTEMD:-0}" = 1 ] && touch "$io/systemd"
 
 if [ "${1:-}" = "--run" ]; then
     cp "$2" "$io/run.sh"
