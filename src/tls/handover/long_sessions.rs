@@ -1,5 +1,6 @@
 //! Sessions handed over late in their life (review round 2, S2 and S3):
-//! at the edge of their key's record limit.
+//! at the edge of their key's record limit, and many key generations
+//! after their handshake.
 
 use super::*;
 
@@ -70,5 +71,41 @@ fn a_tls13_key_is_updated_where_rustls_updates_it() {
         let mut layer = RecordLayer::new(&state, None).unwrap();
         layer.seal_data(b"x", &mut Vec::new()).unwrap();
         assert_eq!(layer.updates[1], updates, "at {seq}");
+    }
+}
+
+/// 40 key updates each way since the handshake (each with a data record
+/// between, as rustls requires): the session is taken, carried and goes
+/// on both ways in the successor.
+#[tokio::test]
+async fn a_session_forty_key_generations_on_is_handed_over() {
+    for suite in [TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384] {
+        let c = configs(suite);
+        let (mut server, mut client) = connected(&c).await;
+        for i in 0..40u8 {
+            refresh(&mut client);
+            client.write_all(&[i]).await.unwrap();
+            client.flush().await.unwrap();
+            let mut b = [0u8; 1];
+            server.read_exact(&mut b).await.unwrap();
+            refresh(&mut server);
+            server.write_all(&[i]).await.unwrap();
+            server.flush().await.unwrap();
+            client.read_exact(&mut b).await.unwrap();
+            assert_eq!(b, [i]);
+        }
+        send_owed(&mut server).await;
+        let (tcp, state) = take(server, &c.server_log);
+        let mut resumed = ResumedTls::new(tcp, state, None).unwrap();
+        resumed.write_all(b"after forty").await.unwrap();
+        resumed.flush().await.unwrap();
+        let mut got = [0u8; 11];
+        client.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"after forty");
+        client.write_all(b"and back").await.unwrap();
+        client.flush().await.unwrap();
+        let mut got = [0u8; 8];
+        resumed.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"and back");
     }
 }

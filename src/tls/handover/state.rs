@@ -243,12 +243,13 @@ impl TlsState {
             Version::Tls12 => (None, None),
             Version::Tls13 => {
                 let log = secrets.ok_or(KeyUpdateError::NotLogged)?;
+                // Any number of generations on (review S3): a session is
+                // taken days after its handshake.
                 let (client, server) = match side {
-                    Side::Server => TrafficSecrets::new(log, &rx_keys, &tx_keys)?.into_secrets(),
-                    Side::Client => {
-                        TrafficSecrets::for_client(log, &rx_keys, &tx_keys)?.into_secrets()
-                    }
-                };
+                    Side::Server => TrafficSecrets::followed(log, &rx_keys, &tx_keys)?,
+                    Side::Client => TrafficSecrets::followed(log, &tx_keys, &rx_keys)?,
+                }
+                .into_secrets();
                 match side {
                     Side::Server => (Some(server), Some(client)),
                     Side::Client => (Some(client), Some(server)),
