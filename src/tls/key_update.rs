@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use aws_lc_rs::hkdf;
 use rustls::ConnectionTrafficSecrets;
+use zeroize::Zeroize;
 
 /// The record type of a TLS handshake message (RFC 8446 §5.1).
 pub const HANDSHAKE_RECORD: u8 = 22;
@@ -182,9 +183,8 @@ impl Keys {
 
 impl Drop for Keys {
     fn drop(&mut self) {
-        self.key = [0; 32];
-        self.iv = [0; 12];
-        std::hint::black_box(&self.key);
+        self.key.zeroize();
+        self.iv.zeroize();
     }
 }
 
@@ -233,8 +233,7 @@ impl Secret {
 
 impl Drop for Secret {
     fn drop(&mut self) {
-        self.0.iter_mut().for_each(|b| *b = 0);
-        std::hint::black_box(&self.0);
+        self.0.zeroize();
     }
 }
 

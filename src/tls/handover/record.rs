@@ -158,6 +158,14 @@ impl Direction {
     }
 }
 
+impl Drop for Direction {
+    /// The key wipes itself (aws-lc cleanses its AEAD context); the IV
+    /// is this struct's.
+    fn drop(&mut self) {
+        zeroize::Zeroize::zeroize(&mut self.iv);
+    }
+}
+
 fn unbound(aead: Aead, key: &[u8]) -> Result<LessSafeKey, StateError> {
     let alg = match aead {
         Aead::Aes128Gcm => &aead::AES_128_GCM,
