@@ -941,3 +941,118 @@ fn take_over_under_systemd_is_refused_at_start() {
     assert!(!s.gateway.log().contains("a successor connected"));
     assert_serves(&s);
 }
+
+/// A fake successor (python3) that goes as far as Go and dies there, as
+/// a successor killed between Go and Serving; argv: socket, the pid its
+/// Hello says (its own if absent).
+const FAKE_SUCCESSOR_DIES_AFTER_GO: &str = r#"
+import socket, struct, sys, os
+path = sys.argv[1]
+pid = os.getpid() if len(sys.argv) < 3 else int(sys.argv[2])
+def frame(kind, body=b""):
+    return struct.pack(">4sHHHHI", b"NBGH", 1, kind, 0, 0, len(body)) + body
+def read(c, n):
+    # Frames may come together in one read, or in parts: exactly n
+    # bytes (the descriptors that ride along are dropped).
+    b = b""
+    while len(b) < n:
+        d, _, _, _ = c.recvmsg(n - len(b), socket.CMSG_SPACE(8 * 4))
+        if not d: sys.exit("the predecessor closed")
+        b += d
+    return b
+def recvframe(c):
+    head = read(c, 16)
+    read(c, struct.unpack(">I", head[12:16])[0])
+    return struct.unpack(">H", head[6:8])[0]
+c = socket.socket(socket.AF_UNIX); c.connect(path)
+c.sendall(frame(1, struct.pack(">HI", 1, 1) + struct.pack(">I", pid)))
+assert recvframe(c) == 3, "chosen"
+assert recvframe(c) == 4, "listeners"
+c.sendall(frame(5))
+assert recvframe(c) == 6, "go"
+print("died after go", flush=True)
+os._exit(0)
+"#;
+
+/// Runs the fake successor that dies after Go, through `wrapper` (e.g.
+/// `unshare`) if given, and checks that it got as far as Go.
+fn fake_successor_dies_after_go(handover: &Path, said_pid: Option<&str>, wrapper: &[&str]) {
+    let mut cmd = match wrapper.split_first() {
+        Some((program, args)) => {
+            let mut cmd = Command::new(program);
+            cmd.args(args).arg("/usr/bin/python3");
+            cmd
+        }
+        None => Command::new("/usr/bin/python3"),
+    };
+    cmd.arg("-c")
+        .arg(FAKE_SUCCESSOR_DIES_AFTER_GO)
+        .arg(handover)
+        .args(said_pid);
+    let out = cmd.output().unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("died after go"),
+        "{}",
+        text(&out)
+    );
+}
+
+/// The gateway took its listeners back from a successor that died after
+/// Go: it serves a real NBD client on its port and runs on.
+fn assert_taken_back(s: &mut Served) {
+    s.gateway.wait_for_log("outcome=\"successor_gone\"", 1);
+    assert_serves(s);
+    assert!(s.gateway.is_running(), "{}", s.gateway.log());
+    assert!(
+        !s.gateway.log().contains("no longer accepting"),
+        "{}",
+        s.gateway.log()
+    );
+}
+
+/// Review round 2, M2: a fake successor whose Hello names pid 1 (a lie
+/// here; the truth for a successor in its own pid namespace) dies after
+/// Go. The predecessor watches the process the kernel says connected,
+/// sees it gone, and takes the listeners back.
+#[test]
+fn a_fake_successor_saying_pid_1_that_dies_after_go_leaves_the_gateway_serving() {
+    let mut s = served("20");
+    fake_successor_dies_after_go(&s.handover, Some("1"), &[]);
+    assert_taken_back(&mut s);
+}
+
+/// Review round 2, M2, as the review ran it: the fake successor in its
+/// own pid namespace (`unshare -p -f`, root only), where its honest pid
+/// is 1, dies after Go.
+#[test]
+fn a_fake_successor_in_another_pid_namespace_that_dies_after_go_leaves_the_gateway_serving() {
+    if uid() != 0 {
+        eprintln!("skipped: unshare -p needs root");
+        return;
+    }
+    let mut s = served("20");
+    let unshare = ["unshare", "-p", "-f", "--mount-proc"];
+    fake_successor_dies_after_go(&s.handover, None, &unshare);
+    assert_taken_back(&mut s);
+}
+
+/// A real successor SIGKILLed after Go, before it serves (held there by
+/// its debug hook): the predecessor sees its process gone and takes the
+/// listeners back; a real client is served on the port.
+#[test]
+fn a_real_successor_killed_after_go_leaves_the_gateway_serving() {
+    let mut s = served("60");
+    let mut cmd = Command::new(nbdgw_binary());
+    cmd.arg("--tls-dir")
+        .arg(s.env.certs())
+        .arg("--upstream")
+        .arg(s.env.path("nbd.sock"));
+    cmd.arg("--listen").arg(format!("127.0.0.1:{}", s.port));
+    cmd.arg("--take-over")
+        .arg(&s.handover)
+        .env("NBDGW_DEBUG_HANDOVER_AFTER_GO_STALL", "1");
+    let successor = NbdgwProcess::spawn(cmd, s.port);
+    successor.wait_for_log("debug: stalling the take-over after Go", 1);
+    drop(successor); // SIGKILL
+    assert_taken_back(&mut s);
+}

@@ -198,8 +198,7 @@ impl AsFd for Channel {
 /// The uid of the process at the other end (SO_PEERCRED: as it was at
 /// connect, which is what the kernel vouches for).
 pub fn peer_uid(stream: &impl AsFd) -> std::io::Result<u32> {
-    let cred = rustix::net::sockopt::socket_peercred(stream)?;
-    Ok(cred.uid.as_raw())
+    Ok(super::alive::peer_cred(stream)?.1)
 }
 
 #[cfg(test)]

@@ -159,7 +159,10 @@ impl Successor {
             },
         };
         match answer {
-            Ok((Message::Go, _)) => Ok(()),
+            Ok((Message::Go, _)) => {
+                debug_stall_after_go();
+                Ok(())
+            }
             Ok((other, _)) => Err(violation(&mut self.channel, &self.path, &other)),
             Err(e) if e.is_bare_end() && self.predecessor.gone_within(self.timeout) => {
                 warn!(from = %shown, error = %e, "take-over: the old gateway died before Go (its process is gone); serving the listening sockets it gave");
@@ -192,6 +195,19 @@ impl Successor {
             Err(e) => {
                 warn!(from = %shown, pause_ms, error = %e, "take-over: the old gateway did not hear that this one serves (it may have died); serving on")
             }
+        }
+    }
+}
+
+/// Debug builds: NBDGW_DEBUG_HANDOVER_AFTER_GO_STALL=1 makes a successor
+/// stop once told Go, before it accepts or says Serving, so that a test
+/// can kill it there (the predecessor must then take the listeners back).
+fn debug_stall_after_go() {
+    #[cfg(debug_assertions)]
+    if std::env::var_os("NBDGW_DEBUG_HANDOVER_AFTER_GO_STALL").is_some() {
+        warn!("debug: stalling the take-over after Go, before serving (NBDGW_DEBUG_HANDOVER_AFTER_GO_STALL)");
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
         }
     }
 }
