@@ -1056,3 +1056,93 @@ fn a_real_successor_killed_after_go_leaves_the_gateway_serving() {
     drop(successor); // SIGKILL
     assert_taken_back(&mut s);
 }
+
+/// Review round 2, S6: a successor that gives up after Go and says so
+/// (a fake one, here) does not accept: the predecessor takes the
+/// listeners back instead of draining.
+#[test]
+fn a_fake_successor_that_refuses_after_go_leaves_the_gateway_serving() {
+    use nbdgw::handover::channel::Channel;
+
+    let mut s = served("20");
+    let stream = UnixStream::connect(&s.handover).unwrap();
+    let mut channel = Channel::new(stream, Instant::now() + Duration::from_secs(60)).unwrap();
+    let hello = Message::Hello {
+        versions: vec![1],
+        pid: std::process::id(),
+    };
+    channel.send(&hello, &[]).unwrap();
+    assert!(matches!(channel.recv().unwrap().0, Message::Chosen { .. }));
+    let (listeners, fds) = channel.recv().unwrap();
+    assert!(matches!(listeners, Message::Listeners { .. }));
+    drop(fds);
+    channel.send(&Message::Ready, &[]).unwrap();
+    assert_eq!(channel.recv().unwrap().0, Message::Go);
+    channel.refuse("test: the successor gives up");
+    s.gateway.wait_for_log("the successor gave up after Go", 1);
+    assert!(s.gateway.log().contains("test: the successor gives up"));
+    assert_taken_back(&mut s);
+    drop(channel);
+}
+
+/// A fake predecessor (python3) that says Chosen and then nothing, and
+/// prints the kind and text of what the successor sends next ("closed"
+/// for a bare end).
+const FAKE_SILENT_PREDECESSOR: &str = r#"
+import socket, struct, sys, os
+path = sys.argv[1]
+os.umask(0o177)
+u = socket.socket(socket.AF_UNIX); u.bind(path); u.listen(4)
+print("listening", flush=True)
+c, _ = u.accept()
+def read(n):
+    b = b""
+    while len(b) < n:
+        d = c.recv(n - len(b))
+        if not d:
+            print("closed", flush=True); sys.exit(0)
+        b += d
+    return b
+head = read(16)
+read(struct.unpack(">I", head[12:16])[0])    # Hello
+c.sendall(struct.pack(">4sHHHHI", b"NBGH", 1, 3, 0, 0, 8) + struct.pack(">II", 1, os.getpid()))
+head = read(16)
+body = read(struct.unpack(">I", head[12:16])[0])
+print("kind", struct.unpack(">H", head[6:8])[0], body[2:].decode(errors="replace"), flush=True)
+"#;
+
+/// Review round 2, S6: a successor that gives up on its own (here its
+/// timeout, waiting for the listeners) says Refuse, with its reason,
+/// before it closes: a predecessor never has to guess from a bare end.
+#[test]
+fn a_successor_that_times_out_says_so_before_it_closes() {
+    let env = Env::new();
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let mut fake = Command::new("/usr/bin/python3")
+        .arg("-c")
+        .arg(FAKE_SILENT_PREDECESSOR)
+        .arg(&handover)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(fake.stdout.take().unwrap()).lines();
+    assert_eq!(lines.next().unwrap().unwrap(), "listening");
+    let mut cmd = Command::new(nbdgw_binary());
+    cmd.arg("--tls-dir")
+        .arg(env.certs())
+        .arg("--upstream")
+        .arg(env.path("nbd.sock"))
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--take-over")
+        .arg(&handover)
+        .args(["--handover-timeout", "2"]);
+    let mut successor = NbdgwProcess::spawn(cmd, port);
+    let said = lines.next().unwrap().unwrap();
+    assert!(said.starts_with("kind 2 "), "{said}");
+    assert!(said.contains("took longer than its timeout"), "{said}");
+    let status = successor.wait_exit(Duration::from_secs(30));
+    assert!(!status.expect("exits").success());
+    assert!(fake.wait().unwrap().success());
+}

@@ -224,8 +224,8 @@ impl Giver {
     /// Ready, Go, Serving. Until Go is sent the listeners are taken back
     /// at any failure (the successor, never told Go, does not accept).
     /// Go is the commit point: after it the successor may accept, so
-    /// they are taken back only if its process is gone (or cannot be
-    /// watched: `alive`); a Serving that
+    /// they are taken back only if it says it gave up (Refuse) or its
+    /// process is gone (or cannot be watched: `alive`); a Serving that
     /// does not come in time from a live successor is logged and this
     /// process drains as on success, so that two gateways never both
     /// accept for good.
@@ -238,6 +238,14 @@ impl Giver {
         let why = match channel.recv() {
             Ok((Message::Serving, _)) => return Ok(()),
             Ok((other, _)) => format!("the successor sent {} where serving was due", other.name()),
+            // It gave up after Go and says so (review round 2, S6): it
+            // does not accept.
+            Err(e @ ChannelError::Peer(_)) => {
+                return Err(Failure::new(
+                    "successor_gone",
+                    format!("the successor gave up after Go: {e}"),
+                ))
+            }
             Err(e) if e.is_bare_end() && successor.gone_within(self.timeout) => {
                 return Err(Failure::new(
                     "successor_gone",

@@ -46,6 +46,19 @@ pub struct Successor {
     paused_at: Instant,
     /// The predecessor died before Go: nobody to tell Serving.
     orphaned: bool,
+    /// `serving` ran; dropped before that, this process gave up.
+    served: bool,
+}
+
+impl Drop for Successor {
+    /// A start that fails after the take-over began (its own checks, a
+    /// bind, anything after Go) says so before the channel closes.
+    fn drop(&mut self) {
+        if !self.served {
+            self.channel
+                .refuse("the successor gave up before it served the listening sockets");
+        }
+    }
 }
 
 /// Connects to `path`, agrees on a state version and takes the
@@ -59,13 +72,14 @@ pub fn take_over(path: &Path, wanted: &Wanted, timeout: Duration) -> Result<(Suc
         bail!("--take-over {shown}: the gateway there runs as uid {theirs}, this one as {ours}");
     }
     let mut channel = Channel::new(stream, Instant::now() + timeout)?;
-    let refused = |e: ChannelError| anyhow::anyhow!("--take-over {shown}: {e}");
     let hello = Message::Hello {
         versions: KNOWN_STATE_VERSIONS.to_vec(),
         pid: std::process::id(),
     };
-    channel.send(&hello, &[]).map_err(refused)?;
-    let predecessor = match channel.recv().map_err(refused)? {
+    let sent = channel.send(&hello, &[]);
+    sent.map_err(|e| give_up(&mut channel, path, e))?;
+    let chosen = channel.recv().map_err(|e| give_up(&mut channel, path, e))?;
+    let predecessor = match chosen {
         (Message::Chosen { version, pid }, _) if KNOWN_STATE_VERSIONS.contains(&version) => {
             info!(
                 version,
@@ -75,7 +89,8 @@ pub fn take_over(path: &Path, wanted: &Wanted, timeout: Duration) -> Result<(Suc
         }
         (other, _) => return Err(violation(&mut channel, path, &other)),
     };
-    let (sockets, fds) = match channel.recv().map_err(refused)? {
+    let listeners = channel.recv().map_err(|e| give_up(&mut channel, path, e));
+    let (sockets, fds) = match listeners? {
         (Message::Listeners { sockets }, fds) => (sockets, fds),
         (other, _) => return Err(violation(&mut channel, path, &other)),
     };
@@ -95,8 +110,19 @@ pub fn take_over(path: &Path, wanted: &Wanted, timeout: Duration) -> Result<(Suc
         timeout,
         paused_at,
         orphaned: false,
+        served: false,
     };
     Ok((successor, taken))
+}
+
+/// This process gives up on a channel error: it says so (unless the
+/// running gateway refused first), so that the running gateway never has
+/// to guess from a bare end (review round 2, S6).
+fn give_up(channel: &mut Channel, path: &Path, e: ChannelError) -> anyhow::Error {
+    if !matches!(e, ChannelError::Peer(_)) {
+        channel.refuse(&format!("the successor gives up: {e}"));
+    }
+    anyhow::anyhow!("--take-over {}: {e}", path.display())
 }
 
 fn violation(channel: &mut Channel, path: &Path, got: &Message) -> anyhow::Error {
@@ -169,7 +195,7 @@ impl Successor {
                 self.orphaned = true;
                 Ok(())
             }
-            Err(e) => bail!("--take-over {shown}: {e}"),
+            Err(e) => Err(give_up(&mut self.channel, &self.path, e)),
         }
     }
 
@@ -179,6 +205,7 @@ impl Successor {
     /// serves on rather than leave nothing accepting. Counted here, where
     /// the admin port now is (`nbdgw_takeovers_total`).
     pub fn serving(mut self, metrics: &Metrics) {
+        self.served = true;
         let shown = self.path.display();
         // What a client that connected just after the listeners left
         // the old accept loops waited, at most, before an accept.
