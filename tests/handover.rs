@@ -535,12 +535,27 @@ fn a_read_in_flight_on_the_old_gateway_finishes_after_the_hand_over() {
 }
 
 /// One successor at a time: a real one that arrives while a fake one
-/// stalls waits its turn, and takes over once the fake is given up.
+/// stalls waits its turn, and takes over once the fake is given up;
+/// both with the same --handover-timeout, as operators run them: the
+/// successor's starts at Chosen, not at its connect (review round 2, S1).
 #[test]
 fn a_successor_waits_while_another_is_served_then_takes_over() {
     let mut s = served("3");
     let _fake = fake_successor(&s.handover, b"");
-    let new = generation(&s.env, &s.env.path("nbd.sock"), s.port, &s.handover, true);
+    let mut cmd = Command::new(nbdgw_binary());
+    cmd.arg("--tls-dir")
+        .arg(s.env.certs())
+        .arg("--upstream")
+        .arg(s.env.path("nbd.sock"))
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{}", s.port))
+        .arg("--handover-socket")
+        .arg(&s.handover)
+        .arg("--take-over")
+        .arg(&s.handover)
+        .args(["--handover-timeout", "3"]);
+    let new = NbdgwProcess::spawn(cmd, s.port);
+    new.wait_for_log("nbdgw listening", 1);
     s.gateway
         .wait_for_log("the successor serves the listeners", 1);
     let log = s.gateway.log();

@@ -57,7 +57,7 @@ impl ChannelError {
 /// How long a Refuse may take past the hand-over's deadline: a give-up
 /// at the timeout still says so, so that the peer never reads a bare end
 /// as a death.
-const REFUSE_GRACE: Duration = Duration::from_secs(1);
+pub const REFUSE_GRACE: Duration = Duration::from_secs(1);
 
 pub struct Channel {
     stream: UnixStream,
@@ -73,6 +73,11 @@ impl Channel {
             deadline,
             refused: false,
         })
+    }
+
+    /// From now on every read and write is bounded by `deadline`.
+    pub fn set_deadline(&mut self, deadline: Instant) {
+        self.deadline = deadline;
     }
 
     pub fn stream(&self) -> &UnixStream {

@@ -13,7 +13,7 @@ use anyhow::{bail, Context, Result};
 use tracing::{info, warn};
 
 use super::alive::Peer;
-use super::channel::{peer_uid, Channel, ChannelError};
+use super::channel::{peer_uid, Channel, ChannelError, REFUSE_GRACE};
 use super::describe::{check, show};
 use crate::metrics::Metrics;
 use crate::proto::handover::{Address, Descriptor, Message, Role, KNOWN_STATE_VERSIONS};
@@ -71,7 +71,12 @@ pub fn take_over(path: &Path, wanted: &Wanted, timeout: Duration) -> Result<(Suc
     if theirs != ours {
         bail!("--take-over {shown}: the gateway there runs as uid {theirs}, this one as {ours}");
     }
-    let mut channel = Channel::new(stream, Instant::now() + timeout)?;
+    // The running gateway serves one successor at a time: this one may
+    // wait in the backlog while another is served (up to its timeout and
+    // a Refuse's grace), so --handover-timeout starts at Chosen, and
+    // the wait for it is bounded apart (review round 2, S1).
+    let queued = Instant::now() + 2 * timeout + REFUSE_GRACE;
+    let mut channel = Channel::new(stream, queued)?;
     let hello = Message::Hello {
         versions: KNOWN_STATE_VERSIONS.to_vec(),
         pid: std::process::id(),
@@ -79,6 +84,7 @@ pub fn take_over(path: &Path, wanted: &Wanted, timeout: Duration) -> Result<(Suc
     let sent = channel.send(&hello, &[]);
     sent.map_err(|e| give_up(&mut channel, path, e))?;
     let chosen = channel.recv().map_err(|e| give_up(&mut channel, path, e))?;
+    channel.set_deadline(Instant::now() + timeout);
     let predecessor = match chosen {
         (Message::Chosen { version, pid }, _) if KNOWN_STATE_VERSIONS.contains(&version) => {
             info!(
