@@ -535,12 +535,27 @@ fn a_read_in_flight_on_the_old_gateway_finishes_after_the_hand_over() {
 }
 
 /// One successor at a time: a real one that arrives while a fake one
-/// stalls waits its turn, and takes over once the fake is given up.
+/// stalls waits its turn, and takes over once the fake is given up;
+/// both with the same --handover-timeout, as operators run them: the
+/// successor's starts at Chosen, not at its connect (review round 2, S1).
 #[test]
 fn a_successor_waits_while_another_is_served_then_takes_over() {
     let mut s = served("3");
     let _fake = fake_successor(&s.handover, b"");
-    let new = generation(&s.env, &s.env.path("nbd.sock"), s.port, &s.handover, true);
+    let mut cmd = Command::new(nbdgw_binary());
+    cmd.arg("--tls-dir")
+        .arg(s.env.certs())
+        .arg("--upstream")
+        .arg(s.env.path("nbd.sock"))
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{}", s.port))
+        .arg("--handover-socket")
+        .arg(&s.handover)
+        .arg("--take-over")
+        .arg(&s.handover)
+        .args(["--handover-timeout", "3"]);
+    let new = NbdgwProcess::spawn(cmd, s.port);
+    new.wait_for_log("nbdgw listening", 1);
     s.gateway
         .wait_for_log("the successor serves the listeners", 1);
     let log = s.gateway.log();
@@ -940,4 +955,213 @@ fn take_over_under_systemd_is_refused_at_start() {
     assert!(log.contains("file-descriptor store"), "{log}");
     assert!(!s.gateway.log().contains("a successor connected"));
     assert_serves(&s);
+}
+
+/// A fake successor (python3) that goes as far as Go and dies there, as
+/// a successor killed between Go and Serving; argv: socket, the pid its
+/// Hello says (its own if absent).
+const FAKE_SUCCESSOR_DIES_AFTER_GO: &str = r#"
+import socket, struct, sys, os
+path = sys.argv[1]
+pid = os.getpid() if len(sys.argv) < 3 else int(sys.argv[2])
+def frame(kind, body=b""):
+    return struct.pack(">4sHHHHI", b"NBGH", 1, kind, 0, 0, len(body)) + body
+def read(c, n):
+    # Frames may come together in one read, or in parts: exactly n
+    # bytes (the descriptors that ride along are dropped).
+    b = b""
+    while len(b) < n:
+        d, _, _, _ = c.recvmsg(n - len(b), socket.CMSG_SPACE(8 * 4))
+        if not d: sys.exit("the predecessor closed")
+        b += d
+    return b
+def recvframe(c):
+    head = read(c, 16)
+    read(c, struct.unpack(">I", head[12:16])[0])
+    return struct.unpack(">H", head[6:8])[0]
+c = socket.socket(socket.AF_UNIX); c.connect(path)
+c.sendall(frame(1, struct.pack(">HI", 1, 1) + struct.pack(">I", pid)))
+assert recvframe(c) == 3, "chosen"
+assert recvframe(c) == 4, "listeners"
+c.sendall(frame(5))
+assert recvframe(c) == 6, "go"
+print("died after go", flush=True)
+os._exit(0)
+"#;
+
+/// Runs the fake successor that dies after Go, through `wrapper` (e.g.
+/// `unshare`) if given, and checks that it got as far as Go.
+fn fake_successor_dies_after_go(handover: &Path, said_pid: Option<&str>, wrapper: &[&str]) {
+    let mut cmd = match wrapper.split_first() {
+        Some((program, args)) => {
+            let mut cmd = Command::new(program);
+            cmd.args(args).arg("/usr/bin/python3");
+            cmd
+        }
+        None => Command::new("/usr/bin/python3"),
+    };
+    cmd.arg("-c")
+        .arg(FAKE_SUCCESSOR_DIES_AFTER_GO)
+        .arg(handover)
+        .args(said_pid);
+    let out = cmd.output().unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("died after go"),
+        "{}",
+        text(&out)
+    );
+}
+
+/// The gateway took its listeners back from a successor that died after
+/// Go: it serves a real NBD client on its port and runs on.
+fn assert_taken_back(s: &mut Served) {
+    s.gateway.wait_for_log("outcome=\"successor_gone\"", 1);
+    assert_serves(s);
+    assert!(s.gateway.is_running(), "{}", s.gateway.log());
+    assert!(
+        !s.gateway.log().contains("no longer accepting"),
+        "{}",
+        s.gateway.log()
+    );
+}
+
+/// Review round 2, M2: a fake successor whose Hello names pid 1 (a lie
+/// here; the truth for a successor in its own pid namespace) dies after
+/// Go. The predecessor watches the process the kernel says connected,
+/// sees it gone, and takes the listeners back.
+#[test]
+fn a_fake_successor_saying_pid_1_that_dies_after_go_leaves_the_gateway_serving() {
+    let mut s = served("20");
+    fake_successor_dies_after_go(&s.handover, Some("1"), &[]);
+    assert_taken_back(&mut s);
+}
+
+/// Review round 2, M2, as the review ran it: the fake successor in its
+/// own pid namespace (`unshare -p -f`, root only), where its honest pid
+/// is 1, dies after Go.
+#[test]
+fn a_fake_successor_in_another_pid_namespace_that_dies_after_go_leaves_the_gateway_serving() {
+    let unshare = ["unshare", "-p", "-f", "--mount-proc"];
+    let probe = Command::new(unshare[0])
+        .args(&unshare[1..])
+        .arg("true")
+        .status();
+    if uid() != 0 || !probe.is_ok_and(|status| status.success()) {
+        eprintln!("skipped: unshare -p needs root and a kernel that lets it");
+        return;
+    }
+    let mut s = served("20");
+    fake_successor_dies_after_go(&s.handover, None, &unshare);
+    assert_taken_back(&mut s);
+}
+
+/// A real successor SIGKILLed after Go, before it serves (held there by
+/// its debug hook): the predecessor sees its process gone and takes the
+/// listeners back; a real client is served on the port.
+#[test]
+fn a_real_successor_killed_after_go_leaves_the_gateway_serving() {
+    let mut s = served("60");
+    let mut cmd = Command::new(nbdgw_binary());
+    cmd.arg("--tls-dir")
+        .arg(s.env.certs())
+        .arg("--upstream")
+        .arg(s.env.path("nbd.sock"));
+    cmd.arg("--listen").arg(format!("127.0.0.1:{}", s.port));
+    cmd.arg("--take-over")
+        .arg(&s.handover)
+        .env("NBDGW_DEBUG_HANDOVER_AFTER_GO_STALL", "1");
+    let successor = NbdgwProcess::spawn(cmd, s.port);
+    successor.wait_for_log("debug: stalling the take-over after Go", 1);
+    drop(successor); // SIGKILL
+    assert_taken_back(&mut s);
+}
+
+/// Review round 2, S6: a successor that gives up after Go and says so
+/// (a fake one, here) does not accept: the predecessor takes the
+/// listeners back instead of draining.
+#[test]
+fn a_fake_successor_that_refuses_after_go_leaves_the_gateway_serving() {
+    use nbdgw::handover::channel::Channel;
+
+    let mut s = served("20");
+    let stream = UnixStream::connect(&s.handover).unwrap();
+    let mut channel = Channel::new(stream, Instant::now() + Duration::from_secs(60)).unwrap();
+    let hello = Message::Hello {
+        versions: vec![1],
+        pid: std::process::id(),
+    };
+    channel.send(&hello, &[]).unwrap();
+    assert!(matches!(channel.recv().unwrap().0, Message::Chosen { .. }));
+    let (listeners, fds) = channel.recv().unwrap();
+    assert!(matches!(listeners, Message::Listeners { .. }));
+    drop(fds);
+    channel.send(&Message::Ready, &[]).unwrap();
+    assert_eq!(channel.recv().unwrap().0, Message::Go);
+    channel.refuse("test: the successor gives up");
+    s.gateway.wait_for_log("the successor gave up after Go", 1);
+    assert!(s.gateway.log().contains("test: the successor gives up"));
+    assert_taken_back(&mut s);
+    drop(channel);
+}
+
+/// A fake predecessor (python3) that says Chosen and then nothing, and
+/// prints the kind and text of what the successor sends next ("closed"
+/// for a bare end).
+const FAKE_SILENT_PREDECESSOR: &str = r#"
+import socket, struct, sys, os
+path = sys.argv[1]
+os.umask(0o177)
+u = socket.socket(socket.AF_UNIX); u.bind(path); u.listen(4)
+print("listening", flush=True)
+c, _ = u.accept()
+def read(n):
+    b = b""
+    while len(b) < n:
+        d = c.recv(n - len(b))
+        if not d:
+            print("closed", flush=True); sys.exit(0)
+        b += d
+    return b
+head = read(16)
+read(struct.unpack(">I", head[12:16])[0])    # Hello
+c.sendall(struct.pack(">4sHHHHI", b"NBGH", 1, 3, 0, 0, 8) + struct.pack(">II", 1, os.getpid()))
+head = read(16)
+body = read(struct.unpack(">I", head[12:16])[0])
+print("kind", struct.unpack(">H", head[6:8])[0], body[2:].decode(errors="replace"), flush=True)
+"#;
+
+/// Review round 2, S6: a successor that gives up on its own (here its
+/// timeout, waiting for the listeners) says Refuse, with its reason,
+/// before it closes: a predecessor never has to guess from a bare end.
+#[test]
+fn a_successor_that_times_out_says_so_before_it_closes() {
+    let env = Env::new();
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let mut fake = Command::new("/usr/bin/python3")
+        .arg("-c")
+        .arg(FAKE_SILENT_PREDECESSOR)
+        .arg(&handover)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(fake.stdout.take().unwrap()).lines();
+    assert_eq!(lines.next().unwrap().unwrap(), "listening");
+    let mut cmd = Command::new(nbdgw_binary());
+    cmd.arg("--tls-dir")
+        .arg(env.certs())
+        .arg("--upstream")
+        .arg(env.path("nbd.sock"))
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--take-over")
+        .arg(&handover)
+        .args(["--handover-timeout", "2"]);
+    let mut successor = NbdgwProcess::spawn(cmd, port);
+    let said = lines.next().unwrap().unwrap();
+    assert!(said.starts_with("kind 2 "), "{said}");
+    assert!(said.contains("took longer than its timeout"), "{said}");
+    let status = successor.wait_exit(Duration::from_secs(30));
+    assert!(!status.expect("exits").success());
+    assert!(fake.wait().unwrap().success());
 }

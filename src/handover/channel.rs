@@ -57,7 +57,7 @@ impl ChannelError {
 /// How long a Refuse may take past the hand-over's deadline: a give-up
 /// at the timeout still says so, so that the peer never reads a bare end
 /// as a death.
-const REFUSE_GRACE: Duration = Duration::from_secs(1);
+pub const REFUSE_GRACE: Duration = Duration::from_secs(1);
 
 pub struct Channel {
     stream: UnixStream,
@@ -75,6 +75,11 @@ impl Channel {
         })
     }
 
+    /// From now on every read and write is bounded by `deadline`.
+    pub fn set_deadline(&mut self, deadline: Instant) {
+        self.deadline = deadline;
+    }
+
     pub fn stream(&self) -> &UnixStream {
         &self.stream
     }
@@ -90,7 +95,8 @@ impl Channel {
     /// Sends `message` with `fds` on its first byte.
     pub fn send(&mut self, message: &Message, fds: &[BorrowedFd]) -> Result<(), ChannelError> {
         assert_eq!(message.fds(), fds.len(), "descriptors as the message says");
-        let frame = message.encode();
+        // Wiped when sent: the session messages will carry TLS keys.
+        let frame = zeroize::Zeroizing::new(message.encode());
         let mut sent = 0;
         while sent < frame.len() {
             self.stream.set_write_timeout(Some(self.remaining()?))?;
@@ -120,7 +126,8 @@ impl Channel {
         let mut head = [0u8; HEADER_LEN];
         self.fill(&mut head, &mut fds)?;
         let header = Header::decode(&head)?;
-        let mut body = vec![0u8; header.length as usize];
+        // Wiped once decoded, as the frames sent are.
+        let mut body = zeroize::Zeroizing::new(vec![0u8; header.length as usize]);
         self.fill(&mut body, &mut fds)?;
         if fds.len() != usize::from(header.fds) {
             return Err(WireError::FdCount(fds.len(), header.fds.into()).into());
@@ -196,8 +203,7 @@ impl AsFd for Channel {
 /// The uid of the process at the other end (SO_PEERCRED: as it was at
 /// connect, which is what the kernel vouches for).
 pub fn peer_uid(stream: &impl AsFd) -> std::io::Result<u32> {
-    let cred = rustix::net::sockopt::socket_peercred(stream)?;
-    Ok(cred.uid.as_raw())
+    Ok(super::alive::peer_cred(stream)?.1)
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-/// Seconds a successor has, from its connection, to finish taking the
+/// Seconds a successor has, once served, to finish taking the
 /// listeners over; past it the predecessor takes them back.
 pub const DEFAULT_HANDOVER_TIMEOUT_SECS: u64 = 10;
 
@@ -25,10 +25,12 @@ pub struct HandoverArgs {
     /// file-descriptor store path is not built yet).
     #[arg(long, env = "NBDGW_TAKE_OVER", value_name = "PATH")]
     pub take_over: Option<PathBuf>,
-    /// Seconds a hand-over may take, on either side, from the successor's
-    /// connection to its first accept. A successor that stalls or dies
-    /// before it is told to serve leaves the predecessor serving; once
-    /// told, it keeps the sockets unless its process is gone. While a
+    /// Seconds a hand-over may take, on either side, from the moment the
+    /// predecessor serves the successor to its first accept (a successor
+    /// queued behind another waits up to twice this, and a second, to be
+    /// served). A successor that stalls or dies before it is told to
+    /// serve leaves the predecessor serving; once told, it keeps the
+    /// sockets unless it gives up or its process is gone. While a
     /// successor holds the listeners nobody accepts (connections wait in
     /// the backlog), so this is also the longest such pause.
     #[arg(long, env = "NBDGW_HANDOVER_TIMEOUT", default_value_t = DEFAULT_HANDOVER_TIMEOUT_SECS, value_parser = clap::value_parser!(u64).range(1..=3600))]

@@ -153,27 +153,34 @@ impl Giver {
                 format!("a successor of uid {theirs} connected; only uid {ours} may take over"),
             ));
         }
-        let outcome = self.exchange(&mut channel);
+        // The kernel's word for the successor's process, not its Hello's
+        // (review round 2, M2).
+        let successor = Peer::of_socket(channel.stream());
+        if !successor.watchable() {
+            warn!("hand-over: the successor's process cannot be watched (not visible from this pid namespace?); after Go, its channel ending without a word counts as its death");
+        }
+        let outcome = self.exchange(&mut channel, &successor);
         if let Err(failure) = &outcome {
             channel.refuse(&format!("the running gateway gives up: {}", failure.why));
         }
         outcome
     }
 
-    fn exchange(&self, channel: &mut Channel) -> Result<(), Failure> {
-        let (version, successor) = self.agree(channel)?;
+    fn exchange(&self, channel: &mut Channel, successor: &Peer) -> Result<(), Failure> {
+        let (version, said_pid) = self.agree(channel)?;
         info!(
             version,
+            pid = said_pid,
             "hand-over: a successor connected; giving it the listening sockets"
         );
         self.give_listeners(channel)?;
         debug_stall();
-        self.await_serving(channel, &successor)
+        self.await_serving(channel, successor)
     }
 
-    /// Hello, then Chosen or a refusal; the successor's process, from
-    /// its Hello, to be watched after Go.
-    fn agree(&self, channel: &mut Channel) -> Result<(u32, Peer), Failure> {
+    /// Hello, then Chosen or a refusal; the version and the pid the
+    /// successor says (in its own pid namespace: for the log only).
+    fn agree(&self, channel: &mut Channel) -> Result<(u32, u32), Failure> {
         let (versions, pid) = match channel.recv().map_err(Failure::channel)? {
             (Message::Hello { versions, pid }, _) => (versions, pid),
             (other, _) => return Err(unexpected(channel, "hello", &other)),
@@ -192,7 +199,7 @@ impl Giver {
             pid: std::process::id(),
         };
         channel.send(&chosen, &[]).map_err(Failure::channel)?;
-        Ok((version, Peer::watch(pid)))
+        Ok((version, pid))
     }
 
     /// The listeners, each described as the kernel sees it; the accept
@@ -217,9 +224,11 @@ impl Giver {
     /// Ready, Go, Serving. Until Go is sent the listeners are taken back
     /// at any failure (the successor, never told Go, does not accept).
     /// Go is the commit point: after it the successor may accept, so
-    /// they are taken back only if its process is gone; a Serving that
-    /// does not come in time is logged and this process drains as on
-    /// success, so that two gateways never both accept for good.
+    /// they are taken back only if it says it gave up (Refuse) or its
+    /// process is gone (or cannot be watched: `alive`); a Serving that
+    /// does not come in time from a live successor is logged and this
+    /// process drains as on success, so that two gateways never both
+    /// accept for good.
     fn await_serving(&self, channel: &mut Channel, successor: &Peer) -> Result<(), Failure> {
         match channel.recv().map_err(Failure::channel)? {
             (Message::Ready, _) => {}
@@ -229,6 +238,14 @@ impl Giver {
         let why = match channel.recv() {
             Ok((Message::Serving, _)) => return Ok(()),
             Ok((other, _)) => format!("the successor sent {} where serving was due", other.name()),
+            // It gave up after Go and says so (review round 2, S6): it
+            // does not accept.
+            Err(e @ ChannelError::Peer(_)) => {
+                return Err(Failure::new(
+                    "successor_gone",
+                    format!("the successor gave up after Go: {e}"),
+                ))
+            }
             Err(e) if e.is_bare_end() && successor.gone_within(self.timeout) => {
                 return Err(Failure::new(
                     "successor_gone",

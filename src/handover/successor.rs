@@ -13,7 +13,7 @@ use anyhow::{bail, Context, Result};
 use tracing::{info, warn};
 
 use super::alive::Peer;
-use super::channel::{peer_uid, Channel, ChannelError};
+use super::channel::{peer_uid, Channel, ChannelError, REFUSE_GRACE};
 use super::describe::{check, show};
 use crate::metrics::Metrics;
 use crate::proto::handover::{Address, Descriptor, Message, Role, KNOWN_STATE_VERSIONS};
@@ -46,6 +46,19 @@ pub struct Successor {
     paused_at: Instant,
     /// The predecessor died before Go: nobody to tell Serving.
     orphaned: bool,
+    /// `serving` ran; dropped before that, this process gave up.
+    served: bool,
+}
+
+impl Drop for Successor {
+    /// A start that fails after the take-over began (its own checks, a
+    /// bind, anything after Go) says so before the channel closes.
+    fn drop(&mut self) {
+        if !self.served {
+            self.channel
+                .refuse("the successor gave up before it served the listening sockets");
+        }
+    }
 }
 
 /// Connects to `path`, agrees on a state version and takes the
@@ -58,14 +71,21 @@ pub fn take_over(path: &Path, wanted: &Wanted, timeout: Duration) -> Result<(Suc
     if theirs != ours {
         bail!("--take-over {shown}: the gateway there runs as uid {theirs}, this one as {ours}");
     }
-    let mut channel = Channel::new(stream, Instant::now() + timeout)?;
-    let refused = |e: ChannelError| anyhow::anyhow!("--take-over {shown}: {e}");
+    // The running gateway serves one successor at a time: this one may
+    // wait in the backlog while another is served (up to its timeout and
+    // a Refuse's grace), so --handover-timeout starts at Chosen, and
+    // the wait for it is bounded apart (review round 2, S1).
+    let queued = Instant::now() + 2 * timeout + REFUSE_GRACE;
+    let mut channel = Channel::new(stream, queued)?;
     let hello = Message::Hello {
         versions: KNOWN_STATE_VERSIONS.to_vec(),
         pid: std::process::id(),
     };
-    channel.send(&hello, &[]).map_err(refused)?;
-    let predecessor = match channel.recv().map_err(refused)? {
+    let sent = channel.send(&hello, &[]);
+    sent.map_err(|e| give_up(&mut channel, path, e))?;
+    let chosen = channel.recv().map_err(|e| give_up(&mut channel, path, e))?;
+    channel.set_deadline(Instant::now() + timeout);
+    let predecessor = match chosen {
         (Message::Chosen { version, pid }, _) if KNOWN_STATE_VERSIONS.contains(&version) => {
             info!(
                 version,
@@ -75,7 +95,8 @@ pub fn take_over(path: &Path, wanted: &Wanted, timeout: Duration) -> Result<(Suc
         }
         (other, _) => return Err(violation(&mut channel, path, &other)),
     };
-    let (sockets, fds) = match channel.recv().map_err(refused)? {
+    let listeners = channel.recv().map_err(|e| give_up(&mut channel, path, e));
+    let (sockets, fds) = match listeners? {
         (Message::Listeners { sockets }, fds) => (sockets, fds),
         (other, _) => return Err(violation(&mut channel, path, &other)),
     };
@@ -95,8 +116,19 @@ pub fn take_over(path: &Path, wanted: &Wanted, timeout: Duration) -> Result<(Suc
         timeout,
         paused_at,
         orphaned: false,
+        served: false,
     };
     Ok((successor, taken))
+}
+
+/// This process gives up on a channel error: it says so (unless the
+/// running gateway refused first), so that the running gateway never has
+/// to guess from a bare end (review round 2, S6).
+fn give_up(channel: &mut Channel, path: &Path, e: ChannelError) -> anyhow::Error {
+    if !matches!(e, ChannelError::Peer(_)) {
+        channel.refuse(&format!("the successor gives up: {e}"));
+    }
+    anyhow::anyhow!("--take-over {}: {e}", path.display())
 }
 
 fn violation(channel: &mut Channel, path: &Path, got: &Message) -> anyhow::Error {
@@ -159,14 +191,17 @@ impl Successor {
             },
         };
         match answer {
-            Ok((Message::Go, _)) => Ok(()),
+            Ok((Message::Go, _)) => {
+                debug_stall_after_go();
+                Ok(())
+            }
             Ok((other, _)) => Err(violation(&mut self.channel, &self.path, &other)),
             Err(e) if e.is_bare_end() && self.predecessor.gone_within(self.timeout) => {
                 warn!(from = %shown, error = %e, "take-over: the old gateway died before Go (its process is gone); serving the listening sockets it gave");
                 self.orphaned = true;
                 Ok(())
             }
-            Err(e) => bail!("--take-over {shown}: {e}"),
+            Err(e) => Err(give_up(&mut self.channel, &self.path, e)),
         }
     }
 
@@ -176,6 +211,7 @@ impl Successor {
     /// serves on rather than leave nothing accepting. Counted here, where
     /// the admin port now is (`nbdgw_takeovers_total`).
     pub fn serving(mut self, metrics: &Metrics) {
+        self.served = true;
         let shown = self.path.display();
         // What a client that connected just after the listeners left
         // the old accept loops waited, at most, before an accept.
@@ -192,6 +228,19 @@ impl Successor {
             Err(e) => {
                 warn!(from = %shown, pause_ms, error = %e, "take-over: the old gateway did not hear that this one serves (it may have died); serving on")
             }
+        }
+    }
+}
+
+/// Debug builds: NBDGW_DEBUG_HANDOVER_AFTER_GO_STALL=1 makes a successor
+/// stop once told Go, before it accepts or says Serving, so that a test
+/// can kill it there (the predecessor must then take the listeners back).
+fn debug_stall_after_go() {
+    #[cfg(debug_assertions)]
+    if std::env::var_os("NBDGW_DEBUG_HANDOVER_AFTER_GO_STALL").is_some() {
+        warn!("debug: stalling the take-over after Go, before serving (NBDGW_DEBUG_HANDOVER_AFTER_GO_STALL)");
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
         }
     }
 }

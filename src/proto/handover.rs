@@ -49,8 +49,10 @@ pub struct Header {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Message {
     /// Successor → predecessor, first: the state versions it knows, and
-    /// its pid (after Go the predecessor takes the listeners back only
-    /// if that process is gone).
+    /// its pid in its own pid namespace, for the log only: the process
+    /// the predecessor watches after Go is the one the kernel says
+    /// connected (`handover::alive`), since in a container this pid is
+    /// another process's, or none, in the predecessor's namespace.
     Hello { versions: Vec<u32>, pid: u32 },
     /// Either side: the hand-over ends here, for this reason; the
     /// predecessor goes on serving.

@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use aws_lc_rs::hkdf;
 use rustls::ConnectionTrafficSecrets;
+use zeroize::Zeroize;
 
 /// The record type of a TLS handshake message (RFC 8446 §5.1).
 pub const HANDSHAKE_RECORD: u8 = 22;
@@ -182,9 +183,8 @@ impl Keys {
 
 impl Drop for Keys {
     fn drop(&mut self) {
-        self.key = [0; 32];
-        self.iv = [0; 12];
-        std::hint::black_box(&self.key);
+        self.key.zeroize();
+        self.iv.zeroize();
     }
 }
 
@@ -233,8 +233,7 @@ impl Secret {
 
 impl Drop for Secret {
     fn drop(&mut self) {
-        self.0.iter_mut().for_each(|b| *b = 0);
-        std::hint::black_box(&self.0);
+        self.0.zeroize();
     }
 }
 
@@ -248,6 +247,15 @@ impl std::fmt::Debug for Secret {
 /// it takes without application data between them (rustls's own limit
 /// is 32); a session that had more is refused, not guessed at.
 const MAX_UPDATES_BEFORE_HAND_OVER: usize = 32;
+
+/// Key generations a session may be at when a successor process takes
+/// it over, days after its handshake (`TrafficSecrets::followed`): a
+/// peer may update its keys before every request (rustls's cap of 32
+/// restarts at each application data record), and rustls updates its
+/// own at each confidentiality limit. Each generation walked costs three
+/// HKDF-Expands (~1 µs each), so this bound is ~0.2 s at worst; a session
+/// past it is refused, not guessed at.
+pub const MAX_GENERATIONS_AT_HAND_OVER: usize = 1 << 16;
 
 /// Key updates a client may send without application data between them
 /// (rustls's and BoringSSL's limit): each costs nbdgw a key derivation
@@ -279,13 +287,30 @@ impl TrafficSecrets {
     /// are taken at the generation that gives the extracted keys, a few
     /// generations on at most.
     pub fn new(logged: &SecretLog, rx: &Keys, tx: &Keys) -> Result<Self, KeyUpdateError> {
-        Self::matched(logged, rx, tx)
+        Self::matched(logged, rx, tx, MAX_UPDATES_BEFORE_HAND_OVER)
     }
 
     /// As `new`, for a client-side session: what it receives is the
     /// server's, what it sends the client's.
     pub fn for_client(logged: &SecretLog, rx: &Keys, tx: &Keys) -> Result<Self, KeyUpdateError> {
-        Self::matched(logged, tx, rx)
+        Self::matched(logged, tx, rx, MAX_UPDATES_BEFORE_HAND_OVER)
+    }
+
+    /// As `new` (with the client's keys and the server's, whichever side
+    /// this is) for a session handed over at any time: the logged
+    /// secrets are followed up to `MAX_GENERATIONS_AT_HAND_OVER`
+    /// generations. Only the generation that gives the keys is kept.
+    pub fn followed(
+        logged: &SecretLog,
+        client_keys: &Keys,
+        server_keys: &Keys,
+    ) -> Result<Self, KeyUpdateError> {
+        Self::matched(
+            logged,
+            client_keys,
+            server_keys,
+            MAX_GENERATIONS_AT_HAND_OVER,
+        )
     }
 
     /// The secrets of this generation: the client's, the server's.
@@ -297,6 +322,7 @@ impl TrafficSecrets {
         logged: &SecretLog,
         client_keys: &Keys,
         server_keys: &Keys,
+        generations: usize,
     ) -> Result<Self, KeyUpdateError> {
         let (rx, tx) = (client_keys, server_keys);
         let suite = rx.suite;
@@ -310,8 +336,8 @@ impl TrafficSecrets {
             }
             None
         };
-        let client = matching(client, rx, MAX_UPDATES_BEFORE_HAND_OVER);
-        let server = matching(server, tx, MAX_UPDATES_BEFORE_HAND_OVER);
+        let client = matching(client, rx, generations);
+        let server = matching(server, tx, generations);
         match (client, server) {
             (Some(client), Some(server)) => Ok(TrafficSecrets {
                 suite,

@@ -11,6 +11,8 @@
 //! partial (u32 length, bytes); a direction is seq u64 · key (u8 length,
 //! bytes) · iv (12 bytes) · secret (u8 length, bytes; 0 = none).
 
+use zeroize::Zeroizing;
+
 use super::state::{DirectionState, KeyBytes, Side, StateError, TlsState};
 use crate::tls::key_update::Secret;
 
@@ -35,8 +37,10 @@ pub enum DecodeError {
 }
 
 /// An encoded state: it holds the session's keys, so it is wiped when
-/// dropped; read it as bytes.
-pub struct Encoded(Vec<u8>);
+/// dropped (`Zeroizing` wipes the whole allocation, and `encode` makes
+/// exactly one: no copy is left behind by a reallocation); read it as
+/// bytes.
+pub struct Encoded(Zeroizing<Vec<u8>>);
 
 impl std::ops::Deref for Encoded {
     type Target = [u8];
@@ -45,16 +49,10 @@ impl std::ops::Deref for Encoded {
     }
 }
 
-impl Drop for Encoded {
-    fn drop(&mut self) {
-        self.0.iter_mut().for_each(|b| *b = 0);
-        std::hint::black_box(&self.0);
-    }
-}
-
 impl TlsState {
     pub fn encode(&self) -> Encoded {
-        let mut out = Vec::with_capacity(128 + self.plaintext.len() + self.partial.len());
+        let len = self.encoded_len();
+        let mut out = Zeroizing::new(Vec::with_capacity(len));
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&FORMAT.to_be_bytes());
         out.push(match self.side {
@@ -74,7 +72,27 @@ impl TlsState {
         }
         put_long(&mut out, &self.plaintext);
         put_long(&mut out, &self.partial);
+        debug_assert_eq!(out.len(), len, "encoded_len is the layout's");
         Encoded(out)
+    }
+
+    /// The encoding's exact length (the layout in the module doc).
+    fn encoded_len(&self) -> usize {
+        let short = |bytes: &[u8]| 1 + bytes.len().min(255);
+        let direction = |d: &DirectionState| {
+            8 + short(&d.key.0) + 12 + short(d.secret.as_ref().map_or(&[][..], Secret::as_bytes))
+        };
+        MAGIC.len()
+            + 2
+            + 1
+            + 2
+            + 1
+            + direction(&self.tx)
+            + direction(&self.rx)
+            + 4
+            + self.plaintext.len()
+            + 4
+            + self.partial.len()
     }
 
     pub fn decode(bytes: &[u8]) -> Result<TlsState, DecodeError> {
@@ -251,6 +269,15 @@ mod tests {
         }
 
         /// Every strict prefix and every extension is refused.
+        /// One allocation of exactly the encoding's length: a
+        /// reallocation would leave a copy of the keys behind, unwiped
+        /// (review round 2, S4).
+        #[test]
+        fn an_encoding_is_one_exact_allocation(state in states()) {
+            let encoded = state.encode();
+            prop_assert_eq!(encoded.0.capacity(), encoded.len());
+        }
+
         #[test]
         fn cut_or_extended_states_are_refused(state in states(), cut in any::<prop::sample::Index>()) {
             let bytes = state.encode();

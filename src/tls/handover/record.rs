@@ -158,6 +158,14 @@ impl Direction {
     }
 }
 
+impl Drop for Direction {
+    /// The key wipes itself (aws-lc cleanses its AEAD context); the IV
+    /// is this struct's.
+    fn drop(&mut self) {
+        zeroize::Zeroize::zeroize(&mut self.iv);
+    }
+}
+
 fn unbound(aead: Aead, key: &[u8]) -> Result<LessSafeKey, StateError> {
     let alg = match aead {
         Aead::Aes128Gcm => &aead::AES_128_GCM,
@@ -198,8 +206,9 @@ pub struct RecordLayer {
 
 impl RecordLayer {
     /// The layer a state describes. `key_limit` is `--ktls-key-limit` if
-    /// given, else half the suite's confidentiality limit, as for kernel
-    /// TLS.
+    /// given; else the session goes on exactly as the predecessor's
+    /// rustls would have taken it (`rustls_limit`), so that a session
+    /// rustls would have served is never closed by the hand-over.
     pub fn new(state: &TlsState, key_limit: Option<u64>) -> Result<Self, StateError> {
         let (version, aead) = state.check()?;
         Ok(RecordLayer {
@@ -209,7 +218,7 @@ impl RecordLayer {
             tx: Direction::new(aead, &state.tx)?,
             rx: Direction::new(aead, &state.rx)?,
             key_limit: key_limit
-                .unwrap_or(confidentiality_limit(version, aead) / 2)
+                .unwrap_or_else(|| rustls_limit(version, aead))
                 .max(2),
             update_tx: false,
             updates_without_data: 0,
@@ -547,6 +556,20 @@ fn aad12(seq: u64, kind: u8, len: usize) -> [u8; 13] {
     aad[9..11].copy_from_slice(&[3, 3]);
     aad[11..].copy_from_slice(&(len as u16).to_be_bytes());
     aad
+}
+
+/// `key_limit` as rustls 0.23 applies its suite's confidentiality limit
+/// C (`record_layer.rs`, `common_state.rs`: `write_seq_max` = C). TLS
+/// 1.3: the KeyUpdate takes the last number under the key, C - 1, as
+/// here with `records + 1 >= key_limit` and key_limit = C. TLS 1.2:
+/// rustls seals data up to number C - 1 and close_notify at C (an alert
+/// is always sealed), which is key_limit = C + 1 here.
+fn rustls_limit(version: Version, aead: Aead) -> u64 {
+    let limit = confidentiality_limit(version, aead);
+    match version {
+        Version::Tls13 => limit,
+        Version::Tls12 => limit.saturating_add(1),
+    }
 }
 
 /// The records one key may protect, as rustls states it per suite

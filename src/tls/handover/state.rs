@@ -7,6 +7,7 @@
 use std::io::{Read, Write};
 
 use rustls::{CipherSuite, ConnectionTrafficSecrets, ProtocolVersion};
+use zeroize::Zeroize;
 
 use crate::tls::key_update::{KeyUpdateError, Keys, Secret, SecretLog, Suite, TrafficSecrets};
 
@@ -92,8 +93,7 @@ impl std::fmt::Debug for DirectionState {
 
 impl Drop for DirectionState {
     fn drop(&mut self) {
-        self.iv = [0; 12];
-        std::hint::black_box(&self.iv);
+        self.iv.zeroize();
     }
 }
 
@@ -103,8 +103,7 @@ pub struct KeyBytes(pub Vec<u8>);
 
 impl Drop for KeyBytes {
     fn drop(&mut self) {
-        self.0.iter_mut().for_each(|b| *b = 0);
-        std::hint::black_box(&self.0);
+        self.0.zeroize();
     }
 }
 
@@ -243,12 +242,13 @@ impl TlsState {
             Version::Tls12 => (None, None),
             Version::Tls13 => {
                 let log = secrets.ok_or(KeyUpdateError::NotLogged)?;
+                // Any number of generations on (review S3): a session is
+                // taken days after its handshake.
                 let (client, server) = match side {
-                    Side::Server => TrafficSecrets::new(log, &rx_keys, &tx_keys)?.into_secrets(),
-                    Side::Client => {
-                        TrafficSecrets::for_client(log, &rx_keys, &tx_keys)?.into_secrets()
-                    }
-                };
+                    Side::Server => TrafficSecrets::followed(log, &rx_keys, &tx_keys)?,
+                    Side::Client => TrafficSecrets::followed(log, &tx_keys, &rx_keys)?,
+                }
+                .into_secrets();
                 match side {
                     Side::Server => (Some(server), Some(client)),
                     Side::Client => (Some(client), Some(server)),

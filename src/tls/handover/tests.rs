@@ -19,6 +19,10 @@ use tokio_rustls::TlsStream;
 use super::*;
 use crate::tls::key_update::SecretLog;
 
+// A child of this module (its helpers are private), kept in its own file.
+#[path = "long_sessions.rs"]
+mod long_sessions;
+
 const LIMIT: Duration = Duration::from_secs(120);
 
 fn all_suites() -> Vec<SupportedCipherSuite> {
