@@ -75,6 +75,11 @@ impl Channel {
         })
     }
 
+    /// A new deadline for what follows (per-message bounds: sessions).
+    pub fn set_deadline(&mut self, deadline: Instant) {
+        self.deadline = deadline;
+    }
+
     pub fn stream(&self) -> &UnixStream {
         &self.stream
     }
@@ -90,7 +95,8 @@ impl Channel {
     /// Sends `message` with `fds` on its first byte.
     pub fn send(&mut self, message: &Message, fds: &[BorrowedFd]) -> Result<(), ChannelError> {
         assert_eq!(message.fds(), fds.len(), "descriptors as the message says");
-        let frame = message.encode();
+        // A session's state holds keys: its frame is wiped once sent.
+        let frame = zeroize::Zeroizing::new(message.encode());
         let mut sent = 0;
         while sent < frame.len() {
             self.stream.set_write_timeout(Some(self.remaining()?))?;
@@ -120,7 +126,8 @@ impl Channel {
         let mut head = [0u8; HEADER_LEN];
         self.fill(&mut head, &mut fds)?;
         let header = Header::decode(&head)?;
-        let mut body = vec![0u8; header.length as usize];
+        // A session's state holds keys: wiped once decoded.
+        let mut body = zeroize::Zeroizing::new(vec![0u8; header.length as usize]);
         self.fill(&mut body, &mut fds)?;
         if fds.len() != usize::from(header.fds) {
             return Err(WireError::FdCount(fds.len(), header.fds.into()).into());

@@ -16,7 +16,9 @@ use super::alive::Peer;
 use super::channel::{peer_uid, Channel, ChannelError};
 use super::describe::{check, show};
 use crate::metrics::Metrics;
-use crate::proto::handover::{Address, Descriptor, Message, Role, KNOWN_STATE_VERSIONS};
+use crate::proto::handover::{
+    Address, Descriptor, Message, Role, KNOWN_STATE_VERSIONS, SESSIONS_VERSION,
+};
 
 /// What this gateway wants to serve, from its own flags.
 pub struct Wanted<'a> {
@@ -46,6 +48,31 @@ pub struct Successor {
     paused_at: Instant,
     /// The predecessor died before Go: nobody to tell Serving.
     orphaned: bool,
+    /// The state version agreed (2: sessions follow Serving).
+    version: u32,
+}
+
+/// The channel after Serving, for the sessions (state version 2).
+pub struct Sessions {
+    channel: Channel,
+    timeout: Duration,
+}
+
+impl Sessions {
+    /// Takes the sessions the old gateway offers, until it is done;
+    /// `serve` starts one (false: this gateway is stopping).
+    pub fn take(
+        mut self,
+        config: &crate::config::Config,
+        serve: impl Fn(super::sessions::take::Resumed) -> bool,
+    ) {
+        match super::sessions::take::take(&mut self.channel, config, self.timeout, serve) {
+            Ok(()) => info!("take-over: the old gateway has handed over its sessions"),
+            Err(e) => {
+                warn!(error = %e, "take-over: the session hand-over ended early; sessions not handed over drain in the old gateway")
+            }
+        }
+    }
 }
 
 /// Connects to `path`, agrees on a state version and takes the
@@ -65,13 +92,13 @@ pub fn take_over(path: &Path, wanted: &Wanted, timeout: Duration) -> Result<(Suc
         pid: std::process::id(),
     };
     channel.send(&hello, &[]).map_err(refused)?;
-    let predecessor = match channel.recv().map_err(refused)? {
+    let (predecessor, version) = match channel.recv().map_err(refused)? {
         (Message::Chosen { version, pid }, _) if KNOWN_STATE_VERSIONS.contains(&version) => {
             info!(
                 version,
                 pid, "take-over: the running gateway agreed on a state version"
             );
-            Peer::watch(pid)
+            (Peer::watch(pid), version)
         }
         (other, _) => return Err(violation(&mut channel, path, &other)),
     };
@@ -95,6 +122,7 @@ pub fn take_over(path: &Path, wanted: &Wanted, timeout: Duration) -> Result<(Suc
         timeout,
         paused_at,
         orphaned: false,
+        version,
     };
     Ok((successor, taken))
 }
@@ -175,14 +203,15 @@ impl Successor {
     /// cannot be told (it died, or gave up and accepts again) this process
     /// serves on rather than leave nothing accepting. Counted here, where
     /// the admin port now is (`nbdgw_takeovers_total`).
-    pub fn serving(mut self, metrics: &Metrics) {
+    pub fn serving(mut self, metrics: &Metrics) -> Option<Sessions> {
         let shown = self.path.display();
         // What a client that connected just after the listeners left
         // the old accept loops waited, at most, before an accept.
         let pause_ms = self.paused_at.elapsed().as_millis() as u64;
         if self.orphaned {
             metrics.takeover("predecessor_gone");
-            return info!(from = %shown, pause_ms, "take-over: serving the old gateway's listening sockets (it had died)");
+            info!(from = %shown, pause_ms, "take-over: serving the old gateway's listening sockets (it had died)");
+            return None;
         }
         metrics.takeover("taken_over");
         match self.channel.send(&Message::Serving, &[]) {
@@ -190,9 +219,14 @@ impl Successor {
                 info!(from = %shown, pause_ms, "take-over: serving; the old gateway drains its sessions and exits")
             }
             Err(e) => {
-                warn!(from = %shown, pause_ms, error = %e, "take-over: the old gateway did not hear that this one serves (it may have died); serving on")
+                warn!(from = %shown, pause_ms, error = %e, "take-over: the old gateway did not hear that this one serves (it may have died); serving on");
+                return None;
             }
         }
+        (self.version == SESSIONS_VERSION).then_some(Sessions {
+            channel: self.channel,
+            timeout: self.timeout,
+        })
     }
 }
 

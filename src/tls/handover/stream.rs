@@ -36,6 +36,8 @@ pub struct ResumedTls<IO> {
     read_closed: bool,
     /// The error that ended the session, reported again to each call.
     failed: Option<(io::ErrorKind, String)>,
+    /// The suite's IANA number, to hand the session on again.
+    suite: u16,
 }
 
 impl<IO> ResumedTls<IO> {
@@ -43,6 +45,7 @@ impl<IO> ResumedTls<IO> {
     /// `key_limit` as for kernel TLS: `--ktls-key-limit` if given.
     pub fn new(io: IO, state: TlsState, key_limit: Option<u64>) -> Result<Self, StateError> {
         let layer = RecordLayer::new(&state, key_limit)?;
+        let suite = state.suite;
         let TlsState {
             plaintext,
             read_closed,
@@ -59,7 +62,38 @@ impl<IO> ResumedTls<IO> {
             out_at: 0,
             read_closed,
             failed: None,
+            suite,
         })
+    }
+
+    /// The session at a quiet point, to hand on to another process: the
+    /// socket, the state (unread plaintext in it) and the ciphertext read
+    /// and not yet opened (whole records and a partial one, which go
+    /// before whatever the socket holds). Refused, with the stream given
+    /// back, while anything is unsent, a KeyUpdate is owed, or the
+    /// session failed or closed.
+    // The stream is given back whole by value, once per hand-over.
+    #[allow(clippy::result_large_err)]
+    pub fn into_state(self) -> Result<(IO, TlsState, Vec<u8>), (Self, &'static str)> {
+        if self.failed.is_some() || self.read_closed {
+            return Err((self, "the TLS session has failed or closed"));
+        }
+        if self.out_at < self.out.len() {
+            return Err((self, "TLS records are still to be sent"));
+        }
+        let Some((side, tx, rx)) = self.layer.again() else {
+            return Err((self, "a KeyUpdate is owed, or the write side is closed"));
+        };
+        let state = TlsState {
+            side,
+            suite: self.suite,
+            tx,
+            rx,
+            plaintext: self.plain[self.plain_at..].to_vec(),
+            read_closed: false,
+            partial: Vec::new(),
+        };
+        Ok((self.io, state, self.cipher_in))
     }
 
     pub fn get_ref(&self) -> &IO {

@@ -1,0 +1,217 @@
+//! Handing established sessions to a successor (issue 29, per-session
+//! step): a client keeps one connection open across replacements and
+//! sees every byte right, no error, no reconnect, no new TLS handshake.
+//! Real qemu-nbd upstream; python3-libnbd clients over TLS.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::time::Duration;
+
+use common::process::{nbdgw_binary, NbdgwProcess};
+use common::{Env, QemuNbd};
+
+const IMAGE_LEN: usize = 8 << 20;
+
+/// One generation of the gateway, on the port every generation shares.
+fn generation(
+    env: &Env,
+    upstream: &Path,
+    port: u16,
+    handover: &Path,
+    take_over: bool,
+    extra: &[&str],
+) -> NbdgwProcess {
+    let mut cmd = Command::new(nbdgw_binary());
+    cmd.arg("--tls-dir")
+        .arg(env.certs())
+        .arg("--upstream")
+        .arg(upstream)
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--handover-socket")
+        .arg(handover)
+        .args(["--shutdown-grace", "20", "--handover-timeout", "20"])
+        .args(extra);
+    if take_over {
+        cmd.arg("--take-over").arg(handover);
+    }
+    let process = NbdgwProcess::spawn(cmd, port);
+    process.wait_for_log("nbdgw listening", 1);
+    process
+}
+
+/// A directory only root may write into, for the hand-over socket.
+fn private_dir(env: &Env) -> PathBuf {
+    let dir = env.path("run");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+    dir
+}
+
+/// python3-libnbd: ONE connection for its whole life, writing a pattern
+/// (numbered by its round) then reading it back and comparing, over and
+/// over, with several requests in flight each round, until its stdin
+/// closes; prints "progress N" after every round, then one "done" line.
+/// Any error ends it with "error ...". libnbd never reconnects a handle.
+const ONE_SESSION: &str = r#"
+import nbd, sys, threading
+port, certs = sys.argv[1], sys.argv[2]
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+h = nbd.NBD()
+h.set_tls(nbd.TLS_REQUIRE)
+h.set_tls_certificates(certs)
+h.connect_uri(f"nbds://localhost:{port}/")
+print("connected", h.get_protocol(), h.get_structured_replies_negotiated(),
+      h.get_extended_headers_negotiated() if hasattr(h, "get_extended_headers_negotiated") else "n/a",
+      flush=True)
+size = h.get_size()
+chunk = 65536
+rounds = 0
+try:
+    while not stop.is_set():
+        rounds += 1
+        base = (rounds * 8 * chunk) % (size - 8 * chunk)
+        bufs = []
+        for k in range(8):
+            pat = bytes([(rounds * 8 + k) % 251]) * (chunk - 8) + rounds.to_bytes(8, "big")
+            bufs.append(pat)
+            h.aio_pwrite(nbd.Buffer.from_bytearray(bytearray(pat)), base + k * chunk)
+        while h.aio_in_flight() > 0:
+            h.poll(-1)
+        reads = [nbd.Buffer(chunk) for k in range(8)]
+        for k in range(8):
+            h.aio_pread(reads[k], base + k * chunk)
+        while h.aio_in_flight() > 0:
+            h.poll(-1)
+        for k in range(8):
+            got = bytes(reads[k].to_bytearray())
+            if got != bufs[k]:
+                print("error mismatch at round", rounds, "block", k, flush=True)
+                sys.exit(1)
+        print("progress", rounds, flush=True)
+    h.flush()
+    h.shutdown()
+    print("done", rounds, flush=True)
+except nbd.Error as e:
+    print("error", rounds, e, flush=True)
+    sys.exit(1)
+"#;
+
+struct OneSession {
+    child: Child,
+    out: BufReader<ChildStdout>,
+    rounds: usize,
+    pub connected: String,
+}
+
+impl OneSession {
+    fn start(port: u16, env: &Env) -> Self {
+        let mut child = Command::new("/usr/bin/python3")
+            .arg("-c")
+            .arg(ONE_SESSION)
+            .arg(port.to_string())
+            .arg(env.certs())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("python3-libnbd");
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut connected = String::new();
+        out.read_line(&mut connected).unwrap();
+        assert!(connected.starts_with("connected"), "{connected}");
+        OneSession {
+            child,
+            out,
+            rounds: 0,
+            connected,
+        }
+    }
+
+    /// Waits until `more` rounds beyond those seen have passed.
+    fn wait_for(&mut self, more: usize) {
+        let want = self.rounds + more;
+        let mut line = String::new();
+        while self.rounds < want {
+            line.clear();
+            let n = self.out.read_line(&mut line).unwrap();
+            assert!(
+                n > 0 && !line.starts_with("error"),
+                "the client failed: {line}"
+            );
+            if let Some(n) = line.strip_prefix("progress ") {
+                self.rounds = n.trim().parse().unwrap();
+            }
+        }
+    }
+
+    /// Stops it; the number of rounds, every one checked.
+    fn finish(mut self) -> usize {
+        drop(self.child.stdin.take());
+        let mut rest = String::new();
+        self.out.read_to_string(&mut rest).unwrap();
+        assert!(self.child.wait().unwrap().success(), "{rest}");
+        let done = rest
+            .lines()
+            .find_map(|l| l.strip_prefix("done "))
+            .expect(&rest);
+        done.trim().parse().unwrap()
+    }
+}
+
+/// One libnbd connection open across five replacements: every round's
+/// writes read back right, no error, the same connection throughout (a
+/// libnbd handle never reconnects), and no TLS handshake in any
+/// successor: each serves the session it was handed.
+#[test]
+fn one_connection_rides_through_five_replacements() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 29);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &[]);
+    let mut client = OneSession::start(port, &env);
+    eprintln!("client: {}", client.connected.trim());
+    client.wait_for(5);
+    for round in 1..=5 {
+        let new = generation(&env, &upstream.socket, port, &handover, true, &[]);
+        new.wait_for_log("hand-over: serving a session handed over", 1);
+        let status = old
+            .wait_exit(Duration::from_secs(60))
+            .expect("the old gateway exits");
+        let log = old.log();
+        assert!(
+            status.success(),
+            "round {round}: old gateway {status}:\n{log}"
+        );
+        assert!(
+            log.contains("hand-over: the successor serves the session"),
+            "{log}"
+        );
+        if round == 1 {
+            eprintln!(
+                "{}",
+                log.lines()
+                    .filter(|l| l.contains("hand-over") || l.contains("closed"))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
+        }
+        client.wait_for(5);
+        let newlog = new.log();
+        assert!(
+            !newlog.contains("TLS established"),
+            "round {round}: a new handshake:\n{newlog}"
+        );
+        old = new;
+    }
+    let rounds = client.finish();
+    assert!(rounds >= 30, "{rounds}");
+    let (status, log) = old.stop();
+    assert!(status.success(), "{log}");
+}
