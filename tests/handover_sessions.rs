@@ -5,14 +5,18 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
 use common::process::{nbdgw_binary, NbdgwProcess};
+use common::raw::{client_tls, RawClient, Stream};
 use common::{Env, QemuNbd};
+use nbdgw::proto::consts::*;
+use nbdgw::proto::transmission::ReplyMode;
 
 const IMAGE_LEN: usize = 8 << 20;
 
@@ -214,4 +218,110 @@ fn one_connection_rides_through_five_replacements() {
     assert!(rounds >= 30, "{rounds}");
     let (status, log) = old.stop();
     assert!(status.success(), "{log}");
+}
+
+/// A raw client (rustls, real TLS) in `version` and `mode`, through a
+/// hand-over with a request header half sent when it happens (and, in
+/// TLS 1.3, a KeyUpdate of its own sent with it); then a second one.
+/// Every write is read back right; the request cut by the hand-over is
+/// served by the successor.
+fn half_sent_request_rides_through(
+    version: &'static rustls::SupportedProtocolVersion,
+    mode: ReplyMode,
+) {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 7);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &[]);
+    let certs = env.certs();
+    let config = client_tls(
+        &certs.join("ca-cert.pem"),
+        Some((
+            &certs.join("client-cert.pem"),
+            &certs.join("client-key.pem"),
+        )),
+        &[version],
+    );
+    let mut c = RawClient::handshake(addr);
+    c.try_starttls(config).expect("TLS handshake");
+    c.go(mode);
+    let block = |n: u8| vec![n; 65536];
+    c.write(1, 0, &block(1));
+    assert_eq!(c.read_reply(0).last().unwrap().error_code(), 0);
+    assert_eq!(c.read(2, 0, 65536), block(1));
+    for round in 1..=2u8 {
+        let request = {
+            let mut r = c.request_bytes(
+                write_flags(mode),
+                CMD_WRITE,
+                10 + u64::from(round),
+                65536,
+                65536,
+            );
+            r.extend_from_slice(&block(round + 1));
+            r
+        };
+        // Half the header now: the hand-over comes in the middle of it.
+        c.send(&request[..10]);
+        if version == &rustls::version::TLS13 {
+            key_update(&mut c);
+        }
+        let new = generation(&env, &upstream.socket, port, &handover, true, &[]);
+        let status = old
+            .wait_exit(Duration::from_secs(60))
+            .expect("the old gateway exits");
+        let log = old.log();
+        assert!(status.success(), "{log}");
+        assert!(
+            log.contains("hand-over: the successor serves the session"),
+            "{log}"
+        );
+        c.send(&request[10..]);
+        let reply = c.read_reply(0);
+        assert_eq!(reply.last().unwrap().error_code(), 0, "round {round}");
+        assert_eq!(
+            c.read(20 + u64::from(round), 65536, 65536),
+            block(round + 1),
+            "round {round}"
+        );
+        assert_eq!(
+            c.read(30 + u64::from(round), 0, 65536),
+            block(1),
+            "round {round}"
+        );
+        assert!(!new.log().contains("TLS established"), "{}", new.log());
+        old = new;
+    }
+    c.disconnect();
+    let (status, log) = old.stop();
+    assert!(status.success(), "{log}");
+}
+
+fn write_flags(mode: ReplyMode) -> u16 {
+    match mode {
+        ReplyMode::Extended => CMD_FLAG_PAYLOAD_LEN,
+        _ => 0,
+    }
+}
+
+/// The client's own KeyUpdate (TLS 1.3), sent at once.
+fn key_update(c: &mut RawClient) {
+    let Stream::Tls(s) = &mut c.stream else {
+        panic!("TLS is not up")
+    };
+    s.conn.refresh_traffic_keys().expect("a KeyUpdate");
+    s.flush().unwrap();
+}
+
+#[test]
+fn tls13_extended_headers_a_half_sent_request_and_a_key_update_ride_through() {
+    half_sent_request_rides_through(&rustls::version::TLS13, ReplyMode::Extended);
+}
+
+#[test]
+fn tls12_structured_replies_a_half_sent_request_rides_through() {
+    half_sent_request_rides_through(&rustls::version::TLS12, ReplyMode::Structured);
 }

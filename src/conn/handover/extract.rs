@@ -153,6 +153,7 @@ fn consume(tls: ClientTls, plaintext: Vec<u8>) -> Result<Taken, String> {
 
 impl Handable for Resumable {
     async fn send_owed(&mut self) -> io::Result<()> {
+        self.seal_owed()?;
         self.flush().await
     }
 

@@ -313,6 +313,15 @@ impl RecordLayer {
         }
     }
 
+    /// A KeyUpdate owed goes out now rather than before the next record
+    /// (a hand-over must leave nothing owed: `again`).
+    pub fn seal_owed(&mut self, out: &mut Vec<u8>) -> Result<(), RecordError> {
+        if self.update_tx && !self.write_closed && !self.worn_out {
+            self.before_record(out)?;
+        }
+        Ok(())
+    }
+
     /// close_notify: nothing is sealed after it.
     pub fn seal_close_notify(&mut self, out: &mut Vec<u8>) -> Result<(), RecordError> {
         if self.write_closed {

@@ -66,6 +66,17 @@ impl<IO> ResumedTls<IO> {
         })
     }
 
+    /// Seals a KeyUpdate owed the peer now, to be sent with the next
+    /// flush (before a hand-over).
+    pub fn seal_owed(&mut self) -> io::Result<()> {
+        if self.failed.is_none() {
+            if let Err(e) = self.layer.seal_owed(&mut self.out) {
+                return Err(self.fail(e));
+            }
+        }
+        Ok(())
+    }
+
     /// The session at a quiet point, to hand on to another process: the
     /// socket, the state (unread plaintext in it) and the ciphertext read
     /// and not yet opened (whole records and a partial one, which go
