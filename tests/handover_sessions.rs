@@ -325,3 +325,127 @@ fn tls13_extended_headers_a_half_sent_request_and_a_key_update_ride_through() {
 fn tls12_structured_replies_a_half_sent_request_rides_through() {
     half_sent_request_rides_through(&rustls::version::TLS12, ReplyMode::Structured);
 }
+
+/// A raw client in transmission on `old`, its first block written and
+/// read back.
+fn raw_session(env: &Env, port: u16) -> RawClient {
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let certs = env.certs();
+    let config = client_tls(
+        &certs.join("ca-cert.pem"),
+        Some((
+            &certs.join("client-cert.pem"),
+            &certs.join("client-key.pem"),
+        )),
+        &[],
+    );
+    let mut c = RawClient::handshake(addr);
+    c.try_starttls(config).expect("TLS handshake");
+    c.go(ReplyMode::Structured);
+    c.write(1, 0, &[5; 4096]);
+    assert_eq!(c.read_reply(0).last().unwrap().error_code(), 0);
+    assert_eq!(c.read(2, 0, 4096), vec![5; 4096]);
+    c
+}
+
+/// A successor whose configuration would not admit the session as it is
+/// (`extra`: its flags) declines it: the session is never moved with
+/// more than the successor grants; it stays with the old gateway, which
+/// drains it as at SIGTERM: nothing was in flight, so it closes, and the
+/// successor admits the client's next connection only as it allows.
+fn narrower_successor_declines(extra: &[&str], class: &str) {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 3);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &[]);
+    let mut c = raw_session(&env, port);
+    let new = generation(&env, &upstream.socket, port, &handover, true, extra);
+    let status = old
+        .wait_exit(Duration::from_secs(60))
+        .expect("the old gateway exits");
+    let log = old.log();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("the successor declined the session"), "{log}");
+    assert!(
+        log.contains(&format!("reason=\"{class}:")) || log.contains(&format!("reason={class}:")),
+        "{log}"
+    );
+    assert!(!log.contains("the successor serves the session"), "{log}");
+    assert!(new.log().contains("declining a session"), "{}", new.log());
+    assert!(
+        !new.log().contains("serving a session handed over"),
+        "{}",
+        new.log()
+    );
+    c.expect_closed();
+    let (status, log) = new.stop();
+    assert!(status.success(), "{log}");
+}
+
+#[test]
+fn a_successor_whose_allow_list_refuses_the_client_declines_its_session() {
+    narrower_successor_declines(&["--allow-cn", "someone-else"], "certificate");
+}
+
+#[test]
+fn a_successor_whose_policy_grants_less_declines_the_session() {
+    let env_dir = tempfile_policy();
+    let policy = env_dir.join("policy.toml");
+    narrower_successor_declines(&["--policy", policy.to_str().unwrap()], "policy");
+    std::fs::remove_dir_all(env_dir).unwrap();
+}
+
+/// A policy that grants the test client read-only access to every export.
+fn tempfile_policy() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("nbdgw-i29-policy-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let rule =
+        "[[rule]]\nexports = [\"*\"]\nallow = { cn = [\"test-client\"] }\naccess = \"read-only\"\n";
+    std::fs::write(dir.join("policy.toml"), rule).unwrap();
+    dir
+}
+
+/// A successor killed once a session's State has reached it: the session
+/// is closed (its sockets are gone with both processes' copies), and the
+/// old gateway never serves it again: after the State left, it has no
+/// keys for it (the commit rule, docs/design/handover.md).
+#[test]
+fn a_successor_killed_after_the_state_closes_the_session_and_the_old_gateway_does_not_resume_it() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 4);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &[]);
+    let mut c = raw_session(&env, port);
+    let mut cmd = Command::new(nbdgw_binary());
+    cmd.arg("--tls-dir")
+        .arg(env.certs())
+        .arg("--upstream")
+        .arg(&upstream.socket)
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--take-over")
+        .arg(&handover)
+        .env("NBDGW_DEBUG_HANDOVER_STATE_STALL", "1");
+    let new = NbdgwProcess::spawn(cmd, port);
+    new.wait_for_log("debug: stalling the session take-over", 1);
+    new.signal("KILL");
+    let status = old
+        .wait_exit(Duration::from_secs(60))
+        .expect("the old gateway exits");
+    let log = old.log();
+    assert!(status.success(), "{log}");
+    assert!(
+        log.contains("closed reason=\"handed over to the successor\""),
+        "{log}"
+    );
+    assert!(log.contains("the session hand-over ended early"), "{log}");
+    assert!(!log.contains("the successor serves the session"), "{log}");
+    // Nobody holds the session any more: the client's next request finds
+    // the connection closed, never an answer from the old keys.
+    c.send(&c.request_bytes(0, CMD_READ, 3, 0, 4096));
+    c.expect_closed();
+}
