@@ -97,6 +97,9 @@ pub struct Config {
     pub health: Arc<crate::metrics::Health>,
     /// Immutable exports and the read cache they share.
     pub read_cache: ReadCacheSettings,
+    /// The sessions a successor may take (`--handover-socket`); None:
+    /// sessions are never handed over.
+    pub handover: Option<Arc<crate::handing::Registry>>,
 }
 
 /// What the relay allows one connection, and when it gives up on it: the
@@ -166,6 +169,7 @@ impl Config {
             drain_delay: Duration::ZERO,
             drain_answer: crate::shutdown::DrainAnswer::Close,
             allow_lists: false,
+            handover: None,
             upstream,
             exports: None,
             policy: Arc::new(crate::reloadable::Swap::new(Arc::new(

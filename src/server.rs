@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tracing::{info, warn};
 
@@ -33,7 +34,21 @@ pub async fn run_gated(
     listener: TcpListener,
     config: Arc<Config>,
     shutdown: impl Future<Output = ()>,
+    gate: Gate,
+) -> std::io::Result<()> {
+    let (_none, resumed) = mpsc::channel(1);
+    run_resuming(listener, config, shutdown, gate, resumed).await
+}
+
+/// `run_gated`, also serving the sessions a predecessor hands over
+/// (`resumed`, `crate::handover`), as its own connections: drained and
+/// cut alike.
+pub async fn run_resuming(
+    listener: TcpListener,
+    config: Arc<Config>,
+    shutdown: impl Future<Output = ()>,
     mut gate: Gate,
+    mut resumed: mpsc::Receiver<crate::handover::sessions::take::Resumed>,
 ) -> std::io::Result<()> {
     let admission = Admission::new(&config);
     let pre_header = crate::balancer::pending::Pending::new(config.proxy_protocol.pending);
@@ -56,6 +71,7 @@ pub async fn run_gated(
                 if stop_accepting_at.is_some() => break,
             // The successor accepts now: drain, with no delay to wait.
             state = gate.changed() => if state == Accepting::HandedOver { control.handed_over(); break },
+            Some(session) = resumed.recv() => { next_id += 1; connections.spawn(serve_resumed(session, Shared { config: config.clone(), admission: admission.clone(), phase: phase.clone() }, next_id)); }
             // Reap finished connections so the set does not grow.
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
             accepted = listener.accept(), if gate.accepting() => {
@@ -127,6 +143,15 @@ fn admit(
             None
         }
     }
+}
+
+async fn serve_resumed(session: crate::handover::sessions::take::Resumed, shared: Shared, id: u64) {
+    let Shared {
+        config,
+        admission,
+        phase,
+    } = shared;
+    crate::conn::handover::resume::serve(session, &config, &admission, phase, id).await;
 }
 
 async fn serve(conn: crate::conn::Accepted, shared: Shared) {

@@ -22,6 +22,7 @@ use tracing::{debug, info};
 
 use super::error::ConnError;
 use crate::config::Config;
+use crate::tls::handover::RecordTail;
 use crate::tls::kernel::{self, Direction, KernelCiphers, KernelTlsError, RecordCursor};
 use crate::tls::key_update::{
     self, KeyUpdateError, KeyUpdateRequest, Keys, SecretLog, TrafficSecrets, HANDSHAKE_RECORD,
@@ -34,7 +35,10 @@ pub type ClientIo = super::buffered::Buffered<TcpStream>;
 /// What rustls reads the handshake through: all it can get when the
 /// session stays in rustls, exactly up to record boundaries when the
 /// kernel may take it over.
-pub type TlsIo = Either<ClientIo, RecordAligned>;
+/// Under rustls the socket is read through `RecordTail`, which keeps the
+/// record rustls holds in part when a hand-over may take the session
+/// (a pass-through otherwise).
+pub type TlsIo = Either<RecordTail<ClientIo>, RecordAligned>;
 pub type ClientTls = tokio_rustls::server::TlsStream<TlsIo>;
 /// After the handshake: rustls, or the kernel's record layer.
 pub type ClientStream = Either<ClientTls, KernelTls>;
@@ -177,7 +181,16 @@ pub fn tls_io(io: ClientIo, config: &Config) -> (TlsIo, Arc<rustls::ServerConfig
                 Arc::new(own),
             )
         }
-        None => (Either::Left(io), current),
+        None if config.handover.is_some() => {
+            // A hand-over takes TLS 1.3 traffic secrets from this
+            // connection's own key log, as kernel TLS does.
+            let secrets = SecretLog::new();
+            let mut own = (*current).clone();
+            own.key_log = secrets.clone();
+            let io = RecordTail::new(io).with_secrets(secrets);
+            (Either::Left(io), Arc::new(own))
+        }
+        None => (Either::Left(RecordTail::off(io)), current),
     }
 }
 

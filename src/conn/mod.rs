@@ -9,10 +9,12 @@
 
 mod buffered;
 pub(crate) mod error;
+pub(crate) mod handover;
 mod kernel_tls;
 mod negotiate;
 pub(crate) mod options;
 pub(crate) mod plain;
+pub(crate) mod prefixed;
 pub(crate) mod relay;
 pub(crate) mod relayed;
 pub(crate) mod session;
@@ -276,6 +278,21 @@ async fn transmit(
     link: &Link<'_>,
 ) -> Result<&'static str, ConnError> {
     let config = link.config;
+    let session = match handable(session, link) {
+        Ok(h) => {
+            let relaying = handover::Relaying {
+                mode: h.mode,
+                read_only: h.read_only,
+                cache: cache_of(h.cache, config),
+                socket: socket_handle,
+                registered,
+            };
+            let registered = Some(h.registered);
+            return handover::transmit((h.tls, Vec::new()), h.upstream, relaying, registered, link)
+                .await;
+        }
+        Err(session) => session,
+    };
     let session::Session {
         tls,
         upstream,
@@ -283,20 +300,69 @@ async fn transmit(
         read_only,
         cache,
         ..
-    } = session;
+    } = *session;
     let ends = relay::Ends {
         client: tokio::io::split(tls),
         upstream: upstream.into_split(),
         mode,
         read_only,
-        cache: cache.map(|handle| relay::Cached {
-            handle,
-            read_ahead: config.read_cache.read_ahead,
-            depth: config.read_cache.read_ahead_depth,
-            fills: config.read_cache.cache_fill_depth,
-        }),
+        cache: cache_of(cache, config),
     };
     relay::run(ends, socket_handle, &link.transmit(), registered).await
+}
+
+fn cache_of(cache: Option<crate::cache::Handle>, config: &Config) -> Option<relay::Cached> {
+    cache.map(|handle| relay::Cached {
+        handle,
+        read_ahead: config.read_cache.read_ahead,
+        depth: config.read_cache.read_ahead_depth,
+        fills: config.read_cache.cache_fill_depth,
+    })
+}
+
+/// A session a successor may take, registered for it.
+struct Handable {
+    tls: session::ClientTls,
+    upstream: tokio::net::UnixStream,
+    mode: crate::proto::transmission::ReplyMode,
+    read_only: bool,
+    cache: Option<crate::cache::Handle>,
+    registered: crate::handing::Registered,
+}
+
+/// A session a successor may take: in rustls (kernel TLS sessions are
+/// not handed over yet) read through a record tail, with
+/// `--handover-socket`.
+fn handable(session: session::Session, link: &Link<'_>) -> Result<Handable, Box<session::Session>> {
+    use tokio_util::either::Either;
+    let offer = match &session.tls {
+        Either::Left(tls) if matches!(tls.get_ref().0, Either::Left(tail) if tail.is_on()) => {
+            handover::offer(tls, &session)
+        }
+        _ => return Err(Box::new(session)),
+    };
+    let Some(registered) = handover::register(link, &offer) else {
+        return Err(Box::new(session));
+    };
+    let session::Session {
+        tls: Either::Left(tls),
+        upstream,
+        mode,
+        read_only,
+        cache,
+        ..
+    } = session
+    else {
+        unreachable!("matched above")
+    };
+    Ok(Handable {
+        tls,
+        upstream,
+        mode,
+        read_only,
+        cache,
+        registered,
+    })
 }
 
 /// Everything before transmission: plaintext, TLS, a session slot once

@@ -45,6 +45,18 @@ pub struct Session {
     pub access: crate::policy::Access,
     /// The read cache of an immutable export (`None`: not cached).
     pub cache: Option<crate::cache::Handle>,
+    /// Where it goes and what the upstream said of it: what a successor
+    /// needs to judge and serve it (a hand-over).
+    pub target: Target,
+}
+
+/// The upstream end of a session, as negotiated.
+#[derive(Debug, Clone, Default)]
+pub struct Target {
+    pub socket: std::path::PathBuf,
+    pub upstream_export: String,
+    pub size: u64,
+    pub tflags: u16,
 }
 
 /// The tracing target of the audit trail: one line when a session
@@ -137,6 +149,16 @@ impl Stats {
     pub fn sent(&self, bytes: u64) {
         self.bytes_to_client.fetch_add(bytes, Ordering::Relaxed);
         self.metrics.bytes_sent.inc_by(bytes);
+    }
+
+    /// A session handed over from another process: its counts so far
+    /// (requests, replies, bytes in, bytes out), so that its close line
+    /// tells the whole session.
+    pub fn restore(&self, [requests, replies, bytes_in, bytes_out]: [u64; 4]) {
+        self.requests.store(requests, Ordering::Relaxed);
+        self.replies.store(replies, Ordering::Relaxed);
+        self.bytes_from_client.store(bytes_in, Ordering::Relaxed);
+        self.bytes_to_client.store(bytes_out, Ordering::Relaxed);
     }
 
     /// The connection entered transmission as `audit` says.

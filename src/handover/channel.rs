@@ -75,7 +75,7 @@ impl Channel {
         })
     }
 
-    /// From now on every read and write is bounded by `deadline`.
+    /// A new deadline for what follows (per-message bounds: sessions).
     pub fn set_deadline(&mut self, deadline: Instant) {
         self.deadline = deadline;
     }
@@ -95,7 +95,7 @@ impl Channel {
     /// Sends `message` with `fds` on its first byte.
     pub fn send(&mut self, message: &Message, fds: &[BorrowedFd]) -> Result<(), ChannelError> {
         assert_eq!(message.fds(), fds.len(), "descriptors as the message says");
-        // Wiped when sent: the session messages will carry TLS keys.
+        // A session's state holds keys: its frame is wiped once sent.
         let frame = zeroize::Zeroizing::new(message.encode());
         let mut sent = 0;
         while sent < frame.len() {
@@ -126,7 +126,7 @@ impl Channel {
         let mut head = [0u8; HEADER_LEN];
         self.fill(&mut head, &mut fds)?;
         let header = Header::decode(&head)?;
-        // Wiped once decoded, as the frames sent are.
+        // A session's state holds keys: wiped once decoded.
         let mut body = zeroize::Zeroizing::new(vec![0u8; header.length as usize]);
         self.fill(&mut body, &mut fds)?;
         if fds.len() != usize::from(header.fds) {

@@ -35,4 +35,18 @@ pub struct HandoverArgs {
     /// the backlog), so this is also the longest such pause.
     #[arg(long, env = "NBDGW_HANDOVER_TIMEOUT", default_value_t = DEFAULT_HANDOVER_TIMEOUT_SECS, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub handover_timeout: u64,
+    /// Seconds a session being handed to a successor may take to go
+    /// quiet: it stops reading requests at a request boundary and the
+    /// replies to those already upstream finish. One that is not quiet
+    /// in time stays here and drains as on SIGTERM. It is also the
+    /// longest pause a client can see in its requests.
+    #[arg(long, env = "NBDGW_HANDOVER_QUIESCE_TIMEOUT", value_name = "SECS", default_value_t = 5.0, value_parser = quiesce_secs)]
+    pub handover_quiesce_timeout: f64,
+}
+
+fn quiesce_secs(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.01..=600.0).contains(&v) => Ok(v),
+        _ => Err("a number of seconds from 0.01 to 600".to_string()),
+    }
 }

@@ -22,6 +22,7 @@ pub mod describe;
 pub mod flags;
 pub mod gate;
 pub mod predecessor;
+pub mod sessions;
 pub mod socket;
 pub mod successor;
 
@@ -58,6 +59,7 @@ pub fn open(
     listen: SocketAddr,
     admin: Option<SocketAddr>,
     metrics: &Arc<Metrics>,
+    sessions: Option<Arc<sessions::Registry>>,
 ) -> Result<Opened> {
     refuse_under_systemd(args)?;
     let timeout = Duration::from_secs(args.handover_timeout);
@@ -88,8 +90,13 @@ pub fn open(
         });
     };
     let (control, gate) = Gate::controlled();
-    let mut predecessor =
-        predecessor::Predecessor::new(handover.try_clone()?, timeout, control, metrics.clone());
+    let mut predecessor = predecessor::Predecessor::new(
+        handover.try_clone()?,
+        timeout,
+        control,
+        metrics.clone(),
+        sessions,
+    );
     predecessor
         .offer(Role::Nbd, &listeners.nbd)
         .and_then(|()| match &listeners.admin {

@@ -13,7 +13,7 @@ use super::channel::{peer_uid, Channel, ChannelError};
 use super::describe::{describe, show};
 use super::gate::{Accepting, GateControl};
 use crate::metrics::Metrics;
-use crate::proto::handover::{choose, Message, Role, KNOWN_STATE_VERSIONS};
+use crate::proto::handover::{choose, Message, Role, KNOWN_STATE_VERSIONS, SESSIONS_VERSION};
 
 /// The hand-over socket and what it gives away.
 pub struct Predecessor {
@@ -29,6 +29,8 @@ struct Giver {
     timeout: Duration,
     control: GateControl,
     metrics: Arc<Metrics>,
+    /// The sessions a successor may take (state version 2).
+    sessions: Option<Arc<super::sessions::Registry>>,
 }
 
 /// How one successor's attempt ended (the metric's label, and a line).
@@ -61,6 +63,7 @@ impl Predecessor {
         timeout: Duration,
         control: GateControl,
         metrics: Arc<Metrics>,
+        sessions: Option<Arc<super::sessions::Registry>>,
     ) -> Self {
         Predecessor {
             listener,
@@ -69,6 +72,7 @@ impl Predecessor {
                 timeout,
                 control,
                 metrics,
+                sessions,
             },
         }
     }
@@ -175,7 +179,22 @@ impl Giver {
         );
         self.give_listeners(channel)?;
         debug_stall();
-        self.await_serving(channel, successor)
+        if self.await_serving(channel, successor)? && version == SESSIONS_VERSION {
+            self.give_sessions(channel);
+        }
+        Ok(())
+    }
+
+    /// After Serving: the sessions, each offered and, if the successor
+    /// takes it, handed over; those it does not stay and drain. Never a
+    /// failure of the hand-over itself: the successor serves already.
+    fn give_sessions(&self, channel: &mut Channel) {
+        let Some(registry) = &self.sessions else {
+            return;
+        };
+        if let Err(e) = super::sessions::give::give(channel, registry) {
+            warn!(error = %e, "hand-over: the session hand-over ended early; the sessions not handed over drain here");
+        }
     }
 
     /// Hello, then Chosen or a refusal; the version and the pid the
@@ -229,14 +248,14 @@ impl Giver {
     /// does not come in time from a live successor is logged and this
     /// process drains as on success, so that two gateways never both
     /// accept for good.
-    fn await_serving(&self, channel: &mut Channel, successor: &Peer) -> Result<(), Failure> {
+    fn await_serving(&self, channel: &mut Channel, successor: &Peer) -> Result<bool, Failure> {
         match channel.recv().map_err(Failure::channel)? {
             (Message::Ready, _) => {}
             (other, _) => return Err(unexpected(channel, "ready", &other)),
         }
         channel.send(&Message::Go, &[]).map_err(Failure::channel)?;
         let why = match channel.recv() {
-            Ok((Message::Serving, _)) => return Ok(()),
+            Ok((Message::Serving, _)) => return Ok(true),
             Ok((other, _)) => format!("the successor sent {} where serving was due", other.name()),
             // It gave up after Go and says so (review round 2, S6): it
             // does not accept.
@@ -255,7 +274,7 @@ impl Giver {
             Err(e) => e.to_string(),
         };
         warn!(reason = %why, "hand-over: the successor was told Go but did not say it serves; it may accept, so this gateway does not take the listening sockets back");
-        Ok(())
+        Ok(false)
     }
 }
 

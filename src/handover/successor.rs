@@ -16,7 +16,9 @@ use super::alive::Peer;
 use super::channel::{peer_uid, Channel, ChannelError, REFUSE_GRACE};
 use super::describe::{check, show};
 use crate::metrics::Metrics;
-use crate::proto::handover::{Address, Descriptor, Message, Role, KNOWN_STATE_VERSIONS};
+use crate::proto::handover::{
+    Address, Descriptor, Message, Role, KNOWN_STATE_VERSIONS, SESSIONS_VERSION,
+};
 
 /// What this gateway wants to serve, from its own flags.
 pub struct Wanted<'a> {
@@ -36,7 +38,8 @@ pub struct Taken {
 /// The connection to the predecessor, between taking its listeners and
 /// serving them.
 pub struct Successor {
-    channel: Channel,
+    /// Always there until `serving` moves it on to `Sessions`.
+    channel: Option<Channel>,
     path: PathBuf,
     /// The running gateway's process, from its Chosen.
     predecessor: Peer,
@@ -48,15 +51,39 @@ pub struct Successor {
     orphaned: bool,
     /// `serving` ran; dropped before that, this process gave up.
     served: bool,
+    /// The state version agreed (2: sessions follow Serving).
+    version: u32,
 }
 
 impl Drop for Successor {
     /// A start that fails after the take-over began (its own checks, a
     /// bind, anything after Go) says so before the channel closes.
     fn drop(&mut self) {
-        if !self.served {
-            self.channel
-                .refuse("the successor gave up before it served the listening sockets");
+        if let (false, Some(channel)) = (self.served, &mut self.channel) {
+            channel.refuse("the successor gave up before it served the listening sockets");
+        }
+    }
+}
+
+/// The channel after Serving, for the sessions (state version 2).
+pub struct Sessions {
+    channel: Channel,
+    timeout: Duration,
+}
+
+impl Sessions {
+    /// Takes the sessions the old gateway offers, until it is done;
+    /// `serve` starts one (false: this gateway is stopping).
+    pub fn take(
+        mut self,
+        config: &crate::config::Config,
+        serve: impl Fn(super::sessions::take::Resumed) -> bool,
+    ) {
+        match super::sessions::take::take(&mut self.channel, config, self.timeout, serve) {
+            Ok(()) => info!("take-over: the old gateway has handed over its sessions"),
+            Err(e) => {
+                warn!(error = %e, "take-over: the session hand-over ended early; sessions not handed over drain in the old gateway")
+            }
         }
     }
 }
@@ -85,13 +112,13 @@ pub fn take_over(path: &Path, wanted: &Wanted, timeout: Duration) -> Result<(Suc
     sent.map_err(|e| give_up(&mut channel, path, e))?;
     let chosen = channel.recv().map_err(|e| give_up(&mut channel, path, e))?;
     channel.set_deadline(Instant::now() + timeout);
-    let predecessor = match chosen {
+    let (predecessor, version) = match chosen {
         (Message::Chosen { version, pid }, _) if KNOWN_STATE_VERSIONS.contains(&version) => {
             info!(
                 version,
                 pid, "take-over: the running gateway agreed on a state version"
             );
-            Peer::watch(pid)
+            (Peer::watch(pid), version)
         }
         (other, _) => return Err(violation(&mut channel, path, &other)),
     };
@@ -110,13 +137,14 @@ pub fn take_over(path: &Path, wanted: &Wanted, timeout: Duration) -> Result<(Suc
     };
     debug_stall();
     let successor = Successor {
-        channel,
+        channel: Some(channel),
         path: path.to_path_buf(),
         predecessor,
         timeout,
         paused_at,
         orphaned: false,
         served: false,
+        version,
     };
     Ok((successor, taken))
 }
@@ -181,11 +209,12 @@ impl Successor {
     /// listeners it was given rather than leave nothing accepting.
     pub fn commit(&mut self) -> Result<()> {
         let shown = self.path.display();
-        let answer = match self.channel.send(&Message::Ready, &[]) {
-            Ok(()) => self.channel.recv(),
+        let channel = self.channel.as_mut().expect("the channel until serving");
+        let answer = match channel.send(&Message::Ready, &[]) {
+            Ok(()) => channel.recv(),
             // A predecessor that gave up said Refuse before it closed:
             // its reason is still there to read behind the broken pipe.
-            Err(e) => match self.channel.recv() {
+            Err(e) => match channel.recv() {
                 Err(refused @ ChannelError::Peer(_)) => Err(refused),
                 _ => Err(e),
             },
@@ -195,13 +224,13 @@ impl Successor {
                 debug_stall_after_go();
                 Ok(())
             }
-            Ok((other, _)) => Err(violation(&mut self.channel, &self.path, &other)),
+            Ok((other, _)) => Err(violation(channel, &self.path, &other)),
             Err(e) if e.is_bare_end() && self.predecessor.gone_within(self.timeout) => {
                 warn!(from = %shown, error = %e, "take-over: the old gateway died before Go (its process is gone); serving the listening sockets it gave");
                 self.orphaned = true;
                 Ok(())
             }
-            Err(e) => Err(give_up(&mut self.channel, &self.path, e)),
+            Err(e) => Err(give_up(channel, &self.path, e)),
         }
     }
 
@@ -210,7 +239,7 @@ impl Successor {
     /// cannot be told (it died, or gave up and accepts again) this process
     /// serves on rather than leave nothing accepting. Counted here, where
     /// the admin port now is (`nbdgw_takeovers_total`).
-    pub fn serving(mut self, metrics: &Metrics) {
+    pub fn serving(mut self, metrics: &Metrics) -> Option<Sessions> {
         self.served = true;
         let shown = self.path.display();
         // What a client that connected just after the listeners left
@@ -218,17 +247,25 @@ impl Successor {
         let pause_ms = self.paused_at.elapsed().as_millis() as u64;
         if self.orphaned {
             metrics.takeover("predecessor_gone");
-            return info!(from = %shown, pause_ms, "take-over: serving the old gateway's listening sockets (it had died)");
+            info!(from = %shown, pause_ms, "take-over: serving the old gateway's listening sockets (it had died)");
+            return None;
         }
         metrics.takeover("taken_over");
-        match self.channel.send(&Message::Serving, &[]) {
+        let channel = self.channel.as_mut().expect("the channel until serving");
+        match channel.send(&Message::Serving, &[]) {
             Ok(()) => {
                 info!(from = %shown, pause_ms, "take-over: serving; the old gateway drains its sessions and exits")
             }
             Err(e) => {
-                warn!(from = %shown, pause_ms, error = %e, "take-over: the old gateway did not hear that this one serves (it may have died); serving on")
+                warn!(from = %shown, pause_ms, error = %e, "take-over: the old gateway did not hear that this one serves (it may have died); serving on");
+                return None;
             }
         }
+        let channel = self.channel.take()?;
+        (self.version == SESSIONS_VERSION).then_some(Sessions {
+            channel,
+            timeout: self.timeout,
+        })
     }
 }
 

@@ -86,6 +86,8 @@ pub struct Metrics {
     /// This process's own start as a successor (`--take-over`), by
     /// outcome: readable here, on the admin port it took over.
     pub takeovers: Family<Outcome, Counter>,
+    /// Sessions offered to a successor (`handovers.rs`).
+    pub sessions_handed: handovers::SessionsHanded,
     pub cache: CacheMetrics,
     /// `nbdgw client --reconnect`'s counters (registered in client mode).
     pub reconnects: ReconnectMetrics,
@@ -128,8 +130,7 @@ impl Metrics {
             handshakes_in_progress: Gauge::default(),
             handshakes_waiting: Gauge::default(),
             handshake_waits: Counter::default(),
-            // 1 ms to about 16 s, past the longest --handshake-queue-timeout
-            // anyone should need.
+            // 1 ms to ~16 s: past any --handshake-queue-timeout one needs.
             handshake_wait_seconds: Histogram::new(exponential_buckets(1e-3, 2.0, 15)),
             handshakes_refused: Family::default(),
             proven_sources: Gauge::default(),
@@ -141,6 +142,7 @@ impl Metrics {
             admin_connections_refused: Counter::default(),
             handovers: Family::default(),
             takeovers: Family::default(),
+            sessions_handed: handovers::SessionsHanded::default(),
             cache: CacheMetrics::default(),
             reconnects: ReconnectMetrics::default(),
             registry: Registry::default(),

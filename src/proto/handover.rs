@@ -35,9 +35,14 @@ pub const MAX_REASON: u16 = 1024;
 /// sockaddr_un's sun_path.
 pub const MAX_UNIX_PATH: u16 = 108;
 
-/// The state versions this build knows. 1: the listening sockets only;
-/// sessions are not handed over yet (they drain).
-pub const KNOWN_STATE_VERSIONS: &[u32] = &[1];
+/// The state versions this build knows. 1: the listening sockets only
+/// (sessions drain); 2: then the established sessions, one by one
+/// (`crate::proto::handover_session`).
+pub const KNOWN_STATE_VERSIONS: &[u32] = &[1, 2];
+/// The state version under which sessions are handed over.
+pub const SESSIONS_VERSION: u32 = 2;
+/// The longest session body (an offer or a state): within MAX_BODY.
+pub const MAX_SESSION_BODY: u32 = MAX_BODY - 64;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Header {
@@ -73,12 +78,39 @@ pub enum Message {
     /// again unless the successor dies before saying `Serving`.
     Go,
     /// Successor → predecessor: it accepts on the listeners now; the
-    /// predecessor drains its sessions and exits.
+    /// predecessor drains its sessions and exits (state version 1), or
+    /// first offers them (2).
     Serving,
+    /// Predecessor → successor (version 2): sessions follow; every State
+    /// of this hand-over carries this random id, so that a State from
+    /// another hand-over is refused.
+    Sessions { handover: [u8; 16] },
+    /// Predecessor → successor: a session the successor may take, as
+    /// `handover_session::Offer` encodes it.
+    Offer { id: u64, body: Vec<u8> },
+    /// Successor → predecessor: it takes the session (nothing is moved
+    /// yet: the predecessor still serves it).
+    Accept { id: u64 },
+    /// Successor → predecessor: its configuration does not admit the
+    /// session as it is; it stays with the predecessor and drains.
+    Decline { id: u64, reason: String },
+    /// Predecessor → successor: the session's state
+    /// (`handover_session::State`), with its client TCP socket and its
+    /// upstream socket. From here the predecessor never writes on it.
+    State { id: u64, body: Vec<u8> },
+    /// Predecessor → successor: the session could not be stopped or its
+    /// state taken; it stays with the predecessor and drains.
+    Withdraw { id: u64 },
+    /// Successor → predecessor: the session is served here.
+    Taken { id: u64 },
+    /// Successor → predecessor: the state came but could not be served;
+    /// the session is closed (never resumed by the predecessor).
+    Lost { id: u64, reason: String },
+    /// Predecessor → successor: no more offers or states.
+    Done,
 }
 
-/// Message kinds on the wire. 8 and up are kept for the per-session
-/// messages (docs/design/handover.md, "What comes next").
+/// Message kinds on the wire; 8 and up only under state version 2.
 mod kind {
     pub const HELLO: u16 = 1;
     pub const REFUSE: u16 = 2;
@@ -87,6 +119,15 @@ mod kind {
     pub const READY: u16 = 5;
     pub const GO: u16 = 6;
     pub const SERVING: u16 = 7;
+    pub const SESSIONS: u16 = 8;
+    pub const OFFER: u16 = 9;
+    pub const ACCEPT: u16 = 10;
+    pub const DECLINE: u16 = 11;
+    pub const STATE: u16 = 12;
+    pub const WITHDRAW: u16 = 13;
+    pub const TAKEN: u16 = 14;
+    pub const LOST: u16 = 15;
+    pub const DONE: u16 = 16;
 }
 
 /// What a descriptor is for; checked against what it is on arrival.
@@ -204,7 +245,7 @@ impl Header {
             fds: u16_at(8),
             length: u32::from_be_bytes([bytes[12], bytes[13], bytes[14], bytes[15]]),
         };
-        if !(kind::HELLO..=kind::SERVING).contains(&header.kind) {
+        if !(kind::HELLO..=kind::DONE).contains(&header.kind) {
             return Err(WireError::Kind(header.kind));
         }
         if header.length > MAX_BODY {
@@ -222,6 +263,8 @@ impl Message {
     pub fn fds(&self) -> usize {
         match self {
             Message::Listeners { sockets } => sockets.len(),
+            // The client's TCP socket and the upstream's Unix socket.
+            Message::State { .. } => 2,
             _ => 0,
         }
     }
@@ -235,6 +278,15 @@ impl Message {
             Message::Ready => "ready",
             Message::Go => "go",
             Message::Serving => "serving",
+            Message::Sessions { .. } => "sessions",
+            Message::Offer { .. } => "offer",
+            Message::Accept { .. } => "accept",
+            Message::Decline { .. } => "decline",
+            Message::State { .. } => "state",
+            Message::Withdraw { .. } => "withdraw",
+            Message::Taken { .. } => "taken",
+            Message::Lost { .. } => "lost",
+            Message::Done => "done",
         }
     }
 
@@ -267,6 +319,7 @@ impl Message {
             Message::Ready => kind::READY,
             Message::Go => kind::GO,
             Message::Serving => kind::SERVING,
+            other => other.encode_session(&mut body),
         };
         let header = Header {
             kind,
@@ -295,12 +348,9 @@ impl Message {
                     pid: r.u32()?,
                 }
             }
-            kind::REFUSE => {
-                let reason = r.bytes(MAX_REASON, "refusal reason length")?;
-                let reason = String::from_utf8(reason.to_vec())
-                    .map_err(|_| WireError::Invalid("refusal reason (not UTF-8)", 0))?;
-                Message::Refuse { reason }
-            }
+            kind::REFUSE => Message::Refuse {
+                reason: r.reason()?,
+            },
             kind::CHOSEN => Message::Chosen {
                 version: r.u32()?,
                 pid: r.u32()?,
@@ -318,7 +368,7 @@ impl Message {
             kind::READY => Message::Ready,
             kind::GO => Message::Go,
             kind::SERVING => Message::Serving,
-            other => return Err(WireError::Kind(other)),
+            other => Message::decode_session(other, &mut r)?,
         };
         if !r.0.is_empty() {
             return Err(WireError::Trailing(r.0.len()));
@@ -327,6 +377,66 @@ impl Message {
             return Err(WireError::FdCount(header.fds.into(), message.fds()));
         }
         Ok(message)
+    }
+}
+
+/// The per-session messages (state version 2).
+impl Message {
+    fn encode_session(&self, body: &mut Vec<u8>) -> u16 {
+        let id_only = |body: &mut Vec<u8>, id: &u64| body.extend_from_slice(&id.to_be_bytes());
+        let with_reason = |body: &mut Vec<u8>, id: &u64, reason: &str| {
+            body.extend_from_slice(&id.to_be_bytes());
+            put_bytes(body, truncated(reason, MAX_REASON.into()).as_bytes());
+        };
+        let with_body = |body: &mut Vec<u8>, id: &u64, bytes: &[u8]| {
+            body.extend_from_slice(&id.to_be_bytes());
+            body.extend_from_slice(&(bytes.len() as u32).to_be_bytes());
+            body.extend_from_slice(bytes);
+        };
+        match self {
+            Message::Sessions { handover } => {
+                body.extend_from_slice(handover);
+                kind::SESSIONS
+            }
+            Message::Offer { id, body: b } => (with_body(body, id, b), kind::OFFER).1,
+            Message::Accept { id } => (id_only(body, id), kind::ACCEPT).1,
+            Message::Decline { id, reason } => (with_reason(body, id, reason), kind::DECLINE).1,
+            Message::State { id, body: b } => (with_body(body, id, b), kind::STATE).1,
+            Message::Withdraw { id } => (id_only(body, id), kind::WITHDRAW).1,
+            Message::Taken { id } => (id_only(body, id), kind::TAKEN).1,
+            Message::Lost { id, reason } => (with_reason(body, id, reason), kind::LOST).1,
+            Message::Done => kind::DONE,
+            _ => unreachable!("encoded by Message::encode"),
+        }
+    }
+
+    fn decode_session(kind: u16, r: &mut Reader) -> Result<Self, WireError> {
+        Ok(match kind {
+            kind::SESSIONS => Message::Sessions {
+                handover: r.take(16)?.try_into().expect("16 bytes"),
+            },
+            kind::OFFER => Message::Offer {
+                id: r.u64()?,
+                body: r.long_bytes()?,
+            },
+            kind::ACCEPT => Message::Accept { id: r.u64()? },
+            kind::DECLINE => Message::Decline {
+                id: r.u64()?,
+                reason: r.reason()?,
+            },
+            kind::STATE => Message::State {
+                id: r.u64()?,
+                body: r.long_bytes()?,
+            },
+            kind::WITHDRAW => Message::Withdraw { id: r.u64()? },
+            kind::TAKEN => Message::Taken { id: r.u64()? },
+            kind::LOST => Message::Lost {
+                id: r.u64()?,
+                reason: r.reason()?,
+            },
+            kind::DONE => Message::Done,
+            other => return Err(WireError::Kind(other)),
+        })
     }
 }
 
@@ -446,6 +556,25 @@ impl<'a> Reader<'a> {
             1 => Ok(true),
             other => Err(WireError::Invalid(what, other.into())),
         }
+    }
+
+    fn u64(&mut self) -> Result<u64, WireError> {
+        Ok(u64::from_be_bytes(self.take(8)?.try_into().expect("8")))
+    }
+
+    /// u32 length, then as many bytes (at most MAX_SESSION_BODY).
+    fn long_bytes(&mut self) -> Result<Vec<u8>, WireError> {
+        let len = self.u32()?;
+        if len > MAX_SESSION_BODY {
+            return Err(WireError::Invalid("session body length", len.into()));
+        }
+        Ok(self.take(len as usize)?.to_vec())
+    }
+
+    /// A reason: u16 length, then UTF-8 (at most MAX_REASON bytes).
+    fn reason(&mut self) -> Result<String, WireError> {
+        let reason = self.bytes(MAX_REASON, "reason length")?;
+        String::from_utf8(reason.to_vec()).map_err(|_| WireError::Invalid("reason (not UTF-8)", 0))
     }
 
     fn bytes(&mut self, max: u16, what: &'static str) -> Result<&'a [u8], WireError> {

@@ -70,7 +70,10 @@ fn read(args: &ServeArgs) -> Result<(Reloader, Option<PolicyReloader>, Config)> 
     let source_prefixes = limits::check_limits(args)?;
     // Probed before the sandbox, which forbids the loopback connection.
     let (kernel_tls, kernel_tls_no_rekey) = crate::tls::kernel::decide(args.tls.ktls);
-    let reloader = files::tls_reloader(args, kernel_tls.is_some())?;
+    // A session handed to a successor leaves rustls as keys, as one
+    // handed to the kernel does.
+    let handover = args.handover.handover_socket.is_some();
+    let reloader = files::tls_reloader(args, kernel_tls.is_some() || handover)?;
     let mut policy = files::policy_reloader(args, &reloader)?;
     let mut config = gateway_config(args, upstream, reloader.store());
     config.source_prefixes = source_prefixes;
@@ -92,6 +95,11 @@ fn read(args: &ServeArgs) -> Result<(Reloader, Option<PolicyReloader>, Config)> 
     config.kernel_tls = kernel_tls;
     config.kernel_tls_no_rekey = kernel_tls_no_rekey;
     config.ktls_key_limit = args.tls.ktls_key_limit;
+    config.handover = handover.then(|| {
+        let quiesce = Duration::from_secs_f64(args.handover.handover_quiesce_timeout);
+        let timeout = Duration::from_secs(args.handover.handover_timeout);
+        crate::handing::Registry::new(quiesce, timeout, config.metrics.clone())
+    });
     config.read_cache = args.cache.settings(
         args.routing.upstream.is_some(),
         args.relay.common.max_payload,

@@ -33,6 +33,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         args.listen,
         args.admin.listen.admin_listen,
         &config.metrics,
+        config.handover.clone(),
     )?;
     // Counted before the sandbox hides /sys and /proc from the runtime.
     let threads = args.process.worker_threads();
@@ -67,10 +68,8 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         // for every connection (bench/RESULTS.md, handshake CPU).
         let (stop, on_stop) = stop_signal();
         let metrics = config.metrics.clone();
-        let serving = tokio::spawn(crate::run_gated(listener, Arc::new(config), stop, gate));
-        if let Some(successor) = successor {
-            tokio::task::block_in_place(|| successor.serving(&metrics));
-        }
+        let config = Arc::new(config);
+        let serving = serve_with_successor(listener, config, (stop, gate), successor, &metrics);
         if let Some(predecessor) = predecessor {
             tokio::spawn(serve_successors(predecessor, on_stop));
         }
@@ -79,6 +78,36 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         serving.await.context("the accept loop")??;
         Ok(())
     })
+}
+
+/// The accept loop, and a successor's end of the hand-over: Serving,
+/// then the sessions the old gateway hands over (state version 2),
+/// served by the accept loop's task set.
+fn serve_with_successor(
+    listener: TcpListener,
+    config: Arc<Config>,
+    (stop, gate): (
+        impl std::future::Future<Output = ()> + Send + 'static,
+        handover::Gate,
+    ),
+    successor: Option<handover::successor::Successor>,
+    metrics: &crate::metrics::Metrics,
+) -> tokio::task::JoinHandle<std::io::Result<()>> {
+    let (resumed, resumed_rx) = tokio::sync::mpsc::channel(64);
+    let serving = tokio::spawn(crate::server::run_resuming(
+        listener,
+        config.clone(),
+        stop,
+        gate,
+        resumed_rx,
+    ));
+    let sessions = successor.and_then(|s| tokio::task::block_in_place(|| s.serving(metrics)));
+    if let Some(sessions) = sessions {
+        tokio::task::spawn_blocking(move || {
+            sessions.take(&config, |r| resumed.blocking_send(r).is_ok())
+        });
+    }
+    serving
 }
 
 /// The stop signal for the accept loop, also told to the hand-over

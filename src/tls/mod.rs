@@ -223,6 +223,9 @@ pub struct Loaded {
     /// The chain and revocation check alone (no allow-list, no logging),
     /// to judge established sessions again after a reload.
     pub chain_verifier: Option<Arc<dyn ClientCertVerifier>>,
+    /// The whole client certificate check (chain, CRL, allow-lists), as
+    /// handshakes run it: to judge a session a predecessor offers.
+    pub verifier: Option<Arc<dyn ClientCertVerifier>>,
     /// The earliest expiry in the client CA bundle, Unix time.
     pub client_ca_not_after: Option<i64>,
 }
@@ -263,6 +266,7 @@ pub fn build(material: &Material, policy: &TlsPolicy) -> Result<Loaded, TlsConfi
         ServerConfig::builder_with_provider(server_provider(policy.cipher_order, &policy.groups))
             .with_protocol_versions(policy.min_version.versions())
             .map_err(rustls_err)?;
+    let mut whole: Option<Arc<dyn ClientCertVerifier>> = None;
     let (builder, client) = match &material.client_ca {
         Some(ca_file) => {
             let client = client_verifier(ca_file, material.crl.as_ref(), policy)?;
@@ -273,10 +277,9 @@ pub fn build(material: &Material, policy: &TlsPolicy) -> Result<Loaded, TlsConfi
                 policy.allow.clone(),
                 verified,
             );
-            (
-                builder.with_client_cert_verifier(Arc::new(authorizing)),
-                Some(client),
-            )
+            let authorizing: Arc<dyn ClientCertVerifier> = Arc::new(authorizing);
+            whole = Some(authorizing.clone());
+            (builder.with_client_cert_verifier(authorizing), Some(client))
         }
         None if !policy.allow.is_empty() => return Err(TlsConfigError::AllowWithoutCa),
         None => match &material.crl {
@@ -302,6 +305,7 @@ pub fn build(material: &Material, policy: &TlsPolicy) -> Result<Loaded, TlsConfi
         crls: client.as_ref().map_or(0, |c| c.crls),
         client_ca_not_after: client.as_ref().and_then(|c| c.not_after),
         chain_verifier: client.map(|c| c.chain),
+        verifier: whole,
     })
 }
 

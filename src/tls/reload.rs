@@ -25,6 +25,9 @@ pub const EXPIRY_WARNING_DAYS: i64 = 7;
 /// established, and how reloads went.
 pub struct TlsStore {
     current: Swap<ServerConfig>,
+    /// The client certificate check of the configuration in force (chain,
+    /// CRL, allow-lists): how a successor judges a session offered to it.
+    judge: Swap<Judge>,
     sessions: Arc<Sessions>,
     /// Shared with the metrics registry.
     pub reloads_ok: Counter,
@@ -39,6 +42,10 @@ pub struct TlsStore {
     pub client_ca_not_after: Gauge,
 }
 
+/// A configuration's client certificate check; None: none asked for.
+#[derive(Default)]
+pub struct Judge(pub Option<Arc<dyn rustls::server::danger::ClientCertVerifier>>);
+
 impl TlsStore {
     pub fn fixed(config: ServerConfig) -> Arc<Self> {
         Arc::new(Self::new(Arc::new(config)))
@@ -47,6 +54,7 @@ impl TlsStore {
     fn new(config: Arc<ServerConfig>) -> Self {
         TlsStore {
             current: Swap::new(config),
+            judge: Swap::new(Arc::default()),
             sessions: Arc::default(),
             reloads_ok: Counter::default(),
             reloads_failed: Counter::default(),
@@ -68,6 +76,15 @@ impl TlsStore {
 
     pub fn current(&self) -> Arc<ServerConfig> {
         self.current.current()
+    }
+
+    /// The client certificate check in force (see `Judge`).
+    pub fn judge(&self) -> Arc<Judge> {
+        self.judge.current()
+    }
+
+    fn set_judge(&self, loaded: &crate::tls::Loaded) {
+        self.judge.replace(Arc::new(Judge(loaded.verifier.clone())));
     }
 
     fn replace(&self, config: Arc<ServerConfig>) {
@@ -116,6 +133,7 @@ impl Reloader {
             store: {
                 let store = Arc::new(TlsStore::new(loaded.config.clone()));
                 store.note_expiry(&loaded);
+                store.set_judge(&loaded);
                 store
             },
             trust: (material.client_ca.clone(), material.crl.clone()),
@@ -161,6 +179,7 @@ impl Reloader {
                     self.trust = trust;
                 }
                 self.store.note_expiry(&loaded);
+                self.store.set_judge(&loaded);
                 self.store.replace(loaded.config);
                 self.served = loaded.served;
                 if let (true, Some(verifier)) = (self.policy.revoke_closes, &loaded.chain_verifier)

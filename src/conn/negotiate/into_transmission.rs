@@ -34,6 +34,7 @@ impl Negotiation<'_> {
         let read_only = tflags & TFLAG_READ_ONLY != 0;
         let cache = self.cache(export, size, tflags, upstream.incarnation);
         let audit = self.audit(export);
+        let target = self.target_of(export, size, tflags);
         info!(
             target: AUDIT,
             client = %audit.client,
@@ -59,6 +60,7 @@ impl Negotiation<'_> {
             export: export.to_string(),
             access: self.access,
             cache,
+            target,
         };
         Ok(Outcome::Transmission(Box::new(session), Box::new(audit)))
     }
@@ -117,6 +119,20 @@ impl Negotiation<'_> {
         // nothing of the export: clients of every framing share blocks.
         let flags = tflags & !(TFLAG_SEND_DF | TFLAG_BLOCK_STAT_PAYLOAD);
         cache.open(&key, incarnation, (size, flags), current)
+    }
+
+    /// The upstream end, unescaped, for a hand-over.
+    fn target_of(&self, export: &str, size: u64, tflags: u16) -> crate::conn::session::Target {
+        let (upstream_export, socket) = match &self.target {
+            Some(target) => (target.upstream_name.clone(), target.socket.clone()),
+            None => (export.to_string(), self.config.upstream.clone()),
+        };
+        crate::conn::session::Target {
+            socket,
+            upstream_export,
+            size,
+            tflags,
+        }
     }
 
     /// What the audit trail says of the session entering transmission on

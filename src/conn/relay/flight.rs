@@ -74,7 +74,17 @@ impl Flight {
         let mut state = self.lock();
         if state.table.is_empty() && state.idle_since.is_none() {
             state.idle_since = Some(Instant::now());
+            drop(state);
+            // A hand-over waits for this (`wait_quiet`).
+            self.completed.notify_waiters();
         }
+    }
+
+    /// Waits until nothing is in flight and every reply has been written
+    /// (and flushed) to the client.
+    pub async fn wait_quiet(&self) {
+        self.wait_for(|state| state.table.is_empty() && state.idle_since.is_some())
+            .await;
     }
 
     /// Records the request as in flight. A client that reuses a cookie

@@ -9,6 +9,7 @@
 //! `layers` (see `stack`).
 
 mod flight;
+mod go_quiet;
 pub mod layers;
 mod local;
 mod replies;
@@ -25,6 +26,7 @@ use tokio::sync::mpsc;
 
 use crate::conn::error::ConnError;
 use crate::conn::session::Transmit;
+pub use crate::handing::Quiesce;
 use crate::proto::transmission::ReplyMode;
 use crate::shutdown::DrainAnswer;
 use flight::Flight;
@@ -79,7 +81,47 @@ where
     UR: AsyncRead + Unpin,
     UW: AsyncWrite + Unpin,
 {
-    revocation::until_ended(registered, relay(ends, socket, link, registered)).await
+    match run_quiescible(ends, socket, link, registered, None).await? {
+        Relayed::Ended(reason) => Ok(reason),
+        Relayed::Quiet(_) => unreachable!("no hook, never quiet"),
+    }
+}
+
+/// How a relay that may be handed over ended.
+pub enum Relayed<CR, CW, UR, UW> {
+    Ended(&'static str),
+    /// The hook asked and the session went quiet: its parts, for a
+    /// hand-over (or to relay again if that fails).
+    Quiet(Parts<CR, CW, UR, UW>),
+}
+
+/// A quiet session's parts: nothing in flight, every reply written and
+/// flushed, nothing read from the upstream that was not relayed.
+pub struct Parts<CR, CW, UR, UW> {
+    pub client: (CR, CW),
+    pub upstream: (UR, UW),
+    /// The bytes of a request header read before the stop.
+    pub pending: Vec<u8>,
+    pub socket: Option<socket2::Socket>,
+}
+
+/// `run`, with the hand-over hook: asked, the relay goes quiet and hands
+/// its parts back instead of closing (`quiesce`).
+pub async fn run_quiescible<CR, CW, UR, UW>(
+    ends: Ends<CR, CW, UR, UW>,
+    socket: Option<socket2::Socket>,
+    link: &Transmit<'_>,
+    registered: Option<&crate::tls::SessionGuard>,
+    hook: Option<&Quiesce>,
+) -> Result<Relayed<CR, CW, UR, UW>, ConnError>
+where
+    CR: AsyncRead + Unpin,
+    CW: AsyncWrite + Unpin,
+    UR: AsyncRead + Unpin,
+    UW: AsyncWrite + Unpin,
+{
+    let relayed = relay(ends, socket, link, registered, hook);
+    revocation::until_ended(registered, relayed).await
 }
 
 /// The relay's layers, outermost first: each is asked to decide a request
@@ -108,7 +150,60 @@ async fn relay<CR, CW, UR, UW>(
     socket: Option<socket2::Socket>,
     link: &Transmit<'_>,
     registered: Option<&crate::tls::SessionGuard>,
-) -> Result<&'static str, ConnError>
+    hook: Option<&Quiesce>,
+) -> Result<Relayed<CR, CW, UR, UW>, ConnError>
+where
+    CR: AsyncRead + Unpin,
+    CW: AsyncWrite + Unpin,
+    UR: AsyncRead + Unpin,
+    UW: AsyncWrite + Unpin,
+{
+    let flight = Flight::new();
+    let (mut requests, mut replies, mut writer) =
+        sides(ends, socket, (link, registered, hook), &flight);
+    let mut requesting = Box::pin(requests.run());
+    let mut requests_done = false;
+    let result = {
+        let mut replying = pin!(replies.run(&mut writer));
+        loop {
+            let both = (requesting.as_mut(), replying.as_mut());
+            match go_quiet::both_sides(both.0, both.1, &mut requests_done, (&flight, hook)).await {
+                go_quiet::Step::Ended(result) => break Some(result),
+                go_quiet::Step::Quiet => break None,
+                go_quiet::Step::Resume => {
+                    drop(requesting);
+                    requesting = Box::pin(requests.run());
+                    requests_done = false;
+                }
+            }
+        }
+    };
+    let Some(result) = result else {
+        drop(requesting);
+        return parts(requests, replies, writer).map(Relayed::Quiet);
+    };
+    let requesting = (!requests_done).then_some(requesting.as_mut());
+    close_down(result, writer, requesting, link.shutdown.clone())
+        .await
+        .map(Relayed::Ended)
+}
+
+/// The relay's two loops and the reply writer, over `ends`.
+#[allow(clippy::type_complexity)]
+fn sides<'a, CR, CW, UR, UW>(
+    ends: Ends<CR, CW, UR, UW>,
+    socket: Option<socket2::Socket>,
+    (link, registered, hook): (
+        &'a Transmit<'_>,
+        Option<&'a crate::tls::SessionGuard>,
+        Option<&'a Quiesce>,
+    ),
+    flight: &'a Flight,
+) -> (
+    Requests<'a, CR, UW, impl OnRequest + Send + 'a>,
+    Replies<'a, UR, impl OnReply + Send + 'a>,
+    ReplyWriter<'a, CW>,
+)
 where
     CR: AsyncRead + Unpin,
     CW: AsyncWrite + Unpin,
@@ -116,38 +211,41 @@ where
     UW: AsyncWrite + Unpin,
 {
     let Ends {
-        client: (client_rd, client_wr),
-        upstream: (up_rd, up_wr),
+        client,
+        upstream,
         mode,
         read_only,
         cache,
     } = ends;
-    let flight = Flight::new();
+    let ((client_rd, client_wr), (up_rd, up_wr)) = (client, upstream);
     let (on_request, on_reply) = stack(link, (mode, read_only), registered, cache);
     let (local_tx, local_rx) = mpsc::channel(LOCAL_QUEUE);
-    let requests = Requests::new(
-        (client_rd, up_wr),
-        &flight,
-        local_tx,
-        mode,
-        link,
-        on_request,
-    );
+    let sides = (client_rd, up_wr);
+    let requests = Requests::new(sides, flight, local_tx, mode, link, on_request).quiescible(hook);
     let upstream = Buffered::new(UPSTREAM_READ_BUF, up_rd);
     let lingers = link.shutdown.answer() == DrainAnswer::Eshutdown;
-    let limits = (mode, link.limits.max_payload);
-    let shutdown = link.shutdown.clone();
+    let (limits, shutdown) = ((mode, link.limits.max_payload), link.shutdown.clone());
     let replies =
-        Replies::new(upstream, &flight, local_rx, limits, shutdown, on_reply).lingering(lingers);
-    let mut writer = ReplyWriter::new(client_wr, socket, &link.limits, link.stats);
-    let mut requests = pin!(requests.run());
-    let mut requests_done = false;
-    let result = {
-        let replies = pin!(replies.run(&mut writer));
-        both_sides(requests.as_mut(), replies, &mut requests_done).await
-    };
-    let requests = (!requests_done).then_some(requests);
-    close_down(result, writer, requests, link.shutdown.clone()).await
+        Replies::new(upstream, flight, local_rx, limits, shutdown, on_reply).lingering(lingers);
+    let writer = ReplyWriter::new(client_wr, socket, &link.limits, link.stats);
+    (requests, replies, writer)
+}
+
+/// A quiet relay's parts (nothing in flight, every reply written).
+fn parts<CR, CW: AsyncWrite + Unpin, UR: AsyncRead + Unpin, UW, L1, L2>(
+    requests: Requests<'_, CR, UW, L1>,
+    replies: Replies<'_, UR, L2>,
+    writer: ReplyWriter<'_, CW>,
+) -> Result<Parts<CR, CW, UR, UW>, ConnError> {
+    let (client_rd, up_wr, pending) = requests.into_parts();
+    let up_rd = replies.into_upstream()?;
+    let (client_wr, socket) = writer.into_parts();
+    Ok(Parts {
+        client: (client_rd, client_wr),
+        upstream: (up_rd, up_wr),
+        pending,
+        socket,
+    })
 }
 
 /// The end of a relay: once every reply is written, close_notify and FIN,
@@ -171,26 +269,6 @@ async fn close_down<W: AsyncWrite + Unpin>(
         Err(e) => {
             writer.abandon().await;
             Err(e)
-        }
-    }
-}
-
-/// Polls both sides until the reply side ends (it decides when a drained
-/// connection ends; it watches the shutdown itself) or either fails. The
-/// request side ends on its own only with DISC or when the reply side is
-/// gone.
-async fn both_sides(
-    mut requests: Pin<&mut impl Future<Output = Result<(), ConnError>>>,
-    mut replies: Pin<&mut impl Future<Output = Result<&'static str, ConnError>>>,
-    requests_done: &mut bool,
-) -> Result<&'static str, ConnError> {
-    loop {
-        tokio::select! {
-            requested = &mut requests, if !*requests_done => match requested {
-                Ok(()) => *requests_done = true,
-                Err(e) => return Err(e),
-            },
-            replied = &mut replies => return replied,
         }
     }
 }

@@ -118,7 +118,7 @@ impl<'a, U: AsyncRead + Unpin, L: OnReply> Replies<'a, U, L> {
     /// Relays replies until a drain is complete (returns why the
     /// connection ends) or something fails.
     pub async fn run<W: AsyncWrite + Unpin>(
-        mut self,
+        &mut self,
         writer: &mut ReplyWriter<'_, W>,
     ) -> Result<&'static str, ConnError> {
         loop {
@@ -439,5 +439,19 @@ impl<U: AsyncRead + Unpin, L: OnReply> Replies<'_, U, L> {
             self.layers.answered(command, took);
         }
         writer.end_of_reply().await
+    }
+}
+
+impl<U, L> Replies<'_, U, L> {
+    /// The upstream's read half, once quiet (a hand-over): anything it
+    /// read ahead is a reply to no request, so it must be nothing.
+    pub fn into_upstream(self) -> Result<U, ConnError> {
+        let ahead = self.upstream.buffer().len();
+        if ahead != 0 {
+            let why = format!("{ahead} bytes from the upstream answer no request");
+            let error = std::io::Error::new(std::io::ErrorKind::InvalidData, why);
+            return Err(ConnError::io(Side::Upstream, "at a hand-over")(error));
+        }
+        Ok(self.upstream.into_inner())
     }
 }

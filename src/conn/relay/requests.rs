@@ -3,7 +3,6 @@
 //! side, the only writer to the client), and forwards the rest with their
 //! payload.
 
-use std::pin::pin;
 use std::time::Instant;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -42,6 +41,10 @@ pub struct Requests<'a, C, U, L> {
     layers: L,
     /// Requests the layers send of their own after a request.
     own: Vec<Request>,
+    /// The hand-over's hook, if this session may be handed over.
+    quiesce: Option<&'a crate::handing::Quiesce>,
+    /// What was read of a header when the hook stopped the reading.
+    pending: Vec<u8>,
 }
 
 impl<'a, C: AsyncRead + Unpin, U: AsyncWrite + Unpin, L: OnRequest> Requests<'a, C, U, L> {
@@ -64,20 +67,33 @@ impl<'a, C: AsyncRead + Unpin, U: AsyncWrite + Unpin, L: OnRequest> Requests<'a,
             buf: Vec::with_capacity(REQUEST_CHUNK),
             layers,
             own: Vec::new(),
+            quiesce: None,
+            pending: Vec::new(),
         }
+    }
+
+    /// Stops before a request header when `quiesce` asks it to, keeping
+    /// what was read of it (see `quiesce`).
+    pub fn quiescible(mut self, quiesce: Option<&'a crate::handing::Quiesce>) -> Self {
+        self.quiesce = quiesce;
+        self
     }
 
     fn limits(&self) -> &Limits {
         &self.link.limits
     }
 
-    /// Relays requests until the client disconnects (Ok) or fails.
-    pub async fn run(mut self) -> Result<(), ConnError> {
+    /// Relays requests until the client disconnects (Ok), the hand-over
+    /// hook stops it (Ok, and the hook says so), or it fails. Called
+    /// again after a stop, it reads on where it stopped.
+    pub async fn run(&mut self) -> Result<(), ConnError> {
         let header_len = self.mode.request_header_len();
         let mut header = [0u8; EXTENDED_REQUEST_LEN];
         let header = &mut header[..header_len];
         loop {
-            self.read_header(header).await?;
+            if !self.read_header(header).await? {
+                return Ok(());
+            }
             let request =
                 Request::parse(self.mode, header).map_err(ConnError::proto(Side::Client))?;
             let payload = request.payload_len(self.mode);
@@ -316,31 +332,65 @@ impl<'a, C: AsyncRead + Unpin, U: AsyncWrite + Unpin, L: OnRequest> Requests<'a,
         let _ = self.local.send(Local::Drain(CLIENT_DISCONNECTED)).await;
         Ok(())
     }
+}
 
-    /// Waits for the next request header. Gives up after the idle
-    /// timeout, counted from the moment nothing was in flight and every
-    /// reply had been written.
-    async fn read_header(&mut self, header: &mut [u8]) -> Result<(), ConnError> {
+/// The hand-over's side of the request loop: where it stops.
+impl<C: AsyncRead + Unpin, U: AsyncWrite + Unpin, L: OnRequest> Requests<'_, C, U, L> {
+    /// Waits for the next request header: true once it is whole; false
+    /// if the hand-over hook asked to stop first (what was read of it
+    /// is kept for the next call, or for the successor). Gives up after
+    /// the idle timeout, counted from the moment nothing was in flight
+    /// and every reply had been written. Reads are cancel-safe, so a
+    /// stop loses nothing.
+    async fn read_header(&mut self, header: &mut [u8]) -> Result<bool, ConnError> {
         let when = "without sending NBD_CMD_DISC";
-        let Some(idle) = self.limits().idle_timeout else {
-            let read = self.client.read_exact(header).await;
-            return read.map(|_| ()).map_err(ConnError::io(Side::Client, when));
-        };
-        let flight = self.flight;
-        let mut read = pin!(self.client.read_exact(header));
-        loop {
+        let pending = std::mem::take(&mut self.pending);
+        header[..pending.len()].copy_from_slice(&pending);
+        let mut filled = pending.len();
+        let (flight, idle, quiesce) = (self.flight, self.limits().idle_timeout, self.quiesce);
+        while filled < header.len() {
+            if let Some(q) = quiesce.filter(|q| q.is_asked()) {
+                self.pending = header[..filled].to_vec();
+                q.set_stopped();
+                return Ok(false);
+            }
             // While busy, look again one idle period from now.
-            let check_at = flight.idle_since().unwrap_or_else(Instant::now) + idle;
-            tokio::select! {
-                read = &mut read => {
-                    return read.map(|_| ()).map_err(ConnError::io(Side::Client, when));
-                }
-                () = tokio::time::sleep_until(check_at.into()) => {
+            let check_at = idle.map(|idle| flight.idle_since().unwrap_or_else(Instant::now) + idle);
+            let read = tokio::select! {
+                read = self.client.read(&mut header[filled..]) => read,
+                () = super::go_quiet::asked(quiesce) => continue,
+                () = sleep_until(check_at) => {
+                    let idle = idle.unwrap_or_default();
                     if flight.is_empty() && flight.idle_since().is_some_and(|t| t.elapsed() >= idle) {
                         return Err(ConnError::IdleTimeout(idle));
                     }
+                    continue;
                 }
+            };
+            match read {
+                Ok(0) => {
+                    let eof = std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
+                    return Err(ConnError::io(Side::Client, when)(eof));
+                }
+                Ok(n) => filled += n,
+                Err(e) => return Err(ConnError::io(Side::Client, when)(e)),
             }
         }
+        Ok(true)
+    }
+}
+
+impl<C, U, L> Requests<'_, C, U, L> {
+    /// The halves, and the bytes of a request header read in part.
+    pub fn into_parts(self) -> (C, U, Vec<u8>) {
+        (self.client, self.upstream, self.pending)
+    }
+}
+
+/// Sleeps until `at`; never without one.
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
     }
 }

@@ -112,6 +112,15 @@ impl<'a, W: AsyncWrite + Unpin> ReplyWriter<'a, W> {
         Ok(self.socket.take())
     }
 
+    /// Quiet for a hand-over: every reply was written and flushed
+    /// (`Flight::wait_quiet`); the client's write half and the socket
+    /// handle back, corked no more.
+    pub fn into_parts(mut self) -> (W, Option<socket2::Socket>) {
+        debug_assert!(self.out.is_empty(), "quiet with replies unsent");
+        self.uncork();
+        (self.client, self.socket.take())
+    }
+
     /// The relay failed: release the cork, and end TLS properly where it
     /// still can.
     pub async fn abandon(mut self) {

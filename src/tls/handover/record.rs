@@ -19,7 +19,7 @@
 use aws_lc_rs::aead::{self, Aad, LessSafeKey, Nonce, UnboundKey};
 
 use super::state::{
-    suite13, Aead, DirectionState, Side, StateError, TlsState, Version, MAX_RECORD_BODY,
+    suite13, Aead, DirectionState, KeyBytes, Side, StateError, TlsState, Version, MAX_RECORD_BODY,
     RECORD_HEADER,
 };
 use crate::tls::key_update::{
@@ -109,6 +109,8 @@ struct Direction {
     secret: Option<Secret>,
     /// Records under the current key (send side: for the key limit).
     records: u64,
+    /// The key's bytes, to hand the session on again (`RecordLayer::again`).
+    raw: KeyBytes,
 }
 
 impl Direction {
@@ -122,6 +124,7 @@ impl Direction {
             // Records already sealed under this key: in TLS 1.3 the count
             // restarts with each key, and a TLS 1.2 session has one key.
             records: d.seq,
+            raw: d.key.clone(),
         })
     }
 
@@ -150,6 +153,7 @@ impl Direction {
         let next = suite.next(secret);
         let keys = suite.keys(&next);
         self.key = unbound(aead, keys.key())?;
+        self.raw = KeyBytes(keys.key().to_vec());
         self.iv = *keys.iv();
         self.secret = Some(next);
         self.seq = 0;
@@ -234,6 +238,22 @@ impl RecordLayer {
         self.version
     }
 
+    /// Both directions as a state, to hand the session on to another
+    /// process again: None while a KeyUpdate is owed (it must go out
+    /// first) or once the write side is closed or worn out.
+    pub fn again(&self) -> Option<(Side, DirectionState, DirectionState)> {
+        if self.update_tx || self.write_closed || self.worn_out {
+            return None;
+        }
+        let state = |d: &Direction| DirectionState {
+            key: d.raw.clone(),
+            iv: d.iv,
+            seq: d.seq,
+            secret: d.secret.clone(),
+        };
+        Some((self.side, state(&self.tx), state(&self.rx)))
+    }
+
     /// The next sequence numbers: sending, receiving.
     pub fn sequence_numbers(&self) -> (u64, u64) {
         (self.tx.seq, self.rx.seq)
@@ -300,6 +320,15 @@ impl RecordLayer {
             }
             _ => Ok(()),
         }
+    }
+
+    /// A KeyUpdate owed goes out now rather than before the next record
+    /// (a hand-over must leave nothing owed: `again`).
+    pub fn seal_owed(&mut self, out: &mut Vec<u8>) -> Result<(), RecordError> {
+        if self.update_tx && !self.write_closed && !self.worn_out {
+            self.before_record(out)?;
+        }
+        Ok(())
     }
 
     /// close_notify: nothing is sealed after it.

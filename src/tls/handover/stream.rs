@@ -48,6 +48,17 @@ pub struct ResumedTls<IO> {
     read_closed: bool,
     /// The error that ended the session, reported again to each call.
     failed: Option<(io::ErrorKind, String)>,
+    /// The suite's IANA number, to hand the session on again.
+    suite: u16,
+}
+
+/// The plaintext not yet read: what the state carried, then the rest of
+/// the last record opened (one of the two is empty in practice).
+fn unread_plaintext(carried: &[u8], opened: &[u8]) -> Vec<u8> {
+    let mut plain = Vec::with_capacity(carried.len() + opened.len());
+    plain.extend_from_slice(carried);
+    plain.extend_from_slice(opened);
+    plain
 }
 
 impl<IO> ResumedTls<IO> {
@@ -55,6 +66,7 @@ impl<IO> ResumedTls<IO> {
     /// `key_limit`: `--ktls-key-limit` if given (see `RecordLayer::new`).
     pub fn new(io: IO, state: TlsState, key_limit: Option<u64>) -> Result<Self, StateError> {
         let layer = RecordLayer::new(&state, key_limit)?;
+        let suite = state.suite;
         let TlsState {
             plaintext,
             read_closed,
@@ -73,7 +85,53 @@ impl<IO> ResumedTls<IO> {
             out_at: 0,
             read_closed,
             failed: None,
+            suite,
         })
+    }
+
+    /// Seals a KeyUpdate owed the peer now, to be sent with the next
+    /// flush (before a hand-over).
+    pub fn seal_owed(&mut self) -> io::Result<()> {
+        if self.failed.is_none() {
+            if let Err(e) = self.layer.seal_owed(&mut self.out) {
+                return Err(self.fail(e));
+            }
+        }
+        Ok(())
+    }
+
+    /// The session at a quiet point, to hand on to another process: the
+    /// socket, the state (unread plaintext in it) and the ciphertext read
+    /// and not yet opened (whole records and a partial one, which go
+    /// before whatever the socket holds). Refused, with the stream given
+    /// back, while anything is unsent, a KeyUpdate is owed, or the
+    /// session failed or closed.
+    // The stream is given back whole by value, once per hand-over.
+    #[allow(clippy::result_large_err)]
+    pub fn into_state(self) -> Result<(IO, TlsState, Vec<u8>), (Self, &'static str)> {
+        if self.failed.is_some() || self.read_closed {
+            return Err((self, "the TLS session has failed or closed"));
+        }
+        if self.out_at < self.out.len() {
+            return Err((self, "TLS records are still to be sent"));
+        }
+        let Some((side, tx, rx)) = self.layer.again() else {
+            return Err((self, "a KeyUpdate is owed, or the write side is closed"));
+        };
+        let state = TlsState {
+            side,
+            suite: self.suite,
+            tx,
+            rx,
+            plaintext: unread_plaintext(
+                &self.carried[self.carried_at..],
+                &self.cipher_in[self.plain.clone()],
+            ),
+            read_closed: false,
+            partial: Vec::new(),
+        };
+        let unopened = self.cipher_in[self.cipher_at..].to_vec();
+        Ok((self.io, state, unopened))
     }
 
     pub fn get_ref(&self) -> &IO {

@@ -15,6 +15,12 @@ use super::state::RECORD_HEADER;
 pub struct RecordTail<IO> {
     io: IO,
     tail: Vec<u8>,
+    /// Off: a plain pass-through (no hand-over configured), which costs
+    /// a branch per read.
+    on: bool,
+    /// The connection's own key log (TLS 1.3 secrets), kept with the
+    /// socket so that whoever takes the session finds it.
+    secrets: Option<std::sync::Arc<crate::tls::key_update::SecretLog>>,
 }
 
 impl<IO> RecordTail<IO> {
@@ -22,7 +28,35 @@ impl<IO> RecordTail<IO> {
         RecordTail {
             io,
             tail: Vec::new(),
+            on: true,
+            secrets: None,
         }
+    }
+
+    /// A pass-through: keeps nothing, for sessions never handed over.
+    pub fn off(io: IO) -> Self {
+        RecordTail {
+            on: false,
+            ..RecordTail::new(io)
+        }
+    }
+
+    /// Keeps the connection's key log with the socket.
+    pub fn with_secrets(
+        mut self,
+        secrets: std::sync::Arc<crate::tls::key_update::SecretLog>,
+    ) -> Self {
+        self.secrets = Some(secrets);
+        self
+    }
+
+    /// Whether the tail is kept (a hand-over may take the session).
+    pub fn is_on(&self) -> bool {
+        self.on
+    }
+
+    pub fn secrets(&self) -> Option<std::sync::Arc<crate::tls::key_update::SecretLog>> {
+        self.secrets.clone()
     }
 
     pub fn get_ref(&self) -> &IO {
@@ -88,7 +122,9 @@ impl<IO: AsyncRead + Unpin> AsyncRead for RecordTail<IO> {
         let this = self.get_mut();
         let before = buf.filled().len();
         ready!(Pin::new(&mut this.io).poll_read(cx, buf))?;
-        this.account(&buf.filled()[before..]);
+        if this.on {
+            this.account(&buf.filled()[before..]);
+        }
         Poll::Ready(Ok(()))
     }
 }

@@ -1,0 +1,228 @@
+//! A session that may be handed to a successor process (issue 29):
+//! relayed with the quiesce hook, and when it goes quiet for a hand-over,
+//! its state taken and reported to the hand-over (`crate::handover::
+//! sessions::give`), or, if that cannot be done, relayed on here.
+//!
+//! - `take`: the TLS state out of rustls or `ResumedTls`;
+//! - `resume`: a session handed to this process, served.
+
+pub mod extract;
+pub mod resume;
+
+use std::os::fd::OwnedFd;
+use std::time::Instant;
+
+use tokio::net::UnixStream;
+use tracing::warn;
+
+use super::error::{ConnError, Side};
+use super::prefixed::Prefixed;
+use super::relay::{self, Ends, Parts, Relayed};
+use super::session::{ClientTls, Link};
+use crate::handing::{Outcome, Ready, Registered};
+use crate::proto::handover_session::Offer;
+use crate::proto::transmission::ReplyMode;
+use extract::{Handable, TakeError, Taken};
+
+/// What the relay needs of the session besides its streams.
+pub struct Relaying<'a> {
+    pub mode: ReplyMode,
+    pub read_only: bool,
+    pub cache: Option<relay::Cached>,
+    pub socket: Option<socket2::Socket>,
+    pub registered: Option<&'a crate::tls::SessionGuard>,
+}
+
+/// The reason a handed-over session's close line gives.
+pub const HANDED_OVER: &str = "handed over to the successor";
+
+/// Relays `stream` (after `before`, plaintext already read from it) to
+/// `upstream`; if the hand-over asks, goes quiet and hands the session
+/// over, or goes on here when that cannot be done.
+pub async fn transmit<S: Handable>(
+    (mut stream, mut before): (S, Vec<u8>),
+    mut upstream: UnixStream,
+    mut relaying: Relaying<'_>,
+    handover: Option<Registered>,
+    link: &Link<'_>,
+) -> Result<&'static str, ConnError> {
+    let hook = handover.as_ref().map(Registered::hook);
+    loop {
+        let (rd, wr) = tokio::io::split(stream);
+        let ends = Ends {
+            client: (Prefixed::new(rd, before), wr),
+            upstream: upstream.into_split(),
+            mode: relaying.mode,
+            read_only: relaying.read_only,
+            // A relay started again (a hand-over withdrawn) goes uncached.
+            cache: relaying.cache.take(),
+        };
+        let socket = relaying.socket.take();
+        let transmit = link.transmit();
+        let quiet = relay::run_quiescible(ends, socket, &transmit, relaying.registered, hook);
+        let parts = match quiet.await? {
+            Relayed::Ended(reason) => return Ok(reason),
+            Relayed::Quiet(parts) => parts,
+        };
+        let handover = handover.as_ref().expect("quiet only with a hook");
+        let (back, again) = reassemble(parts)?;
+        (stream, upstream, relaying.socket) = again;
+        match hand_over(stream, (back, upstream), handover, link).await? {
+            Step::HandedOver => return Ok(HANDED_OVER),
+            Step::Again(s, b, u) => (stream, before, upstream) = (s, b, u),
+        }
+    }
+}
+
+type Again<S> = (S, UnixStream, Option<socket2::Socket>);
+
+/// The quiet relay's parts back together: the bytes read and not
+/// processed (a request header read in part, then what was left of the
+/// prefix), and the streams whole.
+fn reassemble<S: Handable>(
+    parts: Parts<
+        Prefixed<tokio::io::ReadHalf<S>>,
+        tokio::io::WriteHalf<S>,
+        tokio::net::unix::OwnedReadHalf,
+        tokio::net::unix::OwnedWriteHalf,
+    >,
+) -> Result<(Vec<u8>, Again<S>), ConnError> {
+    let Parts {
+        client: (rd, wr),
+        upstream: (ur, uw),
+        pending,
+        socket,
+    } = parts;
+    let (rd, rest) = rd.into_parts();
+    let mut back = pending;
+    back.extend_from_slice(&rest);
+    let upstream = ur
+        .reunite(uw)
+        .map_err(|_| ConnError::closed(Side::Upstream, "at a hand-over"))?;
+    Ok((back, (rd.unsplit(wr), upstream, socket)))
+}
+
+enum Step<S> {
+    HandedOver,
+    /// Relay on: the stream, the plaintext to read first, the upstream.
+    Again(S, Vec<u8>, UnixStream),
+}
+
+/// A quiet session: its state taken and reported, or, if nobody waits
+/// any more or it cannot be taken, given back to relay on.
+async fn hand_over<S: Handable>(
+    mut stream: S,
+    (back, upstream): (Vec<u8>, UnixStream),
+    handover: &Registered,
+    link: &Link<'_>,
+) -> Result<Step<S>, ConnError> {
+    let withdraw = |why: String, stream, back, upstream| {
+        handover.hook().cancel();
+        let _ = handover.report(Outcome::Withdrawn(why));
+        Ok(Step::Again(stream, back, upstream))
+    };
+    if !handover.awaited() {
+        return withdraw("nobody waits".into(), stream, back, upstream);
+    }
+    stream
+        .send_owed()
+        .await
+        .map_err(ConnError::io(Side::Client, "at a hand-over"))?;
+    let taken = match stream.take() {
+        Ok(taken) => taken,
+        Err(TakeError::Back(stream, plaintext, why)) => {
+            let mut all = back;
+            all.extend_from_slice(&plaintext);
+            return withdraw(why, stream, all, upstream);
+        }
+        Err(TakeError::Lost(why)) => return Err(lost(link, &why)),
+    };
+    let ready = ready(taken, back, upstream, handover, link)?;
+    match handover.report(Outcome::Ready(Box::new(ready))) {
+        Ok(()) => Ok(Step::HandedOver),
+        Err(_) => Err(lost(link, "the hand-over gave up as the state was taken")),
+    }
+}
+
+/// The State's parts: the plaintext read ahead goes before rustls's.
+fn ready(
+    taken: Taken,
+    back: Vec<u8>,
+    upstream: UnixStream,
+    handover: &Registered,
+    link: &Link<'_>,
+) -> Result<Ready, ConnError> {
+    let Taken {
+        tcp,
+        mut state,
+        ahead,
+    } = taken;
+    if !back.is_empty() {
+        let mut plaintext = back;
+        plaintext.extend_from_slice(&state.plaintext);
+        state.plaintext = plaintext;
+    }
+    state.check().map_err(|e| lost(link, &e.to_string()))?;
+    let fd = |e: std::io::Error| lost(link, &e.to_string());
+    let tcp: OwnedFd = tcp.into_std().map_err(fd)?.into();
+    let upstream: OwnedFd = upstream.into_std().map_err(fd)?.into();
+    let c = link.stats.counts();
+    Ok(Ready {
+        tls: zeroize::Zeroizing::new(state.encode().to_vec()),
+        ahead,
+        counts: [c.requests, c.replies, c.bytes_in, c.bytes_out],
+        tcp,
+        upstream,
+        stopped_at: handover.hook().asked_at().unwrap_or_else(Instant::now),
+    })
+}
+
+/// A session whose state was taken and cannot be handed over: closed,
+/// never served again here (its keys left rustls).
+fn lost(link: &Link<'_>, why: &str) -> ConnError {
+    link.config.metrics.session_handover("lost");
+    warn!(reason = %why, "hand-over: the session's state was taken but cannot be handed over; closing it");
+    let error = std::io::Error::other(format!("hand-over: {why}"));
+    ConnError::io(Side::Client, "at a hand-over")(error)
+}
+
+/// The offer for a rustls session: what a successor judges.
+pub fn offer(tls: &ClientTls, session: &super::session::Session) -> Offer {
+    let conn = tls.get_ref().1;
+    let chain = conn
+        .peer_certificates()
+        .unwrap_or_default()
+        .iter()
+        .map(|c| c.to_vec())
+        .collect();
+    let tls_version = conn.protocol_version().map_or(0, u16::from);
+    let suite = conn
+        .negotiated_cipher_suite()
+        .map_or(0, |s| u16::from(s.suite()));
+    Offer {
+        chain,
+        sni: conn.server_name().map(str::to_string),
+        export: session.export.clone(),
+        upstream_export: session.target.upstream_export.clone(),
+        upstream: session
+            .target
+            .socket
+            .as_os_str()
+            .as_encoded_bytes()
+            .to_vec(),
+        tls_version,
+        suite,
+        mode: session.mode,
+        read_only: session.read_only,
+        read_write: session.access == crate::policy::Access::ReadWrite,
+        size: session.target.size,
+        tflags: session.target.tflags,
+    }
+}
+
+/// Registers a session for hand-over, if this process can hand over.
+pub fn register(link: &Link<'_>, offer: &Offer) -> Option<Registered> {
+    let registry = link.config.handover.as_ref()?;
+    tracing::debug!("hand-over: this session may be handed to a successor");
+    Some(registry.register(link.id, offer.encode()))
+}

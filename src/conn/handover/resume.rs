@@ -1,0 +1,136 @@
+//! The successor's end of a session handed over: the client's TCP socket
+//! and the upstream's Unix socket as they came, TLS rebuilt from the
+//! carried state (`ResumedTls`), the session registered as a fresh one
+//! (revocation, policy narrowing, metrics, audit, and a further
+//! hand-over all apply), then the same relay. The read cache of an
+//! immutable export starts cold here: a handed-over session is relayed
+//! uncached (its reads go to the upstream), as the cache's generation
+//! check would need the upstream's incarnation, which is not carried.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::net::{TcpStream, UnixStream};
+use tracing::{info, warn, Instrument};
+
+use super::extract::Resumable;
+use super::{register, transmit, Relaying};
+use crate::admission::{Admission, Identity};
+use crate::config::Config;
+use crate::conn::error::{ConnError, Side};
+use crate::conn::prefixed::Prefixed;
+use crate::conn::session::{Audit, Link, Stats};
+use crate::handover::sessions::take::Resumed;
+use crate::logsafe::escape;
+use crate::shutdown::Shutdown;
+use crate::tls::handover::ResumedTls;
+use crate::tls::Grant;
+
+/// Serves a session handed over, to its end, and logs how it ended.
+pub async fn serve(
+    resumed: Resumed,
+    config: &Config,
+    admission: &Arc<Admission>,
+    shutdown: Shutdown,
+    id: u64,
+) {
+    let peer = resumed.tcp.peer_addr().ok();
+    let span = tracing::info_span!("conn", id, peer = ?peer, was = resumed.was);
+    async move {
+        let metrics = &config.metrics;
+        metrics.connections_open.inc();
+        let started = Instant::now();
+        let stats = Stats::new(metrics.clone());
+        stats.restore(resumed.counts);
+        stats.opened(audit(&resumed));
+        let mut cut = shutdown.clone();
+        let link = Link {
+            id,
+            config,
+            admission,
+            shutdown,
+            stats: &stats,
+        };
+        let result = tokio::select! {
+            result = run(resumed, &link) => result,
+            () = cut.cut() => Err(ConnError::GraceOver),
+        };
+        metrics.connections_open.dec();
+        metrics.connection(match &result {
+            Err(e) if !e.is_routine() => "error",
+            _ => "closed",
+        });
+        crate::conn::log_close(result, &stats, started, false);
+    }
+    .instrument(span)
+    .await
+}
+
+fn audit(resumed: &Resumed) -> Audit {
+    let (offer, judged) = (&resumed.offer, &resumed.judged);
+    Audit {
+        client: judged.identity.to_string(),
+        export: escape(&offer.export).into_owned(),
+        upstream_export: escape(&offer.upstream_export).into_owned(),
+        upstream: escape(&String::from_utf8_lossy(&offer.upstream)).into_owned(),
+        access: judged.access,
+        rule: judged.rule.0.clone(),
+        rule_line: judged.rule.1,
+    }
+}
+
+async fn run(resumed: Resumed, link: &Link<'_>) -> Result<&'static str, ConnError> {
+    let config = link.config;
+    let Resumed {
+        offer,
+        judged,
+        state,
+        ahead,
+        tcp,
+        upstream,
+        ..
+    } = resumed;
+    let anonymous = offer.chain.is_empty();
+    let who = Identity::of((!anonymous).then_some(&judged.identity));
+    let _slot = link.admission.session(who).map_err(|refusal| {
+        warn!(reason = %refusal, "hand-over: no session slot here for a session handed over; closing it");
+        ConnError::closed(Side::Client, "at a hand-over: no session slot")
+    })?;
+    let chain: Vec<_> = offer
+        .chain
+        .iter()
+        .map(|c| rustls::pki_types::CertificateDer::from(c.clone()))
+        .collect();
+    let registered = (!anonymous).then(|| config.tls.sessions().register(link.id, &chain));
+    if let Some(guard) = &registered {
+        let grant = Grant {
+            identity: judged.identity.clone(),
+            export: offer.export.clone(),
+            access: judged.access,
+        };
+        guard.granted(
+            grant,
+            config.policy_revoke_closes.then_some(&*config.policy),
+        );
+    }
+    let io = |e: std::io::Error| ConnError::io(Side::Client, "at a hand-over")(e);
+    tcp.set_nonblocking(true).map_err(io)?;
+    upstream.set_nonblocking(true).map_err(io)?;
+    let tcp = TcpStream::from_std(tcp).map_err(io)?;
+    crate::conn::set_keepalive(&tcp, config.relay.keepalive, config.relay.stall_timeout);
+    let socket = socket2::SockRef::from(&tcp).try_clone().ok();
+    let upstream = UnixStream::from_std(upstream).map_err(io)?;
+    let stream: Resumable =
+        ResumedTls::new(Prefixed::new(tcp, ahead), state, config.ktls_key_limit)
+            .map_err(|e| io(std::io::Error::other(e.to_string())))?;
+    info!(tls = ?stream.layer().version(), "hand-over: serving a session handed over by the old gateway (no new TLS handshake)");
+    let relaying = Relaying {
+        mode: offer.mode,
+        read_only: offer.read_only,
+        cache: None,
+        socket,
+        registered: registered.as_ref(),
+    };
+    let handover = register(link, &offer);
+    transmit((stream, Vec::new()), upstream, relaying, handover, link).await
+}

@@ -1,0 +1,161 @@
+//! The sessions this process may hand to a successor, each with its
+//! offer and its relay's quiesce hook (`hook`): shared by the sessions
+//! (which register and report) and the hand-over
+//! (`crate::handover::sessions`, which offers them and collects their
+//! states). Depends on neither, so that the configuration can hold it.
+
+mod hook;
+
+pub use hook::Quiesce;
+
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use crate::metrics::Metrics;
+
+/// Every session a successor may take, by connection id.
+pub struct Registry {
+    open: Mutex<HashMap<u64, Entry>>,
+    /// `--handover-quiesce-timeout`.
+    pub quiesce_timeout: Duration,
+    /// `--handover-timeout`: each message's bound.
+    pub timeout: Duration,
+    pub metrics: Arc<Metrics>,
+}
+
+struct Entry {
+    offer: Arc<Vec<u8>>,
+    hook: Arc<Quiesce>,
+    slot: Arc<Slot>,
+}
+
+/// Where a session reports how its hand-over went, while someone waits.
+#[derive(Default)]
+pub struct Slot(Mutex<Option<mpsc::Sender<(u64, Outcome)>>>);
+
+/// A session's answer to being asked to go quiet.
+pub enum Outcome {
+    /// Quiet, and its state taken: the predecessor no longer has it.
+    Ready(Box<Ready>),
+    /// It stays here (not quiet in time, or its state could not be
+    /// taken): why.
+    Withdrawn(String),
+}
+
+/// A session's state and sockets, to be sent as one State.
+pub struct Ready {
+    /// `TlsState::encode`.
+    pub tls: zeroize::Zeroizing<Vec<u8>>,
+    pub ahead: Vec<u8>,
+    pub counts: [u64; 4],
+    pub tcp: OwnedFd,
+    pub upstream: OwnedFd,
+    /// When it stopped reading requests.
+    pub stopped_at: Instant,
+}
+
+/// One session's place in the registry; removed when dropped.
+pub struct Registered {
+    registry: Arc<Registry>,
+    id: u64,
+    hook: Arc<Quiesce>,
+    slot: Arc<Slot>,
+}
+
+/// A session as the hand-over sees it.
+pub struct Listed {
+    pub id: u64,
+    pub offer: Arc<Vec<u8>>,
+    pub hook: Arc<Quiesce>,
+    pub slot: Arc<Slot>,
+}
+
+impl Registry {
+    pub fn new(quiesce_timeout: Duration, timeout: Duration, metrics: Arc<Metrics>) -> Arc<Self> {
+        Arc::new(Registry {
+            open: Mutex::default(),
+            quiesce_timeout,
+            timeout,
+            metrics,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<u64, Entry>> {
+        self.open.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Session `id` may be handed over, as `offer` (encoded) says.
+    pub fn register(self: &Arc<Self>, id: u64, offer: Vec<u8>) -> Registered {
+        let hook = Arc::new(Quiesce::new(self.quiesce_timeout));
+        let slot = Arc::new(Slot::default());
+        let entry = Entry {
+            offer: Arc::new(offer),
+            hook: hook.clone(),
+            slot: slot.clone(),
+        };
+        self.lock().insert(id, entry);
+        Registered {
+            registry: self.clone(),
+            id,
+            hook,
+            slot,
+        }
+    }
+
+    pub fn list(&self) -> Vec<Listed> {
+        self.lock()
+            .iter()
+            .map(|(id, e)| Listed {
+                id: *id,
+                offer: e.offer.clone(),
+                hook: e.hook.clone(),
+                slot: e.slot.clone(),
+            })
+            .collect()
+    }
+}
+
+impl Registered {
+    pub fn hook(&self) -> &Quiesce {
+        &self.hook
+    }
+
+    /// Whether someone waits for this session's outcome.
+    pub fn awaited(&self) -> bool {
+        self.slot.lock().is_some()
+    }
+
+    /// Reports the outcome; given back if nobody waits any more.
+    pub fn report(&self, outcome: Outcome) -> Result<(), Outcome> {
+        match &*self.slot.lock() {
+            Some(tx) => tx.send((self.id, outcome)).map_err(|e| e.0 .1),
+            None => Err(outcome),
+        }
+    }
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        self.registry.lock().remove(&self.id);
+    }
+}
+
+impl Slot {
+    fn lock(&self) -> MutexGuard<'_, Option<mpsc::Sender<(u64, Outcome)>>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// From now on the session's outcome goes to `tx`.
+    pub fn open(&self, tx: mpsc::Sender<(u64, Outcome)>) {
+        *self.lock() = Some(tx);
+    }
+
+    /// Nobody waits any more: a report after this is refused, and the
+    /// session keeps what it has.
+    pub fn close(&self) {
+        *self.lock() = None;
+    }
+}

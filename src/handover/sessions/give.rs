@@ -1,0 +1,251 @@
+//! The predecessor's side of the session hand-over, on the channel after
+//! Serving: every session is offered at once; those accepted are asked to
+//! go quiet, all together; each State leaves as soon as its session is
+//! quiet and taken. Every wait is bounded.
+//!
+//! The commit rule (no nonce is used twice, no session is served twice):
+//! until a session's State is sent, the session is this process's and a
+//! failure anywhere leaves it here (Withdraw); once its state is taken,
+//! its rustls connection is consumed and its sockets leave with the
+//! State, so this process can never write on it again, whatever the
+//! successor does.
+
+use std::collections::{HashMap, HashSet};
+use std::os::fd::AsFd;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use tracing::{info, warn};
+
+use super::{Listed, Outcome, Ready, Registry};
+use crate::handover::channel::{Channel, ChannelError};
+use crate::logsafe::escape;
+use crate::proto::handover::Message;
+use crate::proto::handover_session::State;
+
+/// Beyond the quiesce timeout: taking the state of a quiet session (a
+/// flush, the keys, an encoding).
+const TAKE_MARGIN: Duration = Duration::from_secs(2);
+
+/// Offers every registered session to the successor and hands over those
+/// it accepts. An error ends the exchange: sessions not sent stay here.
+pub fn give(channel: &mut Channel, registry: &Registry) -> Result<(), ChannelError> {
+    let listed = registry.list();
+    let outcome = exchange(channel, registry, &listed);
+    // Whatever happened: nobody waits for a report any more, and a
+    // session still asked to go quiet reads on (and drains).
+    for session in &listed {
+        session.slot.close();
+        session.hook.cancel();
+    }
+    outcome
+}
+
+fn exchange(
+    channel: &mut Channel,
+    registry: &Registry,
+    listed: &[Listed],
+) -> Result<(), ChannelError> {
+    let bound = |channel: &mut Channel| channel.set_deadline(Instant::now() + registry.timeout);
+    let handover = random_id();
+    bound(channel);
+    channel.send(&Message::Sessions { handover }, &[])?;
+    info!(
+        sessions = listed.len(),
+        "hand-over: offering the sessions to the successor"
+    );
+    for session in listed {
+        bound(channel);
+        let offer = Message::Offer {
+            id: session.id,
+            body: session.offer.to_vec(),
+        };
+        channel.send(&offer, &[])?;
+    }
+    let (tx, rx) = mpsc::channel();
+    let waiting = answers(channel, registry, listed, &tx)?;
+    drop(tx);
+    let sent = states(channel, registry, (handover, waiting), (listed, &rx))?;
+    for _ in 0..sent.len() {
+        bound(channel);
+        served(channel, registry, &sent)?;
+    }
+    bound(channel);
+    channel.send(&Message::Done, &[])
+}
+
+/// Accept or Decline for each offer; each accepted session is asked to go
+/// quiet at once, so that they all quiesce in parallel.
+fn answers(
+    channel: &mut Channel,
+    registry: &Registry,
+    listed: &[Listed],
+    tx: &mpsc::Sender<(u64, Outcome)>,
+) -> Result<HashSet<u64>, ChannelError> {
+    let by_id: HashMap<u64, &Listed> = listed.iter().map(|l| (l.id, l)).collect();
+    let mut waiting = HashSet::new();
+    for _ in listed {
+        channel.set_deadline(Instant::now() + registry.timeout);
+        match channel.recv()? {
+            (Message::Accept { id }, _) if by_id.contains_key(&id) && !waiting.contains(&id) => {
+                let session = by_id[&id];
+                session.slot.open(tx.clone());
+                session.hook.ask();
+                waiting.insert(id);
+            }
+            (Message::Decline { id, reason }, _) if by_id.contains_key(&id) => {
+                let reason = escape(&reason).into_owned();
+                registry.metrics.session_handover(decline_class(&reason));
+                info!(conn = id, %reason, "hand-over: the successor declined the session; it stays here and drains");
+            }
+            (other, _) => return Err(unexpected(channel, &other)),
+        }
+    }
+    Ok(waiting)
+}
+
+/// The bounded label of a decline (the successor's reason starts with
+/// its class, `judge::Declined`).
+fn decline_class(reason: &str) -> &'static str {
+    match reason.split(':').next().unwrap_or("") {
+        "certificate" => "declined_certificate",
+        "policy" => "declined_policy",
+        "export" => "declined_export",
+        _ => "declined_other",
+    }
+}
+
+/// Each session's State (or Withdraw) as soon as it reports, until the
+/// quiesce timeout (and the take's margin) has passed; the late ones are
+/// withdrawn. Returns when each State sent stopped reading.
+fn states(
+    channel: &mut Channel,
+    registry: &Registry,
+    (handover, mut waiting): ([u8; 16], HashSet<u64>),
+    (listed, rx): (&[Listed], &mpsc::Receiver<(u64, Outcome)>),
+) -> Result<HashMap<u64, Instant>, ChannelError> {
+    let until = Instant::now() + registry.quiesce_timeout + TAKE_MARGIN;
+    let mut sent = HashMap::new();
+    while !waiting.is_empty() {
+        let Ok((id, outcome)) = rx.recv_timeout(until.saturating_duration_since(Instant::now()))
+        else {
+            break;
+        };
+        waiting.remove(&id);
+        send_outcome(channel, registry, (id, handover, outcome), &mut sent)?;
+    }
+    // Late: nobody waits for them now; what reported meanwhile still goes.
+    listed.iter().for_each(|session| session.slot.close());
+    for (id, outcome) in rx.try_iter() {
+        waiting.remove(&id);
+        send_outcome(channel, registry, (id, handover, outcome), &mut sent)?;
+    }
+    for id in waiting {
+        if let Some(session) = listed.iter().find(|l| l.id == id) {
+            session.hook.cancel();
+        }
+        registry.metrics.session_handover("withdrawn");
+        info!(
+            conn = id,
+            "hand-over: the session was not quiet in time; it stays here and drains"
+        );
+        channel.set_deadline(Instant::now() + registry.timeout);
+        channel.send(&Message::Withdraw { id }, &[])?;
+    }
+    Ok(sent)
+}
+
+fn send_outcome(
+    channel: &mut Channel,
+    registry: &Registry,
+    (id, handover, outcome): (u64, [u8; 16], Outcome),
+    sent: &mut HashMap<u64, Instant>,
+) -> Result<(), ChannelError> {
+    channel.set_deadline(Instant::now() + registry.timeout);
+    let ready: Box<Ready> = match outcome {
+        Outcome::Withdrawn(why) => {
+            registry.metrics.session_handover("withdrawn");
+            info!(conn = id, reason = %why, "hand-over: the session's state could not be taken; it stays here and drains");
+            return channel.send(&Message::Withdraw { id }, &[]);
+        }
+        Outcome::Ready(ready) => ready,
+    };
+    let state = State {
+        handover,
+        tls: ready.tls,
+        ahead: ready.ahead,
+        counts: ready.counts,
+    };
+    let message = Message::State {
+        id,
+        body: state.encode().to_vec(),
+    };
+    let fds = [ready.tcp.as_fd(), ready.upstream.as_fd()];
+    let result = channel.send(&message, &fds);
+    wipe(message);
+    match result {
+        Ok(()) => {
+            sent.insert(id, ready.stopped_at);
+            Ok(())
+        }
+        Err(e) => {
+            // Taken and not delivered: closed, never resumed here.
+            registry.metrics.session_handover("lost");
+            warn!(conn = id, error = %e, "hand-over: the session's state could not be sent; it is closed");
+            Err(e)
+        }
+    }
+}
+
+/// Taken or Lost, for one State sent.
+fn served(
+    channel: &mut Channel,
+    registry: &Registry,
+    sent: &HashMap<u64, Instant>,
+) -> Result<(), ChannelError> {
+    match channel.recv()? {
+        (Message::Taken { id }, _) if sent.contains_key(&id) => {
+            let pause = sent[&id].elapsed();
+            registry.metrics.session_handover("handed_over");
+            registry
+                .metrics
+                .sessions_handed
+                .pause_seconds
+                .observe(pause.as_secs_f64());
+            info!(
+                conn = id,
+                pause_ms = pause.as_millis() as u64,
+                "hand-over: the successor serves the session"
+            );
+            Ok(())
+        }
+        (Message::Lost { id, reason }, _) if sent.contains_key(&id) => {
+            registry.metrics.session_handover("lost");
+            let reason = escape(&reason).into_owned();
+            warn!(conn = id, %reason, "hand-over: the successor could not serve the session; it is closed");
+            Ok(())
+        }
+        (other, _) => Err(unexpected(channel, &other)),
+    }
+}
+
+fn wipe(message: Message) {
+    if let Message::State { mut body, .. } = message {
+        zeroize::Zeroize::zeroize(&mut body);
+    }
+}
+
+fn unexpected(channel: &mut Channel, got: &Message) -> ChannelError {
+    channel.refuse(&format!(
+        "unexpected {} in the session hand-over",
+        got.name()
+    ));
+    ChannelError::Peer(format!("the successor sent {} out of turn", got.name()))
+}
+
+/// This hand-over's id: a State carrying another is refused.
+fn random_id() -> [u8; 16] {
+    let mut id = [0u8; 16];
+    aws_lc_rs::rand::fill(&mut id).expect("the system's random source");
+    id
+}

@@ -1,0 +1,101 @@
+//! The successor's judgement of an offered session, against its own
+//! configuration, as a reload judges a live session
+//! (`crate::tls::sessions`): the client certificate through this
+//! process's whole check (chain, CRL, allow-lists), the policy's access
+//! to the export at least what the session holds, and the export
+//! reaching the same upstream. A session this configuration would not
+//! admit, or would narrow, is declined: it stays with the predecessor,
+//! which is draining, and so ends at its next request boundary once what
+//! it has in flight is answered (as at SIGTERM) — never moved here with
+//! more than this configuration grants.
+
+use rustls::pki_types::{CertificateDer, UnixTime};
+
+use crate::config::Config;
+use crate::identity::CertInfo;
+use crate::policy::Access;
+use crate::proto::handover_session::Offer;
+use crate::tls::handover::state::suite_params;
+
+/// What an admitted session is, here.
+pub struct Judged {
+    pub identity: CertInfo,
+    pub access: Access,
+    /// `policy:N`, `--allow-*` or `open`, and the rule's line.
+    pub rule: (String, usize),
+}
+
+/// Why not: `class: words`, the class one of the metric's labels.
+pub fn judge(offer: &Offer, config: &Config) -> Result<Judged, String> {
+    if suite_params(offer.suite).is_none() {
+        return Err(format!(
+            "other: cipher suite {:#06x} is not handed over",
+            offer.suite
+        ));
+    }
+    let identity = certificate(offer, config)?;
+    let held = if offer.read_write {
+        Access::ReadWrite
+    } else {
+        Access::ReadOnly
+    };
+    let policy = config.policy.current();
+    let decision = policy.decide_with_rule(&identity, &offer.export);
+    let Some(decision) = decision.filter(|d| d.access >= held) else {
+        return Err(format!(
+            "policy: this gateway's policy grants the client less than {held} on the export"
+        ));
+    };
+    upstream(offer, config)?;
+    let rule = match decision.rule {
+        Some(rule) => (format!("policy:{}", rule.number), rule.line),
+        None if config.allow_lists => ("--allow-*".to_string(), 0),
+        None => ("open".to_string(), 0),
+    };
+    Ok(Judged {
+        identity,
+        access: held,
+        rule,
+    })
+}
+
+/// The chain through this process's client certificate check; an
+/// anonymous session only where no client certificate is asked for.
+fn certificate(offer: &Offer, config: &Config) -> Result<CertInfo, String> {
+    let judge = config.tls.judge();
+    let Some((leaf, intermediates)) = offer.chain.split_first() else {
+        return match judge.0 {
+            None => Ok(CertInfo::default()),
+            Some(_) => Err("certificate: a client certificate is required here".to_string()),
+        };
+    };
+    let identity = CertInfo::from_der(leaf).map_err(|e| format!("certificate: {e}"))?;
+    if let Some(verifier) = &judge.0 {
+        let leaf = CertificateDer::from(leaf.as_slice());
+        let intermediates: Vec<_> = intermediates
+            .iter()
+            .map(|c| CertificateDer::from(c.as_slice()))
+            .collect();
+        verifier
+            .verify_client_cert(&leaf, &intermediates, UnixTime::now())
+            .map_err(|e| format!("certificate: {e}"))?;
+    }
+    Ok(identity)
+}
+
+/// The export must reach the very upstream it reaches there, under the
+/// same name: the successor serves it on the predecessor's connection.
+fn upstream(offer: &Offer, config: &Config) -> Result<(), String> {
+    let (socket, name) = match &config.exports {
+        Some(table) => match table.lookup(&offer.export) {
+            Some(export) => (export.socket, export.upstream_name),
+            None => return Err("export: no such export here".to_string()),
+        },
+        None => (config.upstream.clone(), offer.export.clone()),
+    };
+    let same_socket = socket.as_os_str().as_encoded_bytes() == offer.upstream.as_slice();
+    if !same_socket || name != offer.upstream_export {
+        return Err("export: the export reaches another upstream here".to_string());
+    }
+    Ok(())
+}

@@ -1,0 +1,451 @@
+//! Handing established sessions to a successor (issue 29, per-session
+//! step): a client keeps one connection open across replacements and
+//! sees every byte right, no error, no reconnect, no new TLS handshake.
+//! Real qemu-nbd upstream; python3-libnbd clients over TLS.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::time::Duration;
+
+use common::process::{nbdgw_binary, NbdgwProcess};
+use common::raw::{client_tls, RawClient, Stream};
+use common::{Env, QemuNbd};
+use nbdgw::proto::consts::*;
+use nbdgw::proto::transmission::ReplyMode;
+
+const IMAGE_LEN: usize = 8 << 20;
+
+/// One generation of the gateway, on the port every generation shares.
+fn generation(
+    env: &Env,
+    upstream: &Path,
+    port: u16,
+    handover: &Path,
+    take_over: bool,
+    extra: &[&str],
+) -> NbdgwProcess {
+    let mut cmd = Command::new(nbdgw_binary());
+    cmd.arg("--tls-dir")
+        .arg(env.certs())
+        .arg("--upstream")
+        .arg(upstream)
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--handover-socket")
+        .arg(handover)
+        .args(["--shutdown-grace", "20", "--handover-timeout", "20"])
+        .args(extra);
+    if take_over {
+        cmd.arg("--take-over").arg(handover);
+    }
+    let process = NbdgwProcess::spawn(cmd, port);
+    process.wait_for_log("nbdgw listening", 1);
+    process
+}
+
+/// A directory only root may write into, for the hand-over socket.
+fn private_dir(env: &Env) -> PathBuf {
+    let dir = env.path("run");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+    dir
+}
+
+/// python3-libnbd: ONE connection for its whole life, writing a pattern
+/// (numbered by its round) then reading it back and comparing, over and
+/// over, with several requests in flight each round, until its stdin
+/// closes; prints "progress N" after every round, then one "done" line.
+/// Any error ends it with "error ...". libnbd never reconnects a handle.
+const ONE_SESSION: &str = r#"
+import nbd, sys, threading
+port, certs = sys.argv[1], sys.argv[2]
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+h = nbd.NBD()
+h.set_tls(nbd.TLS_REQUIRE)
+h.set_tls_certificates(certs)
+h.connect_uri(f"nbds://localhost:{port}/")
+print("connected", h.get_protocol(), h.get_structured_replies_negotiated(),
+      h.get_extended_headers_negotiated() if hasattr(h, "get_extended_headers_negotiated") else "n/a",
+      flush=True)
+size = h.get_size()
+chunk = 65536
+rounds = 0
+try:
+    while not stop.is_set():
+        rounds += 1
+        base = (rounds * 8 * chunk) % (size - 8 * chunk)
+        bufs = []
+        for k in range(8):
+            pat = bytes([(rounds * 8 + k) % 251]) * (chunk - 8) + rounds.to_bytes(8, "big")
+            bufs.append(pat)
+            h.aio_pwrite(nbd.Buffer.from_bytearray(bytearray(pat)), base + k * chunk)
+        while h.aio_in_flight() > 0:
+            h.poll(-1)
+        reads = [nbd.Buffer(chunk) for k in range(8)]
+        for k in range(8):
+            h.aio_pread(reads[k], base + k * chunk)
+        while h.aio_in_flight() > 0:
+            h.poll(-1)
+        for k in range(8):
+            got = bytes(reads[k].to_bytearray())
+            if got != bufs[k]:
+                print("error mismatch at round", rounds, "block", k, flush=True)
+                sys.exit(1)
+        print("progress", rounds, flush=True)
+    h.flush()
+    h.shutdown()
+    print("done", rounds, flush=True)
+except nbd.Error as e:
+    print("error", rounds, e, flush=True)
+    sys.exit(1)
+"#;
+
+struct OneSession {
+    child: Child,
+    out: BufReader<ChildStdout>,
+    rounds: usize,
+    pub connected: String,
+}
+
+impl OneSession {
+    fn start(port: u16, env: &Env) -> Self {
+        let mut child = Command::new("/usr/bin/python3")
+            .arg("-c")
+            .arg(ONE_SESSION)
+            .arg(port.to_string())
+            .arg(env.certs())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("python3-libnbd");
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut connected = String::new();
+        out.read_line(&mut connected).unwrap();
+        assert!(connected.starts_with("connected"), "{connected}");
+        OneSession {
+            child,
+            out,
+            rounds: 0,
+            connected,
+        }
+    }
+
+    /// Waits until `more` rounds beyond those seen have passed.
+    fn wait_for(&mut self, more: usize) {
+        let want = self.rounds + more;
+        let mut line = String::new();
+        while self.rounds < want {
+            line.clear();
+            let n = self.out.read_line(&mut line).unwrap();
+            assert!(
+                n > 0 && !line.starts_with("error"),
+                "the client failed: {line}"
+            );
+            if let Some(n) = line.strip_prefix("progress ") {
+                self.rounds = n.trim().parse().unwrap();
+            }
+        }
+    }
+
+    /// Stops it; the number of rounds, every one checked.
+    fn finish(mut self) -> usize {
+        drop(self.child.stdin.take());
+        let mut rest = String::new();
+        self.out.read_to_string(&mut rest).unwrap();
+        assert!(self.child.wait().unwrap().success(), "{rest}");
+        let done = rest
+            .lines()
+            .find_map(|l| l.strip_prefix("done "))
+            .expect(&rest);
+        done.trim().parse().unwrap()
+    }
+}
+
+/// One libnbd connection open across five replacements: every round's
+/// writes read back right, no error, the same connection throughout (a
+/// libnbd handle never reconnects), and no TLS handshake in any
+/// successor: each serves the session it was handed.
+#[test]
+fn one_connection_rides_through_five_replacements() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 29);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &[]);
+    let mut client = OneSession::start(port, &env);
+    eprintln!("client: {}", client.connected.trim());
+    client.wait_for(5);
+    for round in 1..=5 {
+        let new = generation(&env, &upstream.socket, port, &handover, true, &[]);
+        new.wait_for_log("hand-over: serving a session handed over", 1);
+        let status = old
+            .wait_exit(Duration::from_secs(60))
+            .expect("the old gateway exits");
+        let log = old.log();
+        assert!(
+            status.success(),
+            "round {round}: old gateway {status}:\n{log}"
+        );
+        assert!(
+            log.contains("hand-over: the successor serves the session"),
+            "{log}"
+        );
+        if round == 1 {
+            eprintln!(
+                "{}",
+                log.lines()
+                    .filter(|l| l.contains("hand-over") || l.contains("closed"))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
+        }
+        client.wait_for(5);
+        let newlog = new.log();
+        assert!(
+            !newlog.contains("TLS established"),
+            "round {round}: a new handshake:\n{newlog}"
+        );
+        old = new;
+    }
+    let rounds = client.finish();
+    assert!(rounds >= 30, "{rounds}");
+    let (status, log) = old.stop();
+    assert!(status.success(), "{log}");
+}
+
+/// A raw client (rustls, real TLS) in `version` and `mode`, through a
+/// hand-over with a request header half sent when it happens (and, in
+/// TLS 1.3, a KeyUpdate of its own sent with it); then a second one.
+/// Every write is read back right; the request cut by the hand-over is
+/// served by the successor.
+fn half_sent_request_rides_through(
+    version: &'static rustls::SupportedProtocolVersion,
+    mode: ReplyMode,
+) {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 7);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &[]);
+    let certs = env.certs();
+    let config = client_tls(
+        &certs.join("ca-cert.pem"),
+        Some((
+            &certs.join("client-cert.pem"),
+            &certs.join("client-key.pem"),
+        )),
+        &[version],
+    );
+    let mut c = RawClient::handshake(addr);
+    c.try_starttls(config).expect("TLS handshake");
+    c.go(mode);
+    let block = |n: u8| vec![n; 65536];
+    c.write(1, 0, &block(1));
+    assert_eq!(c.read_reply(0).last().unwrap().error_code(), 0);
+    assert_eq!(c.read(2, 0, 65536), block(1));
+    for round in 1..=2u8 {
+        let request = {
+            let mut r = c.request_bytes(
+                write_flags(mode),
+                CMD_WRITE,
+                10 + u64::from(round),
+                65536,
+                65536,
+            );
+            r.extend_from_slice(&block(round + 1));
+            r
+        };
+        // Half the header now: the hand-over comes in the middle of it.
+        c.send(&request[..10]);
+        if version == &rustls::version::TLS13 {
+            key_update(&mut c);
+        }
+        let new = generation(&env, &upstream.socket, port, &handover, true, &[]);
+        let status = old
+            .wait_exit(Duration::from_secs(60))
+            .expect("the old gateway exits");
+        let log = old.log();
+        assert!(status.success(), "{log}");
+        assert!(
+            log.contains("hand-over: the successor serves the session"),
+            "{log}"
+        );
+        c.send(&request[10..]);
+        let reply = c.read_reply(0);
+        assert_eq!(reply.last().unwrap().error_code(), 0, "round {round}");
+        assert_eq!(
+            c.read(20 + u64::from(round), 65536, 65536),
+            block(round + 1),
+            "round {round}"
+        );
+        assert_eq!(
+            c.read(30 + u64::from(round), 0, 65536),
+            block(1),
+            "round {round}"
+        );
+        assert!(!new.log().contains("TLS established"), "{}", new.log());
+        old = new;
+    }
+    c.disconnect();
+    let (status, log) = old.stop();
+    assert!(status.success(), "{log}");
+}
+
+fn write_flags(mode: ReplyMode) -> u16 {
+    match mode {
+        ReplyMode::Extended => CMD_FLAG_PAYLOAD_LEN,
+        _ => 0,
+    }
+}
+
+/// The client's own KeyUpdate (TLS 1.3), sent at once.
+fn key_update(c: &mut RawClient) {
+    let Stream::Tls(s) = &mut c.stream else {
+        panic!("TLS is not up")
+    };
+    s.conn.refresh_traffic_keys().expect("a KeyUpdate");
+    s.flush().unwrap();
+}
+
+#[test]
+fn tls13_extended_headers_a_half_sent_request_and_a_key_update_ride_through() {
+    half_sent_request_rides_through(&rustls::version::TLS13, ReplyMode::Extended);
+}
+
+#[test]
+fn tls12_structured_replies_a_half_sent_request_rides_through() {
+    half_sent_request_rides_through(&rustls::version::TLS12, ReplyMode::Structured);
+}
+
+/// A raw client in transmission on `old`, its first block written and
+/// read back.
+fn raw_session(env: &Env, port: u16) -> RawClient {
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let certs = env.certs();
+    let config = client_tls(
+        &certs.join("ca-cert.pem"),
+        Some((
+            &certs.join("client-cert.pem"),
+            &certs.join("client-key.pem"),
+        )),
+        &[],
+    );
+    let mut c = RawClient::handshake(addr);
+    c.try_starttls(config).expect("TLS handshake");
+    c.go(ReplyMode::Structured);
+    c.write(1, 0, &[5; 4096]);
+    assert_eq!(c.read_reply(0).last().unwrap().error_code(), 0);
+    assert_eq!(c.read(2, 0, 4096), vec![5; 4096]);
+    c
+}
+
+/// A successor whose configuration would not admit the session as it is
+/// (`extra`: its flags) declines it: the session is never moved with
+/// more than the successor grants; it stays with the old gateway, which
+/// drains it as at SIGTERM: nothing was in flight, so it closes, and the
+/// successor admits the client's next connection only as it allows.
+fn narrower_successor_declines(extra: &[&str], class: &str) {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 3);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &[]);
+    let mut c = raw_session(&env, port);
+    let new = generation(&env, &upstream.socket, port, &handover, true, extra);
+    let status = old
+        .wait_exit(Duration::from_secs(60))
+        .expect("the old gateway exits");
+    let log = old.log();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("the successor declined the session"), "{log}");
+    assert!(
+        log.contains(&format!("reason=\"{class}:")) || log.contains(&format!("reason={class}:")),
+        "{log}"
+    );
+    assert!(!log.contains("the successor serves the session"), "{log}");
+    assert!(new.log().contains("declining a session"), "{}", new.log());
+    assert!(
+        !new.log().contains("serving a session handed over"),
+        "{}",
+        new.log()
+    );
+    c.expect_closed();
+    let (status, log) = new.stop();
+    assert!(status.success(), "{log}");
+}
+
+#[test]
+fn a_successor_whose_allow_list_refuses_the_client_declines_its_session() {
+    narrower_successor_declines(&["--allow-cn", "someone-else"], "certificate");
+}
+
+#[test]
+fn a_successor_whose_policy_grants_less_declines_the_session() {
+    let env_dir = tempfile_policy();
+    let policy = env_dir.join("policy.toml");
+    narrower_successor_declines(&["--policy", policy.to_str().unwrap()], "policy");
+    std::fs::remove_dir_all(env_dir).unwrap();
+}
+
+/// A policy that grants the test client read-only access to every export.
+fn tempfile_policy() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("nbdgw-i29-policy-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let rule =
+        "[[rule]]\nexports = [\"*\"]\nallow = { cn = [\"test-client\"] }\naccess = \"read-only\"\n";
+    std::fs::write(dir.join("policy.toml"), rule).unwrap();
+    dir
+}
+
+/// A successor killed once a session's State has reached it: the session
+/// is closed (its sockets are gone with both processes' copies), and the
+/// old gateway never serves it again: after the State left, it has no
+/// keys for it (the commit rule, docs/design/handover.md).
+#[test]
+fn a_successor_killed_after_the_state_closes_the_session_and_the_old_gateway_does_not_resume_it() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 4);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &[]);
+    let mut c = raw_session(&env, port);
+    let mut cmd = Command::new(nbdgw_binary());
+    cmd.arg("--tls-dir")
+        .arg(env.certs())
+        .arg("--upstream")
+        .arg(&upstream.socket)
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--take-over")
+        .arg(&handover)
+        .env("NBDGW_DEBUG_HANDOVER_STATE_STALL", "1");
+    let new = NbdgwProcess::spawn(cmd, port);
+    new.wait_for_log("debug: stalling the session take-over", 1);
+    new.signal("KILL");
+    let status = old
+        .wait_exit(Duration::from_secs(60))
+        .expect("the old gateway exits");
+    let log = old.log();
+    assert!(status.success(), "{log}");
+    assert!(
+        log.contains("closed reason=\"handed over to the successor\""),
+        "{log}"
+    );
+    assert!(log.contains("the session hand-over ended early"), "{log}");
+    assert!(!log.contains("the successor serves the session"), "{log}");
+    // Nobody holds the session any more: the client's next request finds
+    // the connection closed, never an answer from the old keys.
+    c.send(&c.request_bytes(0, CMD_READ, 3, 0, 4096));
+    c.expect_closed();
+}
