@@ -34,9 +34,8 @@
 //! these tests fail: the predecessor drains, so each client's first
 //! request after the hand-over is not answered and its connection closes
 //! (libnbd and nbdcopy: ENOTCONN; qemu-io: Input/output error, then it
-//! reconnects on its own and its reads fail their patterns). Hence
-//! `#[ignore]` until it lands: `cargo test --test handover_replace --
-//! --ignored`; `NBDGW_REPLACEMENTS=0` runs the harness on one gateway.
+//! reconnects on its own and its reads fail their patterns).
+//! `NBDGW_REPLACEMENTS=0` runs the harness on one gateway.
 
 mod common;
 
@@ -80,13 +79,11 @@ impl Tls {
 }
 
 #[test]
-#[ignore = "fails until established sessions are handed over (issue 29): scripts/test.sh runs it with NBDGW_HANDOVER_SESSIONS=1"]
 fn sessions_survive_replacements_alternating_builds_tls13() {
     replaced_in_a_row(Tls::V13);
 }
 
 #[test]
-#[ignore = "fails until established sessions are handed over (issue 29): scripts/test.sh runs it with NBDGW_HANDOVER_SESSIONS=1"]
 fn sessions_survive_replacements_alternating_builds_tls12() {
     replaced_in_a_row(Tls::V12);
 }
