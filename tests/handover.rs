@@ -599,6 +599,7 @@ fn a_successor_serves_on_when_the_predecessor_is_gone_after_go() {
         let chosen = Message::Chosen {
             version: 1,
             pid: std::process::id(),
+            pidfd: false,
         };
         channel.send(&chosen, &[]).unwrap();
         let sockets = vec![describe(&nbd, Role::Nbd).unwrap()];
@@ -683,8 +684,9 @@ fn a_stopping_gateway_closes_its_port_while_it_drains() {
 }
 
 /// A fake predecessor (python3): it gives a real listening socket, says
-/// its pid in Chosen and, before Go, either exits as a crash would (no
-/// Refuse; mode `die`) or refuses, closes the channel and stays alive
+/// its pid in Chosen (pid 1 in mode `die-pid1`, as the entrypoint of a
+/// container would), sends no pidfd, and, before Go, either exits as a
+/// crash would (no Refuse; modes `die`, `die-pid1`) or refuses, closes the channel and stays alive
 /// until its stdin closes (mode `refuse`).
 const FAKE_PREDECESSOR: &str = r#"
 import socket, struct, sys, os
@@ -707,11 +709,11 @@ print("listening", flush=True)
 c, _ = u.accept()
 head = read(c, 16)
 read(c, struct.unpack(">I", head[12:16])[0])    # Hello
-c.sendall(frame(3, struct.pack(">II", 1, os.getpid())))
+c.sendall(frame(3, struct.pack(">II", 1, 1 if mode == "die-pid1" else os.getpid())))
 desc = struct.pack(">BBBB", 1, 1, 1, 2) + socket.inet_aton("127.0.0.1") + struct.pack(">H", port)
 c.sendmsg([frame(4, struct.pack(">H", 1) + desc, 1)],
           [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", tcp.fileno()))])
-if mode == "die":
+if mode.startswith("die"):
     os._exit(0)
 reason = b"the running gateway gives up: test"
 c.sendall(frame(2, struct.pack(">H", len(reason)) + reason))
@@ -786,6 +788,95 @@ fn a_successor_serves_when_a_fake_predecessor_dies_before_go() {
         String::from_utf8_lossy(&out.stdout).trim(),
         IMAGE_LEN.to_string()
     );
+}
+
+/// Review round 2, R1: a fake predecessor that says Chosen{pid: 1} (the
+/// entrypoint of a container), sends no pidfd, gives the listener and
+/// exits before Go. The successor must not watch pid 1 (its own init,
+/// never gone) but count the predecessor as gone and serve.
+#[test]
+fn a_successor_serves_when_a_fake_predecessor_saying_pid_1_dies_before_go() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 7);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let mut fake = fake_predecessor(&handover, port, "die-pid1");
+    let mut successor = successor_of_fake(&env, &upstream.socket, port, &handover);
+    assert!(fake.wait().unwrap().success());
+    wait_serving_orphaned(&mut successor);
+    let out = nbdinfo_size(port, &env.certs());
+    assert!(out.status.success(), "{}\n{}", text(&out), successor.log());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        IMAGE_LEN.to_string()
+    );
+}
+
+/// Waits until a successor serves the sockets of a predecessor that died
+/// before Go, as it says.
+fn wait_serving_orphaned(successor: &mut NbdgwProcess) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !successor.log().contains("nbdgw listening") {
+        let log = successor.log();
+        assert!(successor.is_running(), "the successor quit:\n{log}");
+        assert!(Instant::now() < deadline, "not serving:\n{log}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        successor.log().contains("the old gateway died before Go"),
+        "{}",
+        successor.log()
+    );
+}
+
+/// Review round 2, R1, as the review ran it (root only): a real
+/// predecessor that is pid 1 of its own pid namespace (`unshare -p -f`),
+/// held after giving the listeners and SIGKILLed there; the successor in
+/// this namespace serves the port.
+#[test]
+fn a_successor_serves_when_a_predecessor_that_is_pid_1_of_its_namespace_dies_before_go() {
+    let unshare = ["unshare", "-p", "-f", "--mount-proc", "--kill-child"];
+    let probe = Command::new(unshare[0])
+        .args(&unshare[1..])
+        .arg("true")
+        .status();
+    if uid() != 0 || !probe.is_ok_and(|status| status.success()) {
+        eprintln!("skipped: unshare -p needs root and a kernel that lets it");
+        return;
+    }
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 7);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let gateway_args = |cmd: &mut Command| {
+        cmd.arg("--tls-dir")
+            .arg(env.certs())
+            .arg("--upstream")
+            .arg(&upstream.socket)
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{port}"))
+            .arg("--handover-socket")
+            .arg(&handover)
+            .args(["--handover-timeout", "60"]);
+    };
+    let mut cmd = Command::new(unshare[0]);
+    cmd.args(&unshare[1..]).arg(nbdgw_binary());
+    gateway_args(&mut cmd);
+    cmd.env("NBDGW_DEBUG_HANDOVER_GIVER_STALL", "1");
+    let predecessor = NbdgwProcess::spawn(cmd, port);
+    predecessor.wait_for_log("nbdgw listening", 1);
+    let mut cmd = Command::new(nbdgw_binary());
+    gateway_args(&mut cmd);
+    cmd.arg("--take-over").arg(&handover);
+    let mut successor = NbdgwProcess::spawn(cmd, port);
+    predecessor.wait_for_log("debug: stalling the hand-over with the listeners given", 1);
+    // unshare --kill-child: its child, pid 1 of the namespace, dies too.
+    predecessor.signal("KILL");
+    wait_serving_orphaned(&mut successor);
+    let out = nbdinfo_size(port, &env.certs());
+    assert!(out.status.success(), "{}\n{}", text(&out), successor.log());
 }
 
 /// A fake predecessor that refuses before Go, closes the channel and

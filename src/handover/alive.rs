@@ -46,11 +46,18 @@ impl Peer {
         Peer { pidfd }
     }
 
-    /// `pid` as the peer said it, in this pid namespace: for the
-    /// successor's view of its predecessor (a listening socket's
-    /// SO_PEERCRED names whoever first listened on it). A pid that is
-    /// not a process here (0, reaped, another namespace's) cannot be
-    /// watched, and so counts as gone.
+    /// The successor's view of its predecessor: the pidfd the
+    /// predecessor sent of itself with Chosen (review round 2, R1). A
+    /// pid it says cannot be watched: in a container it is 1, another
+    /// process here; a listening socket's SO_PEERCRED names whoever first
+    /// listened on it. No pidfd: counted as gone.
+    pub fn of_pidfd(pidfd: Option<OwnedFd>) -> Self {
+        Peer { pidfd }
+    }
+
+    /// `pid` in this pid namespace (tests: a pid that is not a process
+    /// here, 0 or reaped, cannot be watched, and so counts as gone).
+    #[cfg(test)]
     pub fn watch(pid: u32) -> Self {
         Peer {
             pidfd: Peer::open(pid),
@@ -171,6 +178,7 @@ mod tests {
     /// alive forever.
     #[test]
     fn a_peer_that_cannot_be_watched_counts_as_gone() {
+        assert!(Peer::of_pidfd(None).gone_within(Duration::ZERO));
         let unwatched = Peer::watch(0);
         assert!(!unwatched.watchable());
         assert!(unwatched.gone_within(Duration::ZERO));

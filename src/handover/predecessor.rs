@@ -6,6 +6,8 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use rustix::process::{pidfd_open, PidfdFlags};
+
 use tracing::{info, warn};
 
 use super::alive::Peer;
@@ -213,11 +215,18 @@ impl Giver {
                 format!("the successor knows state versions {versions:?}, this gateway {KNOWN_STATE_VERSIONS:?}"),
             ));
         };
+        // The successor watches this process by this pidfd, never by the
+        // pid, which is another process in its pid namespace (review
+        // round 2, R1); without one it counts this process as gone.
+        let me = rustix::process::Pid::from_raw(std::process::id() as i32)
+            .and_then(|pid| pidfd_open(pid, PidfdFlags::empty()).ok());
         let chosen = Message::Chosen {
             version,
             pid: std::process::id(),
+            pidfd: me.is_some(),
         };
-        channel.send(&chosen, &[]).map_err(Failure::channel)?;
+        let fds: Vec<_> = me.iter().map(|fd| fd.as_fd()).collect();
+        channel.send(&chosen, &fds).map_err(Failure::channel)?;
         Ok((version, pid))
     }
 

@@ -41,7 +41,7 @@ pub struct Successor {
     /// Always there until `serving` moves it on to `Sessions`.
     channel: Option<Channel>,
     path: PathBuf,
-    /// The running gateway's process, from its Chosen.
+    /// The running gateway's process, by the pidfd it sent with Chosen.
     predecessor: Peer,
     timeout: Duration,
     /// When the listeners arrived: from then on they only queue, until
@@ -113,12 +113,14 @@ pub fn take_over(path: &Path, wanted: &Wanted, timeout: Duration) -> Result<(Suc
     let chosen = channel.recv().map_err(|e| give_up(&mut channel, path, e))?;
     channel.set_deadline(Instant::now() + timeout);
     let (predecessor, version) = match chosen {
-        (Message::Chosen { version, pid }, _) if KNOWN_STATE_VERSIONS.contains(&version) => {
+        (Message::Chosen { version, pid, .. }, fds) if KNOWN_STATE_VERSIONS.contains(&version) => {
+            let predecessor = Peer::of_pidfd(fds.into_iter().next());
+            let watched = predecessor.watchable();
             info!(
                 version,
-                pid, "take-over: the running gateway agreed on a state version"
+                pid, watched, "take-over: the running gateway agreed on a state version"
             );
-            (Peer::watch(pid), version)
+            (predecessor, version)
         }
         (other, _) => return Err(violation(&mut channel, path, &other)),
     };

@@ -62,12 +62,16 @@ pub enum Message {
     /// Either side: the hand-over ends here, for this reason; the
     /// predecessor goes on serving.
     Refuse { reason: String },
-    /// Predecessor → successor: the state version both will speak, and
-    /// its pid (SO_PEERCRED's is that of whoever first listened on the
-    /// hand-over socket, wrong after one replacement): a bare end of the
+    /// Predecessor → successor: the state version both will speak, its
+    /// pid in its own pid namespace (for the log only), and, if `pidfd`,
+    /// a pidfd of its process as the one descriptor: a bare end of the
     /// channel before Go is a death if that process is gone, since every
-    /// deliberate give-up says Refuse.
-    Chosen { version: u32, pid: u32 },
+    /// deliberate give-up says Refuse. The pid cannot be watched: in a
+    /// container it is 1, another process in the successor's namespace
+    /// (review round 2, R1); SO_PEERCRED names whoever first listened on
+    /// the hand-over socket, wrong after one replacement. The flag is the
+    /// header's descriptor count, so the body stays version and pid.
+    Chosen { version: u32, pid: u32, pidfd: bool },
     /// Predecessor → successor: its listening sockets, one descriptor
     /// each, in this order. The predecessor has stopped accepting.
     Listeners { sockets: Vec<Descriptor> },
@@ -265,6 +269,7 @@ impl Message {
             Message::Listeners { sockets } => sockets.len(),
             // The client's TCP socket and the upstream's Unix socket.
             Message::State { .. } => 2,
+            Message::Chosen { pidfd, .. } => usize::from(*pidfd),
             _ => 0,
         }
     }
@@ -306,7 +311,7 @@ impl Message {
                 put_bytes(&mut body, truncated(reason, MAX_REASON.into()).as_bytes());
                 kind::REFUSE
             }
-            Message::Chosen { version, pid } => {
+            Message::Chosen { version, pid, .. } => {
                 body.extend_from_slice(&version.to_be_bytes());
                 body.extend_from_slice(&pid.to_be_bytes());
                 kind::CHOSEN
@@ -354,6 +359,8 @@ impl Message {
             kind::CHOSEN => Message::Chosen {
                 version: r.u32()?,
                 pid: r.u32()?,
+                // More than one is refused below, as a count mismatch.
+                pidfd: header.fds > 0,
             },
             kind::LISTENERS => {
                 let count = r.u16()?;
@@ -634,8 +641,13 @@ mod tests {
             )
                 .prop_map(|(versions, pid)| Message::Hello { versions, pid }),
             "\\PC{0,200}".prop_map(|reason| Message::Refuse { reason }),
-            (any::<u32>(), any::<u32>())
-                .prop_map(|(version, pid)| Message::Chosen { version, pid }),
+            (any::<u32>(), any::<u32>(), any::<bool>()).prop_map(|(version, pid, pidfd)| {
+                Message::Chosen {
+                    version,
+                    pid,
+                    pidfd,
+                }
+            }),
             proptest::collection::vec(descriptor(), 0..=8)
                 .prop_map(|sockets| Message::Listeners { sockets }),
             Just(Message::Ready),
@@ -704,6 +716,25 @@ mod tests {
         assert_eq!(
             decode_frame(&hello.encode(), 1).unwrap_err(),
             WireError::FdCount(1, 0)
+        );
+    }
+
+    /// Chosen carries at most one descriptor, the predecessor's pidfd.
+    #[test]
+    fn chosen_says_its_pidfd_by_the_descriptor_count() {
+        let chosen = |pidfd| Message::Chosen {
+            version: 2,
+            pid: 1,
+            pidfd,
+        };
+        let with = chosen(true).encode();
+        assert_eq!(decode_frame(&with, 1).unwrap().0, chosen(true));
+        let mut two = with.clone();
+        two[9] = 2;
+        assert_eq!(decode_frame(&two, 2).unwrap_err(), WireError::FdCount(2, 1));
+        assert_eq!(
+            decode_frame(&chosen(false).encode(), 0).unwrap().0,
+            chosen(false)
         );
     }
 
