@@ -449,3 +449,47 @@ fn a_successor_killed_after_the_state_closes_the_session_and_the_old_gateway_doe
     c.send(&c.request_bytes(0, CMD_READ, 3, 0, 4096));
     c.expect_closed();
 }
+
+/// Review round 2, R2: a TLS 1.3 session whose client ran its keys on
+/// past `--handover-max-key-generations` (here 3; 5 KeyUpdates, each
+/// followed by a request) is not handed over: it is closed with a log
+/// line that says why, while the other session of the same hand-over
+/// rides through.
+#[test]
+fn a_session_past_the_key_generation_bound_is_closed_and_the_other_is_handed_over() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 5);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let bound = ["--handover-max-key-generations", "3"];
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &bound);
+    let mut hostile = raw_session(&env, port);
+    for handle in 0..5u64 {
+        key_update(&mut hostile);
+        assert_eq!(hostile.read(10 + handle, 0, 4096), vec![5; 4096]);
+    }
+    let mut honest = raw_session(&env, port);
+    let new = generation(&env, &upstream.socket, port, &handover, true, &[]);
+    let status = old
+        .wait_exit(Duration::from_secs(60))
+        .expect("the old gateway exits");
+    let log = old.log();
+    assert!(status.success(), "{log}");
+    assert!(
+        log.contains("not within 3 key generations of its handshake"),
+        "{log}"
+    );
+    assert_eq!(
+        log.matches("hand-over: the successor serves the session")
+            .count(),
+        1,
+        "{log}"
+    );
+    assert_eq!(honest.read(20, 0, 4096), vec![5; 4096]);
+    hostile.send(&hostile.request_bytes(0, CMD_READ, 21, 0, 4096));
+    hostile.expect_closed();
+    honest.disconnect();
+    let (status, log) = new.stop();
+    assert!(status.success(), "{log}");
+}

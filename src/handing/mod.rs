@@ -23,6 +23,13 @@ pub struct Registry {
     pub quiesce_timeout: Duration,
     /// `--handover-timeout`: each message's bound.
     pub timeout: Duration,
+    /// `--handover-max-key-generations`.
+    pub max_key_generations: usize,
+    /// Taking a session's state (its TLS 1.3 key walk) runs on the
+    /// blocking pool one session at a time: a client that ran its keys
+    /// on costs the sessions queued behind it, never the relays (review
+    /// round 2, R2). A process hands over once, so this is per hand-over.
+    pub takes: tokio::sync::Semaphore,
     pub metrics: Arc<Metrics>,
 }
 
@@ -74,11 +81,18 @@ pub struct Listed {
 }
 
 impl Registry {
-    pub fn new(quiesce_timeout: Duration, timeout: Duration, metrics: Arc<Metrics>) -> Arc<Self> {
+    pub fn new(
+        quiesce_timeout: Duration,
+        timeout: Duration,
+        max_key_generations: usize,
+        metrics: Arc<Metrics>,
+    ) -> Arc<Self> {
         Arc::new(Registry {
             open: Mutex::default(),
             quiesce_timeout,
             timeout,
+            max_key_generations,
+            takes: tokio::sync::Semaphore::new(1),
             metrics,
         })
     }
@@ -121,6 +135,10 @@ impl Registry {
 impl Registered {
     pub fn hook(&self) -> &Quiesce {
         &self.hook
+    }
+
+    pub fn registry(&self) -> &Registry {
+        &self.registry
     }
 
     /// Whether someone waits for this session's outcome.

@@ -42,6 +42,15 @@ pub struct HandoverArgs {
     /// longest pause a client can see in its requests.
     #[arg(long, env = "NBDGW_HANDOVER_QUIESCE_TIMEOUT", value_name = "SECS", default_value_t = 5.0, value_parser = quiesce_secs)]
     pub handover_quiesce_timeout: f64,
+    /// Key generations a TLS 1.3 session may be at when it is handed to
+    /// a successor: its traffic secrets are followed from the handshake's
+    /// through each KeyUpdate (two HKDF-Expands each, off the async
+    /// workers and one session at a time). rustls re-keys every 2^24
+    /// records, so the default is ~64 TiB of traffic for an honest peer;
+    /// a session past it is closed at the hand-over (its keys have left
+    /// rustls by then), with a log line.
+    #[arg(long, env = "NBDGW_HANDOVER_MAX_KEY_GENERATIONS", value_name = "N", default_value_t = crate::tls::key_update::DEFAULT_MAX_GENERATIONS_AT_HAND_OVER, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1 << 20))]
+    pub handover_max_key_generations: usize,
 }
 
 fn quiesce_secs(s: &str) -> Result<f64, String> {

@@ -98,7 +98,8 @@ fn read(args: &ServeArgs) -> Result<(Reloader, Option<PolicyReloader>, Config)> 
     config.handover = handover.then(|| {
         let quiesce = Duration::from_secs_f64(args.handover.handover_quiesce_timeout);
         let timeout = Duration::from_secs(args.handover.handover_timeout);
-        crate::handing::Registry::new(quiesce, timeout, config.metrics.clone())
+        let generations = args.handover.handover_max_key_generations;
+        crate::handing::Registry::new(quiesce, timeout, generations, config.metrics.clone())
     });
     config.read_cache = args.cache.settings(
         args.routing.upstream.is_some(),

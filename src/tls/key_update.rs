@@ -47,6 +47,8 @@ pub enum KeyUpdateError {
     IllegalRequest(u8),
     #[error("the logged traffic secrets do not give the session's keys")]
     SecretMismatch,
+    #[error("the session's TLS 1.3 keys are not within {0} key generations of its handshake (--handover-max-key-generations)")]
+    NotWithin(usize),
     #[error("the traffic secrets were not logged for this session")]
     NotLogged,
     #[error("cipher suite not handled by kernel TLS key updates")]
@@ -120,6 +122,15 @@ impl Suite {
         expand_label(self, &secret.0, b"key", &mut keys.key[..self.key_len()]);
         expand_label(self, &secret.0, b"iv", &mut keys.iv);
         keys
+    }
+
+    /// Whether a traffic secret gives `keys`: the key first, and the IV
+    /// only if the key matches (a walk of many generations pays two
+    /// HKDF-Expands a step, not three; review round 2, R2).
+    fn gives(self, secret: &Secret, keys: &Keys) -> bool {
+        let mut key = zeroize::Zeroizing::new([0u8; 32]);
+        expand_label(self, &secret.0, b"key", &mut key[..self.key_len()]);
+        *key == keys.key && self.keys(secret) == *keys
     }
 
     /// The next generation of a traffic secret (RFC 8446 §7.2).
@@ -249,13 +260,15 @@ impl std::fmt::Debug for Secret {
 const MAX_UPDATES_BEFORE_HAND_OVER: usize = 32;
 
 /// Key generations a session may be at when a successor process takes
-/// it over, days after its handshake (`TrafficSecrets::followed`): a
-/// peer may update its keys before every request (rustls's cap of 32
-/// restarts at each application data record), and rustls updates its
-/// own at each confidentiality limit. Each generation walked costs three
-/// HKDF-Expands (~1 µs each), so this bound is ~0.2 s at worst; a session
-/// past it is refused, not guessed at.
-pub const MAX_GENERATIONS_AT_HAND_OVER: usize = 1 << 16;
+/// it over, days after its handshake (`TrafficSecrets::followed`), by
+/// default (`--handover-max-key-generations`): rustls updates its own
+/// keys every 2^24 records, so 1,024 generations are 2^34 records (~64
+/// TiB of 4 KiB records) for an honest peer; a client may update its
+/// keys before every request (rustls's cap of 32 restarts at each
+/// application data record), which costs it 27 bytes a generation and
+/// the hand-over two HKDF-Expands a generation walked (review round 2,
+/// R2). A session past it is closed at its hand-over, not guessed at.
+pub const DEFAULT_MAX_GENERATIONS_AT_HAND_OVER: usize = 1024;
 
 /// Key updates a client may send without application data between them
 /// (rustls's and BoringSSL's limit): each costs nbdgw a key derivation
@@ -298,19 +311,19 @@ impl TrafficSecrets {
 
     /// As `new` (with the client's keys and the server's, whichever side
     /// this is) for a session handed over at any time: the logged
-    /// secrets are followed up to `MAX_GENERATIONS_AT_HAND_OVER`
-    /// generations. Only the generation that gives the keys is kept.
+    /// secrets are followed up to `generations` generations
+    /// (`--handover-max-key-generations`). Only the generation that
+    /// gives the keys is kept.
     pub fn followed(
         logged: &SecretLog,
         client_keys: &Keys,
         server_keys: &Keys,
+        generations: usize,
     ) -> Result<Self, KeyUpdateError> {
-        Self::matched(
-            logged,
-            client_keys,
-            server_keys,
-            MAX_GENERATIONS_AT_HAND_OVER,
-        )
+        match Self::matched(logged, client_keys, server_keys, generations) {
+            Err(KeyUpdateError::SecretMismatch) => Err(KeyUpdateError::NotWithin(generations)),
+            other => other,
+        }
     }
 
     /// The secrets of this generation: the client's, the server's.
@@ -329,7 +342,7 @@ impl TrafficSecrets {
         let (client, server) = logged.take().ok_or(KeyUpdateError::NotLogged)?;
         let matching = |mut secret: Secret, keys: &Keys, generations: usize| {
             for _ in 0..=generations {
-                if suite.keys(&secret) == *keys {
+                if suite.gives(&secret, keys) {
                     return Some(secret);
                 }
                 secret = suite.next(&secret);

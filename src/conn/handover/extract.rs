@@ -40,11 +40,13 @@ pub enum TakeError<S> {
 }
 
 /// A client stream a session can be handed over from.
-pub trait Handable: AsyncRead + AsyncWrite + Unpin + Send + Sized {
+pub trait Handable: AsyncRead + AsyncWrite + Unpin + Send + Sized + 'static {
     /// Sends every record the TLS layer owes the peer (a KeyUpdate it
     /// was asked for included).
     fn send_owed(&mut self) -> impl Future<Output = io::Result<()>> + Send;
-    fn take(self) -> Result<Taken, TakeError<Self>>;
+    /// Blocking: a TLS 1.3 session's keys are followed through up to
+    /// `generations` key updates.
+    fn take(self, generations: usize) -> Result<Taken, TakeError<Self>>;
 }
 
 impl Handable for ClientTls {
@@ -52,7 +54,7 @@ impl Handable for ClientTls {
         crate::tls::handover::send_owed_server(self).await
     }
 
-    fn take(mut self) -> Result<Taken, TakeError<Self>> {
+    fn take(mut self, generations: usize) -> Result<Taken, TakeError<Self>> {
         if let Err(why) = can_take(&mut self) {
             return Err(TakeError::Back(self, Vec::new(), why.to_string()));
         }
@@ -64,7 +66,7 @@ impl Handable for ClientTls {
             let why = "the client closed, or too much plaintext is unread".to_string();
             return Err(TakeError::Back(self, plaintext, why));
         }
-        consume(self, plaintext).map_err(TakeError::Lost)
+        consume(self, plaintext, generations).map_err(TakeError::Lost)
     }
 }
 
@@ -117,7 +119,7 @@ fn unread_plaintext(conn: &mut rustls::ServerConnection) -> io::Result<(Vec<u8>,
 }
 
 /// The keys out of rustls: past this point the connection is gone.
-fn consume(tls: ClientTls, plaintext: Vec<u8>) -> Result<Taken, String> {
+fn consume(tls: ClientTls, plaintext: Vec<u8>, generations: usize) -> Result<Taken, String> {
     let (io, conn) = tls.into_inner();
     let Either::Left(tail) = io else {
         unreachable!("checked by can_take")
@@ -139,7 +141,7 @@ fn consume(tls: ClientTls, plaintext: Vec<u8>) -> Result<Taken, String> {
         (suite, version),
         (extracted.tx.0, &extracted.tx.1),
         (extracted.rx.0, &extracted.rx.1),
-        secrets.as_deref(),
+        (secrets.as_deref(), generations),
     )
     .map_err(|e| e.to_string())?;
     let state = TlsState {
@@ -157,7 +159,8 @@ impl Handable for Resumable {
         self.flush().await
     }
 
-    fn take(self) -> Result<Taken, TakeError<Self>> {
+    /// Its secrets are current already: nothing to walk.
+    fn take(self, _generations: usize) -> Result<Taken, TakeError<Self>> {
         match self.into_state() {
             Err((stream, why)) => Err(TakeError::Back(stream, Vec::new(), why.to_string())),
             Ok((prefixed, state, mut ahead)) => {

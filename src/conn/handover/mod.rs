@@ -128,7 +128,7 @@ async fn hand_over<S: Handable>(
         .send_owed()
         .await
         .map_err(ConnError::io(Side::Client, "at a hand-over"))?;
-    let taken = match stream.take() {
+    let taken = match take(stream, handover).await? {
         Ok(taken) => taken,
         Err(TakeError::Back(stream, plaintext, why)) => {
             let mut all = back;
@@ -142,6 +142,26 @@ async fn hand_over<S: Handable>(
         Ok(()) => Ok(Step::HandedOver),
         Err(_) => Err(lost(link, "the hand-over gave up as the state was taken")),
     }
+}
+
+/// The state taken on the blocking pool, one session at a time
+/// (`Registry::takes`): a TLS 1.3 key walk never holds an async worker,
+/// and hostile walks queue behind each other (review round 2, R2). A
+/// session whose turn comes after the hand-over stopped waiting is given
+/// back whole.
+async fn take<S: Handable>(
+    stream: S,
+    handover: &Registered,
+) -> Result<Result<Taken, TakeError<S>>, ConnError> {
+    let registry = handover.registry();
+    let _turn = registry.takes.acquire().await;
+    if !handover.awaited() {
+        let why = "the hand-over stopped waiting before this session's turn".into();
+        return Ok(Err(TakeError::Back(stream, Vec::new(), why)));
+    }
+    let generations = registry.max_key_generations;
+    let taken = tokio::task::spawn_blocking(move || stream.take(generations)).await;
+    taken.map_err(|e| ConnError::io(Side::Client, "at a hand-over")(std::io::Error::other(e)))
 }
 
 /// The State's parts: the plaintext read ahead goes before rustls's.

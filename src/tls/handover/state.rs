@@ -9,7 +9,10 @@ use std::io::{Read, Write};
 use rustls::{CipherSuite, ConnectionTrafficSecrets, ProtocolVersion};
 use zeroize::Zeroize;
 
-use crate::tls::key_update::{KeyUpdateError, Keys, Secret, SecretLog, Suite, TrafficSecrets};
+use crate::tls::key_update::{
+    KeyUpdateError, Keys, Secret, SecretLog, Suite, TrafficSecrets,
+    DEFAULT_MAX_GENERATIONS_AT_HAND_OVER,
+};
 
 /// The largest record body a peer may send (RFC 8446 §5.2: 2^14 + 256),
 /// and so the most of one record a state can hold unread.
@@ -210,7 +213,7 @@ impl TlsState {
             (u16::from(suite), version),
             (extracted.tx.0, &extracted.tx.1),
             (extracted.rx.0, &extracted.rx.1),
-            secrets,
+            (secrets, DEFAULT_MAX_GENERATIONS_AT_HAND_OVER),
         )?;
         let state = TlsState {
             plaintext,
@@ -230,7 +233,7 @@ impl TlsState {
         (suite, version): (u16, Version),
         (tx_seq, tx): (u64, &ConnectionTrafficSecrets),
         (rx_seq, rx): (u64, &ConnectionTrafficSecrets),
-        secrets: Option<&SecretLog>,
+        (secrets, generations): (Option<&SecretLog>, usize),
     ) -> Result<TlsState, StateError> {
         let (want_version, _) = suite_params(suite).ok_or(StateError::Suite(suite))?;
         if want_version != version {
@@ -245,8 +248,8 @@ impl TlsState {
                 // Any number of generations on (review S3): a session is
                 // taken days after its handshake.
                 let (client, server) = match side {
-                    Side::Server => TrafficSecrets::followed(log, &rx_keys, &tx_keys)?,
-                    Side::Client => TrafficSecrets::followed(log, &tx_keys, &rx_keys)?,
+                    Side::Server => TrafficSecrets::followed(log, &rx_keys, &tx_keys, generations)?,
+                    Side::Client => TrafficSecrets::followed(log, &tx_keys, &rx_keys, generations)?,
                 }
                 .into_secrets();
                 match side {

@@ -8,6 +8,7 @@ use std::io::{Read, Write};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::tls::key_update::DEFAULT_MAX_GENERATIONS_AT_HAND_OVER;
 use rustls::crypto::aws_lc_rs::cipher_suite::*;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::CertificateDer;
@@ -482,7 +483,7 @@ fn state_of(
         (u16::from(suite.suite()), version),
         (extracted.tx.0, &extracted.tx.1),
         (extracted.rx.0, &extracted.rx.1),
-        Some(log),
+        (Some(log), DEFAULT_MAX_GENERATIONS_AT_HAND_OVER),
     )
     .unwrap()
 }
