@@ -15,6 +15,6 @@ fuzz_target!(|data: &[u8]| {
     if let Ok((message, used)) = decode_frame(bytes, usize::from(fds % 10)) {
         assert!(used <= HEADER_LEN + MAX_BODY as usize);
         assert_eq!(message.fds(), usize::from(fds % 10));
-        assert_eq!(message.encode(), &bytes[..used]);
+        assert_eq!(&message.encode()[..], &bytes[..used]);
     }
 });

@@ -96,7 +96,7 @@ impl Channel {
     pub fn send(&mut self, message: &Message, fds: &[BorrowedFd]) -> Result<(), ChannelError> {
         assert_eq!(message.fds(), fds.len(), "descriptors as the message says");
         // A session's state holds keys: its frame is wiped once sent.
-        let frame = zeroize::Zeroizing::new(message.encode());
+        let frame = message.encode();
         let mut sent = 0;
         while sent < frame.len() {
             self.stream.set_write_timeout(Some(self.remaining()?))?;

@@ -15,6 +15,7 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6};
 
 use thiserror::Error;
+use zeroize::Zeroizing;
 
 /// "NBGH": nbdgw hand-over.
 pub const MAGIC: u32 = 0x4e42_4748;
@@ -91,7 +92,7 @@ pub enum Message {
     Sessions { handover: [u8; 16] },
     /// Predecessor → successor: a session the successor may take, as
     /// `handover_session::Offer` encodes it.
-    Offer { id: u64, body: Vec<u8> },
+    Offer { id: u64, body: Zeroizing<Vec<u8>> },
     /// Successor → predecessor: it takes the session (nothing is moved
     /// yet: the predecessor still serves it).
     Accept { id: u64 },
@@ -101,7 +102,7 @@ pub enum Message {
     /// Predecessor → successor: the session's state
     /// (`handover_session::State`), with its client TCP socket and its
     /// upstream socket. From here the predecessor never writes on it.
-    State { id: u64, body: Vec<u8> },
+    State { id: u64, body: Zeroizing<Vec<u8>> },
     /// Predecessor → successor: the session could not be stopped or its
     /// state taken; it stays with the predecessor and drains.
     Withdraw { id: u64 },
@@ -295,12 +296,42 @@ impl Message {
         }
     }
 
-    /// The whole frame, header and body.
-    pub fn encode(&self) -> Vec<u8> {
-        let mut body = Vec::new();
-        let kind = match self {
+    /// The whole frame, header and body, in one allocation of exact
+    /// capacity that wipes itself: a State's body holds keys, and no
+    /// other copy of it is made (review round 2, R3).
+    pub fn encode(&self) -> Zeroizing<Vec<u8>> {
+        let length = self.body_len();
+        let mut frame = Zeroizing::new(Vec::with_capacity(HEADER_LEN + length));
+        frame.extend_from_slice(&[0; HEADER_LEN]);
+        let kind = self.encode_body(&mut frame);
+        debug_assert_eq!(frame.len(), HEADER_LEN + length);
+        let header = Header {
+            kind,
+            fds: self.fds() as u16,
+            length: (frame.len() - HEADER_LEN) as u32,
+        };
+        frame[..HEADER_LEN].copy_from_slice(&header.encode());
+        frame
+    }
+
+    /// The body's length: a session body's from its parts, any other
+    /// (no secrets) by encoding it aside.
+    fn body_len(&self) -> usize {
+        match self {
+            Message::Offer { body, .. } | Message::State { body, .. } => 8 + 4 + body.len(),
+            other => {
+                let mut body = Vec::new();
+                other.encode_body(&mut body);
+                body.len()
+            }
+        }
+    }
+
+    /// Appends the body to `body`; the message's kind.
+    fn encode_body(&self, body: &mut Vec<u8>) -> u16 {
+        match self {
             Message::Hello { versions, pid } => {
-                put_u16(&mut body, versions.len() as u16);
+                put_u16(body, versions.len() as u16);
                 versions
                     .iter()
                     .for_each(|v| body.extend_from_slice(&v.to_be_bytes()));
@@ -308,7 +339,7 @@ impl Message {
                 kind::HELLO
             }
             Message::Refuse { reason } => {
-                put_bytes(&mut body, truncated(reason, MAX_REASON.into()).as_bytes());
+                put_bytes(body, truncated(reason, MAX_REASON.into()).as_bytes());
                 kind::REFUSE
             }
             Message::Chosen { version, pid, .. } => {
@@ -317,23 +348,15 @@ impl Message {
                 kind::CHOSEN
             }
             Message::Listeners { sockets } => {
-                put_u16(&mut body, sockets.len() as u16);
-                sockets.iter().for_each(|d| d.encode(&mut body));
+                put_u16(body, sockets.len() as u16);
+                sockets.iter().for_each(|d| d.encode(body));
                 kind::LISTENERS
             }
             Message::Ready => kind::READY,
             Message::Go => kind::GO,
             Message::Serving => kind::SERVING,
-            other => other.encode_session(&mut body),
-        };
-        let header = Header {
-            kind,
-            fds: self.fds() as u16,
-            length: body.len() as u32,
-        };
-        let mut frame = header.encode().to_vec();
-        frame.extend_from_slice(&body);
-        frame
+            other => other.encode_session(body),
+        }
     }
 
     /// The body of a frame whose header was `header`, read exactly: a
@@ -569,13 +592,14 @@ impl<'a> Reader<'a> {
         Ok(u64::from_be_bytes(self.take(8)?.try_into().expect("8")))
     }
 
-    /// u32 length, then as many bytes (at most MAX_SESSION_BODY).
-    fn long_bytes(&mut self) -> Result<Vec<u8>, WireError> {
+    /// u32 length, then as many bytes (at most MAX_SESSION_BODY), in
+    /// a copy that wipes itself (a State's holds keys).
+    fn long_bytes(&mut self) -> Result<Zeroizing<Vec<u8>>, WireError> {
         let len = self.u32()?;
         if len > MAX_SESSION_BODY {
             return Err(WireError::Invalid("session body length", len.into()));
         }
-        Ok(self.take(len as usize)?.to_vec())
+        Ok(Zeroizing::new(self.take(len as usize)?.to_vec()))
     }
 
     /// A reason: u16 length, then UTF-8 (at most MAX_REASON bytes).
@@ -656,7 +680,35 @@ mod tests {
         ]
     }
 
+    fn session_message() -> impl Strategy<Value = Message> {
+        let body = || proptest::collection::vec(any::<u8>(), 0..2048).prop_map(Zeroizing::new);
+        prop_oneof![
+            (any::<u64>(), body()).prop_map(|(id, body)| Message::State { id, body }),
+            (any::<u64>(), body()).prop_map(|(id, body)| Message::Offer { id, body }),
+        ]
+    }
+
+    /// Review round 2, R3: the bodies that carry a session's keys wipe
+    /// themselves, decoded too (a type-level check, not a heap scan).
+    #[allow(dead_code)]
+    fn session_bodies_are_zeroizing(m: Message) {
+        if let Message::State { body, .. } | Message::Offer { body, .. } = m {
+            let _: Zeroizing<Vec<u8>> = body;
+        }
+    }
+
     proptest! {
+        /// Review round 2, R3: a frame is written into one allocation of
+        /// exact capacity (a reallocation would leave a copy of a
+        /// State's keys behind, unwiped), header and body together, and
+        /// decodes back to the message.
+        #[test]
+        fn a_frame_is_one_exact_allocation(m in prop_oneof![message(), session_message()]) {
+            let frame = m.encode();
+            prop_assert_eq!(frame.capacity(), frame.len());
+            prop_assert_eq!(decode_frame(&frame, m.fds()).unwrap(), (m, frame.len()));
+        }
+
         #[test]
         fn every_message_roundtrips_exactly(m in message(), tail in proptest::collection::vec(any::<u8>(), 0..8)) {
             let mut frame = m.encode();

@@ -58,7 +58,7 @@ fn exchange(
         bound(channel);
         let offer = Message::Offer {
             id: session.id,
-            body: session.offer.to_vec(),
+            body: session.offer.to_vec().into(),
         };
         channel.send(&offer, &[])?;
     }
@@ -178,11 +178,12 @@ fn send_outcome(
     };
     let message = Message::State {
         id,
-        body: state.encode().to_vec(),
+        body: state.encode(),
     };
     let fds = [ready.tcp.as_fd(), ready.upstream.as_fd()];
     let result = channel.send(&message, &fds);
-    wipe(message);
+    // Its body wipes itself (Zeroizing; review round 2, R3).
+    drop(message);
     match result {
         Ok(()) => {
             sent.insert(id, ready.stopped_at);
@@ -226,12 +227,6 @@ fn served(
             Ok(())
         }
         (other, _) => Err(unexpected(channel, &other)),
-    }
-}
-
-fn wipe(message: Message) {
-    if let Message::State { mut body, .. } = message {
-        zeroize::Zeroize::zeroize(&mut body);
     }
 }
 
