@@ -573,6 +573,74 @@ fn a_successor_waits_while_another_is_served_then_takes_over() {
     assert_serves(&s);
 }
 
+/// Review round 2, R4: three connections that say nothing queued ahead
+/// of a real successor, all with the predecessor's --handover-timeout:
+/// the predecessor gives each up at its timeout, and the successor,
+/// whose wait to be served is --handover-queue-timeout (default 60 s),
+/// takes over after them instead of failing its start.
+#[test]
+fn a_successor_queued_behind_three_silent_connections_takes_over() {
+    let mut s = served("2");
+    let _silent: Vec<_> = (0..3).map(|_| fake_successor(&s.handover, b"")).collect();
+    let new = successor_of(&s, &["--handover-timeout", "2"]);
+    new.wait_for_log("nbdgw listening", 1);
+    s.gateway
+        .wait_for_log("the successor serves the listeners", 1);
+    let log = s.gateway.log();
+    let handed = log.find("the successor serves the listeners").expect(&log);
+    assert_eq!(
+        log[..handed].matches("outcome=\"timeout\"").count(),
+        3,
+        "{log}"
+    );
+    assert!(s
+        .gateway
+        .wait_exit(Duration::from_secs(30))
+        .expect("exits")
+        .success());
+    s.gateway = new;
+    assert_serves(&s);
+}
+
+/// Review round 2, R4: a successor not served within its
+/// --handover-queue-timeout fails its start saying so, not that the
+/// hand-over took longer than its timeout; the gateway serves on.
+#[test]
+fn a_successor_not_served_in_its_queue_timeout_says_so() {
+    let s = served("30");
+    let _silent = fake_successor(&s.handover, b"");
+    let mut new = successor_of(
+        &s,
+        &["--handover-timeout", "30", "--handover-queue-timeout", "1"],
+    );
+    let status = new.wait_exit(Duration::from_secs(60)).expect("exits");
+    let log = new.log();
+    assert!(!status.success(), "{log}");
+    assert!(
+        log.contains("not served within --handover-queue-timeout (1 s)"),
+        "{log}"
+    );
+    assert!(!log.contains("took longer than its timeout"), "{log}");
+    assert_serves(&s);
+}
+
+/// A real successor of `s`'s gateway, with `extra` flags.
+fn successor_of(s: &Served, extra: &[&str]) -> NbdgwProcess {
+    let mut cmd = Command::new(nbdgw_binary());
+    cmd.arg("--tls-dir")
+        .arg(s.env.certs())
+        .arg("--upstream")
+        .arg(s.env.path("nbd.sock"))
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{}", s.port))
+        .arg("--handover-socket")
+        .arg(&s.handover)
+        .arg("--take-over")
+        .arg(&s.handover)
+        .args(extra);
+    NbdgwProcess::spawn(cmd, s.port)
+}
+
 /// A fake predecessor (a real one cannot be made to die at this point):
 /// it gives a real listening socket, says Go, and is gone before the
 /// successor can say it serves (its read side shut, so that the send

@@ -27,14 +27,21 @@ pub struct HandoverArgs {
     pub take_over: Option<PathBuf>,
     /// Seconds a hand-over may take, on either side, from the moment the
     /// predecessor serves the successor to its first accept (a successor
-    /// queued behind another waits up to twice this, and a second, to be
-    /// served). A successor that stalls or dies before it is told to
+    /// queued behind another waits apart, --handover-queue-timeout). A
+    /// successor that stalls or dies before it is told to
     /// serve leaves the predecessor serving; once told, it keeps the
     /// sockets unless it gives up or its process is gone. While a
     /// successor holds the listeners nobody accepts (connections wait in
     /// the backlog), so this is also the longest such pause.
     #[arg(long, env = "NBDGW_HANDOVER_TIMEOUT", default_value_t = DEFAULT_HANDOVER_TIMEOUT_SECS, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub handover_timeout: u64,
+    /// Seconds a successor waits to be served by the running gateway,
+    /// which serves one successor at a time, each for up to its own
+    /// --handover-timeout: a successor queued behind others (or behind
+    /// a connection that says nothing) fails its start past this, saying
+    /// so. The running gateway serves on meanwhile.
+    #[arg(long, env = "NBDGW_HANDOVER_QUEUE_TIMEOUT", value_name = "SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub handover_queue_timeout: u64,
     /// Seconds a session being handed to a successor may take to go
     /// quiet: it stops reading requests at a request boundary and the
     /// replies to those already upstream finish. One that is not quiet

@@ -71,7 +71,8 @@ pub fn open(
                 admin,
                 handover: args.handover_socket.as_deref(),
             };
-            let (successor, taken) = successor::take_over(path, &wanted, timeout)?;
+            let queue = Duration::from_secs(args.handover_queue_timeout);
+            let (successor, taken) = successor::take_over(path, &wanted, (queue, timeout))?;
             let listeners = Listeners::with(taken.nbd, taken.admin, listen, admin)?;
             (Some(successor), listeners, taken.handover)
         }

@@ -13,7 +13,7 @@ use anyhow::{bail, Context, Result};
 use tracing::{info, warn};
 
 use super::alive::Peer;
-use super::channel::{peer_uid, Channel, ChannelError, REFUSE_GRACE};
+use super::channel::{peer_uid, Channel, ChannelError};
 use super::describe::{check, show};
 use crate::metrics::Metrics;
 use crate::proto::handover::{
@@ -91,7 +91,11 @@ impl Sessions {
 /// Connects to `path`, agrees on a state version and takes the
 /// listeners. Any failure fails the start; the predecessor, seeing the
 /// connection end, goes on serving.
-pub fn take_over(path: &Path, wanted: &Wanted, timeout: Duration) -> Result<(Successor, Taken)> {
+pub fn take_over(
+    path: &Path,
+    wanted: &Wanted,
+    (queue, timeout): (Duration, Duration),
+) -> Result<(Successor, Taken)> {
     let shown = path.display();
     let stream = UnixStream::connect(path).with_context(|| format!("--take-over {shown}"))?;
     let (ours, theirs) = (rustix::process::getuid().as_raw(), peer_uid(&stream)?);
@@ -99,31 +103,13 @@ pub fn take_over(path: &Path, wanted: &Wanted, timeout: Duration) -> Result<(Suc
         bail!("--take-over {shown}: the gateway there runs as uid {theirs}, this one as {ours}");
     }
     // The running gateway serves one successor at a time: this one may
-    // wait in the backlog while another is served (up to its timeout and
-    // a Refuse's grace), so --handover-timeout starts at Chosen, and
-    // the wait for it is bounded apart (review round 2, S1).
-    let queued = Instant::now() + 2 * timeout + REFUSE_GRACE;
-    let mut channel = Channel::new(stream, queued)?;
-    let hello = Message::Hello {
-        versions: KNOWN_STATE_VERSIONS.to_vec(),
-        pid: std::process::id(),
-    };
-    let sent = channel.send(&hello, &[]);
-    sent.map_err(|e| give_up(&mut channel, path, e))?;
-    let chosen = channel.recv().map_err(|e| give_up(&mut channel, path, e))?;
+    // wait in the backlog while others are served (each up to the
+    // predecessor's own timeout), so --handover-timeout starts at Chosen,
+    // and the wait for it is --handover-queue-timeout (review round 2,
+    // S1, R4).
+    let mut channel = Channel::new(stream, Instant::now() + queue)?;
+    let (predecessor, version) = agree(&mut channel, path, queue)?;
     channel.set_deadline(Instant::now() + timeout);
-    let (predecessor, version) = match chosen {
-        (Message::Chosen { version, pid, .. }, fds) if KNOWN_STATE_VERSIONS.contains(&version) => {
-            let predecessor = Peer::of_pidfd(fds.into_iter().next());
-            let watched = predecessor.watchable();
-            info!(
-                version,
-                pid, watched, "take-over: the running gateway agreed on a state version"
-            );
-            (predecessor, version)
-        }
-        (other, _) => return Err(violation(&mut channel, path, &other)),
-    };
     let listeners = channel.recv().map_err(|e| give_up(&mut channel, path, e));
     let (sockets, fds) = match listeners? {
         (Message::Listeners { sockets }, fds) => (sockets, fds),
@@ -149,6 +135,39 @@ pub fn take_over(path: &Path, wanted: &Wanted, timeout: Duration) -> Result<(Suc
         version,
     };
     Ok((successor, taken))
+}
+
+/// Hello, then the predecessor's Chosen: its process (by the pidfd it
+/// sent) and the state version. Before Chosen this process only waited
+/// its turn: past the queue's bound it says it was not served, not that
+/// a hand-over took too long (review round 2, R4).
+fn agree(channel: &mut Channel, path: &Path, queue: Duration) -> Result<(Peer, u32)> {
+    let hello = Message::Hello {
+        versions: KNOWN_STATE_VERSIONS.to_vec(),
+        pid: std::process::id(),
+    };
+    let sent = channel.send(&hello, &[]);
+    sent.map_err(|e| give_up(channel, path, e))?;
+    let chosen = match channel.recv() {
+        Err(ChannelError::Timeout) => {
+            let why = format!("not served within --handover-queue-timeout ({} s): the running gateway serves one successor at a time and did not come to this one", queue.as_secs());
+            channel.refuse(&format!("the successor gives up: {why}"));
+            bail!("--take-over {}: {why}", path.display());
+        }
+        other => other.map_err(|e| give_up(channel, path, e))?,
+    };
+    match chosen {
+        (Message::Chosen { version, pid, .. }, fds) if KNOWN_STATE_VERSIONS.contains(&version) => {
+            let predecessor = Peer::of_pidfd(fds.into_iter().next());
+            let watched = predecessor.watchable();
+            info!(
+                version,
+                pid, watched, "take-over: the running gateway agreed on a state version"
+            );
+            Ok((predecessor, version))
+        }
+        (other, _) => Err(violation(channel, path, &other)),
+    }
 }
 
 /// This process gives up on a channel error: it says so (unless the
