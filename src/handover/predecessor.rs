@@ -11,7 +11,7 @@ use rustix::process::{pidfd_open, PidfdFlags};
 use tracing::{info, warn};
 
 use super::alive::Peer;
-use super::channel::{peer_uid, Channel, ChannelError};
+use super::channel::{peer_uid, Channel, ChannelError, REFUSE_GRACE};
 use super::describe::{describe, show};
 use super::gate::{Accepting, GateControl};
 use crate::metrics::Metrics;
@@ -263,6 +263,11 @@ impl Giver {
             (other, _) => return Err(unexpected(channel, "ready", &other)),
         }
         channel.send(&Message::Go, &[]).map_err(Failure::channel)?;
+        // Serving gets its own bound from Go (review round 2, N5): the
+        // successor's timeout runs from Chosen, so with equal flags this
+        // process outlives the successor's decision, and a Refuse it
+        // sends at its timeout still arrives.
+        channel.set_deadline(Instant::now() + self.timeout + REFUSE_GRACE);
         let why = match channel.recv() {
             Ok((Message::Serving, _)) => return Ok(true),
             Ok((other, _)) => format!("the successor sent {} where serving was due", other.name()),
