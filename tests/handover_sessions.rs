@@ -449,3 +449,38 @@ fn a_successor_killed_after_the_state_closes_the_session_and_the_old_gateway_doe
     c.send(&c.request_bytes(0, CMD_READ, 3, 0, 4096));
     c.expect_closed();
 }
+
+/// A session that cannot go quiet in time (a write's payload half sent:
+/// no request boundary comes) is withdrawn at --handover-quiesce-timeout:
+/// it stays with the old gateway, which serves the write once the rest
+/// arrives, then drains it as at SIGTERM.
+#[test]
+fn a_session_not_quiet_in_time_is_withdrawn_and_its_request_served_by_the_old_gateway() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 5);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let quiesce = ["--handover-quiesce-timeout", "0.5"];
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &quiesce);
+    let mut c = raw_session(&env, port);
+    let mut request = c.request_bytes(0, CMD_WRITE, 7, 8192, 65536);
+    request.extend_from_slice(&[9; 65536]);
+    c.send(&request[..1000]);
+    let new = generation(&env, &upstream.socket, port, &handover, true, &[]);
+    old.wait_for_log("not quiet in time", 1);
+    c.send(&request[1000..]);
+    assert_eq!(c.read_reply(0).last().unwrap().error_code(), 0);
+    let status = old
+        .wait_exit(Duration::from_secs(60))
+        .expect("the old gateway exits");
+    let log = old.log();
+    assert!(status.success(), "{log}");
+    assert!(!log.contains("the successor serves the session"), "{log}");
+    c.expect_closed();
+    let mut check = raw_session(&env, port);
+    assert_eq!(check.read(8, 8192, 65536), vec![9; 65536]);
+    check.disconnect();
+    let (status, log) = new.stop();
+    assert!(status.success(), "{log}");
+}
