@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
+use common::clients::http_get;
 use common::process::{nbdgw_binary, NbdgwProcess};
 use common::raw::{client_tls, RawClient, Stream};
 use common::{Env, QemuNbd};
@@ -178,12 +179,15 @@ fn one_connection_rides_through_five_replacements() {
     let upstream = QemuNbd::start(&env, &image, &[]);
     let handover = private_dir(&env).join("handover.sock");
     let port = common::free_port();
-    let mut old = generation(&env, &upstream.socket, port, &handover, false, &[]);
+    let admin = common::free_port();
+    let admin_flag = format!("127.0.0.1:{admin}");
+    let flags = ["--admin-listen", admin_flag.as_str()];
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &flags);
     let mut client = OneSession::start(port, &env);
     eprintln!("client: {}", client.connected.trim());
     client.wait_for(5);
     for round in 1..=5 {
-        let new = generation(&env, &upstream.socket, port, &handover, true, &[]);
+        let new = generation(&env, &upstream.socket, port, &handover, true, &flags);
         new.wait_for_log("hand-over: serving a session handed over", 1);
         let status = old
             .wait_exit(Duration::from_secs(60))
@@ -211,6 +215,13 @@ fn one_connection_rides_through_five_replacements() {
         assert!(
             !newlog.contains("TLS established"),
             "round {round}: a new handshake:\n{newlog}"
+        );
+        // Counted where the admin port now is: the successor's.
+        let (code, metrics) = http_get(admin, "/metrics");
+        assert_eq!(code, 200);
+        assert!(
+            metrics.contains("nbdgw_session_handovers_total{outcome=\"resumed\"} 1"),
+            "{metrics}"
         );
         old = new;
     }
