@@ -495,3 +495,73 @@ fn a_session_not_quiet_in_time_is_withdrawn_and_its_request_served_by_the_old_ga
     let (status, log) = new.stop();
     assert!(status.success(), "{log}");
 }
+
+/// python3-libnbd: `n` idle connections, then (told on stdin) one read
+/// on each; prints how many failed.
+const MANY_IDLE: &str = r#"
+import nbd, sys
+port, certs, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+hs = []
+for _ in range(n):
+    h = nbd.NBD(); h.set_tls(nbd.TLS_REQUIRE); h.set_tls_certificates(certs)
+    h.connect_uri(f"nbds://localhost:{port}/"); hs.append(h)
+print("connected", flush=True)
+sys.stdin.readline()
+failed = 0
+for k, h in enumerate(hs):
+    try:
+        h.pread(4096, k * 4096)
+        h.shutdown()
+    except nbd.Error:
+        failed += 1
+print("failed", failed, flush=True)
+"#;
+
+/// Enough sessions that their small frames, unread, would fill the
+/// channel's socket buffer (with 1,064 they did; a few hundred are past it): all are handed over in one
+/// replacement, and each answers afterwards.
+#[test]
+fn six_hundred_idle_sessions_are_handed_over_in_one_replacement() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 6);
+    let upstream = QemuNbd::start(&env, &image, &["--shared=700"]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let limits = [
+        "--max-connections",
+        "1000",
+        "--max-sessions-per-identity",
+        "1000",
+    ];
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &limits);
+    let mut client = Command::new("/usr/bin/python3")
+        .args(["-c", MANY_IDLE, &port.to_string()])
+        .arg(env.certs())
+        .arg("600")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3-libnbd");
+    let mut out = BufReader::new(client.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "connected");
+    let new = generation(&env, &upstream.socket, port, &handover, true, &limits);
+    let status = old
+        .wait_exit(Duration::from_secs(120))
+        .expect("the old gateway exits");
+    let log = old.log();
+    assert!(status.success(), "{log}");
+    assert_eq!(
+        log.matches("the successor serves the session").count(),
+        600,
+        "{log}"
+    );
+    writeln!(client.stdin.as_mut().unwrap()).unwrap();
+    line.clear();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "failed 0");
+    assert!(client.wait().unwrap().success());
+    let (status, log) = new.stop();
+    assert!(status.success(), "{log}");
+}
