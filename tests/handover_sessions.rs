@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
+use common::clients::http_get;
 use common::process::{nbdgw_binary, NbdgwProcess};
 use common::raw::{client_tls, RawClient, Stream};
 use common::{Env, QemuNbd};
@@ -178,12 +179,15 @@ fn one_connection_rides_through_five_replacements() {
     let upstream = QemuNbd::start(&env, &image, &[]);
     let handover = private_dir(&env).join("handover.sock");
     let port = common::free_port();
-    let mut old = generation(&env, &upstream.socket, port, &handover, false, &[]);
+    let admin = common::free_port();
+    let admin_flag = format!("127.0.0.1:{admin}");
+    let flags = ["--admin-listen", admin_flag.as_str()];
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &flags);
     let mut client = OneSession::start(port, &env);
     eprintln!("client: {}", client.connected.trim());
     client.wait_for(5);
     for round in 1..=5 {
-        let new = generation(&env, &upstream.socket, port, &handover, true, &[]);
+        let new = generation(&env, &upstream.socket, port, &handover, true, &flags);
         new.wait_for_log("hand-over: serving a session handed over", 1);
         let status = old
             .wait_exit(Duration::from_secs(60))
@@ -211,6 +215,13 @@ fn one_connection_rides_through_five_replacements() {
         assert!(
             !newlog.contains("TLS established"),
             "round {round}: a new handshake:\n{newlog}"
+        );
+        // Counted where the admin port now is: the successor's.
+        let (code, metrics) = http_get(admin, "/metrics");
+        assert_eq!(code, 200);
+        assert!(
+            metrics.contains("nbdgw_session_handovers_total{outcome=\"resumed\"} 1"),
+            "{metrics}"
         );
         old = new;
     }
@@ -448,6 +459,111 @@ fn a_successor_killed_after_the_state_closes_the_session_and_the_old_gateway_doe
     // the connection closed, never an answer from the old keys.
     c.send(&c.request_bytes(0, CMD_READ, 3, 0, 4096));
     c.expect_closed();
+}
+
+/// A session that cannot go quiet in time (a write's payload half sent:
+/// no request boundary comes) is withdrawn at --handover-quiesce-timeout:
+/// it stays with the old gateway, which serves the write once the rest
+/// arrives, then drains it as at SIGTERM.
+#[test]
+fn a_session_not_quiet_in_time_is_withdrawn_and_its_request_served_by_the_old_gateway() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 5);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let quiesce = ["--handover-quiesce-timeout", "0.5"];
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &quiesce);
+    let mut c = raw_session(&env, port);
+    let mut request = c.request_bytes(0, CMD_WRITE, 7, 8192, 65536);
+    request.extend_from_slice(&[9; 65536]);
+    c.send(&request[..1000]);
+    let new = generation(&env, &upstream.socket, port, &handover, true, &[]);
+    old.wait_for_log("not quiet in time", 1);
+    c.send(&request[1000..]);
+    assert_eq!(c.read_reply(0).last().unwrap().error_code(), 0);
+    let status = old
+        .wait_exit(Duration::from_secs(60))
+        .expect("the old gateway exits");
+    let log = old.log();
+    assert!(status.success(), "{log}");
+    assert!(!log.contains("the successor serves the session"), "{log}");
+    c.expect_closed();
+    let mut check = raw_session(&env, port);
+    assert_eq!(check.read(8, 8192, 65536), vec![9; 65536]);
+    check.disconnect();
+    let (status, log) = new.stop();
+    assert!(status.success(), "{log}");
+}
+
+/// python3-libnbd: `n` idle connections, then (told on stdin) one read
+/// on each; prints how many failed.
+const MANY_IDLE: &str = r#"
+import nbd, sys
+port, certs, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+hs = []
+for _ in range(n):
+    h = nbd.NBD(); h.set_tls(nbd.TLS_REQUIRE); h.set_tls_certificates(certs)
+    h.connect_uri(f"nbds://localhost:{port}/"); hs.append(h)
+print("connected", flush=True)
+sys.stdin.readline()
+failed = 0
+for k, h in enumerate(hs):
+    try:
+        h.pread(4096, k * 4096)
+        h.shutdown()
+    except nbd.Error:
+        failed += 1
+print("failed", failed, flush=True)
+"#;
+
+/// Enough sessions that their small frames, unread, would fill the
+/// channel's socket buffer (with 1,064 they did; a few hundred are past it): all are handed over in one
+/// replacement, and each answers afterwards.
+#[test]
+fn six_hundred_idle_sessions_are_handed_over_in_one_replacement() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 6);
+    let upstream = QemuNbd::start(&env, &image, &["--shared=700"]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let limits = [
+        "--max-connections",
+        "1000",
+        "--max-sessions-per-identity",
+        "1000",
+    ];
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &limits);
+    let mut client = Command::new("/usr/bin/python3")
+        .args(["-c", MANY_IDLE, &port.to_string()])
+        .arg(env.certs())
+        .arg("600")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3-libnbd");
+    let mut out = BufReader::new(client.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "connected");
+    let new = generation(&env, &upstream.socket, port, &handover, true, &limits);
+    let status = old
+        .wait_exit(Duration::from_secs(120))
+        .expect("the old gateway exits");
+    let log = old.log();
+    assert!(status.success(), "{log}");
+    assert_eq!(
+        log.matches("the successor serves the session").count(),
+        600,
+        "{log}"
+    );
+    writeln!(client.stdin.as_mut().unwrap()).unwrap();
+    line.clear();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "failed 0");
+    assert!(client.wait().unwrap().success());
+    let (status, log) = new.stop();
+    assert!(status.success(), "{log}");
 }
 
 /// Review round 2, R2: a TLS 1.3 session whose client ran its keys on

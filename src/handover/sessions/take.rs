@@ -54,6 +54,8 @@ pub fn take(
             (Message::Offer { id, body }, _) => offer(config, id, &body, &mut offered),
             (Message::State { id, body }, fds) => {
                 let given = offered.remove(&id);
+                // The body holds keys: wiped once decoded.
+                let body = zeroize::Zeroizing::new(body);
                 match resume((id, given), (handover, &body), fds, &serve) {
                     Ok(()) => {
                         config.metrics.session_handover("resumed");
