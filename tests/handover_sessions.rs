@@ -283,18 +283,28 @@ fn half_sent_request_rides_through(
         new.wait_for_log("hand-over: serving a session handed over", 1);
         check(&log, &new.log());
         c.send(&request[10..]);
-        let reply = c.read_reply(0);
-        assert_eq!(reply.last().unwrap().error_code(), 0, "round {round}");
-        assert_eq!(
-            c.read(20 + u64::from(round), 65536, 65536),
-            block(round + 1),
-            "round {round}"
-        );
-        assert_eq!(
-            c.read(30 + u64::from(round), 0, 65536),
-            block(1),
-            "round {round}"
-        );
+        // A failure says what both gateways logged.
+        let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let reply = c.read_reply(0);
+            assert_eq!(reply.last().unwrap().error_code(), 0, "round {round}");
+            assert_eq!(
+                c.read(20 + u64::from(round), 65536, 65536),
+                block(round + 1),
+                "round {round}"
+            );
+            assert_eq!(
+                c.read(30 + u64::from(round), 0, 65536),
+                block(1),
+                "round {round}"
+            );
+        }));
+        if let Err(panic) = served {
+            eprintln!(
+                "round {round}: old gateway:\n{log}\nnew gateway:\n{}",
+                new.log()
+            );
+            std::panic::resume_unwind(panic);
+        }
         assert!(!new.log().contains("TLS established"), "{}", new.log());
         old = new;
     }

@@ -478,6 +478,8 @@ pub struct KernelTls {
     /// Who the client is, for a hand-over's offer (`None`: no hand-over
     /// may come).
     pub(super) peer: Option<TlsPeer>,
+    /// A socket handed over, not read yet here (see `first_read`).
+    pub(super) fresh: bool,
 }
 
 /// Key updates followed: the client's, nbdgw's own. Its own type, so
@@ -525,6 +527,7 @@ impl KernelTls {
             goodbye: Goodbye::CloseNotify,
             metrics,
             peer: None,
+            fresh: false,
         }
     }
 
@@ -534,9 +537,12 @@ impl KernelTls {
         // Every record nbdgw takes is shorter; a longer one is refused
         // whole, whatever of it was read.
         let mut data = [0u8; 64];
-        let (kind, len) = tcp.try_io(Interest::READABLE, || {
-            kernel::recv_record(std::os::fd::AsFd::as_fd(tcp), &mut data).map_err(io::Error::from)
-        })?;
+        // Straight to the socket, not through tokio's readiness (which a
+        // handed-over socket's first read does not have): a WouldBlock
+        // here sends the caller back to `poll_read`, whose own read then
+        // clears the readiness and waits.
+        let (kind, len) = kernel::recv_record(std::os::fd::AsFd::as_fd(tcp), &mut data)
+            .map_err(io::Error::from)?;
         let record = &data[..len.min(data.len())];
         match kind {
             Some(TlsGetRecordType::Alert) => self.alert(record),
@@ -682,12 +688,18 @@ impl AsyncRead for KernelTls {
             if this.read_closed || buf.remaining() == 0 {
                 return Poll::Ready(Ok(()));
             }
-            match ready!(Pin::new(&mut this.tcp).poll_read(cx, buf)) {
+            let read = match this.fresh {
+                true => this.first_read(buf),
+                false => ready!(Pin::new(&mut this.tcp).poll_read(cx, buf)),
+            };
+            match read {
                 Err(e) if e.raw_os_error() == Some(EIO) => match this.control_record() {
                     Ok(()) => continue,
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                     Err(e) => return Poll::Ready(Err(e)),
                 },
+                // Only from `first_read`: nothing there; wait as usual.
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                 Err(e) if e.raw_os_error() == Some(EKEYEXPIRED) => {
                     return Poll::Ready(Err(io::Error::other(
                         "kernel TLS waits for a receive key after a key update nbdgw did not see",
