@@ -2,7 +2,8 @@
 //! it. The first byte chooses:
 //! - even: the rest is a state's encoding from another process. Decoding
 //!   may refuse but never panic; what it accepts encodes back to the same
-//!   bytes and gives a record layer.
+//!   bytes and gives a record layer (a kernel TLS state, `KernelState`:
+//!   the same, but for the layer, which is the kernel's).
 //! - odd: the rest is a run of (type, length, plaintext) records that a
 //!   peer holding the same keys seals, of any type and content, and a
 //!   layer rebuilt from a fixed state (TLS 1.3 or 1.2 by the byte's
@@ -12,6 +13,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use nbdgw::tls::handover::record::{Opened, RecordLayer};
+use nbdgw::tls::handover::KernelState;
 use nbdgw::tls::handover::state::{DirectionState, KeyBytes, Side, TlsState};
 use nbdgw::tls::key_update::{Secret, Suite};
 
@@ -23,6 +25,10 @@ fuzz_target!(|data: &[u8]| {
         if let Ok(state) = TlsState::decode(rest) {
             assert_eq!(&*state.encode(), rest);
             RecordLayer::new(&state, None).expect("a decoded state gives a layer");
+        }
+        // A kernel TLS session's state: the same promise.
+        if let Ok(state) = KernelState::decode(rest) {
+            assert_eq!(&*state.encode(), rest);
         }
         return;
     }

@@ -46,14 +46,21 @@ pub type ClientStream = Either<ClientTls, KernelTls>;
 /// Bytes read before a stream changed hands (plaintext phase to TLS,
 /// rustls to the kernel), served before anything more is read.
 #[derive(Default)]
-struct Carried {
-    bytes: Vec<u8>,
-    at: usize,
+pub(super) struct Carried {
+    pub(super) bytes: Vec<u8>,
+    pub(super) at: usize,
 }
 
 impl Carried {
-    fn new(bytes: Vec<u8>) -> Self {
+    pub(super) fn new(bytes: Vec<u8>) -> Self {
         Carried { bytes, at: 0 }
+    }
+
+    /// What is left, consumed (a hand-over carries it on).
+    pub(super) fn into_rest(self) -> Vec<u8> {
+        let Carried { mut bytes, at } = self;
+        bytes.drain(..at);
+        bytes
     }
 
     /// The next at most `limit` carried bytes, consumed; empty once all
@@ -86,6 +93,9 @@ pub struct RecordAligned {
     stop: bool,
     /// This connection's traffic secrets, which a key update needs.
     secrets: Arc<SecretLog>,
+    /// It stays in rustls, read record by record, and may be handed to
+    /// a successor.
+    handable: bool,
 }
 
 impl RecordAligned {
@@ -97,7 +107,30 @@ impl RecordAligned {
             aligned: true,
             stop: false,
             secrets,
+            handable: false,
         }
+    }
+
+    /// A rustls session read through here may be handed over: it stayed
+    /// in rustls with reads record by record.
+    pub fn is_handable(&self) -> bool {
+        self.handable
+    }
+
+    /// rustls holds no record in part: every byte read was a whole
+    /// record's (the cursor is between records).
+    pub fn at_boundary(&self) -> bool {
+        self.cursor.at_boundary()
+    }
+
+    pub fn secrets(&self) -> &Arc<SecretLog> {
+        &self.secrets
+    }
+
+    /// The socket, and the bytes read ahead of rustls (before the
+    /// handshake) that it has not been given.
+    pub fn into_parts(self) -> (TcpStream, Vec<u8>) {
+        (self.tcp, self.carried.into_rest())
     }
 }
 
@@ -207,7 +240,13 @@ pub async fn hand_over(mut tls: ClientTls, config: &Config) -> Result<ClientStre
     let attached = match tls.get_mut() {
         (Either::Right(aligned), conn) => {
             let attached = eligible(conn, &ciphers) && attach_ulp(aligned);
-            if !attached {
+            if !attached && config.handover.is_some() {
+                // Stays in rustls, and may be handed to a successor:
+                // reads stay record by record, so that a quiet point can
+                // tell rustls holds no record in part, and the secrets
+                // are kept for the hand-over (as `RecordTail` keeps them).
+                aligned.handable = true;
+            } else if !attached {
                 // Stays in rustls: no more boundary-sized reads, and no
                 // copy of its secrets kept for the session's life.
                 aligned.aligned = false;
@@ -221,6 +260,12 @@ pub async fn hand_over(mut tls: ClientTls, config: &Config) -> Result<ClientStre
         return Ok(Either::Left(tls));
     }
     let key_limit = key_limit(tls.get_ref().1, config.ktls_key_limit);
+    // Only what a hand-over offers a successor (`Offer`), and only where
+    // one may come: rustls, which knows it, is gone after this.
+    let peer = config
+        .handover
+        .is_some()
+        .then(|| TlsPeer::of(tls.get_ref().1));
     let (drained, tcp, secrets) = drain_and_extract(tls).await?;
     config.metrics.kernel_tls_sessions.inc();
     info!(
@@ -228,21 +273,54 @@ pub async fn hand_over(mut tls: ClientTls, config: &Config) -> Result<ClientStre
         client_closed = drained.closed,
         "TLS handed to the kernel (kTLS)"
     );
-    Ok(Either::Right(KernelTls::new(
-        tcp,
-        drained,
-        secrets,
-        key_limit,
-        config.metrics.clone(),
-    )))
+    let mut kernel = KernelTls::new(tcp, drained, secrets, key_limit, config.metrics.clone());
+    kernel.peer = peer;
+    Ok(Either::Right(kernel))
+}
+
+/// What a successor judges a kernel TLS session by, kept from rustls's
+/// handshake (the offer of a rustls session reads it from rustls).
+#[derive(Debug, Clone, Default)]
+pub struct TlsPeer {
+    /// The client certificate chain, leaf first (empty: anonymous).
+    pub chain: Vec<Vec<u8>>,
+    pub sni: Option<String>,
+    /// The negotiated suite's IANA number.
+    pub suite: u16,
+}
+
+impl TlsPeer {
+    fn of(conn: &rustls::ServerConnection) -> Self {
+        TlsPeer {
+            chain: conn
+                .peer_certificates()
+                .unwrap_or_default()
+                .iter()
+                .map(|c| c.to_vec())
+                .collect(),
+            sni: conn.server_name().map(str::to_string),
+            suite: conn
+                .negotiated_cipher_suite()
+                .map_or(0, |s| u16::from(s.suite())),
+        }
+    }
 }
 
 /// Records nbdgw sends under one key before it updates its own: the
 /// suite's confidentiality limit (RFC 8446 §5.5, as rustls states it per
 /// suite) halved, as the count is an upper bound; or the test's limit.
 fn key_limit(conn: &rustls::ServerConnection, configured: Option<u64>) -> u64 {
-    let suite_limit = conn
-        .negotiated_cipher_suite()
+    let suite = conn.negotiated_cipher_suite().map(|s| s.suite());
+    key_limit_of(suite, configured)
+}
+
+/// As `key_limit`, from the suite's number (a session handed over: the
+/// successor's own `--ktls-key-limit` applies).
+pub(super) fn key_limit_of(suite: Option<rustls::CipherSuite>, configured: Option<u64>) -> u64 {
+    let suite_limit = crate::tls::provider()
+        .cipher_suites
+        .iter()
+        .find(|s| Some(s.suite()) == suite)
         .and_then(|s| s.tls13())
         .map_or(1 << 23, |s| s.common.confidentiality_limit);
     configured.unwrap_or(suite_limit / 2).max(1)
@@ -358,7 +436,7 @@ const ALERT_LEVEL_FATAL: u8 = 2;
 
 /// What nbdgw sends as the session ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Goodbye {
+pub(super) enum Goodbye {
     CloseNotify,
     /// A fatal alert for the client's protocol error (RFC 8446 §6.2).
     Alert(u8),
@@ -377,34 +455,45 @@ const MAX_RECORD_PLAINTEXT: usize = 16_384;
 /// session with the reason. nbdgw also updates its own keys after
 /// `key_limit` records.
 pub struct KernelTls {
-    tcp: TcpStream,
+    pub(super) tcp: TcpStream,
     /// Plaintext rustls had decrypted before the hand-over.
-    early: Carried,
-    read_closed: bool,
-    said_goodbye: bool,
-    secrets: TrafficSecrets,
+    pub(super) early: Carried,
+    pub(super) read_closed: bool,
+    pub(super) said_goodbye: bool,
+    pub(super) secrets: TrafficSecrets,
     /// An upper bound of the records sent under the current key.
-    tx_records: u64,
-    key_limit: u64,
+    pub(super) tx_records: u64,
+    pub(super) key_limit: u64,
     /// nbdgw's KeyUpdate goes before its next record.
-    update_tx: bool,
+    pub(super) update_tx: bool,
     /// Key updates followed: the client's, nbdgw's own.
-    updates: [u64; 2],
+    pub(super) updates: UpdateCount,
     /// The client's KeyUpdates since it last sent application data, and
     /// its warning alerts: both capped, as rustls caps them.
-    updates_without_data: u32,
-    warning_alerts: u32,
+    pub(super) updates_without_data: u32,
+    pub(super) warning_alerts: u32,
     /// How the session ends on nbdgw's side.
-    goodbye: Goodbye,
-    metrics: Arc<crate::metrics::Metrics>,
+    pub(super) goodbye: Goodbye,
+    pub(super) metrics: Arc<crate::metrics::Metrics>,
+    /// Who the client is, for a hand-over's offer (`None`: no hand-over
+    /// may come).
+    pub(super) peer: Option<TlsPeer>,
+    /// A socket handed over, not read yet here (see `first_read`).
+    pub(super) fresh: bool,
 }
 
-impl Drop for KernelTls {
-    /// One line per session that had key updates, when it ends: each is
-    /// rare (millions of records apart), so the count is what is worth
+/// Key updates followed: the client's, nbdgw's own. Its own type, so
+/// that a hand-over can take `KernelTls` apart.
+#[derive(Default)]
+pub(super) struct UpdateCount(pub(super) [u64; 2]);
+
+impl Drop for UpdateCount {
+    /// One line per session that had key updates, when it ends (here, or
+    /// in a successor, which carries the count on): each is rare
+    /// (millions of records apart), so the count is what is worth
     /// keeping.
     fn drop(&mut self) {
-        let [rx, tx] = self.updates;
+        let [rx, tx] = self.0;
         if rx + tx > 0 {
             info!(
                 rx_key_updates = rx,
@@ -432,11 +521,13 @@ impl KernelTls {
             tx_records: 0,
             key_limit,
             update_tx: false,
-            updates: [0; 2],
+            updates: UpdateCount::default(),
             updates_without_data: 0,
             warning_alerts: 0,
             goodbye: Goodbye::CloseNotify,
             metrics,
+            peer: None,
+            fresh: false,
         }
     }
 
@@ -446,9 +537,12 @@ impl KernelTls {
         // Every record nbdgw takes is shorter; a longer one is refused
         // whole, whatever of it was read.
         let mut data = [0u8; 64];
-        let (kind, len) = tcp.try_io(Interest::READABLE, || {
-            kernel::recv_record(std::os::fd::AsFd::as_fd(tcp), &mut data).map_err(io::Error::from)
-        })?;
+        // Straight to the socket, not through tokio's readiness (which a
+        // handed-over socket's first read does not have): a WouldBlock
+        // here sends the caller back to `poll_read`, whose own read then
+        // clears the readiness and waits.
+        let (kind, len) = kernel::recv_record(std::os::fd::AsFd::as_fd(tcp), &mut data)
+            .map_err(io::Error::from)?;
         let record = &data[..len.min(data.len())];
         match kind {
             Some(TlsGetRecordType::Alert) => self.alert(record),
@@ -524,7 +618,7 @@ impl KernelTls {
         let keys = self.secrets.next_rx();
         kernel::set_keys(&self.tcp, Direction::Rx, 0, &keys).map_err(io::Error::other)?;
         self.metrics.key_update(Direction::Rx.label());
-        self.updates[0] += 1;
+        self.updates.0[0] += 1;
         if request == KeyUpdateRequest::Requested {
             self.update_tx = true;
         }
@@ -534,7 +628,7 @@ impl KernelTls {
 
     /// Sends nbdgw's KeyUpdate and moves the kernel to the next sending
     /// key, if one is due: asked for by the client or at the key limit.
-    fn poll_update_tx(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+    pub(super) fn poll_update_tx(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         while self.update_tx {
             ready!(self.tcp.poll_write_ready(cx))?;
             let tcp = &self.tcp;
@@ -554,7 +648,7 @@ impl KernelTls {
             let keys = self.secrets.next_tx();
             kernel::set_keys(&self.tcp, Direction::Tx, 0, &keys).map_err(io::Error::other)?;
             self.metrics.key_update(Direction::Tx.label());
-            self.updates[1] += 1;
+            self.updates.0[1] += 1;
             self.tx_records = 0;
             self.update_tx = false;
             debug!("updated nbdgw's own TLS keys");
@@ -594,12 +688,18 @@ impl AsyncRead for KernelTls {
             if this.read_closed || buf.remaining() == 0 {
                 return Poll::Ready(Ok(()));
             }
-            match ready!(Pin::new(&mut this.tcp).poll_read(cx, buf)) {
+            let read = match this.fresh {
+                true => this.first_read(buf),
+                false => ready!(Pin::new(&mut this.tcp).poll_read(cx, buf)),
+            };
+            match read {
                 Err(e) if e.raw_os_error() == Some(EIO) => match this.control_record() {
                     Ok(()) => continue,
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                     Err(e) => return Poll::Ready(Err(e)),
                 },
+                // Only from `first_read`: nothing there; wait as usual.
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                 Err(e) if e.raw_os_error() == Some(EKEYEXPIRED) => {
                     return Poll::Ready(Err(io::Error::other(
                         "kernel TLS waits for a receive key after a key update nbdgw did not see",

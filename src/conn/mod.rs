@@ -11,6 +11,7 @@ mod buffered;
 pub(crate) mod error;
 pub(crate) mod handover;
 mod kernel_tls;
+mod kernel_tls_state;
 mod negotiate;
 pub(crate) mod options;
 pub(crate) mod plain;
@@ -322,7 +323,7 @@ fn cache_of(cache: Option<crate::cache::Handle>, config: &Config) -> Option<rela
 
 /// A session a successor may take, registered for it.
 struct Handable {
-    tls: session::ClientTls,
+    tls: session::ClientStream,
     upstream: tokio::net::UnixStream,
     mode: crate::proto::transmission::ReplyMode,
     read_only: bool,
@@ -330,31 +331,33 @@ struct Handable {
     registered: crate::handing::Registered,
 }
 
-/// A session a successor may take: in rustls (kernel TLS sessions are
-/// not handed over yet) read through a record tail, with
-/// `--handover-socket`.
+/// A session a successor may take, with `--handover-socket`: in rustls
+/// read through a record tail, or record by record where kernel TLS is
+/// on (`RecordAligned`); or in the kernel's record layer.
 fn handable(session: session::Session, link: &Link<'_>) -> Result<Handable, Box<session::Session>> {
     use tokio_util::either::Either;
-    let offer = match &session.tls {
-        Either::Left(tls) if matches!(tls.get_ref().0, Either::Left(tail) if tail.is_on()) => {
-            handover::offer(tls, &session)
-        }
-        _ => return Err(Box::new(session)),
+    let may = match &session.tls {
+        Either::Left(tls) => match tls.get_ref().0 {
+            Either::Left(tail) => tail.is_on(),
+            Either::Right(aligned) => aligned.is_handable(),
+        },
+        Either::Right(_) => true,
     };
-    let Some(registered) = handover::register(link, &offer) else {
+    let offer = match may {
+        true => handover::offer(&session.tls, &session),
+        false => None,
+    };
+    let Some(registered) = offer.and_then(|offer| handover::register(link, &offer)) else {
         return Err(Box::new(session));
     };
     let session::Session {
-        tls: Either::Left(tls),
+        tls,
         upstream,
         mode,
         read_only,
         cache,
         ..
-    } = session
-    else {
-        unreachable!("matched above")
-    };
+    } = session;
     Ok(Handable {
         tls,
         upstream,

@@ -13,6 +13,13 @@ use crate::proto::transmission::ReplyMode;
 
 /// The format of both bodies; another is refused (the session drains).
 pub const FORMAT: u8 = 1;
+/// The format of an offer of a kernel TLS session: format 1's fields,
+/// the session in the kernel's record layer. A build that knows only
+/// format 1 (rustls sessions) refuses it at the offer, so the session
+/// drains in the old gateway rather than reaching a successor that
+/// would have to close it at its state (the commit point is passed by
+/// then). Its State body is format 1 with a `KernelState` as `tls`.
+pub const FORMAT_KERNEL_TLS: u8 = 2;
 /// The longest client certificate chain carried (DER, all certificates).
 pub const MAX_CHAIN: usize = 64 * 1024;
 /// Certificates in a chain.
@@ -40,6 +47,8 @@ pub struct Offer {
     /// The protocol version (0x0303, 0x0304) and the suite's IANA number.
     pub tls_version: u16,
     pub suite: u16,
+    /// In the kernel's record layer (kernel TLS), not rustls.
+    pub kernel_tls: bool,
     pub mode: ReplyMode,
     pub read_only: bool,
     /// The access granted: true read-write, false read-only.
@@ -73,7 +82,10 @@ fn mode_code(mode: ReplyMode) -> u8 {
 
 impl Offer {
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = vec![FORMAT];
+        let mut out = vec![match self.kernel_tls {
+            false => FORMAT,
+            true => FORMAT_KERNEL_TLS,
+        }];
         put_u16(&mut out, self.chain.len() as u16);
         for cert in &self.chain {
             put_u32(&mut out, cert.len() as u32);
@@ -95,7 +107,11 @@ impl Offer {
 
     pub fn decode(bytes: &[u8]) -> Result<Self, WireError> {
         let mut r = Reader(bytes);
-        r.format()?;
+        let kernel_tls = match r.u8()? {
+            FORMAT => false,
+            FORMAT_KERNEL_TLS => true,
+            other => return Err(WireError::Invalid("session body format", other.into())),
+        };
         let count = r.u16()?;
         if count > MAX_CERTS {
             return Err(WireError::Invalid("certificates in a chain", count.into()));
@@ -119,6 +135,7 @@ impl Offer {
             upstream: r.str(MAX_PATH, "upstream path")?.to_vec(),
             tls_version: r.u16()?,
             suite: r.u16()?,
+            kernel_tls,
             mode: match r.u8()? {
                 0 => ReplyMode::Simple,
                 1 => ReplyMode::Structured,
@@ -272,6 +289,7 @@ mod tests {
             upstream: b"/run/qemu.sock".to_vec(),
             tls_version: 0x0304,
             suite: 0x1301,
+            kernel_tls: false,
             mode: ReplyMode::Extended,
             read_only: false,
             read_write: true,
@@ -308,7 +326,21 @@ mod tests {
     #[test]
     fn another_format_is_refused() {
         let mut bytes = offer().encode();
-        bytes[0] = 2;
+        bytes[0] = 3;
         assert!(Offer::decode(&bytes).is_err());
+    }
+
+    /// A kernel TLS session's offer is format 2: format 1's fields, so
+    /// a build that knows only format 1 refuses it as another format.
+    #[test]
+    fn a_kernel_tls_offer_is_format_2_and_round_trips() {
+        let o = Offer {
+            kernel_tls: true,
+            ..offer()
+        };
+        let bytes = o.encode();
+        assert_eq!(bytes[0], FORMAT_KERNEL_TLS);
+        assert_eq!(Offer::decode(&bytes).unwrap(), o);
+        assert_eq!(&bytes[1..], &offer().encode()[1..]);
     }
 }

@@ -280,6 +280,17 @@ pub fn attach_ulp(socket: &impl std::os::fd::AsFd) -> Result<(), KernelTlsError>
     setsockopt(socket, TcpUlp::default(), &&b"tls"[..]).map_err(KernelTlsError::NoUlp)
 }
 
+/// Whether a socket handed over as a kernel TLS session has a ULP on
+/// it: Linux refuses a second one with EEXIST (`__tcp_set_ulp`,
+/// net/ipv4/tcp_ulp.c). A socket without one gets the `tls` ULP here,
+/// keyless, which changes nothing on it; its session is refused anyway.
+pub fn has_ulp(socket: &impl std::os::fd::AsFd) -> bool {
+    matches!(
+        setsockopt(socket, TcpUlp::default(), &&b"tls"[..]),
+        Err(nix::errno::Errno::EEXIST)
+    )
+}
+
 /// One direction's keys to the kernel: the first time after the
 /// handshake, or again after a key update (kernels that re-key).
 pub fn set_keys(

@@ -91,6 +91,16 @@ impl Suite {
         }
     }
 
+    /// The suite's IANA number.
+    pub fn iana(self) -> u16 {
+        use rustls::CipherSuite::*;
+        u16::from(match self {
+            Suite::Aes128GcmSha256 => TLS13_AES_128_GCM_SHA256,
+            Suite::Aes256GcmSha384 => TLS13_AES_256_GCM_SHA384,
+            Suite::Chacha20Poly1305Sha256 => TLS13_CHACHA20_POLY1305_SHA256,
+        })
+    }
+
     fn hkdf(self) -> hkdf::Algorithm {
         match self {
             Suite::Aes256GcmSha384 => hkdf::HKDF_SHA384,
@@ -324,6 +334,25 @@ impl TrafficSecrets {
             Err(KeyUpdateError::SecretMismatch) => Err(KeyUpdateError::NotWithin(generations)),
             other => other,
         }
+    }
+
+    /// The secrets of a session handed over (`KernelState`): the
+    /// client's and the server's current generation.
+    pub fn from_secrets(suite: Suite, client: Secret, server: Secret) -> Self {
+        TrafficSecrets {
+            suite,
+            client,
+            server,
+        }
+    }
+
+    pub fn suite(&self) -> Suite {
+        self.suite
+    }
+
+    /// The secrets of this generation, kept: the client's, the server's.
+    pub fn secrets(&self) -> (&Secret, &Secret) {
+        (&self.client, &self.server)
     }
 
     /// The secrets of this generation: the client's, the server's.

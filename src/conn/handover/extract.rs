@@ -1,6 +1,9 @@
 //! Taking a quiet session's TLS state out of the stream that carries it:
-//! rustls (a session that started here) or `ResumedTls` (one handed over
-//! to this process before). Everything that can refuse is checked before
+//! rustls (a session that started here, read through `RecordTail`, or
+//! through `RecordAligned` where kernel TLS is on and the session stayed
+//! in rustls), `ResumedTls` (one handed over to this process before), or
+//! `KernelTls` (the kernel's record layer, whose socket carries its keys
+//! and sequence numbers). Everything that can refuse is checked before
 //! anything is consumed, so that a refusal gives the stream back whole
 //! and the session goes on here (review M3); only rustls's own key
 //! extraction can fail after that, and then the session is lost (closed).
@@ -12,12 +15,13 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_util::either::Either;
 
+use crate::conn::kernel_tls::{KernelTls, TlsIo};
 use crate::conn::prefixed::Prefixed;
-use crate::conn::session::ClientTls;
+use crate::conn::session::{ClientStream, ClientTls};
 use crate::tls::handover::state::{
     partial_is_one_record, suite_params, Side, TlsState, Version, MAX_PENDING_PLAINTEXT,
 };
-use crate::tls::handover::ResumedTls;
+use crate::tls::handover::{ResumedTls, SessionTls};
 
 /// A session handed to this process, served on.
 pub type Resumable = ResumedTls<Prefixed<TcpStream>>;
@@ -27,7 +31,7 @@ pub type Resumable = ResumedTls<Prefixed<TcpStream>>;
 /// whatever the socket still holds).
 pub struct Taken {
     pub tcp: TcpStream,
-    pub state: TlsState,
+    pub state: SessionTls,
     pub ahead: Vec<u8>,
 }
 
@@ -73,12 +77,17 @@ impl Handable for ClientTls {
 /// Every refusal that can be told without consuming anything.
 fn can_take(tls: &mut ClientTls) -> Result<(), &'static str> {
     let (io, conn) = tls.get_mut();
-    let Either::Left(tail) = io else {
-        return Err("read through the kernel TLS path, which keeps no record tail");
+    let (secrets, partial_ok) = match io {
+        Either::Left(tail) if !tail.is_on() => return Err("the record tail is not kept"),
+        Either::Left(tail) => (
+            tail.secrets().is_some(),
+            partial_is_one_record(tail.partial()),
+        ),
+        Either::Right(aligned) if !aligned.is_handable() => {
+            return Err("read for the kernel's record layer, and not kept for a hand-over")
+        }
+        Either::Right(aligned) => (true, aligned.at_boundary()),
     };
-    if !tail.is_on() {
-        return Err("the record tail is not kept");
-    }
     if conn.is_handshaking() {
         return Err("the TLS handshake is not complete");
     }
@@ -91,11 +100,11 @@ fn can_take(tls: &mut ClientTls) -> Result<(), &'static str> {
     let Some((version, _)) = suite.and_then(suite_params) else {
         return Err("the cipher suite is not one a hand-over handles");
     };
-    if version == Version::Tls13 && tail.secrets().is_none() {
+    if version == Version::Tls13 && !secrets {
         return Err("no key log: the TLS 1.3 secrets are unknown");
     }
-    if !partial_is_one_record(tail.partial()) {
-        return Err("the partial record is not the start of one record");
+    if !partial_ok {
+        return Err("rustls holds a record in part");
     }
     Ok(())
 }
@@ -118,16 +127,35 @@ fn unread_plaintext(conn: &mut rustls::ServerConnection) -> io::Result<(Vec<u8>,
     }
 }
 
+/// The socket, the ciphertext read ahead of rustls, the record rustls
+/// holds in part (none read record by record), and the key log.
+type Io = (
+    TcpStream,
+    Vec<u8>,
+    Vec<u8>,
+    Option<std::sync::Arc<crate::tls::key_update::SecretLog>>,
+);
+
+fn into_io(io: TlsIo) -> Io {
+    match io {
+        Either::Left(tail) => {
+            let secrets = tail.secrets();
+            let (buffered, partial) = tail.into_parts();
+            let ahead = buffered.buffer().to_vec();
+            (buffered.into_inner(), ahead, partial, secrets)
+        }
+        Either::Right(aligned) => {
+            let secrets = aligned.secrets().clone();
+            let (tcp, ahead) = aligned.into_parts();
+            (tcp, ahead, Vec::new(), Some(secrets))
+        }
+    }
+}
+
 /// The keys out of rustls: past this point the connection is gone.
 fn consume(tls: ClientTls, plaintext: Vec<u8>, generations: usize) -> Result<Taken, String> {
     let (io, conn) = tls.into_inner();
-    let Either::Left(tail) = io else {
-        unreachable!("checked by can_take")
-    };
-    let secrets = tail.secrets();
-    let (buffered, partial) = tail.into_parts();
-    let ahead = buffered.buffer().to_vec();
-    let tcp = buffered.into_inner();
+    let (tcp, ahead, partial, secrets) = into_io(io);
     let suite = conn
         .negotiated_cipher_suite()
         .map(|s| u16::from(s.suite()))
@@ -150,7 +178,11 @@ fn consume(tls: ClientTls, plaintext: Vec<u8>, generations: usize) -> Result<Tak
         ..state
     };
     state.check().map_err(|e| e.to_string())?;
-    Ok(Taken { tcp, state, ahead })
+    Ok(Taken {
+        tcp,
+        state: SessionTls::Rustls(state),
+        ahead,
+    })
 }
 
 impl Handable for Resumable {
@@ -166,8 +198,61 @@ impl Handable for Resumable {
             Ok((prefixed, state, mut ahead)) => {
                 let (tcp, rest) = prefixed.into_parts();
                 ahead.extend_from_slice(&rest);
-                Ok(Taken { tcp, state, ahead })
+                Ok(Taken {
+                    tcp,
+                    state: SessionTls::Rustls(state),
+                    ahead,
+                })
             }
         }
+    }
+}
+
+/// Under kernel TLS the socket carries the record layer: the state is
+/// the secrets and counters `KernelTls` keeps, and no ciphertext is
+/// ahead of it (the kernel holds what it has not given out).
+impl Handable for KernelTls {
+    async fn send_owed(&mut self) -> io::Result<()> {
+        KernelTls::send_owed(self).await
+    }
+
+    /// No walk: `KernelTls` follows each key update as it comes and
+    /// keeps the current secrets.
+    fn take(self, _generations: usize) -> Result<Taken, TakeError<Self>> {
+        if let Some(why) = self.refusal() {
+            return Err(TakeError::Back(self, Vec::new(), why.to_string()));
+        }
+        let (tcp, state) = self.into_state();
+        Ok(Taken {
+            tcp,
+            state: SessionTls::Kernel(state),
+            ahead: Vec::new(),
+        })
+    }
+}
+
+/// A session as the handshake left it: in rustls, or in the kernel.
+impl Handable for ClientStream {
+    async fn send_owed(&mut self) -> io::Result<()> {
+        match self {
+            Either::Left(tls) => tls.send_owed().await,
+            Either::Right(kernel) => KernelTls::send_owed(kernel).await,
+        }
+    }
+
+    fn take(self, generations: usize) -> Result<Taken, TakeError<Self>> {
+        match self {
+            Either::Left(tls) => tls.take(generations).map_err(|e| wrap(e, Either::Left)),
+            Either::Right(kernel) => {
+                Handable::take(kernel, generations).map_err(|e| wrap(e, Either::Right))
+            }
+        }
+    }
+}
+
+fn wrap<S, T>(e: TakeError<S>, into: impl FnOnce(S) -> T) -> TakeError<T> {
+    match e {
+        TakeError::Back(s, plaintext, why) => TakeError::Back(into(s), plaintext, why),
+        TakeError::Lost(why) => TakeError::Lost(why),
     }
 }

@@ -13,12 +13,14 @@ use std::os::fd::OwnedFd;
 use std::time::Instant;
 
 use tokio::net::UnixStream;
+use tokio_util::either::Either;
 use tracing::warn;
 
 use super::error::{ConnError, Side};
+use super::kernel_tls::TlsPeer;
 use super::prefixed::Prefixed;
 use super::relay::{self, Ends, Parts, Relayed};
-use super::session::{ClientTls, Link};
+use super::session::{ClientStream, Link};
 use crate::handing::{Outcome, Ready, Registered};
 use crate::proto::handover_session::Offer;
 use crate::proto::transmission::ReplyMode;
@@ -177,11 +179,7 @@ fn ready(
         mut state,
         ahead,
     } = taken;
-    if !back.is_empty() {
-        let mut plaintext = back;
-        plaintext.extend_from_slice(&state.plaintext);
-        state.plaintext = plaintext;
-    }
+    state.put_before_plaintext(back);
     state.check().map_err(|e| lost(link, &e.to_string()))?;
     let fd = |e: std::io::Error| lost(link, &e.to_string());
     let tcp: OwnedFd = tcp.into_std().map_err(fd)?.into();
@@ -206,22 +204,43 @@ fn lost(link: &Link<'_>, why: &str) -> ConnError {
     ConnError::io(Side::Client, "at a hand-over")(error)
 }
 
-/// The offer for a rustls session: what a successor judges.
-pub fn offer(tls: &ClientTls, session: &super::session::Session) -> Offer {
-    let conn = tls.get_ref().1;
-    let chain = conn
-        .peer_certificates()
-        .unwrap_or_default()
-        .iter()
-        .map(|c| c.to_vec())
-        .collect();
-    let tls_version = conn.protocol_version().map_or(0, u16::from);
-    let suite = conn
-        .negotiated_cipher_suite()
-        .map_or(0, |s| u16::from(s.suite()));
+/// The offer for a session: what a successor judges. `None` for a
+/// kernel TLS session that kept no `TlsPeer` (no hand-over was possible
+/// when it went to the kernel).
+pub fn offer(tls: &ClientStream, session: &super::session::Session) -> Option<Offer> {
+    let peer = match tls {
+        Either::Left(tls) => {
+            let conn = tls.get_ref().1;
+            let peer = TlsPeer {
+                chain: conn
+                    .peer_certificates()
+                    .unwrap_or_default()
+                    .iter()
+                    .map(|c| c.to_vec())
+                    .collect(),
+                sni: conn.server_name().map(str::to_string),
+                suite: conn
+                    .negotiated_cipher_suite()
+                    .map_or(0, |s| u16::from(s.suite())),
+            };
+            let version = conn.protocol_version().map_or(0, u16::from);
+            (peer, version, false)
+        }
+        Either::Right(kernel) => (kernel.peer()?.clone(), TLS13, true),
+    };
+    Some(offer_of(peer, session))
+}
+
+/// TLS 1.3's protocol version: the only one kernel TLS takes here.
+const TLS13: u16 = 0x0304;
+
+fn offer_of(
+    (peer, tls_version, kernel_tls): (TlsPeer, u16, bool),
+    session: &super::session::Session,
+) -> Offer {
     Offer {
-        chain,
-        sni: conn.server_name().map(str::to_string),
+        chain: peer.chain,
+        sni: peer.sni,
         export: session.export.clone(),
         upstream_export: session.target.upstream_export.clone(),
         upstream: session
@@ -231,7 +250,8 @@ pub fn offer(tls: &ClientTls, session: &super::session::Session) -> Offer {
             .as_encoded_bytes()
             .to_vec(),
         tls_version,
-        suite,
+        suite: peer.suite,
+        kernel_tls,
         mode: session.mode,
         read_only: session.read_only,
         read_write: session.access == crate::policy::Access::ReadWrite,

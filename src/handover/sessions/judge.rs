@@ -33,6 +33,9 @@ pub fn judge(offer: &Offer, config: &Config) -> Result<Judged, String> {
             offer.suite
         ));
     }
+    if offer.kernel_tls {
+        kernel_tls(offer.suite, config)?;
+    }
     let identity = certificate(offer, config)?;
     let held = if offer.read_write {
         Access::ReadWrite
@@ -57,6 +60,30 @@ pub fn judge(offer: &Offer, config: &Config) -> Result<Judged, String> {
         access: held,
         rule,
     })
+}
+
+/// A kernel TLS session stays in the kernel (its keys are in the
+/// socket): only a process that would itself put such a session there
+/// takes it, one whose start-up probe found the kernel takes the suite
+/// and follows key updates in it. Otherwise (`--ktls off`, or a probe
+/// that failed) it is declined and drains in the old gateway.
+fn kernel_tls(suite: u16, config: &Config) -> Result<(), String> {
+    use rustls::CipherSuite::*;
+    let Some(ciphers) = config.kernel_tls else {
+        return Err("other: kernel TLS is off or unavailable in this gateway".to_string());
+    };
+    let taken = match rustls::CipherSuite::from(suite) {
+        TLS13_AES_128_GCM_SHA256 => ciphers.aes_128_gcm,
+        TLS13_AES_256_GCM_SHA384 => ciphers.aes_256_gcm,
+        TLS13_CHACHA20_POLY1305_SHA256 => ciphers.chacha20_poly1305,
+        _ => false,
+    };
+    match taken {
+        true => Ok(()),
+        false => Err(format!(
+            "other: the kernel does not take cipher suite {suite:#06x} here"
+        )),
+    }
 }
 
 /// The chain through this process's client certificate check; an

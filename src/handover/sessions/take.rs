@@ -19,13 +19,14 @@ use crate::handover::channel::{Channel, ChannelError};
 use crate::logsafe::escape;
 use crate::proto::handover::Message;
 use crate::proto::handover_session::{Offer, State};
-use crate::tls::handover::TlsState;
+use crate::tls::handover::SessionTls;
 
 /// A session to serve, as the predecessor left it.
 pub struct Resumed {
     pub offer: Offer,
     pub judged: Judged,
-    pub state: TlsState,
+    /// rustls's (served over `ResumedTls`) or the kernel's (`KernelTls`).
+    pub state: SessionTls,
     pub ahead: Vec<u8>,
     pub counts: [u64; 4],
     pub tcp: std::net::TcpStream,
@@ -112,9 +113,15 @@ fn resume(
     if state.handover != handover {
         return Err("a state of another hand-over".into());
     }
-    let tls = TlsState::decode(&state.tls).map_err(|e| e.to_string())?;
-    if tls.suite != offer.suite {
+    let tls = SessionTls::decode(&state.tls).map_err(|e| e.to_string())?;
+    if tls.suite() != offer.suite {
         return Err("the state's suite is not the offer's".into());
+    }
+    if tls.is_kernel() != offer.kernel_tls {
+        return Err("the state's TLS path is not the offer's".into());
+    }
+    if tls.is_kernel() && !state.ahead.is_empty() {
+        return Err("ciphertext ahead of a kernel TLS session".into());
     }
     let [tcp, upstream]: [OwnedFd; 2] = fds.try_into().map_err(|_| "two sockets expected")?;
     check_socket(

@@ -40,7 +40,7 @@ pub enum DecodeError {
 /// dropped (`Zeroizing` wipes the whole allocation, and `encode` makes
 /// exactly one: no copy is left behind by a reallocation); read it as
 /// bytes.
-pub struct Encoded(Zeroizing<Vec<u8>>);
+pub struct Encoded(pub(super) Zeroizing<Vec<u8>>);
 
 impl std::ops::Deref for Encoded {
     type Target = [u8];
@@ -148,10 +148,10 @@ fn put_long(out: &mut Vec<u8>, bytes: &[u8]) {
     out.extend_from_slice(bytes);
 }
 
-struct Reader<'a>(&'a [u8]);
+pub(super) struct Reader<'a>(pub(super) &'a [u8]);
 
 impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+    pub(super) fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
         if self.0.len() < n {
             return Err(DecodeError::Truncated);
         }
@@ -160,22 +160,28 @@ impl<'a> Reader<'a> {
         Ok(head)
     }
 
-    fn u8(&mut self) -> Result<u8, DecodeError> {
+    pub(super) fn u8(&mut self) -> Result<u8, DecodeError> {
         Ok(self.take(1)?[0])
     }
 
-    fn u16(&mut self) -> Result<u16, DecodeError> {
+    pub(super) fn u16(&mut self) -> Result<u16, DecodeError> {
         let b = self.take(2)?;
         Ok(u16::from_be_bytes([b[0], b[1]]))
     }
 
-    fn u64(&mut self) -> Result<u64, DecodeError> {
+    pub(super) fn u32(&mut self) -> Result<u32, DecodeError> {
+        let mut b = [0u8; 4];
+        b.copy_from_slice(self.take(4)?);
+        Ok(u32::from_be_bytes(b))
+    }
+
+    pub(super) fn u64(&mut self) -> Result<u64, DecodeError> {
         let mut b = [0u8; 8];
         b.copy_from_slice(self.take(8)?);
         Ok(u64::from_be_bytes(b))
     }
 
-    fn long(&mut self) -> Result<&'a [u8], DecodeError> {
+    pub(super) fn long(&mut self) -> Result<&'a [u8], DecodeError> {
         let mut b = [0u8; 4];
         b.copy_from_slice(self.take(4)?);
         // Checked against what is there before anything is allocated.

@@ -59,6 +59,7 @@
 //! a test lowers the number by one and checks that rustls refuses it.
 
 pub mod encoding;
+pub mod kernel_state;
 pub mod quiesce;
 pub mod record;
 pub mod state;
@@ -71,6 +72,7 @@ mod refused_records;
 mod tests;
 
 pub use encoding::{DecodeError, Encoded};
+pub use kernel_state::{KernelState, SessionTls};
 pub use quiesce::{send_owed_client, send_owed_server, take_client, take_server};
 pub use record::{RecordError, RecordLayer};
 pub use state::{Side, StateError, TlsState, Version};

@@ -156,6 +156,8 @@ pub enum StateError {
     TooMuchPlaintext(usize),
     #[error("the partial record ({0} bytes) is not the start of one record")]
     Partial(usize),
+    #[error("a counter is past the limit the session would have ended at")]
+    Limits,
 }
 
 impl TlsState {
