@@ -10,6 +10,12 @@
 #   scripts/ktls-vm.sh real_clients    # or the named test binaries
 #   scripts/ktls-vm.sh --run FILE      # or a script of your own, as root in the VM
 #
+# KTLS_VM_SYSTEMD=1 boots systemd as PID 1 (this machine's, from its root)
+# and runs the script as a unit, for tests of systemctl itself.
+# KTLS_VM_QEMU_ARGS adds arguments to qemu-system-x86_64 (word-split), e.g.
+# a disk the guest sees as /dev/vda (tests/vm_guest.py); KTLS_VM_IO names
+# the directory shared as the guest's /tmp/io, for a caller that watches it.
+#
 # The kernel is Debian's linux-image-amd64 of this machine's apt sources
 # (bookworm: 6.1). Another one, e.g. for TLS 1.3 key updates (Linux 6.14 on):
 #
@@ -107,8 +113,15 @@ vmlinuz=$kroot/boot/vmlinuz-$version
 # drivers (nbd, for tests/kernel_nbd.rs), and an init
 # that mounts this machine's root, runs the script, and powers off.
 initrd=$(mktemp -d)
-io=$(mktemp -d)
-trap 'rm -rf "$initrd" "$io"' EXIT
+if [ -n "${KTLS_VM_IO:-}" ]; then
+    # The caller's directory, which it watches while the VM runs (the
+    # guest's /tmp/io); the caller removes it.
+    io=$KTLS_VM_IO
+    trap 'rm -rf "$initrd"' EXIT
+else
+    io=$(mktemp -d)
+    trap 'rm -rf "$initrd" "$io"' EXIT
+fi
 mkdir -p "$initrd/bin" "$initrd/lib/modules/$version/kernel"
 cp "$cache/busybox/bin/busybox" "$initrd/bin/"
 for dir in crypto arch/x86/crypto lib/crypto net/tls net/9p fs/9p fs/netfs fs/fscache drivers/virtio drivers/block; do
@@ -131,7 +144,7 @@ cat > "$initrd/init" <<'EOF'
 /bin/busybox mkdir -p /sbin /usr/bin /usr/sbin /proc /sys /dev /mnt
 /bin/busybox --install -s
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
-for m in virtio_pci 9pnet_virtio 9p tls nbd; do
+for m in virtio_pci 9pnet_virtio 9p tls nbd virtio_blk; do
     grep -qs "/$m.ko\$" /lib/modules/*/modules.builtin || modprobe $m || echo "ktls-vm: modprobe $m failed"
 done
 # The ciphers' modules, those that this kernel has (names vary by version).
@@ -150,6 +163,20 @@ fi
 mount -t tmpfs run /mnt/run; mount -t tmpfs root /mnt/root
 mount --bind /proc /mnt/proc; mount --bind /sys /mnt/sys; mount --bind /dev /mnt/dev
 echo "ktls-vm: kernel $(uname -r), ULPs: $(cat /proc/sys/net/ipv4/tcp_available_ulp)"
+if [ -e /mnt/tmp/io/systemd ]; then
+    # systemd as PID 1 (KTLS_VM_SYSTEMD=1): the script runs as a unit of
+    # its own, and the VM powers off when it ends.
+    mkdir -p /mnt/run/systemd/system
+    cat > /mnt/run/systemd/system/ktls-vm.service <<'UNIT'
+[Unit]
+Description=ktls-vm's script
+[Service]
+Type=oneshot
+ExecStart=/bin/bash -c '/bin/bash /tmp/io/run.sh > /tmp/io/out.log 2>&1; echo $? > /tmp/io/status; sync; systemctl poweroff -ff'
+UNIT
+    umount /mnt/proc /mnt/sys /mnt/dev
+    exec switch_root /mnt /lib/systemd/systemd --unit=ktls-vm.service --log-target=console --show-status=no
+fi
 chroot /mnt /bin/bash /tmp/io/run.sh > /mnt/tmp/io/out.log 2>&1
 echo "$?" > /mnt/tmp/io/status
 sync
@@ -158,6 +185,8 @@ EOF
 chmod +x "$initrd/init"
 (cd "$initrd" && find . | ./bin/busybox cpio -o -H newc 2>/dev/null | gzip -1 > "$io/initrd.gz")
 echo "$root" > "$io/repo"
+rm -f "$io/systemd"
+[ "${KTLS_VM_SYSTEMD:-0}" = 1 ] && touch "$io/systemd"
 
 if [ "${1:-}" = "--run" ]; then
     cp "$2" "$io/run.sh"
@@ -198,6 +227,7 @@ timeout "${KTLS_VM_TIMEOUT:-900}" qemu-system-x86_64 -accel tcg -cpu max -m 4096
     -virtfs "local,path=/,mount_tag=host,security_model=none,readonly=on" \
     -virtfs "local,path=$io,mount_tag=io,security_model=none" \
     -virtfs "local,path=$root,mount_tag=repo,security_model=none,readonly=on" \
+    ${KTLS_VM_QEMU_ARGS:-} \
     > "$io/console.log" 2>&1 || true
 cat "$io/out.log" 2>/dev/null || true
 if [ "$(cat "$io/status" 2>/dev/null)" != 0 ]; then
