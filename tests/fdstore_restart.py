@@ -1,0 +1,195 @@
+#!/usr/bin/python3
+"""`systemctl restart nbdgw` keeps a session (issue 29, systemd's
+file-descriptor store), with the real systemd.
+
+scripts/ktls-vm.sh boots this machine's systemd (Debian 12: 252) as PID 1
+in its test VM (KTLS_VM_SYSTEMD=1) and runs the script below as a unit.
+There qemu-nbd runs as a unit of its own (systemd-run), and nbdgw as the
+shipped deploy/systemd/nbdgw.service and nbdgw.socket, copied to
+/run/systemd/system with a drop-in that changes only paths (the binary
+under test, the TLS directory) and what the VM has not (the groups; the
+kernel TLS the VM's kernel has is turned off, since only rustls sessions
+are handed over). ExecStart keeps the unit's own flags, --handover-fdstore
+included, and FileDescriptorStoreMax= is the unit's.
+
+A python3-libnbd client holds ONE connection and writes generations of
+patterns, flushes, reads them back and compares, without pause, while
+`systemctl restart nbdgw.service` runs 5 times (--restarts).
+
+Passes when: the client saw no error and no mismatch on its one
+connection and went on after each restart; each restart changed the main
+PID; the journal shows each old instance storing the session and each new
+one serving it from the store, one TLS handshake in all, and no instance
+failing.
+
+    tests/fdstore_restart.py [--restarts 5] [--kernel default|new]
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NBDGW = os.environ.get("NBDGW_UNDER_TEST") or os.environ.get("NBDGW") or os.path.join(ROOT, "target", "debug", "nbdgw")
+
+# The client, in the guest: one connection for the whole run.
+CLIENT = r'''
+import json, os, sys, time
+import nbd
+BLOCK, BLOCKS = 64 * 1024, 16
+def pattern(gen, i):
+    head = f"gen {gen:08d} block {i:04d} ".encode()
+    return (head * (BLOCK // len(head) + 1))[:BLOCK]
+h = nbd.NBD()
+h.set_tls(nbd.TLS_REQUIRE)
+h.set_tls_certificates("/tmp/io/certs")
+h.connect_tcp("localhost", "10809")
+gen, ops, errors, mismatches, error = 0, 0, 0, 0, ""
+try:
+    while not os.path.exists("/tmp/stop"):
+        gen += 1
+        for i in range(BLOCKS):
+            h.pwrite(pattern(gen, i), i * BLOCK)
+            ops += 1
+        h.flush()
+        for i in range(BLOCKS):
+            if h.pread(BLOCK, i * BLOCK) != pattern(gen, i):
+                mismatches += 1
+            ops += 1
+        with open("/tmp/progress.new", "w") as f:
+            f.write(f"{gen}\n")
+        os.rename("/tmp/progress.new", "/tmp/progress")
+    h.shutdown()
+except nbd.Error as e:
+    errors, error = 1, f"{e.string} (errno {e.errno}) in round {gen}"
+print("client: " + json.dumps({"rounds": gen, "requests": ops, "errors": errors, "mismatches": mismatches, "error": error}))
+sys.exit(0 if errors == 0 and mismatches == 0 else 1)
+'''
+
+# The guest's script, as root, in a unit of systemd (PID 1).
+GUEST = r'''
+set -u
+export HOME=/root
+repo=$(cat /tmp/io/repo)
+restarts=$(cat /tmp/io/restarts)
+nbdgw=$(cat /tmp/io/nbdgw)
+log() { echo "fdstore: $*"; }
+journal() { journalctl -u nbdgw.service --no-pager -o cat; }
+fail() {
+    log "FAILED: $*"
+    journal | tail -120
+    cat /tmp/client.out 2>/dev/null
+    exit 1
+}
+wait_for() {  # what, seconds, command...
+    local what=$1 secs=$2; shift 2
+    for _ in $(seq $((secs * 10))); do "$@" && return 0; sleep 0.1; done
+    fail "timed out waiting for $what"
+}
+progress() { cat /tmp/progress 2>/dev/null || echo 0; }
+
+# TLS files readable by the unit's dynamic user (a test's keys, in the VM).
+mkdir -p /run/nbdgw-tls
+cp /tmp/io/certs/ca-cert.pem /tmp/io/certs/server-cert.pem /tmp/io/certs/server-key.pem /run/nbdgw-tls/
+chmod 0755 /run/nbdgw-tls; chmod 0644 /run/nbdgw-tls/*
+
+truncate -s 64M /tmp/disk.img
+systemd-run --unit=nbd-upstream -p RuntimeDirectory=nbd -p RuntimeDirectoryMode=0755 -p UMask=0000 \
+    qemu-nbd --format=raw --persistent --shared=8 --socket=/run/nbd/disk.sock /tmp/disk.img ||
+    fail "qemu-nbd's unit"
+wait_for "qemu-nbd's socket" 60 test -S /run/nbd/disk.sock
+
+# The shipped units; a drop-in changes paths only.
+cp "$repo/deploy/systemd/nbdgw.service" "$repo/deploy/systemd/nbdgw.socket" /run/systemd/system/
+mkdir -p /run/systemd/system/nbdgw.service.d
+exec_start=$(sed -n 's/^ExecStart=//p' "$repo/deploy/systemd/nbdgw.service" |
+    sed "s#/usr/local/bin/nbdgw#$nbdgw#; s#/etc/nbdgw/tls#/run/nbdgw-tls#")
+case $exec_start in *--handover-fdstore*) ;; *) fail "the shipped ExecStart has no --handover-fdstore" ;; esac
+cat > /run/systemd/system/nbdgw.service.d/test.conf <<EOF
+[Service]
+ExecStart=
+ExecStart=$exec_start
+# Groups the VM's /etc does not have.
+SupplementaryGroups=
+# The VM's kernel has TLS; sessions the kernel holds are not handed over.
+Environment=NBDGW_KTLS=off
+EOF
+systemctl daemon-reload
+grep -q "^FileDescriptorStoreMax=" /run/systemd/system/nbdgw.service || fail "no FileDescriptorStoreMax= in the unit"
+log "FileDescriptorStoreMax=$(systemctl show -p FileDescriptorStoreMax --value nbdgw.service)"
+systemctl start nbdgw.socket nbdgw.service || fail "starting nbdgw"
+
+python3 /tmp/io/client.py > /tmp/client.out 2>&1 &
+client=$!
+wait_for "the client's first rounds" 120 test "$(progress)" -ge 2
+
+for n in $(seq "$restarts"); do
+    before=$(systemctl show -p MainPID --value nbdgw.service)
+    seen=$(progress)
+    timeout 120 systemctl restart nbdgw.service || fail "restart $n"
+    after=$(systemctl show -p MainPID --value nbdgw.service)
+    [ "$after" != 0 ] && [ "$after" != "$before" ] || fail "restart $n: main PID $before, then $after"
+    kill -0 $client 2>/dev/null || fail "the client ended at restart $n"
+    wait_for "a client round after restart $n" 120 test "$(progress)" -gt "$seen"
+    log "restart $n: PID $before -> $after, the client at round $(progress)"
+done
+
+touch /tmp/stop
+wait $client; status=$?
+cat /tmp/client.out
+[ $status = 0 ] || fail "the client ended with $status"
+grep -q '"errors": 0, "mismatches": 0' /tmp/client.out || fail "client errors"
+
+j=$(journal)
+count() { printf '%s\n' "$j" | grep -c "$1"; }
+stored=$(count "the session is in systemd's file-descriptor store")
+served=$(count "serving a session from systemd's file-descriptor store")
+tls=$(count "TLS established")
+closed=$(count "stored session cannot be served")
+log "journal: $stored stored, $served served from the store, $tls TLS handshake(s), $closed closed"
+printf '%s\n' "$j" | grep -E "restart: (taking|serving|the session is)" | head -20
+[ "$stored" = "$restarts" ] || fail "$stored sessions stored, not $restarts"
+[ "$served" = "$restarts" ] || fail "$served sessions served from the store, not $restarts"
+[ "$tls" = 1 ] || fail "$tls TLS handshakes: the client reconnected"
+[ "$closed" = 0 ] || fail "a stored session was closed"
+journalctl --no-pager -o cat -u nbdgw.service | grep -E "Failed with result|Main process exited, code=(killed|dumped)|status=[1-9]" &&
+    fail "an instance failed"
+log "passed"
+'''
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--restarts", type=int, default=5)
+    ap.add_argument("--kernel", choices=["default", "new"], default="default")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    opts = ap.parse_args()
+    work = tempfile.mkdtemp(prefix="nbdgw-fdstore-")
+    io = os.path.join(work, "io")
+    os.mkdir(io)
+    subprocess.run([NBDGW, "certs", "--out", os.path.join(io, "certs")], check=True, capture_output=True)
+    for name, text in (("client.py", CLIENT), ("restarts", f"{opts.restarts}\n"), ("nbdgw", f"{os.path.abspath(NBDGW)}\n")):
+        with open(os.path.join(io, name), "w") as f:
+            f.write(text)
+    script = os.path.join(work, "run.sh")
+    with open(script, "w") as f:
+        f.write(GUEST)
+    env = dict(os.environ, KTLS_VM_SYSTEMD="1", KTLS_VM_IO=io, KTLS_VM_TIMEOUT=str(300 + 120 * opts.restarts))
+    if opts.kernel == "new":
+        env["KTLS_VM_KERNEL"] = "new"
+    vm = subprocess.run([os.path.join(ROOT, "scripts", "ktls-vm.sh"), "--run", script],
+                        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    print(vm.stdout, end="")
+    if vm.returncode != 0 or "fdstore: passed" not in vm.stdout:
+        print(f"fdstore_restart: FAILED (VM exit {vm.returncode}); work kept in {work}")
+        sys.exit(1)
+    if not opts.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"fdstore_restart: passed ({opts.restarts} restarts)")
+
+
+if __name__ == "__main__":
+    main()
