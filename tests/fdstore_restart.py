@@ -59,9 +59,9 @@ try:
             if h.pread(BLOCK, i * BLOCK) != pattern(gen, i):
                 mismatches += 1
             ops += 1
-        with open("/tmp/progress.new", "w") as f:
+        with open("/tmp/io/progress.new", "w") as f:
             f.write(f"{gen}\n")
-        os.rename("/tmp/progress.new", "/tmp/progress")
+        os.rename("/tmp/io/progress.new", "/tmp/io/progress")
     h.shutdown()
 except nbd.Error as e:
     errors, error = 1, f"{e.string} (errno {e.errno}) in round {gen}"
@@ -81,15 +81,16 @@ journal() { journalctl -u nbdgw.service --no-pager -o cat; }
 fail() {
     log "FAILED: $*"
     journal | tail -120
-    cat /tmp/client.out 2>/dev/null
+    cat /tmp/io/client.out 2>/dev/null
     exit 1
 }
-wait_for() {  # what, seconds, command...
-    local what=$1 secs=$2; shift 2
-    for _ in $(seq $((secs * 10))); do "$@" && return 0; sleep 0.1; done
+wait_for() {  # what, seconds, command...: by the clock (TCG is slow)
+    local what=$1 until=$((SECONDS + $2)); shift 2
+    while [ $SECONDS -lt $until ]; do "$@" && return 0; sleep 0.2; done
     fail "timed out waiting for $what"
 }
-progress() { cat /tmp/progress 2>/dev/null || echo 0; }
+progress() { cat /tmp/io/progress 2>/dev/null || echo 0; }
+past() { [ "$(progress)" -gt "$1" ]; }
 
 # TLS files readable by the unit's dynamic user (a test's keys, in the VM).
 mkdir -p /run/nbdgw-tls
@@ -122,9 +123,9 @@ grep -q "^FileDescriptorStoreMax=" /run/systemd/system/nbdgw.service || fail "no
 log "FileDescriptorStoreMax=$(systemctl show -p FileDescriptorStoreMax --value nbdgw.service)"
 systemctl start nbdgw.socket nbdgw.service || fail "starting nbdgw"
 
-python3 /tmp/io/client.py > /tmp/client.out 2>&1 &
+python3 /tmp/io/client.py > /tmp/io/client.out 2>&1 &
 client=$!
-wait_for "the client's first rounds" 120 test "$(progress)" -ge 2
+wait_for "the client's first rounds" 120 past 1
 
 for n in $(seq "$restarts"); do
     before=$(systemctl show -p MainPID --value nbdgw.service)
@@ -133,15 +134,15 @@ for n in $(seq "$restarts"); do
     after=$(systemctl show -p MainPID --value nbdgw.service)
     [ "$after" != 0 ] && [ "$after" != "$before" ] || fail "restart $n: main PID $before, then $after"
     kill -0 $client 2>/dev/null || fail "the client ended at restart $n"
-    wait_for "a client round after restart $n" 120 test "$(progress)" -gt "$seen"
+    wait_for "a client round after restart $n" 120 past "$seen"
     log "restart $n: PID $before -> $after, the client at round $(progress)"
 done
 
 touch /tmp/stop
 wait $client; status=$?
-cat /tmp/client.out
+cat /tmp/io/client.out
 [ $status = 0 ] || fail "the client ended with $status"
-grep -q '"errors": 0, "mismatches": 0' /tmp/client.out || fail "client errors"
+grep -q '"errors": 0, "mismatches": 0' /tmp/io/client.out || fail "client errors"
 
 j=$(journal)
 count() { printf '%s\n' "$j" | grep -c "$1"; }
