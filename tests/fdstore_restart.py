@@ -19,8 +19,10 @@ patterns, flushes, reads them back and compares, without pause, while
 Passes when: the client saw no error and no mismatch on its one
 connection and went on after each restart; each restart changed the main
 PID; the journal shows each old instance storing the session and each new
-one serving it from the store, one TLS handshake in all, and no instance
-failing.
+one serving it from the store, one TLS handshake for that client, and no
+instance failing. Then a second client's session through `systemctl stop`
+and `start`, which is not a restart: systemd empties the store at the
+stop, so that session must end (the guide says so) and not be served.
 
     tests/fdstore_restart.py [--restarts 5] [--kernel default|new]
 """
@@ -43,13 +45,14 @@ BLOCK, BLOCKS = 64 * 1024, 16
 def pattern(gen, i):
     head = f"gen {gen:08d} block {i:04d} ".encode()
     return (head * (BLOCK // len(head) + 1))[:BLOCK]
+tag = sys.argv[1]
 h = nbd.NBD()
 h.set_tls(nbd.TLS_REQUIRE)
 h.set_tls_certificates("/tmp/io/certs")
 h.connect_tcp("localhost", "10809")
 gen, ops, errors, mismatches, error = 0, 0, 0, 0, ""
 try:
-    while not os.path.exists("/tmp/stop"):
+    while not os.path.exists(f"/tmp/stop{tag}"):
         gen += 1
         for i in range(BLOCKS):
             h.pwrite(pattern(gen, i), i * BLOCK)
@@ -59,9 +62,9 @@ try:
             if h.pread(BLOCK, i * BLOCK) != pattern(gen, i):
                 mismatches += 1
             ops += 1
-        with open("/tmp/io/progress.new", "w") as f:
+        with open(f"/tmp/io/progress{tag}.new", "w") as f:
             f.write(f"{gen}\n")
-        os.rename("/tmp/io/progress.new", "/tmp/io/progress")
+        os.rename(f"/tmp/io/progress{tag}.new", f"/tmp/io/progress{tag}")
     h.shutdown()
 except nbd.Error as e:
     errors, error = 1, f"{e.string} (errno {e.errno}) in round {gen}"
@@ -89,8 +92,8 @@ wait_for() {  # what, seconds, command...: by the clock (TCG is slow)
     while [ $SECONDS -lt $until ]; do "$@" && return 0; sleep 0.2; done
     fail "timed out waiting for $what"
 }
-progress() { cat /tmp/io/progress 2>/dev/null || echo 0; }
-past() { [ "$(progress)" -gt "$1" ]; }
+progress() { cat /tmp/io/progress${2:-A} 2>/dev/null || echo 0; }
+past() { [ "$(progress "" "${2:-A}")" -gt "$1" ]; }
 
 # TLS files readable by the unit's dynamic user (a test's keys, in the VM).
 mkdir -p /run/nbdgw-tls
@@ -123,7 +126,7 @@ grep -q "^FileDescriptorStoreMax=" /run/systemd/system/nbdgw.service || fail "no
 log "FileDescriptorStoreMax=$(systemctl show -p FileDescriptorStoreMax --value nbdgw.service)"
 systemctl start nbdgw.socket nbdgw.service || fail "starting nbdgw"
 
-python3 /tmp/io/client.py > /tmp/io/client.out 2>&1 &
+python3 /tmp/io/client.py A > /tmp/io/client.out 2>&1 &
 client=$!
 wait_for "the client's first rounds" 120 past 1
 
@@ -138,11 +141,26 @@ for n in $(seq "$restarts"); do
     log "restart $n: PID $before -> $after, the client at round $(progress)"
 done
 
-touch /tmp/stop
+touch /tmp/stopA
 wait $client; status=$?
 cat /tmp/io/client.out
 [ $status = 0 ] || fail "the client ended with $status"
 grep -q '"errors": 0, "mismatches": 0' /tmp/io/client.out || fail "client errors"
+
+# A stop and a start are not a restart: systemd empties the store at the
+# stop, so a session open then ends (at a request boundary) and the next
+# instance finds nothing to serve.
+python3 /tmp/io/client.py B > /tmp/io/clientB.out 2>&1 &
+second=$!
+wait_for "the second client's first round" 120 past 0 B
+systemctl stop nbdgw.service || fail "stop"
+systemctl start nbdgw.service || fail "start after the stop"
+until=$((SECONDS + 120))
+while kill -0 $second 2>/dev/null && [ $SECONDS -lt $until ]; do sleep 0.2; done
+kill -0 $second 2>/dev/null && fail "the second client still runs after a stop and a start"
+wait $second
+cat /tmp/io/clientB.out
+grep -q '"errors": 1, "mismatches": 0' /tmp/io/clientB.out || fail "the second client did not see its connection end"
 
 j=$(journal)
 count() { printf '%s\n' "$j" | grep -c "$1"; }
@@ -152,9 +170,10 @@ tls=$(count "TLS established")
 closed=$(count "stored session cannot be served")
 log "journal: $stored stored, $served served from the store, $tls TLS handshake(s), $closed closed"
 printf '%s\n' "$j" | grep -E "restart: (taking|serving|the session is)" | head -20
-[ "$stored" = "$restarts" ] || fail "$stored sessions stored, not $restarts"
+# One more stored at the stop, which systemd then closed.
+[ "$stored" = $((restarts + 1)) ] || fail "$stored sessions stored, not $((restarts + 1))"
 [ "$served" = "$restarts" ] || fail "$served sessions served from the store, not $restarts"
-[ "$tls" = 1 ] || fail "$tls TLS handshakes: the client reconnected"
+[ "$tls" = 2 ] || fail "$tls TLS handshakes, not 2 (one per client): a client reconnected"
 [ "$closed" = 0 ] || fail "a stored session was closed"
 journalctl --no-pager -o cat -u nbdgw.service | grep -E "Failed with result|Main process exited, code=(killed|dumped)|status=[1-9]" &&
     fail "an instance failed"

@@ -100,6 +100,9 @@ fn read(args: &ServeArgs) -> Result<(Reloader, Option<PolicyReloader>, Config)> 
         let timeout = Duration::from_secs(args.handover.handover_timeout);
         crate::handing::Registry::new(quiesce, timeout, config.metrics.clone())
     });
+    if args.handover.handover_fdstore {
+        crate::handover::fdstore::check_room(admission.connections.max_connections);
+    }
     config.read_cache = args.cache.settings(
         args.routing.upstream.is_some(),
         args.relay.common.max_payload,

@@ -31,5 +31,22 @@ pub fn check(enabled: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Whether systemd's store has room for every session: systemd 254 and
+/// later say its size in FDSTORE= (252 does not: nothing to check then).
+/// A session that does not fit is closed at a restart, not drained.
+pub fn check_room(max_connections: usize) {
+    let room = std::env::var("FDSTORE")
+        .ok()
+        .and_then(|n| n.parse::<usize>().ok());
+    if let Some(room) = room.filter(|room| *room < 3 * max_connections) {
+        tracing::warn!(
+            file_descriptor_store_max = room,
+            max_connections,
+            "--handover-fdstore: FileDescriptorStoreMax= holds fewer than 3 descriptors per connection; at a restart the sessions beyond {} are closed",
+            room / 3
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests;
