@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
+use common::clients::http_get;
 use common::process::{nbdgw_binary, NbdgwProcess};
 use common::raw::{client_tls, RawClient, Stream};
 use common::{Env, QemuNbd};
@@ -178,12 +179,15 @@ fn one_connection_rides_through_five_replacements() {
     let upstream = QemuNbd::start(&env, &image, &[]);
     let handover = private_dir(&env).join("handover.sock");
     let port = common::free_port();
-    let mut old = generation(&env, &upstream.socket, port, &handover, false, &[]);
+    let admin = common::free_port();
+    let admin_flag = format!("127.0.0.1:{admin}");
+    let flags = ["--admin-listen", admin_flag.as_str()];
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &flags);
     let mut client = OneSession::start(port, &env);
     eprintln!("client: {}", client.connected.trim());
     client.wait_for(5);
     for round in 1..=5 {
-        let new = generation(&env, &upstream.socket, port, &handover, true, &[]);
+        let new = generation(&env, &upstream.socket, port, &handover, true, &flags);
         new.wait_for_log("hand-over: serving a session handed over", 1);
         let status = old
             .wait_exit(Duration::from_secs(60))
@@ -211,6 +215,13 @@ fn one_connection_rides_through_five_replacements() {
         assert!(
             !newlog.contains("TLS established"),
             "round {round}: a new handshake:\n{newlog}"
+        );
+        // Counted where the admin port now is: the successor's.
+        let (code, metrics) = http_get(admin, "/metrics");
+        assert_eq!(code, 200);
+        assert!(
+            metrics.contains("nbdgw_session_handovers_total{outcome=\"resumed\"} 1"),
+            "{metrics}"
         );
         old = new;
     }
@@ -324,4 +335,233 @@ fn tls13_extended_headers_a_half_sent_request_and_a_key_update_ride_through() {
 #[test]
 fn tls12_structured_replies_a_half_sent_request_rides_through() {
     half_sent_request_rides_through(&rustls::version::TLS12, ReplyMode::Structured);
+}
+
+/// A raw client in transmission on `old`, its first block written and
+/// read back.
+fn raw_session(env: &Env, port: u16) -> RawClient {
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let certs = env.certs();
+    let config = client_tls(
+        &certs.join("ca-cert.pem"),
+        Some((
+            &certs.join("client-cert.pem"),
+            &certs.join("client-key.pem"),
+        )),
+        &[],
+    );
+    let mut c = RawClient::handshake(addr);
+    c.try_starttls(config).expect("TLS handshake");
+    c.go(ReplyMode::Structured);
+    c.write(1, 0, &[5; 4096]);
+    assert_eq!(c.read_reply(0).last().unwrap().error_code(), 0);
+    assert_eq!(c.read(2, 0, 4096), vec![5; 4096]);
+    c
+}
+
+/// A successor whose configuration would not admit the session as it is
+/// (`extra`: its flags) declines it: the session is never moved with
+/// more than the successor grants; it stays with the old gateway, which
+/// drains it as at SIGTERM: nothing was in flight, so it closes, and the
+/// successor admits the client's next connection only as it allows.
+fn narrower_successor_declines(extra: &[&str], class: &str) {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 3);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &[]);
+    let mut c = raw_session(&env, port);
+    let new = generation(&env, &upstream.socket, port, &handover, true, extra);
+    let status = old
+        .wait_exit(Duration::from_secs(60))
+        .expect("the old gateway exits");
+    let log = old.log();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("the successor declined the session"), "{log}");
+    assert!(
+        log.contains(&format!("reason=\"{class}:")) || log.contains(&format!("reason={class}:")),
+        "{log}"
+    );
+    assert!(!log.contains("the successor serves the session"), "{log}");
+    assert!(new.log().contains("declining a session"), "{}", new.log());
+    assert!(
+        !new.log().contains("serving a session handed over"),
+        "{}",
+        new.log()
+    );
+    c.expect_closed();
+    let (status, log) = new.stop();
+    assert!(status.success(), "{log}");
+}
+
+#[test]
+fn a_successor_whose_allow_list_refuses_the_client_declines_its_session() {
+    narrower_successor_declines(&["--allow-cn", "someone-else"], "certificate");
+}
+
+#[test]
+fn a_successor_whose_policy_grants_less_declines_the_session() {
+    let env_dir = tempfile_policy();
+    let policy = env_dir.join("policy.toml");
+    narrower_successor_declines(&["--policy", policy.to_str().unwrap()], "policy");
+    std::fs::remove_dir_all(env_dir).unwrap();
+}
+
+/// A policy that grants the test client read-only access to every export.
+fn tempfile_policy() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("nbdgw-i29-policy-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let rule =
+        "[[rule]]\nexports = [\"*\"]\nallow = { cn = [\"test-client\"] }\naccess = \"read-only\"\n";
+    std::fs::write(dir.join("policy.toml"), rule).unwrap();
+    dir
+}
+
+/// A successor killed once a session's State has reached it: the session
+/// is closed (its sockets are gone with both processes' copies), and the
+/// old gateway never serves it again: after the State left, it has no
+/// keys for it (the commit rule, docs/design/handover.md).
+#[test]
+fn a_successor_killed_after_the_state_closes_the_session_and_the_old_gateway_does_not_resume_it() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 4);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &[]);
+    let mut c = raw_session(&env, port);
+    let mut cmd = Command::new(nbdgw_binary());
+    cmd.arg("--tls-dir")
+        .arg(env.certs())
+        .arg("--upstream")
+        .arg(&upstream.socket)
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--take-over")
+        .arg(&handover)
+        .env("NBDGW_DEBUG_HANDOVER_STATE_STALL", "1");
+    let new = NbdgwProcess::spawn(cmd, port);
+    new.wait_for_log("debug: stalling the session take-over", 1);
+    new.signal("KILL");
+    let status = old
+        .wait_exit(Duration::from_secs(60))
+        .expect("the old gateway exits");
+    let log = old.log();
+    assert!(status.success(), "{log}");
+    assert!(
+        log.contains("closed reason=\"handed over to the successor\""),
+        "{log}"
+    );
+    assert!(log.contains("the session hand-over ended early"), "{log}");
+    assert!(!log.contains("the successor serves the session"), "{log}");
+    // Nobody holds the session any more: the client's next request finds
+    // the connection closed, never an answer from the old keys.
+    c.send(&c.request_bytes(0, CMD_READ, 3, 0, 4096));
+    c.expect_closed();
+}
+
+/// A session that cannot go quiet in time (a write's payload half sent:
+/// no request boundary comes) is withdrawn at --handover-quiesce-timeout:
+/// it stays with the old gateway, which serves the write once the rest
+/// arrives, then drains it as at SIGTERM.
+#[test]
+fn a_session_not_quiet_in_time_is_withdrawn_and_its_request_served_by_the_old_gateway() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 5);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let quiesce = ["--handover-quiesce-timeout", "0.5"];
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &quiesce);
+    let mut c = raw_session(&env, port);
+    let mut request = c.request_bytes(0, CMD_WRITE, 7, 8192, 65536);
+    request.extend_from_slice(&[9; 65536]);
+    c.send(&request[..1000]);
+    let new = generation(&env, &upstream.socket, port, &handover, true, &[]);
+    old.wait_for_log("not quiet in time", 1);
+    c.send(&request[1000..]);
+    assert_eq!(c.read_reply(0).last().unwrap().error_code(), 0);
+    let status = old
+        .wait_exit(Duration::from_secs(60))
+        .expect("the old gateway exits");
+    let log = old.log();
+    assert!(status.success(), "{log}");
+    assert!(!log.contains("the successor serves the session"), "{log}");
+    c.expect_closed();
+    let mut check = raw_session(&env, port);
+    assert_eq!(check.read(8, 8192, 65536), vec![9; 65536]);
+    check.disconnect();
+    let (status, log) = new.stop();
+    assert!(status.success(), "{log}");
+}
+
+/// python3-libnbd: `n` idle connections, then (told on stdin) one read
+/// on each; prints how many failed.
+const MANY_IDLE: &str = r#"
+import nbd, sys
+port, certs, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+hs = []
+for _ in range(n):
+    h = nbd.NBD(); h.set_tls(nbd.TLS_REQUIRE); h.set_tls_certificates(certs)
+    h.connect_uri(f"nbds://localhost:{port}/"); hs.append(h)
+print("connected", flush=True)
+sys.stdin.readline()
+failed = 0
+for k, h in enumerate(hs):
+    try:
+        h.pread(4096, k * 4096)
+        h.shutdown()
+    except nbd.Error:
+        failed += 1
+print("failed", failed, flush=True)
+"#;
+
+/// Enough sessions that their small frames, unread, would fill the
+/// channel's socket buffer (with 1,064 they did; a few hundred are past it): all are handed over in one
+/// replacement, and each answers afterwards.
+#[test]
+fn six_hundred_idle_sessions_are_handed_over_in_one_replacement() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 6);
+    let upstream = QemuNbd::start(&env, &image, &["--shared=700"]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let limits = [
+        "--max-connections",
+        "1000",
+        "--max-sessions-per-identity",
+        "1000",
+    ];
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &limits);
+    let mut client = Command::new("/usr/bin/python3")
+        .args(["-c", MANY_IDLE, &port.to_string()])
+        .arg(env.certs())
+        .arg("600")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3-libnbd");
+    let mut out = BufReader::new(client.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "connected");
+    let new = generation(&env, &upstream.socket, port, &handover, true, &limits);
+    let status = old
+        .wait_exit(Duration::from_secs(120))
+        .expect("the old gateway exits");
+    let log = old.log();
+    assert!(status.success(), "{log}");
+    assert_eq!(
+        log.matches("the successor serves the session").count(),
+        600,
+        "{log}"
+    );
+    writeln!(client.stdin.as_mut().unwrap()).unwrap();
+    line.clear();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "failed 0");
+    assert!(client.wait().unwrap().success());
+    let (status, log) = new.stop();
+    assert!(status.success(), "{log}");
 }

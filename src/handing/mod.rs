@@ -128,9 +128,10 @@ impl Registered {
         self.slot.lock().is_some()
     }
 
-    /// Reports the outcome; given back if nobody waits any more.
+    /// Reports the outcome, once per ask (the slot closes); given back
+    /// if nobody waits any more.
     pub fn report(&self, outcome: Outcome) -> Result<(), Outcome> {
-        match &*self.slot.lock() {
+        match self.slot.lock().take() {
             Some(tx) => tx.send((self.id, outcome)).map_err(|e| e.0 .1),
             None => Err(outcome),
         }
@@ -140,6 +141,9 @@ impl Registered {
 impl Drop for Registered {
     fn drop(&mut self) {
         self.registry.lock().remove(&self.id);
+        // A session that ends while a hand-over waits for it (the client
+        // left, a reload ended it) is not waited for until the timeout.
+        let _ = self.report(Outcome::Withdrawn("the session ended".into()));
     }
 }
 

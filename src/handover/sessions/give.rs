@@ -54,28 +54,18 @@ fn exchange(
         sessions = listed.len(),
         "hand-over: offering the sessions to the successor"
     );
-    for session in listed {
-        bound(channel);
-        let offer = Message::Offer {
-            id: session.id,
-            body: session.offer.to_vec(),
-        };
-        channel.send(&offer, &[])?;
-    }
     let (tx, rx) = mpsc::channel();
     let waiting = answers(channel, registry, listed, &tx)?;
     drop(tx);
-    let sent = states(channel, registry, (handover, waiting), (listed, &rx))?;
-    for _ in 0..sent.len() {
-        bound(channel);
-        served(channel, registry, &sent)?;
-    }
+    states(channel, registry, (handover, waiting), (listed, &rx))?;
     bound(channel);
     channel.send(&Message::Done, &[])
 }
 
-/// Accept or Decline for each offer; each accepted session is asked to go
-/// quiet at once, so that they all quiesce in parallel.
+/// Each offer, and its Accept or Decline before the next (in lock-step:
+/// a peer that sent a thousand answers unread would fill the socket's
+/// buffer, and both sides would wait on each other); then every accepted
+/// session is asked to go quiet, so that they quiesce in parallel.
 fn answers(
     channel: &mut Channel,
     registry: &Registry,
@@ -84,13 +74,16 @@ fn answers(
 ) -> Result<HashSet<u64>, ChannelError> {
     let by_id: HashMap<u64, &Listed> = listed.iter().map(|l| (l.id, l)).collect();
     let mut waiting = HashSet::new();
-    for _ in listed {
+    for session in listed {
         channel.set_deadline(Instant::now() + registry.timeout);
+        let offer = Message::Offer {
+            id: session.id,
+            body: session.offer.to_vec(),
+        };
+        channel.send(&offer, &[])?;
         match channel.recv()? {
             (Message::Accept { id }, _) if by_id.contains_key(&id) && !waiting.contains(&id) => {
-                let session = by_id[&id];
-                session.slot.open(tx.clone());
-                session.hook.ask();
+                by_id[&id].slot.open(tx.clone());
                 waiting.insert(id);
             }
             (Message::Decline { id, reason }, _) if by_id.contains_key(&id) => {
@@ -100,6 +93,11 @@ fn answers(
             }
             (other, _) => return Err(unexpected(channel, &other)),
         }
+    }
+    // All at once, once every session is judged: the pause each client
+    // sees does not include the offers of the others.
+    for id in &waiting {
+        by_id[id].hook.ask();
     }
     Ok(waiting)
 }
@@ -115,15 +113,16 @@ fn decline_class(reason: &str) -> &'static str {
     }
 }
 
-/// Each session's State (or Withdraw) as soon as it reports, until the
-/// quiesce timeout (and the take's margin) has passed; the late ones are
-/// withdrawn. Returns when each State sent stopped reading.
+/// Each session's State (or Withdraw) as soon as it reports, and the
+/// successor's Taken or Lost before the next (lock-step, as the offers),
+/// until the quiesce timeout (and the take's margin) has passed; the late
+/// ones are withdrawn.
 fn states(
     channel: &mut Channel,
     registry: &Registry,
     (handover, mut waiting): ([u8; 16], HashSet<u64>),
     (listed, rx): (&[Listed], &mpsc::Receiver<(u64, Outcome)>),
-) -> Result<HashMap<u64, Instant>, ChannelError> {
+) -> Result<(), ChannelError> {
     let until = Instant::now() + registry.quiesce_timeout + TAKE_MARGIN;
     let mut sent = HashMap::new();
     while !waiting.is_empty() {
@@ -152,7 +151,7 @@ fn states(
         channel.set_deadline(Instant::now() + registry.timeout);
         channel.send(&Message::Withdraw { id }, &[])?;
     }
-    Ok(sent)
+    Ok(())
 }
 
 fn send_outcome(
@@ -186,7 +185,7 @@ fn send_outcome(
     match result {
         Ok(()) => {
             sent.insert(id, ready.stopped_at);
-            Ok(())
+            served(channel, registry, sent)
         }
         Err(e) => {
             // Taken and not delivered: closed, never resumed here.

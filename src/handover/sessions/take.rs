@@ -54,6 +54,8 @@ pub fn take(
             (Message::Offer { id, body }, _) => offer(config, id, &body, &mut offered),
             (Message::State { id, body }, fds) => {
                 let given = offered.remove(&id);
+                // The body holds keys: wiped once decoded.
+                let body = zeroize::Zeroizing::new(body);
                 match resume((id, given), (handover, &body), fds, &serve) {
                     Ok(()) => {
                         config.metrics.session_handover("resumed");
@@ -105,6 +107,7 @@ pub(crate) fn resume(
     serve: &impl Fn(Resumed) -> bool,
 ) -> Result<(), String> {
     let (offer, judged) = given.ok_or("a state for a session not accepted, or already given")?;
+    debug_stall();
     let state = State::decode(body).map_err(|e| e.to_string())?;
     if state.handover != handover {
         return Err("a state of another hand-over".into());
@@ -165,4 +168,17 @@ fn unexpected(channel: &mut Channel, got: &Message) -> ChannelError {
         got.name()
     ));
     ChannelError::Peer(format!("the old gateway sent {} out of turn", got.name()))
+}
+
+/// Debug builds: NBDGW_DEBUG_HANDOVER_STATE_STALL=1 makes a successor
+/// stop once a session's State has arrived, before it serves it, so that
+/// a test can kill it there.
+fn debug_stall() {
+    #[cfg(debug_assertions)]
+    if std::env::var_os("NBDGW_DEBUG_HANDOVER_STATE_STALL").is_some() {
+        warn!("debug: stalling the session take-over with a State received (NBDGW_DEBUG_HANDOVER_STATE_STALL)");
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        }
+    }
 }
