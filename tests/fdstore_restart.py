@@ -20,7 +20,11 @@ Passes when: the client saw no error and no mismatch on its one
 connection and went on after each restart; each restart changed the main
 PID; the journal shows each old instance storing the session and each new
 one serving it from the store, one TLS handshake for that client, and no
-instance failing. Then a second client's session through `systemctl stop`
+instance failing. Then the commit point with the real store: a third
+client's session, and a new instance (a debug build's hook) that marks it
+taken and aborts before removing it; the instance systemd starts next
+(Restart=on-failure, the store kept) must close it without serving it.
+Then a second client's session through `systemctl stop`
 and `start`, which is not a restart: systemd empties the store at the
 stop, so that session must end (the guide says so) and not be served.
 
@@ -147,6 +151,47 @@ cat /tmp/io/client.out
 [ $status = 0 ] || fail "the client ended with $status"
 grep -q '"errors": 0, "mismatches": 0' /tmp/io/client.out || fail "client errors"
 
+j=$(journal)
+count() { printf '%s\n' "$j" | grep -c "$1"; }
+stored=$(count "the session is in systemd's file-descriptor store")
+served=$(count "serving a session from systemd's file-descriptor store")
+tls=$(count "TLS established")
+closed=$(count "stored session cannot be served")
+log "journal: $stored stored, $served served from the store, $tls TLS handshake(s), $closed closed"
+printf '%s\n' "$j" | grep -E "restart: (taking|serving|the session is)" | head -20
+[ "$stored" = "$restarts" ] || fail "$stored sessions stored, not $restarts"
+[ "$served" = "$restarts" ] || fail "$served sessions served from the store, not $restarts"
+[ "$tls" = 1 ] || fail "$tls TLS handshakes: the client reconnected"
+[ "$closed" = 0 ] || fail "a stored session was closed"
+journalctl --no-pager -o cat -u nbdgw.service | grep -E "Failed with result|Main process exited, code=(killed|dumped)|status=[1-9]" &&
+    fail "an instance failed"
+
+# The commit point with the real store: a new instance that marks the
+# session taken and dies before removing it from the store (a debug
+# build's hook); systemd restarts it (Restart=on-failure) with the store
+# kept, and that instance finds the mark: it closes the session without
+# writing on it, and serves on.
+python3 /tmp/io/client.py C > /tmp/io/clientC.out 2>&1 &
+third=$!
+wait_for "the third client's first round" 120 past 0 C
+printf '[Service]\nEnvironment=NBDGW_DEBUG_FDSTORE_DIE_AFTER_MARK=1\n' > /run/systemd/system/nbdgw.service.d/zz-die.conf
+systemctl daemon-reload
+timeout 120 systemctl restart nbdgw.service  # fails if the abort comes before READY=1
+rm /run/systemd/system/nbdgw.service.d/zz-die.conf
+systemctl daemon-reload
+until=$((SECONDS + 120))
+while kill -0 $third 2>/dev/null && [ $SECONDS -lt $until ]; do sleep 0.2; done
+kill -0 $third 2>/dev/null && fail "the third client still runs after its session was marked taken"
+wait $third
+cat /tmp/io/clientC.out
+grep -q '"errors": 1, "mismatches": 0' /tmp/io/clientC.out || fail "the third client did not see its connection end"
+wait_for "nbdgw active again" 120 systemctl -q is-active nbdgw.service
+j=$(journal)
+aborted=$(count "aborting with a stored session marked taken")
+refused=$(count "an earlier instance took it (and then failed): closed without writing")
+log "crash after the mark: $aborted abort(s), $refused session(s) closed by the next instance"
+[ "$aborted" = 1 ] && [ "$refused" = 1 ] || fail "the crash after the mark did not go as expected"
+
 # A stop and a start are not a restart: systemd empties the store at the
 # stop, so a session open then ends (at a request boundary) and the next
 # instance finds nothing to serve.
@@ -163,20 +208,10 @@ cat /tmp/io/clientB.out
 grep -q '"errors": 1, "mismatches": 0' /tmp/io/clientB.out || fail "the second client did not see its connection end"
 
 j=$(journal)
-count() { printf '%s\n' "$j" | grep -c "$1"; }
-stored=$(count "the session is in systemd's file-descriptor store")
-served=$(count "serving a session from systemd's file-descriptor store")
-tls=$(count "TLS established")
-closed=$(count "stored session cannot be served")
-log "journal: $stored stored, $served served from the store, $tls TLS handshake(s), $closed closed"
-printf '%s\n' "$j" | grep -E "restart: (taking|serving|the session is)" | head -20
-# One more stored at the stop, which systemd then closed.
-[ "$stored" = $((restarts + 1)) ] || fail "$stored sessions stored, not $((restarts + 1))"
-[ "$served" = "$restarts" ] || fail "$served sessions served from the store, not $restarts"
-[ "$tls" = 2 ] || fail "$tls TLS handshakes, not 2 (one per client): a client reconnected"
-[ "$closed" = 0 ] || fail "a stored session was closed"
-journalctl --no-pager -o cat -u nbdgw.service | grep -E "Failed with result|Main process exited, code=(killed|dumped)|status=[1-9]" &&
-    fail "an instance failed"
+[ "$(count "the session is in systemd's file-descriptor store")" = $((restarts + 2)) ] ||
+    fail "the sessions of the crash and the stop were not stored"
+[ "$(count "serving a session from systemd's file-descriptor store")" = "$restarts" ] ||
+    fail "a session was served after the crash or the stop"
 log "passed"
 '''
 

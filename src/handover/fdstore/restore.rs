@@ -120,6 +120,7 @@ pub fn claim(
             }
             blob::Found::Fresh(stored) => {
                 blob::mark_taken(&memfd).map_err(|e| format!("it cannot be marked taken: {e}"))?;
+                debug_die_after_mark();
                 Ok(Claimed {
                     stored,
                     tcp,
@@ -133,6 +134,17 @@ pub fn claim(
         warn!(fdname = %escape(name), error = %e, "restart: cannot remove a stored session from systemd's store (it is marked taken)");
     }
     outcome.map_err(lost)
+}
+
+/// Debug builds: NBDGW_DEBUG_FDSTORE_DIE_AFTER_MARK=1 makes the new
+/// instance abort once it has marked a session taken, before removing it
+/// from the store, so that a test can show the next instance closing it.
+fn debug_die_after_mark() {
+    #[cfg(debug_assertions)]
+    if std::env::var_os("NBDGW_DEBUG_FDSTORE_DIE_AFTER_MARK").is_some() {
+        warn!("debug: aborting with a stored session marked taken (NBDGW_DEBUG_FDSTORE_DIE_AFTER_MARK)");
+        std::process::abort();
+    }
 }
 
 /// The three descriptors by kind: TCP, Unix, memfd (not a socket).
