@@ -11,6 +11,15 @@ use thiserror::Error;
 /// endpoint; any other name is the NBD port.
 pub const ADMIN_FD_NAME: &str = "admin";
 
+/// The names of sessions in systemd's file-descriptor store
+/// (`crate::handover::fdstore`): passed in LISTEN_FDS too, never
+/// listeners.
+pub const SESSION_PREFIX: &str = "nbdgw-s.";
+
+pub fn is_session_name(name: &str) -> bool {
+    name.starts_with(SESSION_PREFIX)
+}
+
 #[derive(Debug, Error)]
 pub enum ListenError {
     #[error("cannot listen on {addr}{flag}: {source}")]
@@ -51,7 +60,12 @@ impl Listeners {
         // Read before listenfd clears LISTEN_FDS and LISTEN_PID.
         let names = std::env::var("LISTEN_FDNAMES").unwrap_or_default();
         let mut passed = listenfd::ListenFd::from_env();
-        if passed.len() == 0 {
+        // Sessions from systemd's file-descriptor store are not listeners
+        // (`crate::handover::fdstore::restore::collect` has them).
+        let listening = (0..passed.len())
+            .filter(|i| !is_session_name(names.split(':').nth(*i).unwrap_or("")))
+            .count();
+        if listening == 0 {
             return Ok(Listeners {
                 nbd: bind(listen, "")?,
                 admin: admin
@@ -100,6 +114,9 @@ impl Listeners {
         let (mut nbd, mut admin) = (None, None);
         for index in 0..count {
             let name = each_name.next().unwrap_or("");
+            if is_session_name(name) {
+                continue;
+            }
             let listener = passed
                 .take_tcp_listener(index)
                 .map_err(|source| ListenError::Passed { index, source })?;

@@ -209,3 +209,24 @@ fn the_service_is_notify_typed_reloads_with_sighup_and_is_hardened() {
         .unwrap();
     assert!(nofile >= 3 * nbdgw::config::DEFAULT_MAX_CONNECTIONS as u64);
 }
+
+/// `systemctl restart` keeps the sessions: the unit asks for it, and its
+/// store has room for three descriptors per session at the default
+/// --max-connections (tests/fdstore_restart.py runs it under systemd).
+#[test]
+fn the_service_stores_its_sessions_at_a_restart_with_room_for_every_connection() {
+    let exec = unit_values("nbdgw.service", "ExecStart").pop().unwrap();
+    assert!(
+        exec.split_whitespace().any(|w| w == "--handover-fdstore"),
+        "{exec}"
+    );
+    let max: usize = unit_values("nbdgw.service", "FileDescriptorStoreMax")
+        .pop()
+        .expect("FileDescriptorStoreMax=")
+        .parse()
+        .unwrap();
+    assert!(
+        max >= 3 * nbdgw::config::DEFAULT_MAX_CONNECTIONS,
+        "FileDescriptorStoreMax={max}"
+    );
+}

@@ -21,8 +21,8 @@ pub struct HandoverArgs {
     /// socket (same uid): take its listening sockets (those whose address
     /// matches --listen / --admin-listen / --handover-socket; others are
     /// bound here) and serve them. Fails the start if the predecessor
-    /// refuses, and under systemd (NOTIFY_SOCKET set: its
-    /// file-descriptor store path is not built yet).
+    /// refuses, and under systemd (NOTIFY_SOCKET set: a successor in the
+    /// unit dies with it; use --handover-fdstore and systemctl restart).
     #[arg(long, env = "NBDGW_TAKE_OVER", value_name = "PATH")]
     pub take_over: Option<PathBuf>,
     /// Seconds a hand-over may take, on either side, from the moment the
@@ -58,6 +58,16 @@ pub struct HandoverArgs {
     /// rustls by then), with a log line.
     #[arg(long, env = "NBDGW_HANDOVER_MAX_KEY_GENERATIONS", value_name = "N", default_value_t = crate::tls::key_update::DEFAULT_MAX_GENERATIONS_AT_HAND_OVER, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1 << 20))]
     pub handover_max_key_generations: usize,
+    /// Under systemd (`systemctl restart`): at SIGTERM, instead of
+    /// draining them, quiesce the sessions and leave each one in systemd's
+    /// file-descriptor store (its client socket, its upstream socket and
+    /// a memfd with its state), for the next instance of the unit to
+    /// serve on. Needs FileDescriptorStoreMax= and NOTIFY_SOCKET (the
+    /// start fails without it). Sessions that cannot be stored drain as
+    /// today; a stop that is not a restart closes the stored ones. Off by
+    /// default; the shipped unit sets it.
+    #[arg(long, env = "NBDGW_HANDOVER_FDSTORE")]
+    pub handover_fdstore: bool,
 }
 
 fn quiesce_secs(s: &str) -> Result<f64, String> {

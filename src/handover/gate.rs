@@ -18,8 +18,10 @@ pub enum Accepting {
 #[derive(Clone)]
 pub struct Gate(Option<watch::Receiver<Accepting>>);
 
-/// The hand-over's end, which moves the state.
-pub struct GateControl(watch::Sender<Accepting>);
+/// The hand-over's end, which moves the state (shared by the channel's
+/// predecessor and the file-descriptor store's give).
+#[derive(Clone)]
+pub struct GateControl(std::sync::Arc<watch::Sender<Accepting>>);
 
 impl Gate {
     /// A gate that never closes: no hand-over socket.
@@ -29,7 +31,7 @@ impl Gate {
 
     pub fn controlled() -> (GateControl, Gate) {
         let (tx, rx) = watch::channel(Accepting::Yes);
-        (GateControl(tx), Gate(Some(rx)))
+        (GateControl(std::sync::Arc::new(tx)), Gate(Some(rx)))
     }
 
     pub fn now(&self) -> Accepting {

@@ -15,10 +15,13 @@
 //! - `describe`: what a descriptor is, sent with it and checked on arrival.
 //! - `gate`: pausing and ending the accept loops.
 //! - `predecessor`, `successor`: the two ends.
+//! - `fdstore`: the same for `systemctl restart`, through systemd's
+//!   file-descriptor store.
 
 pub mod alive;
 pub mod channel;
 pub mod describe;
+pub mod fdstore;
 pub mod flags;
 pub mod gate;
 pub mod predecessor;
@@ -49,6 +52,10 @@ pub struct Opened {
     pub successor: Option<successor::Successor>,
     /// What the accept loops follow.
     pub gate: Gate,
+    /// Sessions systemd passed back from its file-descriptor store.
+    pub stored: fdstore::restore::Found,
+    /// `--handover-fdstore`: what pauses accepting at SIGTERM.
+    pub fdstore: Option<gate::GateControl>,
 }
 
 /// The server's listening sockets: taken over from a running gateway
@@ -62,6 +69,10 @@ pub fn open(
     sessions: Option<Arc<sessions::Registry>>,
 ) -> Result<Opened> {
     refuse_under_systemd(args)?;
+    fdstore::check(args.handover_fdstore)?;
+    // Before the listeners: they skip these names, and LISTEN_FDS is
+    // read once.
+    let stored = fdstore::restore::collect();
     let timeout = Duration::from_secs(args.handover_timeout);
     let (successor, listeners, handover) = match &args.take_over {
         None => (None, Listeners::open(listen, admin)?, None),
@@ -82,15 +93,37 @@ pub fn open(
         (None, Some(path)) => Some(socket::create(path)?),
         (None, None) => None,
     };
+    let (control, gate) = Gate::controlled();
+    let fdstore = args.handover_fdstore.then(|| control.clone());
     let Some(handover) = handover else {
         return Ok(Opened {
             listeners,
             predecessor: None,
             successor,
-            gate: Gate::always(),
+            gate,
+            stored,
+            fdstore,
         });
     };
-    let (control, gate) = Gate::controlled();
+    let predecessor = predecessor(handover, &listeners, timeout, control, (metrics, sessions))?;
+    Ok(Opened {
+        listeners,
+        predecessor: Some(predecessor),
+        successor,
+        gate,
+        stored,
+        fdstore,
+    })
+}
+
+/// The hand-over socket's end, with copies of the listeners to give.
+fn predecessor(
+    handover: std::os::unix::net::UnixListener,
+    listeners: &Listeners,
+    timeout: Duration,
+    control: gate::GateControl,
+    (metrics, sessions): (&Arc<Metrics>, Option<Arc<sessions::Registry>>),
+) -> Result<predecessor::Predecessor> {
     let mut predecessor = predecessor::Predecessor::new(
         handover.try_clone()?,
         timeout,
@@ -106,22 +139,17 @@ pub fn open(
         })
         .and_then(|()| predecessor.offer(Role::Handover, &handover))
         .context("keeping copies of the listening sockets for a successor")?;
-    Ok(Opened {
-        listeners,
-        predecessor: Some(predecessor),
-        successor,
-        gate,
-    })
+    Ok(predecessor)
 }
 
 /// `--take-over` from inside a systemd unit would be killed with the
 /// unit's cgroup when the old gateway, its main PID, exits (MAINPID=
 /// before READY does not help: the stop that follows kills the new main
-/// PID too); from outside it runs unsupervised. Refused until the
-/// file-descriptor store path is built (docs/design/handover.md).
+/// PID too); from outside it runs unsupervised. Under systemd the
+/// file-descriptor store does it (`--handover-fdstore`, `fdstore`).
 fn refuse_under_systemd(args: &HandoverArgs) -> Result<()> {
     if args.take_over.is_some() && std::env::var_os("NOTIFY_SOCKET").is_some() {
-        bail!("--take-over under systemd (NOTIFY_SOCKET is set) is not supported yet: the hand-over through systemd's file-descriptor store (systemctl restart) is not built, and a successor started in the unit dies with it when the old gateway exits; run the successor outside systemd's supervision, or restart the unit (sessions drain)");
+        bail!("--take-over under systemd (NOTIFY_SOCKET is set) is not supported: a successor started in the unit dies with it when the old gateway exits; use --handover-fdstore and systemctl restart (systemd's file-descriptor store keeps the sessions), or run the successor outside systemd's supervision");
     }
     Ok(())
 }

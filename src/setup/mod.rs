@@ -72,7 +72,7 @@ fn read(args: &ServeArgs) -> Result<(Reloader, Option<PolicyReloader>, Config)> 
     let (kernel_tls, kernel_tls_no_rekey) = crate::tls::kernel::decide(args.tls.ktls);
     // A session handed to a successor leaves rustls as keys, as one
     // handed to the kernel does.
-    let handover = args.handover.handover_socket.is_some();
+    let handover = args.handover.handover_socket.is_some() || args.handover.handover_fdstore;
     let reloader = files::tls_reloader(args, kernel_tls.is_some() || handover)?;
     let mut policy = files::policy_reloader(args, &reloader)?;
     let mut config = gateway_config(args, upstream, reloader.store());
@@ -101,6 +101,9 @@ fn read(args: &ServeArgs) -> Result<(Reloader, Option<PolicyReloader>, Config)> 
         let generations = args.handover.handover_max_key_generations;
         crate::handing::Registry::new(quiesce, timeout, generations, config.metrics.clone())
     });
+    if args.handover.handover_fdstore {
+        crate::handover::fdstore::check_room(admission.connections.max_connections);
+    }
     config.read_cache = args.cache.settings(
         args.routing.upstream.is_some(),
         args.relay.common.max_payload,

@@ -46,7 +46,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
 
     let runtime = runtime(threads)?;
     runtime.block_on(async move {
-        let handover::Opened { listeners, predecessor, mut successor, gate } = opened;
+        let handover::Opened { listeners, predecessor, mut successor, gate, stored, fdstore } = opened;
         // A successor accepts only once the running gateway has stopped.
         if let Some(successor) = &mut successor {
             tokio::task::block_in_place(|| successor.commit())?;
@@ -66,10 +66,10 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         // only waits): each accepted connection's task then starts on the
         // worker that accepted it, instead of one thread waking another
         // for every connection (bench/RESULTS.md, handshake CPU).
-        let (stop, on_stop) = stop_signal();
+        let (stop, on_stop) = stop_signal(fdstore.zip(config.handover.clone()));
         let metrics = config.metrics.clone();
         let config = Arc::new(config);
-        let serving = serve_with_successor(listener, config, (stop, gate), successor, &metrics);
+        let serving = serve_with_successor(listener, config, (stop, gate), (successor, stored), &metrics);
         if let Some(predecessor) = predecessor {
             tokio::spawn(serve_successors(predecessor, on_stop));
         }
@@ -90,7 +90,10 @@ fn serve_with_successor(
         impl std::future::Future<Output = ()> + Send + 'static,
         handover::Gate,
     ),
-    successor: Option<handover::successor::Successor>,
+    (successor, stored): (
+        Option<handover::successor::Successor>,
+        handover::fdstore::restore::Found,
+    ),
     metrics: &crate::metrics::Metrics,
 ) -> tokio::task::JoinHandle<std::io::Result<()>> {
     let (resumed, resumed_rx) = tokio::sync::mpsc::channel(64);
@@ -101,6 +104,15 @@ fn serve_with_successor(
         gate,
         resumed_rx,
     ));
+    if !stored.by_name.is_empty() {
+        let (config, resumed) = (config.clone(), resumed.clone());
+        tokio::task::spawn_blocking(move || {
+            let notifier = handover::fdstore::notify::Notifier::from_env();
+            handover::fdstore::restore::take(stored, &config, &notifier, |r| {
+                resumed.blocking_send(r).is_ok()
+            })
+        });
+    }
     let sessions = successor.and_then(|s| tokio::task::block_in_place(|| s.serving(metrics)));
     if let Some(sessions) = sessions {
         tokio::task::spawn_blocking(move || {
@@ -111,11 +123,24 @@ fn serve_with_successor(
 }
 
 /// The stop signal for the accept loop, also told to the hand-over
-/// socket's task.
-fn stop_signal() -> (impl std::future::Future<Output = ()>, oneshot::Receiver<()>) {
+/// socket's task. With `--handover-fdstore` (`give`), accepting pauses
+/// at the signal (connections wait in the backlog, which systemd keeps
+/// for the next instance) and the sessions go to systemd's
+/// file-descriptor store before the drain of the rest begins.
+fn stop_signal(
+    give: Option<(handover::gate::GateControl, Arc<crate::handing::Registry>)>,
+) -> (impl std::future::Future<Output = ()>, oneshot::Receiver<()>) {
     let (stopped, on_stop) = oneshot::channel();
     let stop = async move {
         stopping().await;
+        if let Some((control, registry)) = give {
+            control.set(handover::gate::Accepting::Paused);
+            let notifier = handover::fdstore::notify::Notifier::from_env();
+            let gave = tokio::task::spawn_blocking(move || {
+                handover::fdstore::stash::give(&registry, &notifier)
+            });
+            let _ = gave.await;
+        }
         let _ = stopped.send(());
     };
     (stop, on_stop)

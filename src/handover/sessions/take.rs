@@ -101,7 +101,7 @@ fn offer(
     }
 }
 
-fn resume(
+pub(crate) fn resume(
     (was, given): (u64, Option<(Offer, Judged)>),
     (handover, body): ([u8; 16], &[u8]),
     fds: Vec<OwnedFd>,
