@@ -95,12 +95,7 @@ fn read(args: &ServeArgs) -> Result<(Reloader, Option<PolicyReloader>, Config)> 
     config.kernel_tls = kernel_tls;
     config.kernel_tls_no_rekey = kernel_tls_no_rekey;
     config.ktls_key_limit = args.tls.ktls_key_limit;
-    config.handover = handover.then(|| {
-        let quiesce = Duration::from_secs_f64(args.handover.handover_quiesce_timeout);
-        let timeout = Duration::from_secs(args.handover.handover_timeout);
-        let generations = args.handover.handover_max_key_generations;
-        crate::handing::Registry::new(quiesce, timeout, generations, config.metrics.clone())
-    });
+    config.handover = handover.then(|| handover_registry(args, &config));
     if args.handover.handover_fdstore {
         crate::handover::fdstore::check_room(admission.connections.max_connections);
     }
@@ -120,6 +115,16 @@ fn read(args: &ServeArgs) -> Result<(Reloader, Option<PolicyReloader>, Config)> 
         }
     }
     Ok((reloader, policy, config))
+}
+
+/// The sessions a successor (or the next instance, through systemd's
+/// file-descriptor store) may be handed, with the hand-over's bounds.
+fn handover_registry(args: &ServeArgs, config: &Config) -> Arc<crate::handing::Registry> {
+    let flags = &args.handover;
+    let quiesce = Duration::from_secs_f64(flags.handover_quiesce_timeout);
+    let timeout = Duration::from_secs(flags.handover_timeout);
+    let generations = flags.handover_max_key_generations;
+    crate::handing::Registry::new(quiesce, timeout, generations, config.metrics.clone())
 }
 
 /// The settings taken as the flags give them; what is derived from the
