@@ -340,6 +340,15 @@ fn tls12_structured_replies_a_half_sent_request_rides_through() {
 /// A raw client in transmission on `old`, its first block written and
 /// read back.
 fn raw_session(env: &Env, port: u16) -> RawClient {
+    raw_session_with(env, port, &[])
+}
+
+/// `raw_session` limited to `versions` (empty: rustls's defaults).
+fn raw_session_with(
+    env: &Env,
+    port: u16,
+    versions: &[&'static rustls::SupportedProtocolVersion],
+) -> RawClient {
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let certs = env.certs();
     let config = client_tls(
@@ -348,7 +357,7 @@ fn raw_session(env: &Env, port: u16) -> RawClient {
             &certs.join("client-cert.pem"),
             &certs.join("client-key.pem"),
         )),
-        &[],
+        versions,
     );
     let mut c = RawClient::handshake(addr);
     c.try_starttls(config).expect("TLS handshake");
@@ -365,13 +374,22 @@ fn raw_session(env: &Env, port: u16) -> RawClient {
 /// drains it as at SIGTERM: nothing was in flight, so it closes, and the
 /// successor admits the client's next connection only as it allows.
 fn narrower_successor_declines(extra: &[&str], class: &str) {
+    narrower_successor_declines_with(extra, class, &[]);
+}
+
+/// `narrower_successor_declines` with the client limited to `versions`.
+fn narrower_successor_declines_with(
+    extra: &[&str],
+    class: &str,
+    versions: &[&'static rustls::SupportedProtocolVersion],
+) {
     let env = Env::new();
     let image = env.random_image("disk.img", IMAGE_LEN, 3);
     let upstream = QemuNbd::start(&env, &image, &[]);
     let handover = private_dir(&env).join("handover.sock");
     let port = common::free_port();
     let mut old = generation(&env, &upstream.socket, port, &handover, false, &[]);
-    let mut c = raw_session(&env, port);
+    let mut c = raw_session_with(&env, port, versions);
     let new = generation(&env, &upstream.socket, port, &handover, true, extra);
     let status = old
         .wait_exit(Duration::from_secs(60))
@@ -406,6 +424,24 @@ fn a_successor_whose_policy_grants_less_declines_the_session() {
     let policy = env_dir.join("policy.toml");
     narrower_successor_declines(&["--policy", policy.to_str().unwrap()], "policy");
     std::fs::remove_dir_all(env_dir).unwrap();
+}
+
+/// A TLS 1.2 session to a successor that admits only TLS 1.3: declined,
+/// never served there with less than its configuration asks.
+#[test]
+fn a_successor_with_a_higher_tls_min_version_declines_a_tls12_session() {
+    narrower_successor_declines_with(
+        &["--tls-min-version", "1.3"],
+        "tls",
+        &[&rustls::version::TLS12],
+    );
+}
+
+/// A session that negotiated X25519 (the test client offers no hybrid)
+/// to a successor accepting only P-256: declined.
+#[test]
+fn a_successor_that_no_longer_accepts_the_sessions_key_exchange_group_declines_it() {
+    narrower_successor_declines(&["--tls-groups", "secp256r1"], "tls");
 }
 
 /// A policy that grants the test client read-only access to every export.

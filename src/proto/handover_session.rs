@@ -40,6 +40,8 @@ pub struct Offer {
     /// The protocol version (0x0303, 0x0304) and the suite's IANA number.
     pub tls_version: u16,
     pub suite: u16,
+    /// The key exchange group's IANA number (0: not known).
+    pub group: u16,
     pub mode: ReplyMode,
     pub read_only: bool,
     /// The access granted: true read-write, false read-only.
@@ -85,6 +87,7 @@ impl Offer {
         put_str(&mut out, &self.upstream);
         put_u16(&mut out, self.tls_version);
         put_u16(&mut out, self.suite);
+        put_u16(&mut out, self.group);
         out.push(mode_code(self.mode));
         out.push(u8::from(self.read_only));
         out.push(u8::from(self.read_write));
@@ -119,6 +122,7 @@ impl Offer {
             upstream: r.str(MAX_PATH, "upstream path")?.to_vec(),
             tls_version: r.u16()?,
             suite: r.u16()?,
+            group: r.u16()?,
             mode: match r.u8()? {
                 0 => ReplyMode::Simple,
                 1 => ReplyMode::Structured,
@@ -272,6 +276,7 @@ mod tests {
             upstream: b"/run/qemu.sock".to_vec(),
             tls_version: 0x0304,
             suite: 0x1301,
+            group: 0x11ec,
             mode: ReplyMode::Extended,
             read_only: false,
             read_write: true,

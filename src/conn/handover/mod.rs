@@ -199,6 +199,9 @@ pub fn offer(tls: &ClientTls, session: &super::session::Session) -> Offer {
     let suite = conn
         .negotiated_cipher_suite()
         .map_or(0, |s| u16::from(s.suite()));
+    let group = conn
+        .negotiated_key_exchange_group()
+        .map_or(0, |g| u16::from(g.name()));
     Offer {
         chain,
         sni: conn.server_name().map(str::to_string),
@@ -212,6 +215,7 @@ pub fn offer(tls: &ClientTls, session: &super::session::Session) -> Offer {
             .to_vec(),
         tls_version,
         suite,
+        group,
         mode: session.mode,
         read_only: session.read_only,
         read_write: session.access == crate::policy::Access::ReadWrite,

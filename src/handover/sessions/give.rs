@@ -109,6 +109,8 @@ fn decline_class(reason: &str) -> &'static str {
         "certificate" => "declined_certificate",
         "policy" => "declined_policy",
         "export" => "declined_export",
+        "tls" => "declined_tls",
+        "limits" => "declined_limits",
         _ => "declined_other",
     }
 }

@@ -16,6 +16,7 @@ use crate::identity::CertInfo;
 use crate::policy::Access;
 use crate::proto::handover_session::Offer;
 use crate::tls::handover::state::suite_params;
+use crate::tls::MinVersion;
 
 /// What an admitted session is, here.
 pub struct Judged {
@@ -33,6 +34,7 @@ pub fn judge(offer: &Offer, config: &Config) -> Result<Judged, String> {
             offer.suite
         ));
     }
+    tls(offer, config)?;
     let identity = certificate(offer, config)?;
     let held = if offer.read_write {
         Access::ReadWrite
@@ -57,6 +59,46 @@ pub fn judge(offer: &Offer, config: &Config) -> Result<Judged, String> {
         access: held,
         rule,
     })
+}
+
+/// The TLS settings this process would negotiate: a session of an older
+/// version than `--tls-min-version`, or a suite or key exchange group
+/// this configuration does not offer, is one it would not admit. A
+/// session that recorded no group (0) is judged on the rest.
+fn tls(offer: &Offer, config: &Config) -> Result<(), String> {
+    let min = match config.tls.min_version() {
+        MinVersion::Tls12 => 0x0303,
+        MinVersion::Tls13 => 0x0304,
+    };
+    if offer.tls_version < min {
+        return Err(format!(
+            "tls: TLS version {:#06x} is below this gateway's --tls-min-version",
+            offer.tls_version
+        ));
+    }
+    let server = config.tls.current();
+    let provider = server.crypto_provider();
+    let suite_here = provider
+        .cipher_suites
+        .iter()
+        .any(|s| u16::from(s.suite()) == offer.suite);
+    if !suite_here {
+        return Err(format!(
+            "tls: cipher suite {:#06x} is not offered by this gateway",
+            offer.suite
+        ));
+    }
+    let group_here = provider
+        .kx_groups
+        .iter()
+        .any(|g| u16::from(g.name()) == offer.group);
+    if offer.group != 0 && !group_here {
+        return Err(format!(
+            "tls: key exchange group {:#06x} is not accepted by this gateway (--tls-groups)",
+            offer.group
+        ));
+    }
+    Ok(())
 }
 
 /// The chain through this process's client certificate check; an
