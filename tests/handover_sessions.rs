@@ -444,6 +444,14 @@ fn a_successor_that_no_longer_accepts_the_sessions_key_exchange_group_declines_i
     narrower_successor_declines(&["--tls-groups", "secp256r1"], "tls");
 }
 
+/// A successor with a lower --max-payload than the old gateway's (the
+/// default 32 MiB): declined, so a write the client may still send is
+/// never cut in the middle of the session.
+#[test]
+fn a_successor_with_a_lower_max_payload_declines_the_session() {
+    narrower_successor_declines(&["--max-payload", "1048576"], "limits");
+}
+
 /// A policy that grants the test client read-only access to every export.
 fn tempfile_policy() -> PathBuf {
     let dir = std::env::temp_dir().join(format!("nbdgw-i29-policy-{}", std::process::id()));

@@ -337,7 +337,7 @@ fn handable(session: session::Session, link: &Link<'_>) -> Result<Handable, Box<
     use tokio_util::either::Either;
     let offer = match &session.tls {
         Either::Left(tls) if matches!(tls.get_ref().0, Either::Left(tail) if tail.is_on()) => {
-            handover::offer(tls, &session)
+            handover::offer(tls, &session, link.config.relay.max_payload)
         }
         _ => return Err(Box::new(session)),
     };

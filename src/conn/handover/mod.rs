@@ -187,7 +187,9 @@ fn lost(link: &Link<'_>, why: &str) -> ConnError {
 }
 
 /// The offer for a rustls session: what a successor judges.
-pub fn offer(tls: &ClientTls, session: &super::session::Session) -> Offer {
+/// `max_payload`: this process's `--max-payload`, which the relay holds
+/// the session to.
+pub fn offer(tls: &ClientTls, session: &super::session::Session, max_payload: u32) -> Offer {
     let conn = tls.get_ref().1;
     let chain = conn
         .peer_certificates()
@@ -216,6 +218,7 @@ pub fn offer(tls: &ClientTls, session: &super::session::Session) -> Offer {
         tls_version,
         suite,
         group,
+        max_payload,
         mode: session.mode,
         read_only: session.read_only,
         read_write: session.access == crate::policy::Access::ReadWrite,

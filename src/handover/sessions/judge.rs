@@ -35,6 +35,7 @@ pub fn judge(offer: &Offer, config: &Config) -> Result<Judged, String> {
         ));
     }
     tls(offer, config)?;
+    limits(offer, config)?;
     let identity = certificate(offer, config)?;
     let held = if offer.read_write {
         Access::ReadWrite
@@ -96,6 +97,21 @@ fn tls(offer: &Offer, config: &Config) -> Result<(), String> {
         return Err(format!(
             "tls: key exchange group {:#06x} is not accepted by this gateway (--tls-groups)",
             offer.group
+        ));
+    }
+    Ok(())
+}
+
+/// The per-request limits the relay applies here must allow whatever the
+/// session was allowed there: otherwise its next large request would be
+/// cut mid-session (and blamed on the client); declined, it drains in the
+/// old gateway instead.
+fn limits(offer: &Offer, config: &Config) -> Result<(), String> {
+    let here = config.relay.max_payload;
+    if here < offer.max_payload {
+        return Err(format!(
+            "limits: --max-payload {here} is below the {} bytes the session may send",
+            offer.max_payload
         ));
     }
     Ok(())
