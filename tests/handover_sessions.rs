@@ -452,6 +452,56 @@ fn a_successor_with_a_lower_max_payload_declines_the_session() {
     narrower_successor_declines(&["--max-payload", "1048576"], "limits");
 }
 
+/// Two sessions of one client to a successor allowing it one session
+/// (--max-sessions-per-identity 1): the slot is reserved when the first
+/// offer is accepted, so the second is declined (class limits) and
+/// drains in the old gateway, never taken and then closed; the first
+/// rides through.
+#[test]
+fn a_session_over_the_successors_session_limits_is_declined_not_closed_after_it_moved() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 4);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &[]);
+    let a = raw_session(&env, port);
+    let b = raw_session(&env, port);
+    let limit = ["--max-sessions-per-identity", "1"];
+    let new = generation(&env, &upstream.socket, port, &handover, true, &limit);
+    let status = old
+        .wait_exit(Duration::from_secs(60))
+        .expect("the old gateway exits");
+    let log = old.log();
+    assert!(status.success(), "{log}");
+    assert_eq!(
+        log.matches("the successor serves the session").count(),
+        1,
+        "{log}"
+    );
+    assert!(log.contains("the successor declined the session"), "{log}");
+    assert!(log.contains("limits:"), "{log}");
+    assert!(!log.contains("could not serve"), "{log}");
+    // Which of the two moved is the order of the offers (a is conn 1):
+    // the declined one was drained (closed, nothing in flight), the other
+    // still answers, from the successor.
+    let declined = log
+        .lines()
+        .find(|l| l.contains("the successor declined the session"))
+        .unwrap();
+    let (mut moved, mut drained) = if declined.contains("conn=1 ") {
+        (b, a)
+    } else {
+        (a, b)
+    };
+    drained.expect_closed();
+    assert_eq!(moved.read(4, 0, 4096), vec![5; 4096]);
+    moved.disconnect();
+    let (status, log) = new.stop();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("serving a session handed over"), "{log}");
+}
+
 /// A policy that grants the test client read-only access to every export.
 fn tempfile_policy() -> PathBuf {
     let dir = std::env::temp_dir().join(format!("nbdgw-i29-policy-{}", std::process::id()));

@@ -94,9 +94,10 @@ fn serve_with_successor(
     metrics: &crate::metrics::Metrics,
 ) -> tokio::task::JoinHandle<std::io::Result<()>> {
     let (resumed, resumed_rx) = tokio::sync::mpsc::channel(64);
+    let admission = crate::admission::Admission::new(&config);
     let serving = tokio::spawn(crate::server::run_resuming(
         listener,
-        config.clone(),
+        (config.clone(), admission.clone()),
         stop,
         gate,
         resumed_rx,
@@ -104,7 +105,7 @@ fn serve_with_successor(
     let sessions = successor.and_then(|s| tokio::task::block_in_place(|| s.serving(metrics)));
     if let Some(sessions) = sessions {
         tokio::task::spawn_blocking(move || {
-            sessions.take(&config, |r| resumed.blocking_send(r).is_ok())
+            sessions.take((&config, &admission), |r| resumed.blocking_send(r).is_ok())
         });
     }
     serving

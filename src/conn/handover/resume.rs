@@ -11,11 +11,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tokio::net::{TcpStream, UnixStream};
-use tracing::{info, warn, Instrument};
+use tracing::{info, Instrument};
 
 use super::extract::Resumable;
 use super::{register, transmit, Relaying};
-use crate::admission::{Admission, Identity};
+use crate::admission::Admission;
 use crate::config::Config;
 use crate::conn::error::{ConnError, Side};
 use crate::conn::prefixed::Prefixed;
@@ -91,11 +91,8 @@ async fn run(resumed: Resumed, link: &Link<'_>) -> Result<&'static str, ConnErro
         ..
     } = resumed;
     let anonymous = offer.chain.is_empty();
-    let who = Identity::of((!anonymous).then_some(&judged.identity));
-    let _slot = link.admission.session(who).map_err(|refusal| {
-        warn!(reason = %refusal, "hand-over: no session slot here for a session handed over; closing it");
-        ConnError::closed(Side::Client, "at a hand-over: no session slot")
-    })?;
+    // Reserved when the offer was accepted (`judge`): held to the end.
+    let _slot = judged.slot;
     let chain: Vec<_> = offer
         .chain
         .iter()

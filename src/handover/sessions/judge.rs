@@ -11,6 +11,7 @@
 
 use rustls::pki_types::{CertificateDer, UnixTime};
 
+use crate::admission::{Admission, Identity, SessionPermit};
 use crate::config::Config;
 use crate::identity::CertInfo;
 use crate::policy::Access;
@@ -24,10 +25,16 @@ pub struct Judged {
     pub access: Access,
     /// `policy:N`, `--allow-*` or `open`, and the rule's line.
     pub rule: (String, usize),
+    /// Its session slot here (`--max-connections`,
+    /// `--max-sessions-per-identity`), reserved when the offer is
+    /// accepted: a session over the limits is declined and drains in the
+    /// old gateway, never closed after its state left. Given back when the
+    /// offer is withdrawn or its state lost; the session holds it.
+    pub slot: SessionPermit,
 }
 
 /// Why not: `class: words`, the class one of the metric's labels.
-pub fn judge(offer: &Offer, config: &Config) -> Result<Judged, String> {
+pub fn judge(offer: &Offer, (config, admission): (&Config, &Admission)) -> Result<Judged, String> {
     if suite_params(offer.suite).is_none() {
         return Err(format!(
             "other: cipher suite {:#06x} is not handed over",
@@ -50,6 +57,11 @@ pub fn judge(offer: &Offer, config: &Config) -> Result<Judged, String> {
         ));
     };
     upstream(offer, config)?;
+    let who = Identity::of((!offer.chain.is_empty()).then_some(&identity));
+    let slot = admission.session(who).map_err(|refusal| {
+        config.metrics.session_refused(refusal.metric_reason());
+        format!("limits: {refusal}")
+    })?;
     let rule = match decision.rule {
         Some(rule) => (format!("policy:{}", rule.number), rule.line),
         None if config.allow_lists => ("--allow-*".to_string(), 0),
@@ -59,6 +71,7 @@ pub fn judge(offer: &Offer, config: &Config) -> Result<Judged, String> {
         identity,
         access: held,
         rule,
+        slot,
     })
 }
 
