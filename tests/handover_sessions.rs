@@ -590,6 +590,58 @@ fn a_session_not_quiet_in_time_is_withdrawn_and_its_request_served_by_the_old_ga
     assert!(status.success(), "{log}");
 }
 
+/// A session that finishes negotiating after the old gateway listed its
+/// sessions (its TLS up before, its OPT_GO sent once the offers began):
+/// offered in a further round and handed over, not drained just after
+/// its connect succeeded. A second session, a write's payload half sent,
+/// keeps the first round open (withdrawn at the quiesce timeout).
+#[test]
+fn a_session_negotiated_while_the_sessions_are_offered_is_offered_in_a_further_round() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 6);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let quiesce = ["--handover-quiesce-timeout", "3"];
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &quiesce);
+    let mut slow = raw_session(&env, port);
+    let mut request = slow.request_bytes(0, CMD_WRITE, 7, 8192, 65536);
+    request.extend_from_slice(&[9; 65536]);
+    slow.send(&request[..1000]);
+    let certs = env.certs();
+    let config = client_tls(
+        &certs.join("ca-cert.pem"),
+        Some((
+            &certs.join("client-cert.pem"),
+            &certs.join("client-key.pem"),
+        )),
+        &[],
+    );
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let mut late = RawClient::handshake(addr);
+    late.try_starttls(config).expect("TLS handshake");
+    let new = generation(&env, &upstream.socket, port, &handover, true, &[]);
+    old.wait_for_log("offering the sessions", 1);
+    late.go(ReplyMode::Structured);
+    late.write(1, 0, &[6; 4096]);
+    assert_eq!(late.read_reply(0).last().unwrap().error_code(), 0);
+    old.wait_for_log("not quiet in time", 1);
+    slow.send(&request[1000..]);
+    assert_eq!(slow.read_reply(0).last().unwrap().error_code(), 0);
+    let status = old
+        .wait_exit(Duration::from_secs(60))
+        .expect("the old gateway exits");
+    let log = old.log();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("the successor serves the session"), "{log}");
+    assert_eq!(late.read(2, 0, 4096), vec![6; 4096], "{log}");
+    assert_eq!(late.read(3, 8192, 65536), vec![9; 65536]);
+    late.disconnect();
+    slow.expect_closed();
+    let (status, log) = new.stop();
+    assert!(status.success(), "{log}");
+}
+
 /// python3-libnbd: `n` idle connections, then (told on stdin) one read
 /// on each; prints how many failed.
 const MANY_IDLE: &str = r#"

@@ -28,38 +28,59 @@ use crate::proto::handover_session::State;
 const TAKE_MARGIN: Duration = Duration::from_secs(2);
 
 /// Offers every registered session to the successor and hands over those
-/// it accepts. An error ends the exchange: sessions not sent stay here.
+/// it accepts; then, in further rounds, the sessions that finished
+/// negotiating meanwhile (the listeners left with the successor, but the
+/// connections accepted before go on negotiating, and would otherwise be
+/// drained just after their connect succeeded), until a round finds none
+/// or `--handover-timeout` has passed since the first. An error ends the
+/// exchange: sessions not sent stay here.
 pub fn give(channel: &mut Channel, registry: &Registry) -> Result<(), ChannelError> {
-    let listed = registry.list();
-    let outcome = exchange(channel, registry, &listed);
-    // Whatever happened: nobody waits for a report any more, and a
-    // session still asked to go quiet reads on (and drains).
-    for session in &listed {
-        session.slot.close();
-        session.hook.cancel();
-    }
-    outcome
-}
-
-fn exchange(
-    channel: &mut Channel,
-    registry: &Registry,
-    listed: &[Listed],
-) -> Result<(), ChannelError> {
     let bound = |channel: &mut Channel| channel.set_deadline(Instant::now() + registry.timeout);
     let handover = random_id();
     bound(channel);
     channel.send(&Message::Sessions { handover }, &[])?;
-    info!(
-        sessions = listed.len(),
-        "hand-over: offering the sessions to the successor"
-    );
+    let last_round = Instant::now() + registry.timeout;
+    let mut seen = HashSet::new();
+    loop {
+        let listed: Vec<Listed> = registry
+            .list()
+            .into_iter()
+            .filter(|l| seen.insert(l.id))
+            .collect();
+        if listed.is_empty() && !seen.is_empty() {
+            break;
+        }
+        info!(
+            sessions = listed.len(),
+            "hand-over: offering the sessions to the successor"
+        );
+        let outcome = round(channel, registry, handover, &listed);
+        // Whatever happened: nobody waits for a report any more, and a
+        // session still asked to go quiet reads on (and drains).
+        for session in &listed {
+            session.slot.close();
+            session.hook.cancel();
+        }
+        outcome?;
+        if listed.is_empty() || Instant::now() >= last_round {
+            break;
+        }
+    }
+    bound(channel);
+    channel.send(&Message::Done, &[])
+}
+
+/// One round: these sessions offered, and the accepted ones handed over.
+fn round(
+    channel: &mut Channel,
+    registry: &Registry,
+    handover: [u8; 16],
+    listed: &[Listed],
+) -> Result<(), ChannelError> {
     let (tx, rx) = mpsc::channel();
     let waiting = answers(channel, registry, listed, &tx)?;
     drop(tx);
-    states(channel, registry, (handover, waiting), (listed, &rx))?;
-    bound(channel);
-    channel.send(&Message::Done, &[])
+    states(channel, registry, (handover, waiting), (listed, &rx))
 }
 
 /// Each offer, and its Accept or Decline before the next (in lock-step:
