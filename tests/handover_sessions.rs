@@ -30,6 +30,19 @@ fn generation(
     take_over: bool,
     extra: &[&str],
 ) -> NbdgwProcess {
+    let process = spawn_generation(env, upstream, port, (handover, take_over), extra);
+    process.wait_for_log("nbdgw listening", 1);
+    process
+}
+
+/// `generation`, not waiting for it to listen.
+fn spawn_generation(
+    env: &Env,
+    upstream: &Path,
+    port: u16,
+    (handover, take_over): (&Path, bool),
+    extra: &[&str],
+) -> NbdgwProcess {
     let mut cmd = Command::new(nbdgw_binary());
     cmd.arg("--tls-dir")
         .arg(env.certs())
@@ -44,9 +57,7 @@ fn generation(
     if take_over {
         cmd.arg("--take-over").arg(handover);
     }
-    let process = NbdgwProcess::spawn(cmd, port);
-    process.wait_for_log("nbdgw listening", 1);
-    process
+    NbdgwProcess::spawn(cmd, port)
 }
 
 /// A directory only root may write into, for the hand-over socket.
@@ -639,6 +650,56 @@ fn a_session_negotiated_while_the_sessions_are_offered_is_offered_in_a_further_r
     late.disconnect();
     slow.expect_closed();
     let (status, log) = new.stop();
+    assert!(status.success(), "{log}");
+}
+
+/// A gateway still taking sessions from its own old gateway is not taken
+/// over until it has them all: a third generation started meanwhile
+/// waits. Before, it took the middle one over at once, and a session
+/// going quiet late in the first (its write's payload half sent) had its
+/// state refused there ("this gateway is stopping") and was closed.
+/// Here the late session is withdrawn at the quiesce timeout and its
+/// write answered by the first gateway.
+#[test]
+fn a_gateway_still_taking_sessions_is_not_taken_over_until_it_has_them() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 8);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let quiesce = ["--handover-quiesce-timeout", "4"];
+    let mut a = generation(&env, &upstream.socket, port, &handover, false, &quiesce);
+    let mut slow = raw_session(&env, port);
+    let mut request = slow.request_bytes(0, CMD_WRITE, 7, 8192, 65536);
+    request.extend_from_slice(&[9; 65536]);
+    slow.send(&request[..1000]);
+    let mut b = generation(&env, &upstream.socket, port, &handover, true, &[]);
+    let c = spawn_generation(&env, &upstream.socket, port, (&handover, true), &[]);
+    // Whichever comes first: the third serving (it took the middle one
+    // over) or the first withdrawing the late session.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while c.count_in_log("nbdgw listening") == 0 && a.count_in_log("not quiet in time") == 0 {
+        assert!(std::time::Instant::now() < deadline, "{}", c.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    slow.send(&request[1000..]);
+    let reply = slow.read_reply(0);
+    assert_eq!(reply.last().unwrap().error_code(), 0);
+    let status = a
+        .wait_exit(Duration::from_secs(60))
+        .expect("the first gateway exits");
+    let log = a.log();
+    assert!(status.success(), "{log}");
+    assert!(!log.contains("could not serve the session"), "{log}");
+    c.wait_for_log("nbdgw listening", 1);
+    let status = b
+        .wait_exit(Duration::from_secs(60))
+        .expect("the middle gateway exits");
+    assert!(status.success(), "{}", b.log());
+    let mut check = raw_session(&env, port);
+    assert_eq!(check.read(8, 8192, 65536), vec![9; 65536]);
+    check.disconnect();
+    let (status, log) = c.stop();
     assert!(status.success(), "{log}");
 }
 
