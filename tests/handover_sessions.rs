@@ -703,6 +703,50 @@ fn a_gateway_still_taking_sessions_is_not_taken_over_until_it_has_them() {
     assert!(status.success(), "{log}");
 }
 
+/// The pause recorded for a session runs from when its request side
+/// stopped to the successor's Taken: a session that finished a write
+/// first (its payload held 4 s after the hand-over began) was served
+/// meanwhile, and its pause does not include those seconds. Before, it
+/// was counted from when it was asked (pause_ms over 4000). The bound
+/// asserted is generous (3 s): it separates the two, it times nothing.
+#[test]
+fn the_pause_recorded_runs_from_the_sessions_own_stop() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 9);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let quiesce = ["--handover-quiesce-timeout", "30"];
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &quiesce);
+    let mut c = raw_session(&env, port);
+    let mut request = c.request_bytes(0, CMD_WRITE, 7, 8192, 65536);
+    request.extend_from_slice(&[9; 65536]);
+    c.send(&request[..1000]);
+    let new = generation(&env, &upstream.socket, port, &handover, true, &[]);
+    old.wait_for_log("offering the sessions", 1);
+    std::thread::sleep(Duration::from_secs(4)); // the hold being measured, not a synchronization
+    c.send(&request[1000..]);
+    assert_eq!(c.read_reply(0).last().unwrap().error_code(), 0);
+    let status = old
+        .wait_exit(Duration::from_secs(60))
+        .expect("the old gateway exits");
+    let log = old.log();
+    assert!(status.success(), "{log}");
+    let pause: u64 = log
+        .lines()
+        .find(|l| l.contains("the successor serves the session"))
+        .and_then(|l| l.split("pause_ms=").nth(1))
+        .and_then(|v| v.split_whitespace().next())
+        .expect("a pause_ms")
+        .parse()
+        .unwrap();
+    assert!(pause < 3000, "pause_ms={pause}: {log}");
+    assert_eq!(c.read(8, 8192, 65536), vec![9; 65536]);
+    c.disconnect();
+    let (status, log) = new.stop();
+    assert!(status.success(), "{log}");
+}
+
 /// python3-libnbd: `n` idle connections, then (told on stdin) one read
 /// on each; prints how many failed.
 const MANY_IDLE: &str = r#"

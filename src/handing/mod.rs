@@ -53,7 +53,9 @@ pub struct Ready {
     pub counts: [u64; 4],
     pub tcp: OwnedFd,
     pub upstream: OwnedFd,
-    /// When it stopped reading requests.
+    /// When it stopped reading requests (not when it was asked to: a
+    /// session finishing a request was served meanwhile); its pause runs
+    /// from here to the successor's Taken.
     pub stopped_at: Instant,
 }
 

@@ -173,7 +173,9 @@ fn ready(
         counts: [c.requests, c.replies, c.bytes_in, c.bytes_out],
         tcp,
         upstream,
-        stopped_at: handover.hook().asked_at().unwrap_or_else(Instant::now),
+        stopped_at: (handover.hook().stopped_at())
+            .or(handover.hook().asked_at())
+            .unwrap_or_else(Instant::now),
     })
 }
 
