@@ -57,6 +57,9 @@ pub struct Ready {
     /// session finishing a request was served meanwhile); its pause runs
     /// from here to the successor's Taken.
     pub stopped_at: Instant,
+    /// Told whether the successor serves it (Taken), or why not: the
+    /// session's own audit line says which, not just that its state left.
+    pub delivered: tokio::sync::oneshot::Sender<Result<(), String>>,
 }
 
 /// One session's place in the registry; removed when dropped.

@@ -69,7 +69,7 @@ impl Sessions {
         match super::sessions::take::take(&mut self.channel, judging, self.timeout, serve) {
             Ok(()) => info!("take-over: the old gateway has handed over its sessions"),
             Err(e) => {
-                warn!(error = %e, "take-over: the session hand-over ended early; sessions not handed over drain in the old gateway")
+                warn!(error = %e, "take-over: the session hand-over ended early; sessions not handed over drain in the old gateway, or were closed with it if it died")
             }
         }
     }

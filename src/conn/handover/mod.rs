@@ -137,17 +137,31 @@ async fn hand_over<S: Handable>(
         }
         Err(TakeError::Lost(why)) => return Err(lost(link, &why)),
     };
-    let ready = ready(taken, back, upstream, handover, link)?;
-    match handover.report(Outcome::Ready(Box::new(ready))) {
-        Ok(()) => Ok(Step::HandedOver),
-        Err(_) => Err(lost(link, "the hand-over gave up as the state was taken")),
+    let (delivered, told) = tokio::sync::oneshot::channel();
+    let ready = ready(taken, (back, delivered), upstream, handover, link)?;
+    if handover.report(Outcome::Ready(Box::new(ready))).is_err() {
+        return Err(lost(link, "the hand-over gave up as the state was taken"));
     }
+    // The hand-over's every step is bounded: it answers or drops `told`.
+    match told.await {
+        Ok(Ok(())) => Ok(Step::HandedOver),
+        Ok(Err(why)) => Err(not_served(&why)),
+        Err(_) => Err(not_served("the hand-over ended")),
+    }
+}
+
+/// A session whose state left but which the successor does not serve
+/// (counted and logged by the hand-over): closed, and its audit line
+/// says so.
+fn not_served(why: &str) -> ConnError {
+    let error = std::io::Error::other(format!("hand-over failed: {why}"));
+    ConnError::io(Side::Client, "at a hand-over")(error)
 }
 
 /// The State's parts: the plaintext read ahead goes before rustls's.
 fn ready(
     taken: Taken,
-    back: Vec<u8>,
+    (back, delivered): (Vec<u8>, tokio::sync::oneshot::Sender<Result<(), String>>),
     upstream: UnixStream,
     handover: &Registered,
     link: &Link<'_>,
@@ -176,6 +190,7 @@ fn ready(
         stopped_at: (handover.hook().stopped_at())
             .or(handover.hook().asked_at())
             .unwrap_or_else(Instant::now),
+        delivered,
     })
 }
 

@@ -208,23 +208,32 @@ fn send_outcome(
     match result {
         Ok(()) => {
             sent.insert(id, ready.stopped_at);
-            served(channel, registry, sent)
+            let served = served(channel, registry, sent);
+            let told = match &served {
+                Ok(answer) => answer.clone(),
+                Err(e) => Err(e.to_string()),
+            };
+            let _ = ready.delivered.send(told);
+            served.map(|_| ())
         }
         Err(e) => {
             // Taken and not delivered: closed, never resumed here.
             registry.metrics.session_handover("lost");
             warn!(conn = id, error = %e, "hand-over: the session's state could not be sent; it is closed");
+            let _ = ready
+                .delivered
+                .send(Err(format!("its state could not be sent: {e}")));
             Err(e)
         }
     }
 }
 
-/// Taken or Lost, for one State sent.
+/// Taken or Lost (why), for one State sent.
 fn served(
     channel: &mut Channel,
     registry: &Registry,
     sent: &HashMap<u64, Instant>,
-) -> Result<(), ChannelError> {
+) -> Result<Result<(), String>, ChannelError> {
     match channel.recv()? {
         (Message::Taken { id }, _) if sent.contains_key(&id) => {
             let pause = sent[&id].elapsed();
@@ -239,13 +248,13 @@ fn served(
                 pause_ms = pause.as_millis() as u64,
                 "hand-over: the successor serves the session"
             );
-            Ok(())
+            Ok(Ok(()))
         }
         (Message::Lost { id, reason }, _) if sent.contains_key(&id) => {
             registry.metrics.session_handover("lost");
             let reason = escape(&reason).into_owned();
             warn!(conn = id, %reason, "hand-over: the successor could not serve the session; it is closed");
-            Ok(())
+            Ok(Err(format!("the successor could not serve it: {reason}")))
         }
         (other, _) => Err(unexpected(channel, &other)),
     }
