@@ -746,6 +746,39 @@ fn the_pause_recorded_runs_from_the_sessions_own_stop() {
     assert!(status.success(), "{log}");
 }
 
+/// A session that ends while the hand-over waits for it to go quiet (its
+/// client closes in the middle of a write's payload) is reported ended at
+/// once, not "not quiet in time" after the whole quiesce timeout.
+#[test]
+fn a_session_ending_during_the_quiesce_is_reported_ended_at_once() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 10);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let quiesce = ["--handover-quiesce-timeout", "30"];
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &quiesce);
+    let mut c = raw_session(&env, port);
+    let mut request = c.request_bytes(0, CMD_WRITE, 7, 8192, 65536);
+    request.extend_from_slice(&[9; 65536]);
+    c.send(&request[..1000]);
+    let new = generation(&env, &upstream.socket, port, &handover, true, &[]);
+    old.wait_for_log("offering the sessions", 1);
+    drop(c);
+    let status = old
+        .wait_exit(Duration::from_secs(20))
+        .expect("the old gateway exits well within the quiesce timeout");
+    let log = old.log();
+    assert!(status.success(), "{log}");
+    assert!(
+        log.contains("the session ended before it was quiet"),
+        "{log}"
+    );
+    assert!(!log.contains("not quiet in time"), "{log}");
+    let (status, log) = new.stop();
+    assert!(status.success(), "{log}");
+}
+
 /// python3-libnbd: `n` idle connections, then (told on stdin) one read
 /// on each; prints how many failed.
 const MANY_IDLE: &str = r#"

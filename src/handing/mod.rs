@@ -43,6 +43,9 @@ pub enum Outcome {
     /// It stays here (not quiet in time, or its state could not be
     /// taken): why.
     Withdrawn(String),
+    /// It ended (the client left, a reload ended it) before it was quiet:
+    /// nothing to hand over, nothing to drain.
+    Ended,
 }
 
 /// A session's state and sockets, to be sent as one State.
@@ -148,7 +151,7 @@ impl Drop for Registered {
         self.registry.lock().remove(&self.id);
         // A session that ends while a hand-over waits for it (the client
         // left, a reload ended it) is not waited for until the timeout.
-        let _ = self.report(Outcome::Withdrawn("the session ended".into()));
+        let _ = self.report(Outcome::Ended);
     }
 }
 

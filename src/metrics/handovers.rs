@@ -37,7 +37,7 @@ impl Metrics {
         );
         r.register(
             "session_handovers",
-            "Sessions offered to a successor, by outcome: in the old gateway handed_over (the successor serves it), declined_certificate / declined_policy / declined_export / declined_tls / declined_limits / declined_other (the successor's configuration would not admit it as it is: it stays and drains), withdrawn (not quiet within --handover-quiesce-timeout, or its state could not be taken: it stays and drains), lost (its state left but the successor did not serve it: closed, never resumed here); in the successor resumed and lost",
+            "Sessions offered to a successor, by outcome: in the old gateway handed_over (the successor serves it), declined_certificate / declined_policy / declined_export / declined_tls / declined_limits / declined_other (the successor's configuration would not admit it as it is: it stays and drains), withdrawn (not quiet within --handover-quiesce-timeout, or its state could not be taken: it stays and drains), ended (it ended, the client gone, before it was quiet), lost (its state left but the successor did not serve it: closed, never resumed here); in the successor resumed and lost",
             self.sessions_handed.outcomes.clone(),
         );
         r.register(

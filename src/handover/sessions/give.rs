@@ -190,6 +190,14 @@ fn send_outcome(
             info!(conn = id, reason = %why, "hand-over: the session's state could not be taken; it stays here and drains");
             return channel.send(&Message::Withdraw { id }, &[]);
         }
+        Outcome::Ended => {
+            registry.metrics.session_handover("ended");
+            info!(
+                conn = id,
+                "hand-over: the session ended before it was quiet; nothing to hand over"
+            );
+            return channel.send(&Message::Withdraw { id }, &[]);
+        }
         Outcome::Ready(ready) => ready,
     };
     let state = State {
