@@ -779,6 +779,39 @@ fn a_session_ending_during_the_quiesce_is_reported_ended_at_once() {
     assert!(status.success(), "{log}");
 }
 
+/// A successor killed while a session is still going quiet (its write's
+/// payload half sent): the old gateway sees the hang-up and tells the
+/// session nobody waits, so it is served and drained there, not closed
+/// for a State that could not be sent.
+#[test]
+fn a_successor_dying_before_a_late_session_is_taken_leaves_it_to_drain() {
+    let env = Env::new();
+    let image = env.random_image("disk.img", IMAGE_LEN, 11);
+    let upstream = QemuNbd::start(&env, &image, &[]);
+    let handover = private_dir(&env).join("handover.sock");
+    let port = common::free_port();
+    let quiesce = ["--handover-quiesce-timeout", "30"];
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &quiesce);
+    let mut c = raw_session(&env, port);
+    let mut request = c.request_bytes(0, CMD_WRITE, 7, 8192, 65536);
+    request.extend_from_slice(&[9; 65536]);
+    c.send(&request[..1000]);
+    let new = generation(&env, &upstream.socket, port, &handover, true, &[]);
+    old.wait_for_log("offering the sessions", 1);
+    new.signal("KILL");
+    old.wait_for_log("the successor hung up", 1);
+    c.send(&request[1000..]);
+    assert_eq!(c.read_reply(0).last().unwrap().error_code(), 0);
+    let status = old
+        .wait_exit(Duration::from_secs(60))
+        .expect("the old gateway exits");
+    let log = old.log();
+    assert!(status.success(), "{log}");
+    assert!(!log.contains("could not be sent"), "{log}");
+    assert!(!log.contains("hand-over failed"), "{log}");
+    c.expect_closed();
+}
+
 /// python3-libnbd: `n` idle connections, then (told on stdin) one read
 /// on each; prints how many failed.
 const MANY_IDLE: &str = r#"

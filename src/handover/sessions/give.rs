@@ -149,9 +149,17 @@ fn states(
     let until = Instant::now() + registry.quiesce_timeout + TAKE_MARGIN;
     let mut sent = HashMap::new();
     while !waiting.is_empty() {
-        let Ok((id, outcome)) = rx.recv_timeout(until.saturating_duration_since(Instant::now()))
-        else {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
             break;
+        }
+        let (id, outcome) = match rx.recv_timeout(left.min(WATCH)) {
+            Ok(report) => report,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                hung_up(channel, listed)?;
+                continue;
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
         };
         waiting.remove(&id);
         send_outcome(channel, registry, (id, handover, outcome), &mut sent)?;
@@ -175,6 +183,29 @@ fn states(
         channel.send(&Message::Withdraw { id }, &[])?;
     }
     Ok(())
+}
+
+/// How often the wait for reports looks whether the successor is gone.
+const WATCH: Duration = Duration::from_millis(100);
+
+/// A successor that hung up (died) while sessions were going quiet: every
+/// session not yet taken is told at once that nobody waits (it then reads
+/// on here and drains), instead of having its state taken for a State
+/// that cannot be sent, and so being closed.
+fn hung_up(channel: &Channel, listed: &[Listed]) -> Result<(), ChannelError> {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let watched = PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR;
+    let mut fds = [PollFd::new(channel, watched)];
+    let now = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    if poll(&mut fds, Some(&now)).unwrap_or(0) == 0 || fds[0].revents().is_empty() {
+        return Ok(());
+    }
+    listed.iter().for_each(|session| session.slot.close());
+    warn!("hand-over: the successor hung up; the sessions not yet taken stay here and drain");
+    Err(ChannelError::Peer("the successor hung up".into()))
 }
 
 fn send_outcome(
