@@ -37,20 +37,21 @@ pub async fn run_gated(
     gate: Gate,
 ) -> std::io::Result<()> {
     let (_none, resumed) = mpsc::channel(1);
-    run_resuming(listener, config, shutdown, gate, resumed).await
+    let admission = Admission::new(&config);
+    run_resuming(listener, (config, admission), shutdown, gate, resumed).await
 }
 
 /// `run_gated`, also serving the sessions a predecessor hands over
 /// (`resumed`, `crate::handover`), as its own connections: drained and
-/// cut alike.
+/// cut alike. The admission is shared with the session take-over, which
+/// reserves a handed-over session's slot when it accepts the offer.
 pub async fn run_resuming(
     listener: TcpListener,
-    config: Arc<Config>,
+    (config, admission): (Arc<Config>, Arc<Admission>),
     shutdown: impl Future<Output = ()>,
     mut gate: Gate,
     mut resumed: mpsc::Receiver<crate::handover::sessions::take::Resumed>,
 ) -> std::io::Result<()> {
-    let admission = Admission::new(&config);
     let pre_header = crate::balancer::pending::Pending::new(config.proxy_protocol.pending);
     let mut connections = JoinSet::new();
     let mut next_id: u64 = 0;

@@ -344,7 +344,7 @@ fn handable(session: session::Session, link: &Link<'_>) -> Result<Handable, Box<
         Either::Right(_) => true,
     };
     let offer = match may {
-        true => handover::offer(&session.tls, &session),
+        true => handover::offer(&session.tls, &session, link.config.relay.max_payload),
         false => None,
     };
     let Some(registered) = offer.and_then(|offer| handover::register(link, &offer)) else {

@@ -15,6 +15,10 @@ pub struct Quiesce {
     changed: Notify,
     timeout: Duration,
     asked_at: Mutex<Option<Instant>>,
+    /// When the request side stopped, once asked: where the pause its
+    /// client sees begins (a session finishing a request began later
+    /// than it was asked).
+    stopped_at: Mutex<Option<Instant>>,
 }
 
 impl Quiesce {
@@ -25,6 +29,7 @@ impl Quiesce {
             changed: Notify::new(),
             timeout,
             asked_at: Mutex::new(None),
+            stopped_at: Mutex::new(None),
         }
     }
 
@@ -52,7 +57,13 @@ impl Quiesce {
     }
 
     pub fn set_stopped(&self) {
+        *self.stopped_at.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
         self.stopped.store(true, Ordering::SeqCst);
+    }
+
+    /// When the request side last stopped for a hand-over.
+    pub fn stopped_at(&self) -> Option<Instant> {
+        *self.stopped_at.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub fn is_stopped(&self) -> bool {

@@ -50,6 +50,9 @@ pub enum Outcome {
     /// It stays here (not quiet in time, or its state could not be
     /// taken): why.
     Withdrawn(String),
+    /// It ended (the client left, a reload ended it) before it was quiet:
+    /// nothing to hand over, nothing to drain.
+    Ended,
 }
 
 /// A session's state and sockets, to be sent as one State.
@@ -60,8 +63,13 @@ pub struct Ready {
     pub counts: [u64; 4],
     pub tcp: OwnedFd,
     pub upstream: OwnedFd,
-    /// When it stopped reading requests.
+    /// When it stopped reading requests (not when it was asked to: a
+    /// session finishing a request was served meanwhile); its pause runs
+    /// from here to the successor's Taken.
     pub stopped_at: Instant,
+    /// Told whether the successor serves it (Taken), or why not: the
+    /// session's own audit line says which, not just that its state left.
+    pub delivered: tokio::sync::oneshot::Sender<Result<(), String>>,
 }
 
 /// One session's place in the registry; removed when dropped.
@@ -161,7 +169,7 @@ impl Drop for Registered {
         self.registry.lock().remove(&self.id);
         // A session that ends while a hand-over waits for it (the client
         // left, a reload ended it) is not waited for until the timeout.
-        let _ = self.report(Outcome::Withdrawn("the session ended".into()));
+        let _ = self.report(Outcome::Ended);
     }
 }
 

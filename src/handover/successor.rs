@@ -76,13 +76,13 @@ impl Sessions {
     /// `serve` starts one (false: this gateway is stopping).
     pub fn take(
         mut self,
-        config: &crate::config::Config,
+        judging: (&crate::config::Config, &crate::admission::Admission),
         serve: impl Fn(super::sessions::take::Resumed) -> bool,
     ) {
-        match super::sessions::take::take(&mut self.channel, config, self.timeout, serve) {
+        match super::sessions::take::take(&mut self.channel, judging, self.timeout, serve) {
             Ok(()) => info!("take-over: the old gateway has handed over its sessions"),
             Err(e) => {
-                warn!(error = %e, "take-over: the session hand-over ended early; sessions not handed over drain in the old gateway")
+                warn!(error = %e, "take-over: the session hand-over ended early; sessions not handed over drain in the old gateway, or were closed with it if it died")
             }
         }
     }

@@ -49,6 +49,13 @@ pub struct Offer {
     pub suite: u16,
     /// In the kernel's record layer (kernel TLS), not rustls.
     pub kernel_tls: bool,
+    /// The key exchange group's IANA number (0: not known).
+    pub group: u16,
+    /// The largest request payload the old gateway accepts from this
+    /// client (its `--max-payload`, what NBD_INFO_BLOCK_SIZE told it at
+    /// most): a successor accepting less would cut a request the client
+    /// was allowed to send.
+    pub max_payload: u32,
     pub mode: ReplyMode,
     pub read_only: bool,
     /// The access granted: true read-write, false read-only.
@@ -97,6 +104,8 @@ impl Offer {
         put_str(&mut out, &self.upstream);
         put_u16(&mut out, self.tls_version);
         put_u16(&mut out, self.suite);
+        put_u16(&mut out, self.group);
+        put_u32(&mut out, self.max_payload);
         out.push(mode_code(self.mode));
         out.push(u8::from(self.read_only));
         out.push(u8::from(self.read_write));
@@ -136,6 +145,8 @@ impl Offer {
             tls_version: r.u16()?,
             suite: r.u16()?,
             kernel_tls,
+            group: r.u16()?,
+            max_payload: r.u32()?,
             mode: match r.u8()? {
                 0 => ReplyMode::Simple,
                 1 => ReplyMode::Structured,
@@ -290,6 +301,8 @@ mod tests {
             tls_version: 0x0304,
             suite: 0x1301,
             kernel_tls: false,
+            group: 0x11ec,
+            max_payload: 32 << 20,
             mode: ReplyMode::Extended,
             read_only: false,
             read_write: true,

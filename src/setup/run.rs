@@ -69,9 +69,9 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         let (stop, on_stop) = stop_signal(fdstore.zip(config.handover.clone()));
         let metrics = config.metrics.clone();
         let config = Arc::new(config);
-        let serving = serve_with_successor(listener, config, (stop, gate), (successor, stored), &metrics);
+        let (serving, taken) = serve_with_successor(listener, config, (stop, gate), (successor, stored), &metrics);
         if let Some(predecessor) = predecessor {
-            tokio::spawn(serve_successors(predecessor, on_stop));
+            tokio::spawn(serve_successors(predecessor, (taken, on_stop)));
         }
         info!(target: "nbdgw", listen = %shown, from_systemd = listeners.from_systemd, %upstream, exports, ?cork, "nbdgw listening");
         notify(&[NotifyState::Ready]);
@@ -82,7 +82,8 @@ pub fn serve(args: ServeArgs) -> Result<()> {
 
 /// The accept loop, and a successor's end of the hand-over: Serving,
 /// then the sessions the old gateway hands over (state version 2),
-/// served by the accept loop's task set.
+/// served by the accept loop's task set. The receiver ends once those
+/// sessions are all taken (at once when there is no old gateway).
 fn serve_with_successor(
     listener: TcpListener,
     config: Arc<Config>,
@@ -95,20 +96,25 @@ fn serve_with_successor(
         handover::fdstore::restore::Found,
     ),
     metrics: &crate::metrics::Metrics,
-) -> tokio::task::JoinHandle<std::io::Result<()>> {
+) -> (
+    tokio::task::JoinHandle<std::io::Result<()>>,
+    oneshot::Receiver<()>,
+) {
     let (resumed, resumed_rx) = tokio::sync::mpsc::channel(64);
+    let (took, taken) = oneshot::channel();
+    let admission = crate::admission::Admission::new(&config);
     let serving = tokio::spawn(crate::server::run_resuming(
         listener,
-        config.clone(),
+        (config.clone(), admission.clone()),
         stop,
         gate,
         resumed_rx,
     ));
     if !stored.by_name.is_empty() {
-        let (config, resumed) = (config.clone(), resumed.clone());
+        let (config, admission, resumed) = (config.clone(), admission.clone(), resumed.clone());
         tokio::task::spawn_blocking(move || {
             let notifier = handover::fdstore::notify::Notifier::from_env();
-            handover::fdstore::restore::take(stored, &config, &notifier, |r| {
+            handover::fdstore::restore::take(stored, (&config, &admission), &notifier, |r| {
                 resumed.blocking_send(r).is_ok()
             })
         });
@@ -116,10 +122,11 @@ fn serve_with_successor(
     let sessions = successor.and_then(|s| tokio::task::block_in_place(|| s.serving(metrics)));
     if let Some(sessions) = sessions {
         tokio::task::spawn_blocking(move || {
-            sessions.take(&config, |r| resumed.blocking_send(r).is_ok())
+            sessions.take((&config, &admission), |r| resumed.blocking_send(r).is_ok());
+            let _ = took.send(());
         });
     }
-    serving
+    (serving, taken)
 }
 
 /// The stop signal for the accept loop, also told to the hand-over
@@ -150,8 +157,19 @@ fn stop_signal(
 /// listening sockets kept for one close with it, so that the ports close
 /// when accepting stops, as without --handover-socket, instead of
 /// queueing clients nobody will accept: a stopping gateway is not taken
-/// over.
-async fn serve_successors(predecessor: Predecessor, on_stop: oneshot::Receiver<()>) {
+/// over. Not before this process has taken every session its own old
+/// gateway hands over (`taken`): taken over meanwhile, it would refuse
+/// the late ones, whose state had already left the old gateway, and so
+/// close them. A successor connecting meanwhile waits in the socket's
+/// backlog (its --handover-timeout bounds that).
+async fn serve_successors(
+    predecessor: Predecessor,
+    (taken, mut on_stop): (oneshot::Receiver<()>, oneshot::Receiver<()>),
+) {
+    tokio::select! {
+        _ = taken => {}
+        _ = &mut on_stop => return info!("stopping: the hand-over socket is closed, no successor can take over"),
+    }
     tokio::select! {
         () = predecessor.serve() => {}
         _ = on_stop => info!("stopping: the hand-over socket is closed, no successor can take over"),

@@ -29,6 +29,10 @@ pub struct TlsStore {
     /// CRL, allow-lists): how a successor judges a session offered to it.
     judge: Swap<Judge>,
     sessions: Arc<Sessions>,
+    /// `--tls-min-version`, fixed for the life of the process: a
+    /// successor declines a session of an older version (rustls keeps
+    /// the enabled versions private in `ServerConfig`).
+    min_version: crate::tls::MinVersion,
     /// Shared with the metrics registry.
     pub reloads_ok: Counter,
     pub reloads_failed: Counter,
@@ -56,6 +60,7 @@ impl TlsStore {
             current: Swap::new(config),
             judge: Swap::new(Arc::default()),
             sessions: Arc::default(),
+            min_version: crate::tls::MinVersion::default(),
             reloads_ok: Counter::default(),
             reloads_failed: Counter::default(),
             trust_changes: Counter::default(),
@@ -72,6 +77,10 @@ impl TlsStore {
 
     pub fn sessions(&self) -> &Arc<Sessions> {
         &self.sessions
+    }
+
+    pub fn min_version(&self) -> crate::tls::MinVersion {
+        self.min_version
     }
 
     pub fn current(&self) -> Arc<ServerConfig> {
@@ -120,6 +129,7 @@ impl Reloader {
         let loaded = build(&material, &policy)?;
         log_loaded(&loaded, &material, &policy.groups, "loaded");
         let guards = loaded.guards();
+        let min_version = policy.min_version;
         info!(
             layout = paths.layout.unwrap_or("files"),
             client_certificates = if guards.client_certificates { "required" } else { "not requested" },
@@ -131,7 +141,9 @@ impl Reloader {
             policy,
             guards,
             store: {
-                let store = Arc::new(TlsStore::new(loaded.config.clone()));
+                let mut store = TlsStore::new(loaded.config.clone());
+                store.min_version = min_version;
+                let store = Arc::new(store);
                 store.note_expiry(&loaded);
                 store.set_judge(&loaded);
                 store

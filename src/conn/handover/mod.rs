@@ -139,11 +139,25 @@ async fn hand_over<S: Handable>(
         }
         Err(TakeError::Lost(why)) => return Err(lost(link, &why)),
     };
-    let ready = ready(taken, back, upstream, handover, link)?;
-    match handover.report(Outcome::Ready(Box::new(ready))) {
-        Ok(()) => Ok(Step::HandedOver),
-        Err(_) => Err(lost(link, "the hand-over gave up as the state was taken")),
+    let (delivered, told) = tokio::sync::oneshot::channel();
+    let ready = ready(taken, (back, delivered), upstream, handover, link)?;
+    if handover.report(Outcome::Ready(Box::new(ready))).is_err() {
+        return Err(lost(link, "the hand-over gave up as the state was taken"));
     }
+    // The hand-over's every step is bounded: it answers or drops `told`.
+    match told.await {
+        Ok(Ok(())) => Ok(Step::HandedOver),
+        Ok(Err(why)) => Err(not_served(&why)),
+        Err(_) => Err(not_served("the hand-over ended")),
+    }
+}
+
+/// A session whose state left but which the successor does not serve
+/// (counted and logged by the hand-over): closed, and its audit line
+/// says so.
+fn not_served(why: &str) -> ConnError {
+    let error = std::io::Error::other(format!("hand-over failed: {why}"));
+    ConnError::io(Side::Client, "at a hand-over")(error)
 }
 
 /// The state taken on the blocking pool, one session at a time
@@ -169,7 +183,7 @@ async fn take<S: Handable>(
 /// The State's parts: the plaintext read ahead goes before rustls's.
 fn ready(
     taken: Taken,
-    back: Vec<u8>,
+    (back, delivered): (Vec<u8>, tokio::sync::oneshot::Sender<Result<(), String>>),
     upstream: UnixStream,
     handover: &Registered,
     link: &Link<'_>,
@@ -191,7 +205,10 @@ fn ready(
         counts: [c.requests, c.replies, c.bytes_in, c.bytes_out],
         tcp,
         upstream,
-        stopped_at: handover.hook().asked_at().unwrap_or_else(Instant::now),
+        stopped_at: (handover.hook().stopped_at())
+            .or(handover.hook().asked_at())
+            .unwrap_or_else(Instant::now),
+        delivered,
     })
 }
 
@@ -206,9 +223,14 @@ fn lost(link: &Link<'_>, why: &str) -> ConnError {
 
 /// The offer for a session: what a successor judges. `None` for a
 /// kernel TLS session that kept no `TlsPeer` (no hand-over was possible
-/// when it went to the kernel).
-pub fn offer(tls: &ClientStream, session: &super::session::Session) -> Option<Offer> {
-    let peer = match tls {
+/// when it went to the kernel). `max_payload`: this process's
+/// `--max-payload`, which the relay holds the session to.
+pub fn offer(
+    tls: &ClientStream,
+    session: &super::session::Session,
+    max_payload: u32,
+) -> Option<Offer> {
+    let (peer, version, group, kernel_tls) = match tls {
         Either::Left(tls) => {
             let conn = tls.get_ref().1;
             let peer = TlsPeer {
@@ -224,11 +246,20 @@ pub fn offer(tls: &ClientStream, session: &super::session::Session) -> Option<Of
                     .map_or(0, |s| u16::from(s.suite())),
             };
             let version = conn.protocol_version().map_or(0, u16::from);
-            (peer, version, false)
+            let group = conn
+                .negotiated_key_exchange_group()
+                .map_or(0, |g| u16::from(g.name()));
+            (peer, version, group, false)
         }
-        Either::Right(kernel) => (kernel.peer()?.clone(), TLS13, true),
+        // The group is not kept for a kernel session: 0, unknown (judged
+        // on the rest).
+        Either::Right(kernel) => (kernel.peer()?.clone(), TLS13, 0, true),
     };
-    Some(offer_of(peer, session))
+    Some(offer_of(
+        (peer, version, kernel_tls),
+        (group, max_payload),
+        session,
+    ))
 }
 
 /// TLS 1.3's protocol version: the only one kernel TLS takes here.
@@ -236,6 +267,7 @@ const TLS13: u16 = 0x0304;
 
 fn offer_of(
     (peer, tls_version, kernel_tls): (TlsPeer, u16, bool),
+    (group, max_payload): (u16, u32),
     session: &super::session::Session,
 ) -> Offer {
     Offer {
@@ -252,6 +284,8 @@ fn offer_of(
         tls_version,
         suite: peer.suite,
         kernel_tls,
+        group,
+        max_payload,
         mode: session.mode,
         read_only: session.read_only,
         read_write: session.access == crate::policy::Access::ReadWrite,

@@ -13,11 +13,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tokio::net::{TcpStream, UnixStream};
-use tracing::{info, warn, Instrument};
+use tracing::{info, Instrument};
 
 use super::extract::Resumable;
 use super::{register, transmit, Relaying};
-use crate::admission::{Admission, Identity};
+use crate::admission::Admission;
 use crate::config::Config;
 use crate::conn::error::{ConnError, Side};
 use crate::conn::kernel_tls::{KernelTls, TlsPeer};
@@ -95,12 +95,9 @@ async fn run(resumed: Resumed, link: &Link<'_>) -> Result<&'static str, ConnErro
         ..
     } = resumed;
     let anonymous = offer.chain.is_empty();
-    let who = Identity::of((!anonymous).then_some(&judged.identity));
-    let _slot = link.admission.session(who).map_err(|refusal| {
-        warn!(reason = %refusal, "hand-over: no session slot here for a session handed over; closing it");
-        ConnError::closed(Side::Client, "at a hand-over: no session slot")
-    })?;
     let registered = (!anonymous).then(|| register_grant(&offer, &judged, link));
+    // Reserved when the offer was accepted (`judge`): held to the end.
+    let _slot = judged.slot;
     let io = |e: std::io::Error| ConnError::io(Side::Client, "at a hand-over")(e);
     tcp.set_nonblocking(true).map_err(io)?;
     upstream.set_nonblocking(true).map_err(io)?;

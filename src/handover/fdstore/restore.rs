@@ -20,6 +20,7 @@ use tracing::{info, warn};
 use super::blob::{self, Stored};
 use super::is_session_name;
 use super::notify::Notifier;
+use crate::admission::Admission;
 use crate::config::Config;
 use crate::handover::sessions::judge::judge;
 use crate::handover::sessions::take::{resume, Resumed};
@@ -78,7 +79,12 @@ fn passed(index: usize) -> OwnedFd {
 
 /// Claims, judges and serves every session found (blocking). `serve`
 /// hands one to the accept loop; false if it is stopping.
-pub fn take(found: Found, config: &Config, notifier: &Notifier, serve: impl Fn(Resumed) -> bool) {
+pub fn take(
+    found: Found,
+    (config, admission): (&Config, &Admission),
+    notifier: &Notifier,
+    serve: impl Fn(Resumed) -> bool,
+) {
     if found.by_name.is_empty() {
         return;
     }
@@ -89,7 +95,8 @@ pub fn take(found: Found, config: &Config, notifier: &Notifier, serve: impl Fn(R
     for (name, fds) in found.by_name {
         let outcome = claim(&name, fds, notifier).and_then(|claimed| {
             let was = claimed.stored.was;
-            serve_claimed(claimed, config, &serve).map_err(|(e, label)| (e, label, was))
+            serve_claimed(claimed, (config, admission), &serve)
+                .map_err(|(e, label)| (e, label, was))
         });
         match outcome {
             Ok(()) => config.metrics.session_handover("resumed"),
@@ -173,7 +180,7 @@ fn sort(fds: Vec<OwnedFd>) -> Result<(OwnedFd, OwnedFd, OwnedFd), String> {
 /// A claimed session judged as the channel's offers are, then served.
 fn serve_claimed(
     claimed: Claimed,
-    config: &Config,
+    (config, admission): (&Config, &Admission),
     serve: &impl Fn(Resumed) -> bool,
 ) -> Result<(), (String, &'static str)> {
     let lost = |e: String| (e, "lost");
@@ -186,7 +193,7 @@ fn serve_claimed(
     // This configuration's judgement, as for an offer on the channel; a
     // session it would not admit, or would narrow, is closed here (the
     // old instance is gone: nowhere to drain it).
-    let judged = judge(&offer, config).map_err(|e| (e, "refused"))?;
+    let judged = judge(&offer, (config, admission)).map_err(|e| (e, "refused"))?;
     resume(
         (stored.was, Some((offer, judged))),
         (stored.handover, &stored.state),

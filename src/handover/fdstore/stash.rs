@@ -93,6 +93,10 @@ fn store(
             info!(conn = id, reason = %why, "restart: the session's state could not be taken; it stays here and drains");
             return false;
         }
+        Outcome::Ended => {
+            registry.metrics.session_handover("ended");
+            return false;
+        }
         Outcome::Ready(ready) => ready,
     };
     let Some(offer) = listed.iter().find(|l| l.id == id).map(|l| l.offer.to_vec()) else {
@@ -122,12 +126,14 @@ fn store(
             registry.metrics.session_handover("stored");
             let pause = ready.stopped_at.elapsed();
             info!(conn = id, fdname = %name, quiet_ms = pause.as_millis() as u64, "restart: the session is in systemd's file-descriptor store");
+            let _ = ready.delivered.send(Ok(()));
             true
         }
         Err(e) => {
             // Taken and not stored: closed, never resumed here.
             registry.metrics.session_handover("lost");
             warn!(conn = id, error = %e, "restart: the session could not be stored; it is closed");
+            let _ = ready.delivered.send(Err(format!("not stored: {e}")));
             false
         }
     }

@@ -28,38 +28,59 @@ use crate::proto::handover_session::State;
 const TAKE_MARGIN: Duration = Duration::from_secs(2);
 
 /// Offers every registered session to the successor and hands over those
-/// it accepts. An error ends the exchange: sessions not sent stay here.
+/// it accepts; then, in further rounds, the sessions that finished
+/// negotiating meanwhile (the listeners left with the successor, but the
+/// connections accepted before go on negotiating, and would otherwise be
+/// drained just after their connect succeeded), until a round finds none
+/// or `--handover-timeout` has passed since the first. An error ends the
+/// exchange: sessions not sent stay here.
 pub fn give(channel: &mut Channel, registry: &Registry) -> Result<(), ChannelError> {
-    let listed = registry.list();
-    let outcome = exchange(channel, registry, &listed);
-    // Whatever happened: nobody waits for a report any more, and a
-    // session still asked to go quiet reads on (and drains).
-    for session in &listed {
-        session.slot.close();
-        session.hook.cancel();
-    }
-    outcome
-}
-
-fn exchange(
-    channel: &mut Channel,
-    registry: &Registry,
-    listed: &[Listed],
-) -> Result<(), ChannelError> {
     let bound = |channel: &mut Channel| channel.set_deadline(Instant::now() + registry.timeout);
     let handover = random_id();
     bound(channel);
     channel.send(&Message::Sessions { handover }, &[])?;
-    info!(
-        sessions = listed.len(),
-        "hand-over: offering the sessions to the successor"
-    );
+    let last_round = Instant::now() + registry.timeout;
+    let mut seen = HashSet::new();
+    loop {
+        let listed: Vec<Listed> = registry
+            .list()
+            .into_iter()
+            .filter(|l| seen.insert(l.id))
+            .collect();
+        if listed.is_empty() && !seen.is_empty() {
+            break;
+        }
+        info!(
+            sessions = listed.len(),
+            "hand-over: offering the sessions to the successor"
+        );
+        let outcome = round(channel, registry, handover, &listed);
+        // Whatever happened: nobody waits for a report any more, and a
+        // session still asked to go quiet reads on (and drains).
+        for session in &listed {
+            session.slot.close();
+            session.hook.cancel();
+        }
+        outcome?;
+        if listed.is_empty() || Instant::now() >= last_round {
+            break;
+        }
+    }
+    bound(channel);
+    channel.send(&Message::Done, &[])
+}
+
+/// One round: these sessions offered, and the accepted ones handed over.
+fn round(
+    channel: &mut Channel,
+    registry: &Registry,
+    handover: [u8; 16],
+    listed: &[Listed],
+) -> Result<(), ChannelError> {
     let (tx, rx) = mpsc::channel();
     let waiting = answers(channel, registry, listed, &tx)?;
     drop(tx);
-    states(channel, registry, (handover, waiting), (listed, &rx))?;
-    bound(channel);
-    channel.send(&Message::Done, &[])
+    states(channel, registry, (handover, waiting), (listed, &rx))
 }
 
 /// Each offer, and its Accept or Decline before the next (in lock-step:
@@ -109,6 +130,8 @@ fn decline_class(reason: &str) -> &'static str {
         "certificate" => "declined_certificate",
         "policy" => "declined_policy",
         "export" => "declined_export",
+        "tls" => "declined_tls",
+        "limits" => "declined_limits",
         _ => "declined_other",
     }
 }
@@ -126,9 +149,17 @@ fn states(
     let until = Instant::now() + registry.quiesce_timeout + TAKE_MARGIN;
     let mut sent = HashMap::new();
     while !waiting.is_empty() {
-        let Ok((id, outcome)) = rx.recv_timeout(until.saturating_duration_since(Instant::now()))
-        else {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
             break;
+        }
+        let (id, outcome) = match rx.recv_timeout(left.min(WATCH)) {
+            Ok(report) => report,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                hung_up(channel, listed)?;
+                continue;
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
         };
         waiting.remove(&id);
         send_outcome(channel, registry, (id, handover, outcome), &mut sent)?;
@@ -154,6 +185,29 @@ fn states(
     Ok(())
 }
 
+/// How often the wait for reports looks whether the successor is gone.
+const WATCH: Duration = Duration::from_millis(100);
+
+/// A successor that hung up (died) while sessions were going quiet: every
+/// session not yet taken is told at once that nobody waits (it then reads
+/// on here and drains), instead of having its state taken for a State
+/// that cannot be sent, and so being closed.
+fn hung_up(channel: &Channel, listed: &[Listed]) -> Result<(), ChannelError> {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let watched = PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR;
+    let mut fds = [PollFd::new(channel, watched)];
+    let now = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    if poll(&mut fds, Some(&now)).unwrap_or(0) == 0 || fds[0].revents().is_empty() {
+        return Ok(());
+    }
+    listed.iter().for_each(|session| session.slot.close());
+    warn!("hand-over: the successor hung up; the sessions not yet taken stay here and drain");
+    Err(ChannelError::Peer("the successor hung up".into()))
+}
+
 fn send_outcome(
     channel: &mut Channel,
     registry: &Registry,
@@ -165,6 +219,14 @@ fn send_outcome(
         Outcome::Withdrawn(why) => {
             registry.metrics.session_handover("withdrawn");
             info!(conn = id, reason = %why, "hand-over: the session's state could not be taken; it stays here and drains");
+            return channel.send(&Message::Withdraw { id }, &[]);
+        }
+        Outcome::Ended => {
+            registry.metrics.session_handover("ended");
+            info!(
+                conn = id,
+                "hand-over: the session ended before it was quiet; nothing to hand over"
+            );
             return channel.send(&Message::Withdraw { id }, &[]);
         }
         Outcome::Ready(ready) => ready,
@@ -186,23 +248,32 @@ fn send_outcome(
     match result {
         Ok(()) => {
             sent.insert(id, ready.stopped_at);
-            served(channel, registry, sent)
+            let served = served(channel, registry, sent);
+            let told = match &served {
+                Ok(answer) => answer.clone(),
+                Err(e) => Err(e.to_string()),
+            };
+            let _ = ready.delivered.send(told);
+            served.map(|_| ())
         }
         Err(e) => {
             // Taken and not delivered: closed, never resumed here.
             registry.metrics.session_handover("lost");
             warn!(conn = id, error = %e, "hand-over: the session's state could not be sent; it is closed");
+            let _ = ready
+                .delivered
+                .send(Err(format!("its state could not be sent: {e}")));
             Err(e)
         }
     }
 }
 
-/// Taken or Lost, for one State sent.
+/// Taken or Lost (why), for one State sent.
 fn served(
     channel: &mut Channel,
     registry: &Registry,
     sent: &HashMap<u64, Instant>,
-) -> Result<(), ChannelError> {
+) -> Result<Result<(), String>, ChannelError> {
     match channel.recv()? {
         (Message::Taken { id }, _) if sent.contains_key(&id) => {
             let pause = sent[&id].elapsed();
@@ -217,13 +288,13 @@ fn served(
                 pause_ms = pause.as_millis() as u64,
                 "hand-over: the successor serves the session"
             );
-            Ok(())
+            Ok(Ok(()))
         }
         (Message::Lost { id, reason }, _) if sent.contains_key(&id) => {
             registry.metrics.session_handover("lost");
             let reason = escape(&reason).into_owned();
             warn!(conn = id, %reason, "hand-over: the successor could not serve the session; it is closed");
-            Ok(())
+            Ok(Err(format!("the successor could not serve it: {reason}")))
         }
         (other, _) => Err(unexpected(channel, &other)),
     }

@@ -11,11 +11,13 @@
 
 use rustls::pki_types::{CertificateDer, UnixTime};
 
+use crate::admission::{Admission, Identity, SessionPermit};
 use crate::config::Config;
 use crate::identity::CertInfo;
 use crate::policy::Access;
 use crate::proto::handover_session::Offer;
 use crate::tls::handover::state::suite_params;
+use crate::tls::MinVersion;
 
 /// What an admitted session is, here.
 pub struct Judged {
@@ -23,16 +25,24 @@ pub struct Judged {
     pub access: Access,
     /// `policy:N`, `--allow-*` or `open`, and the rule's line.
     pub rule: (String, usize),
+    /// Its session slot here (`--max-connections`,
+    /// `--max-sessions-per-identity`), reserved when the offer is
+    /// accepted: a session over the limits is declined and drains in the
+    /// old gateway, never closed after its state left. Given back when the
+    /// offer is withdrawn or its state lost; the session holds it.
+    pub slot: SessionPermit,
 }
 
 /// Why not: `class: words`, the class one of the metric's labels.
-pub fn judge(offer: &Offer, config: &Config) -> Result<Judged, String> {
+pub fn judge(offer: &Offer, (config, admission): (&Config, &Admission)) -> Result<Judged, String> {
     if suite_params(offer.suite).is_none() {
         return Err(format!(
             "other: cipher suite {:#06x} is not handed over",
             offer.suite
         ));
     }
+    tls(offer, config)?;
+    limits(offer, config)?;
     if offer.kernel_tls {
         kernel_tls(offer.suite, config)?;
     }
@@ -50,6 +60,11 @@ pub fn judge(offer: &Offer, config: &Config) -> Result<Judged, String> {
         ));
     };
     upstream(offer, config)?;
+    let who = Identity::of((!offer.chain.is_empty()).then_some(&identity));
+    let slot = admission.session(who).map_err(|refusal| {
+        config.metrics.session_refused(refusal.metric_reason());
+        format!("limits: {refusal}")
+    })?;
     let rule = match decision.rule {
         Some(rule) => (format!("policy:{}", rule.number), rule.line),
         None if config.allow_lists => ("--allow-*".to_string(), 0),
@@ -59,6 +74,7 @@ pub fn judge(offer: &Offer, config: &Config) -> Result<Judged, String> {
         identity,
         access: held,
         rule,
+        slot,
     })
 }
 
@@ -84,6 +100,61 @@ fn kernel_tls(suite: u16, config: &Config) -> Result<(), String> {
             "other: the kernel does not take cipher suite {suite:#06x} here"
         )),
     }
+}
+
+/// The TLS settings this process would negotiate: a session of an older
+/// version than `--tls-min-version`, or a suite or key exchange group
+/// this configuration does not offer, is one it would not admit. A
+/// session that recorded no group (0) is judged on the rest.
+fn tls(offer: &Offer, config: &Config) -> Result<(), String> {
+    let min = match config.tls.min_version() {
+        MinVersion::Tls12 => 0x0303,
+        MinVersion::Tls13 => 0x0304,
+    };
+    if offer.tls_version < min {
+        return Err(format!(
+            "tls: TLS version {:#06x} is below this gateway's --tls-min-version",
+            offer.tls_version
+        ));
+    }
+    let server = config.tls.current();
+    let provider = server.crypto_provider();
+    let suite_here = provider
+        .cipher_suites
+        .iter()
+        .any(|s| u16::from(s.suite()) == offer.suite);
+    if !suite_here {
+        return Err(format!(
+            "tls: cipher suite {:#06x} is not offered by this gateway",
+            offer.suite
+        ));
+    }
+    let group_here = provider
+        .kx_groups
+        .iter()
+        .any(|g| u16::from(g.name()) == offer.group);
+    if offer.group != 0 && !group_here {
+        return Err(format!(
+            "tls: key exchange group {:#06x} is not accepted by this gateway (--tls-groups)",
+            offer.group
+        ));
+    }
+    Ok(())
+}
+
+/// The per-request limits the relay applies here must allow whatever the
+/// session was allowed there: otherwise its next large request would be
+/// cut mid-session (and blamed on the client); declined, it drains in the
+/// old gateway instead.
+fn limits(offer: &Offer, config: &Config) -> Result<(), String> {
+    let here = config.relay.max_payload;
+    if here < offer.max_payload {
+        return Err(format!(
+            "limits: --max-payload {here} is below the {} bytes the session may send",
+            offer.max_payload
+        ));
+    }
+    Ok(())
 }
 
 /// The chain through this process's client certificate check; an

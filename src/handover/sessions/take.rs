@@ -14,6 +14,7 @@ use std::time::Instant;
 use tracing::{info, warn};
 
 use super::judge::{judge, Judged};
+use crate::admission::Admission;
 use crate::config::Config;
 use crate::handover::channel::{Channel, ChannelError};
 use crate::logsafe::escape;
@@ -39,7 +40,7 @@ pub struct Resumed {
 /// loop; false if it is stopping.
 pub fn take(
     channel: &mut Channel,
-    config: &Config,
+    (config, admission): (&Config, &Admission),
     timeout: std::time::Duration,
     serve: impl Fn(Resumed) -> bool,
 ) -> Result<(), ChannelError> {
@@ -52,7 +53,7 @@ pub fn take(
     loop {
         channel.set_deadline(Instant::now() + timeout);
         let answer = match channel.recv()? {
-            (Message::Offer { id, body }, _) => offer(config, id, &body, &mut offered),
+            (Message::Offer { id, body }, _) => offer((config, admission), id, &body, &mut offered),
             (Message::State { id, body }, fds) => {
                 let given = offered.remove(&id);
                 // The body holds keys: wiped once decoded.
@@ -81,14 +82,14 @@ pub fn take(
 }
 
 fn offer(
-    config: &Config,
+    judging: (&Config, &Admission),
     id: u64,
     body: &[u8],
     offered: &mut HashMap<u64, (Offer, Judged)>,
 ) -> Message {
     let judged = Offer::decode(body)
         .map_err(|e| format!("other: {e}"))
-        .and_then(|offer| judge(&offer, config).map(|judged| (offer, judged)));
+        .and_then(|offer| judge(&offer, judging).map(|judged| (offer, judged)));
     match judged {
         Ok(session) => {
             offered.insert(id, session);
