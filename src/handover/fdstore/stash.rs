@@ -20,7 +20,7 @@ use super::blob::Stored;
 use super::notify::Notifier;
 use super::session_name;
 use crate::handing::{Listed, Outcome, Ready, Registry};
-use crate::proto::handover_session::State;
+use crate::proto::handover_session::{Offer, State};
 
 /// Beyond the quiesce timeout: taking a quiet session's state.
 const TAKE_MARGIN: Duration = Duration::from_secs(2);
@@ -30,7 +30,14 @@ const BARRIER_TIMEOUT: Duration = Duration::from_secs(10);
 /// Stores every session that goes quiet in time; the others go on and
 /// drain. Blocking; bounded by the quiesce timeout and the barrier's.
 pub fn give(registry: &Registry, notifier: &Notifier) {
-    let listed = registry.list();
+    // Kernel TLS sessions are handed over on the channel (--take-over),
+    // tested in the VM with a kernel that re-keys; through the store they
+    // are not tested yet, so they drain here as at any stop.
+    let listed: Vec<Listed> = registry
+        .list()
+        .into_iter()
+        .filter(|l| Offer::decode(&l.offer).is_ok_and(|offer| !offer.kernel_tls))
+        .collect();
     if listed.is_empty() {
         return;
     }
