@@ -8,6 +8,7 @@
 #
 #   scripts/ktls-vm.sh                 # kernel_tls key_update raw_protocol real_clients reliability routing kernel_nbd
 #   scripts/ktls-vm.sh real_clients    # or the named test binaries
+#   scripts/ktls-vm.sh handover_sessions:ktls_   # NAME:FILTER, those tests only
 #   scripts/ktls-vm.sh --run FILE      # or a script of your own, as root in the VM
 #
 # KTLS_VM_SYSTEMD=1 boots systemd as PID 1 (this machine's, from its root)
@@ -192,8 +193,14 @@ if [ "${1:-}" = "--run" ]; then
     cp "$2" "$io/run.sh"
 else
     [ $# -gt 0 ] || set -- kernel_tls key_update raw_protocol real_clients reliability routing kernel_nbd
+    # NAME or NAME:FILTER (only the tests of NAME whose names contain
+    # FILTER, e.g. handover_sessions:ktls_).
     args=()
-    for t in "$@"; do args+=(--test "$t"); done
+    : > "$io/filters"
+    for t in "$@"; do
+        args+=(--test "${t%%:*}")
+        [ "${t%%:*}" = "$t" ] || echo "${t%%:*} ${t#*:}" >> "$io/filters"
+    done
     cargo test --locked --no-run --lib "${args[@]}" 2>&1 |
         sed -n 's/.*Executable .*(\(.*\))/\1/p' > "$io/bins"
     cat > "$io/run.sh" <<EOF
@@ -212,6 +219,8 @@ grep -qw tls /proc/sys/net/ipv4/tcp_available_ulp || { echo "ktls-vm: no tls ULP
 failed=0
 while read -r bin; do
     case \$bin in */nbdgw-*) filter=kernel ;; *) filter= ;; esac
+    named=\$(awk -v b="\$(basename "\$bin")" 'index(b, \$1 "-") == 1 {print \$2}' /tmp/io/filters)
+    filter=\${named:-\$filter}
     echo "=== \$bin"
     timeout 600 "\$bin" \$filter --test-threads 2 --show-output > /tmp/test.log 2>&1 || failed=1
     grep -E '^test |^test result|^mode: ' /tmp/test.log
