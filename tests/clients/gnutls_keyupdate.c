@@ -455,10 +455,9 @@ static void round_trip(struct client *c, uint64_t seed)
 	compare(got, want, sizeof got, REGION_OFFSET);
 }
 
-static void key_update(struct client *c, unsigned flags)
+/* One KeyUpdate; GnuTLS's error if it could not be sent. */
+static int try_key_update(struct client *c, unsigned flags)
 {
-	uint8_t before[128], after[128];
-	unsigned len_before = record_key(c, 0, before, sizeof before);
 	double deadline = now_secs() + IO_TIMEOUT_SECS;
 	int ret;
 	while ((ret = gnutls_session_key_update(c->session, flags)) ==
@@ -466,6 +465,14 @@ static void key_update(struct client *c, unsigned flags)
 	       ret == GNUTLS_E_INTERRUPTED)
 		if (now_secs() > deadline)
 			die("gnutls_session_key_update timed out");
+	return ret;
+}
+
+static void key_update(struct client *c, unsigned flags)
+{
+	uint8_t before[128], after[128];
+	unsigned len_before = record_key(c, 0, before, sizeof before);
+	int ret = try_key_update(c, flags);
 	if (ret < 0)
 		die("gnutls_session_key_update(%u): %s", flags,
 		    gnutls_strerror(ret));
@@ -652,8 +659,18 @@ int main(int argc, char **argv)
 		phase = "before the flood";
 		round_trip(&c, 1);
 		phase = "key update flood";
-		for (int i = 0; i < 40; i++)
-			key_update(&c, 0);
+		for (int i = 0; i < 40; i++) {
+			int ret = try_key_update(&c, 0);
+			/* Once the server has read past its limit it ends the
+			 * session, and the updates still unread reset the
+			 * connection: a later send may then fail. Only one of
+			 * the first 33 failing is the server's fault. */
+			if (ret == GNUTLS_E_PUSH_ERROR && i > 32)
+				break;
+			if (ret < 0)
+				die("key update %d of the flood: %s", i + 1,
+				    gnutls_strerror(ret));
+		}
 		return expect_session_end(&c, cred, fd, "the flood");
 	}
 
