@@ -5,12 +5,14 @@
 pub mod clients;
 pub mod fake_upstream;
 pub mod gnutls_client;
+pub mod handover;
 pub mod metrics;
 pub mod peers;
 pub mod pki;
 pub mod process;
 pub mod raw;
 pub mod site;
+pub mod tls_capture;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
