@@ -2,8 +2,13 @@
 //!
 //! Remote clients connect over TCP, upgrade with `NBD_OPT_STARTTLS`, and
 //! are relayed to an NBD server on a local Unix socket.
-// One exception, `tls::kernel::send_close_notify`: no safe crate builds
-// the control message that makes kernel TLS send an alert.
+// Unsafe code is refused except in five narrow functions, each allowed
+// by name with a SAFETY comment, where no safe crate offers the call:
+// `tls::kernel::send_close_notify` (the control message that makes kernel
+// TLS send an alert), `conn::relay::output_queue` (SIOCOUTQ),
+// `handover::alive::{peer_pidfd, peer_cred}` (SO_PEERPIDFD, and
+// SO_PEERCRED with a pid that may be 0), `handover::fdstore::restore::
+// passed` (a non-socket descriptor systemd passed, as an `OwnedFd`).
 #![deny(unsafe_code)]
 
 pub mod admin;
