@@ -344,6 +344,14 @@ impl<C: AsyncRead + Unpin, U: AsyncWrite + Unpin, L: OnRequest> Requests<'_, C, 
     /// stop loses nothing.
     async fn read_header(&mut self, header: &mut [u8]) -> Result<bool, ConnError> {
         let when = "without sending NBD_CMD_DISC";
+        if self.quiesce.is_none() && self.limits().idle_timeout.is_none() {
+            // Nothing to wait for beside the read (no hand-over hook, no
+            // idle timeout: the defaults): the plain read, which costs
+            // about 150 instructions a request less than the loop below
+            // (bench/callgrind.py). `pending` is only kept by a hook.
+            let read = self.client.read_exact(header).await;
+            return read.map(|_| true).map_err(ConnError::io(Side::Client, when));
+        }
         let pending = std::mem::take(&mut self.pending);
         header[..pending.len()].copy_from_slice(&pending);
         let mut filled = pending.len();
