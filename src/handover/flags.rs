@@ -33,7 +33,7 @@ pub struct HandoverArgs {
     /// there and refuses, or a hand-over that fails part-way, fails the
     /// start either way. For a pod that starts the same way whether or
     /// not an older one runs on the node (docs/guides/restarts.md).
-    #[arg(long, env = "NBDGW_TAKE_OVER_MISSING", value_enum, value_name = "WHAT", default_value_t = TakeOverMissing::Fail)]
+    #[arg(long, env = "NBDGW_TAKE_OVER_MISSING", requires = "take_over", value_enum, value_name = "WHAT", default_value_t = TakeOverMissing::Fail)]
     pub take_over_missing: TakeOverMissing,
     /// What this gateway does once a successor serves its listeners and
     /// the sessions not handed over have drained: `exit` 0 (the default),
@@ -42,7 +42,7 @@ pub struct HandoverArgs {
     /// ends it when the drain does). For a container whose restart
     /// policy would start an exited gateway again (Kubernetes'
     /// restartPolicy: Always), which would then fight its successor.
-    #[arg(long, env = "NBDGW_AFTER_HANDOVER", value_enum, value_name = "WHAT", default_value_t = AfterHandover::Exit)]
+    #[arg(long, env = "NBDGW_AFTER_HANDOVER", requires = "handover_socket", value_enum, value_name = "WHAT", default_value_t = AfterHandover::Exit)]
     pub after_handover: AfterHandover,
     /// Seconds a hand-over may take, on either side, from the moment the
     /// predecessor serves the successor to its first accept (a successor
