@@ -53,23 +53,24 @@ tls_sessions() {
         awk '/^nbdgw_tls_sessions_total[{ ]/ {n += $NF} END {print n + 0}'
 }
 
-# One connection, until its stdin closes: 64 KiB written at a random
-# place and read back, and another place read, each checked against a
-# copy of the disk kept here; then the whole disk read back and checked,
-# and that copy saved (argv: URI, the disk's file, where to save).
+# One connection, until a file appears: 64 KiB written at a random place
+# and read back, and another place read, each checked against a copy of
+# the disk kept here; then the whole disk read back and checked, and that
+# copy saved (argv: URI, the disk's file, where to save, the stop file).
+# A file, not a pipe's end: the containers started meanwhile would
+# inherit the pipe and hold it open.
 node_client_py='
-import os, random, sys, threading
+import os, random, sys
 import nbd
-uri, disk, saved = sys.argv[1:]
-stop = threading.Event()
-threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+uri, disk, saved, stop = sys.argv[1:]
 model = bytearray(open(disk, "rb").read())
 h = nbd.NBD()
+h.set_uri_allow_local_file(True)
 h.connect_uri(uri)
 block, rng, ops = 65536, random.Random(29), 0
 blocks = h.get_size() // block
 assert blocks * block == len(model)
-while not stop.is_set():
+while not os.path.exists(stop):
     at = rng.randrange(blocks) * block
     data = os.urandom(block)
     h.pwrite(data, at)
@@ -106,12 +107,9 @@ run_node_handover() {
     wait_ready "http://127.0.0.1:$admin/readyz" "$a"
     podman logs "$a" 2>&1 | grep -F "starting fresh (--take-over-missing start)" >/dev/null ||
         fail "the first node gateway did not start fresh with no predecessor"
-    # The client, its stdin a fifo this shell holds open until it is done.
-    mkfifo "$work/node-client.in"
     /usr/bin/python3 -c "$node_client_py" "nbds://localhost:$port/disk?tls-certificates=$work/pki" \
-        "$node/data/disk.img" "$work/node-model.img" <"$work/node-client.in" >"$work/node-client.out" 2>&1 &
+        "$node/data/disk.img" "$work/node-model.img" "$work/node-client.stop" </dev/null >"$work/node-client.out" 2>&1 &
     client=$!
-    exec 7>"$work/node-client.in"
     wait_ops "$work/node-client.out" 20 "$client"
     [ "$(tls_sessions "$admin")" = 1 ] || fail "the first node gateway counts $(tls_sessions "$admin") TLS sessions, not 1"
     node_gateway "$b" "$port" "$admin"
@@ -119,8 +117,9 @@ run_node_handover() {
     wait_log "$a" "idle, listening on nothing"
     ops=$(awk '$1 == "ops" {n = $2} END {print n + 0}' "$work/node-client.out")
     wait_ops "$work/node-client.out" $((ops + 20)) "$client"
-    exec 7>&-
+    touch "$work/node-client.stop"
     status=0
+    timeout 120 tail --pid="$client" -f /dev/null || fail "the libnbd client did not stop"
     wait "$client" || status=$?
     [ "$status" = 0 ] && grep -q '^done ' "$work/node-client.out" ||
         { cat "$work/node-client.out" >&2; podman logs "$b" 2>&1 | tail -20 >&2; fail "the libnbd client failed across the hand-over (exit $status)"; }
