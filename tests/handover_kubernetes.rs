@@ -140,6 +140,28 @@ fn take_over_missing_start_starts_fresh_only_when_no_gateway_is_there() {
     assert_eq!(std::fs::read(&n.handover).unwrap(), b"keep");
 }
 
+/// With --take-over-missing start, a gateway that is there but whose
+/// hand-over fails (here a fake predecessor that accepts the connection
+/// and closes it at once, as one that dies mid-way) fails the start: no
+/// fresh start beside a process that holds the hand-over socket.
+#[test]
+fn take_over_missing_start_never_starts_fresh_beside_a_gateway_that_is_there() {
+    let n = node();
+    let fake_predecessor = std::os::unix::net::UnixListener::bind(&n.handover).unwrap();
+    let closer = std::thread::spawn(move || {
+        let (stream, _) = fake_predecessor.accept().unwrap();
+        drop(stream);
+    });
+    let mut new = NbdgwProcess::spawn(gateway_cmd(&n, &[], &[]), n.port);
+    let status = new.wait_exit(Duration::from_secs(60));
+    let log = new.log();
+    assert!(!status.expect(&log).success(), "{log}");
+    assert!(log.contains("--take-over"), "{log}");
+    assert!(!log.contains("starting fresh"), "{log}");
+    assert!(!log.contains("nbdgw listening"), "{log}");
+    closer.join().unwrap();
+}
+
 /// --after-handover wait: the old gateway hands over, then stays alive,
 /// holding no listening socket, until SIGTERM, at which it exits 0; the
 /// successor serves on.
