@@ -42,6 +42,9 @@ K8S = REPO / "deploy" / "kubernetes"
 # Client mode's example (README "Client mode > Kubernetes"): a kustomization
 # of its own, applied after the base.
 CLIENT_MODE = K8S / "client-mode"
+# The node gateway replaced under its sessions (docs/guides/restarts.md,
+# "Kubernetes"): a kustomization of its own, applied after the base.
+NODE_GATEWAY = K8S / "node-gateway"
 SYSTEMD = REPO / "deploy" / "systemd"
 CONTAINER = REPO / "deploy" / "container"
 NBDGW = REPO / "target" / "debug" / "nbdgw"
@@ -118,7 +121,7 @@ def http_status(url):
 
 class Manifests(unittest.TestCase):
     def test_every_resource_file_validates_strictly(self):
-        for path in resource_files() + resource_files(CLIENT_MODE):
+        for path in resource_files() + resource_files(CLIENT_MODE) + resource_files(NODE_GATEWAY):
             doc = load(path.name, path.parent)
             out = subprocess.run(
                 [tool("kubernetes-validate"), "--strict", str(path)],
@@ -135,7 +138,7 @@ class Manifests(unittest.TestCase):
                 self.assertIn("passed", said, path.name)
 
     def test_the_kustomization_lists_every_file(self):
-        for directory in (K8S, CLIENT_MODE):
+        for directory in (K8S, CLIENT_MODE, NODE_GATEWAY):
             kustomization = load("kustomization.yaml", directory)
             self.assertEqual(
                 sorted(kustomization["resources"]), [p.name for p in resource_files(directory)]
@@ -161,6 +164,7 @@ class Manifests(unittest.TestCase):
         self.assertGreater(passed, 100, out.stdout[:2000])
         linted = {c["file_path"] for r in reports for c in r.get("results", {}).get("passed_checks", [])}
         self.assertIn("/client-mode/backup-via-client-job.yaml", linted)
+        self.assertIn("/node-gateway/daemonset.yaml", linted)
 
     def test_every_environment_variable_is_one_nbdgw_reads(self):
         help_text = subprocess.run([str(NBDGW), "--help"], capture_output=True, text=True).stdout
@@ -220,6 +224,65 @@ class Manifests(unittest.TestCase):
         script = (REPO / "scripts" / "container-run.sh").read_text()
         self.assertIn(f"pod_nbd_port={ports['nbd']}\n", script)
         self.assertIn(f"pod_admin_port={ports['admin']}\n", script)
+
+    def test_the_node_gateway_renders_a_daemonset_that_can_hand_over(self):
+        """kubectl kustomize renders node-gateway/; the DaemonSet has what a
+        hand-over between its old and new pod needs (restarts.md)."""
+        rendered = subprocess.run([tool("kubectl"), "kustomize", str(NODE_GATEWAY)],
+                                  capture_output=True, text=True, timeout=60)
+        self.assertEqual(rendered.returncode, 0, rendered.stderr)
+        daemonset, = [d for d in yaml.safe_load_all(rendered.stdout) if d]
+        self.assertEqual(daemonset["kind"], "DaemonSet")
+        self.assertEqual(daemonset["metadata"]["namespace"], "disks")
+        spec = daemonset["spec"]
+        # The new pod starts beside the old one, which goes only once the
+        # new one is available.
+        self.assertEqual(spec["updateStrategy"]["type"], "RollingUpdate")
+        self.assertEqual(spec["updateStrategy"]["rollingUpdate"], {"maxSurge": 1, "maxUnavailable": 0})
+        self.assertGreater(spec["minReadySeconds"], 0)
+        pod = spec["template"]["spec"]
+        self.assertTrue(pod["hostNetwork"])
+        nbdgw, = pod["containers"]
+        # On the host network a declared port is a hostPort: the surge pod
+        # could not be placed beside the old one.
+        for container in pod["containers"] + pod["initContainers"]:
+            self.assertNotIn("ports", container)
+        flags = dict(a.removeprefix("--").split("=", 1) for a in nbdgw["args"])
+        self.assertEqual(flags["take-over"], flags["handover-socket"])
+        self.assertEqual(flags["take-over-missing"], "start")
+        self.assertEqual(flags["after-handover"], "wait")
+        help_text = subprocess.run([str(NBDGW), "--help"], capture_output=True, text=True).stdout
+        for flag in flags:
+            self.assertIn(f"--{flag}", help_text)
+        # The hand-over socket's directory: one hostPath both pods mount,
+        # made 65532's 0700 first; the upstream sockets too, on the node.
+        mounts = {m["mountPath"]: m["name"] for m in nbdgw["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        handover_dir = flags["handover-socket"].rsplit("/", 1)[0]
+        self.assertIn("hostPath", volumes[mounts[handover_dir]])
+        upstream_dir = flags["upstream"].rsplit("/", 1)[0]
+        self.assertIn("hostPath", volumes[mounts[upstream_dir]])
+        init, = pod["initContainers"]
+        self.assertEqual(init["command"], ["install", "-d", "-o", "65532", "-g", "65532", "-m", "0700", handover_dir])
+        self.assertEqual(init["volumeMounts"][0]["mountPath"], handover_dir)
+        self.assertEqual(pod["securityContext"]["runAsUser"], 65532)
+        # Readiness on the admin port, by number (no port is declared);
+        # no liveness probe: on the shared port it would judge the other
+        # pod's gateway and could restart the idle old one.
+        admin_port = int(flags["admin-listen"].rsplit(":", 1)[1])
+        self.assertEqual(nbdgw["readinessProbe"]["httpGet"], {"path": "/readyz", "port": admin_port})
+        self.assertGreater(nbdgw["readinessProbe"]["initialDelaySeconds"], 0)
+        self.assertNotIn("livenessProbe", nbdgw)
+        self.assertGreater(pod["terminationGracePeriodSeconds"], int(flags["shutdown-grace"]))
+        for container in pod["containers"] + pod["initContainers"]:
+            self.assertEqual(container["securityContext"]["capabilities"]["drop"], ["ALL"])
+            self.assertTrue(container["securityContext"]["readOnlyRootFilesystem"])
+            self.assertFalse(container["securityContext"]["allowPrivilegeEscalation"])
+        # The base's Secret and ConfigMap, by name.
+        base_pod = load("deployment.yaml")["spec"]["template"]["spec"]
+        base_volumes = {v["name"]: v for v in base_pod["volumes"]}
+        self.assertEqual(volumes["tls"], base_volumes["tls"])
+        self.assertEqual(volumes["policy"], base_volumes["policy"])
 
     def test_client_modes_job_follows_the_same_pitfalls(self):
         job = load("backup-via-client-job.yaml", CLIENT_MODE)

@@ -10,7 +10,11 @@
 #    no-new-privileges, in front of qemu-nbd in the nbd-tools image, with
 #    mutual TLS; nbdinfo, nbdcopy (checksum), qemu-img and qemu-io on this
 #    host are its clients.
-# 3. `podman kube play` runs the kustomize base through the test overlay
+# 3. The node gateway's hand-over (deploy/kubernetes/node-gateway): two
+#    containers of the image in their own pid namespaces on the host's
+#    network take over one from the other under a python3-libnbd client
+#    writing and reading on one TLS session (scripts/container-handover.sh).
+# 4. `podman kube play` runs the kustomize base through the test overlay
 #    deploy/kubernetes-test-podman/ (what podman 4.3 lacks, patched there);
 #    the backup identity copies the disk (checksum) and is refused a write,
 #    an unknown identity is refused, /readyz and /metrics answer; then
@@ -104,6 +108,8 @@ remove_stale() {
 source scripts/container-bases.sh
 # shellcheck source=scripts/container-run.sh
 source scripts/container-run.sh
+# shellcheck source=scripts/container-handover.sh
+source scripts/container-handover.sh
 
 # The rest in one function, which bash reads whole before running it: an
 # edit of this file during a run cannot derail the run.
@@ -134,6 +140,7 @@ else
     build_images "$minbase" "$runtime" "$builder"
 fi
 run_image
+run_node_handover
 [ "${1:-}" = "--no-pod" ] || run_pod
 log "passed in $((SECONDS - started)) s"
 }

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 
 /// Seconds a successor has, once served, to finish taking the
 /// listeners over; past it the predecessor takes them back.
@@ -25,6 +25,25 @@ pub struct HandoverArgs {
     /// unit dies with it; use --handover-fdstore and systemctl restart).
     #[arg(long, env = "NBDGW_TAKE_OVER", value_name = "PATH")]
     pub take_over: Option<PathBuf>,
+    /// What --take-over does when no gateway is there to take over:
+    /// `fail` the start (the default), or `start` fresh, binding the
+    /// listeners itself, but only when nothing is at PATH or nothing
+    /// listens there (a stale socket: connect is refused), i.e. no
+    /// process holds a hand-over socket there. A gateway that answers
+    /// there and refuses, or a hand-over that fails part-way, fails the
+    /// start either way. For a pod that starts the same way whether or
+    /// not an older one runs on the node (docs/guides/restarts.md).
+    #[arg(long, env = "NBDGW_TAKE_OVER_MISSING", requires = "take_over", value_enum, value_name = "WHAT", default_value_t = TakeOverMissing::Fail)]
+    pub take_over_missing: TakeOverMissing,
+    /// What this gateway does once a successor serves its listeners and
+    /// the sessions not handed over have drained: `exit` 0 (the default),
+    /// or `wait`: stay alive, idle, listening on nothing, until SIGTERM
+    /// or SIGINT, then exit 0 at once (one that came during the drain
+    /// ends it when the drain does). For a container whose restart
+    /// policy would start an exited gateway again (Kubernetes'
+    /// restartPolicy: Always), which would then fight its successor.
+    #[arg(long, env = "NBDGW_AFTER_HANDOVER", requires = "handover_socket", value_enum, value_name = "WHAT", default_value_t = AfterHandover::Exit)]
+    pub after_handover: AfterHandover,
     /// Seconds a hand-over may take, on either side, from the moment the
     /// predecessor serves the successor to its first accept (a successor
     /// queued behind another waits apart, --handover-queue-timeout). A
@@ -68,6 +87,24 @@ pub struct HandoverArgs {
     /// default; the shipped unit sets it.
     #[arg(long, env = "NBDGW_HANDOVER_FDSTORE")]
     pub handover_fdstore: bool,
+}
+
+/// `--take-over-missing`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum TakeOverMissing {
+    /// Fail the start: a successor was asked for, and none can be.
+    Fail,
+    /// Start fresh when no gateway holds the hand-over socket.
+    Start,
+}
+
+/// `--after-handover`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AfterHandover {
+    /// Exit 0.
+    Exit,
+    /// Stay, idle, until SIGTERM or SIGINT; then exit 0.
+    Wait,
 }
 
 fn quiesce_secs(s: &str) -> Result<f64, String> {

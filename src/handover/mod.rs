@@ -74,16 +74,21 @@ pub fn open(
     // read once.
     let stored = fdstore::restore::collect();
     let timeout = Duration::from_secs(args.handover_timeout);
-    let (successor, listeners, handover) = match &args.take_over {
+    let predecessor_at = match &args.take_over {
+        None => None,
+        Some(path) => successor::connect(path, args.take_over_missing)?.map(|s| (path, s)),
+    };
+    let (successor, listeners, handover) = match predecessor_at {
         None => (None, Listeners::open(listen, admin)?, None),
-        Some(path) => {
+        Some((path, stream)) => {
             let wanted = successor::Wanted {
                 listen,
                 admin,
                 handover: args.handover_socket.as_deref(),
             };
             let queue = Duration::from_secs(args.handover_queue_timeout);
-            let (successor, taken) = successor::take_over(path, &wanted, (queue, timeout))?;
+            let bounds = (queue, timeout);
+            let (successor, taken) = successor::take_over(path, stream, &wanted, bounds)?;
             let listeners = Listeners::with(taken.nbd, taken.admin, listen, admin)?;
             (Some(successor), listeners, taken.handover)
         }

@@ -15,6 +15,7 @@ use tracing::{info, warn};
 use super::alive::Peer;
 use super::channel::{peer_uid, Channel, ChannelError};
 use super::describe::{check, show};
+use super::flags::TakeOverMissing;
 use crate::metrics::Metrics;
 use crate::proto::handover::{
     Address, Descriptor, Message, Role, KNOWN_STATE_VERSIONS, SESSIONS_VERSION,
@@ -93,11 +94,11 @@ impl Sessions {
 /// connection end, goes on serving.
 pub fn take_over(
     path: &Path,
+    stream: UnixStream,
     wanted: &Wanted,
     (queue, timeout): (Duration, Duration),
 ) -> Result<(Successor, Taken)> {
     let shown = path.display();
-    let stream = UnixStream::connect(path).with_context(|| format!("--take-over {shown}"))?;
     let (ours, theirs) = (rustix::process::getuid().as_raw(), peer_uid(&stream)?);
     if theirs != ours {
         bail!("--take-over {shown}: the gateway there runs as uid {theirs}, this one as {ours}");
@@ -135,6 +136,34 @@ pub fn take_over(
         version,
     };
     Ok((successor, taken))
+}
+
+/// The connection to the gateway running at `path`; None, with
+/// `--take-over-missing start`, when there is none to take over: nothing
+/// at the path (ENOENT), or a socket nothing listens on (ECONNREFUSED,
+/// which Linux answers for a socket file no process has bound or
+/// listens on: a gateway that is gone). No process then holds a
+/// hand-over socket there, so a fresh start takes nothing from anyone;
+/// and if a gateway without one still holds the port, the bind fails.
+/// Anything else fails the start: a file that is not a socket (connect
+/// says ECONNREFUSED there too), a path this uid may not reach.
+pub fn connect(path: &Path, missing: TakeOverMissing) -> Result<Option<UnixStream>> {
+    let shown = path.display();
+    let error = match UnixStream::connect(path) {
+        Ok(stream) => return Ok(Some(stream)),
+        Err(e) => e,
+    };
+    let none_there = match error.kind() {
+        std::io::ErrorKind::NotFound => true,
+        std::io::ErrorKind::ConnectionRefused => std::fs::symlink_metadata(path)
+            .is_ok_and(|meta| std::os::unix::fs::FileTypeExt::is_socket(&meta.file_type())),
+        _ => false,
+    };
+    if !none_there || missing == TakeOverMissing::Fail {
+        return Err(error).with_context(|| format!("--take-over {shown}"));
+    }
+    info!(path = %shown, reason = %error, "take-over: no gateway listens there; starting fresh (--take-over-missing start)");
+    Ok(None)
 }
 
 /// Hello, then the predecessor's Chosen: its process (by the pidfd it

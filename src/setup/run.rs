@@ -27,7 +27,6 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         config,
         admin_limits,
     } = super::configure(&args)?;
-    let reload_interval = args.tls.protocol.reload_interval();
     let opened = handover::open(
         &args.handover,
         args.listen,
@@ -37,24 +36,22 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     )?;
     // Counted before the sandbox hides /sys and /proc from the runtime.
     let threads = args.process.worker_threads();
-    match args.sandbox.landlock {
-        LandlockMode::Off => {
-            info!(target: "nbdgw", "--landlock false: the process is not sandboxed")
-        }
-        mode => sandbox::apply(mode, &reloader, policy.as_ref(), &config, &args)?,
-    }
+    confine(&args, &reloader, policy.as_ref(), &config)?;
 
     let runtime = runtime(threads)?;
+    let (reload_interval, after_handover) = (
+        args.tls.protocol.reload_interval(),
+        args.handover.after_handover,
+    );
     runtime.block_on(async move {
         let handover::Opened { listeners, predecessor, mut successor, gate, stored, fdstore } = opened;
+        // Before anything can hand over: a signal from then on is seen.
+        let idle = AfterHandover::watch(after_handover, &gate)?;
         // A successor accepts only once the running gateway has stopped.
         if let Some(successor) = &mut successor {
             tokio::task::block_in_place(|| successor.commit())?;
         }
-        tokio::spawn(reloader.watch(reload_interval));
-        if let Some(policy) = policy {
-            tokio::spawn(policy.watch(reload_interval));
-        }
+        watch_files(reloader, policy, reload_interval);
         sandbox::debug_probe::after_start();
         if let Some(admin) = listeners.admin {
             start_admin(async_listener(admin)?, &config, admin_limits, gate.clone());
@@ -76,8 +73,81 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         info!(target: "nbdgw", listen = %shown, from_systemd = listeners.from_systemd, %upstream, exports, ?cork, "nbdgw listening");
         notify(&[NotifyState::Ready]);
         serving.await.context("the accept loop")??;
+        idle.wait().await;
         Ok(())
     })
+}
+
+/// The sandbox (--landlock), before the runtime starts.
+fn confine(
+    args: &ServeArgs,
+    reloader: &crate::tls::Reloader,
+    policy: Option<&crate::policy::PolicyReloader>,
+    config: &Config,
+) -> Result<()> {
+    match args.sandbox.landlock {
+        LandlockMode::Off => {
+            info!(target: "nbdgw", "--landlock false: the process is not sandboxed");
+            Ok(())
+        }
+        mode => sandbox::apply(mode, reloader, policy, config, args),
+    }
+}
+
+/// The TLS files and the policy, re-read every `interval`.
+fn watch_files(
+    reloader: crate::tls::Reloader,
+    policy: Option<crate::policy::PolicyReloader>,
+    interval: Option<std::time::Duration>,
+) {
+    tokio::spawn(reloader.watch(interval));
+    if let Some(policy) = policy {
+        tokio::spawn(policy.watch(interval));
+    }
+}
+
+/// `--after-handover wait`: once a successor serves the listeners and
+/// the sessions left here have drained, this process stays, idle and
+/// listening on nothing, until a signal (Kubernetes' kubelet would start
+/// an exited container again, and that one would fight the successor).
+/// The signal streams are made at start: one delivered during the drain
+/// (the accept loop's own signal watch is gone by then) is kept and
+/// ends the wait at once.
+struct AfterHandover {
+    watch: Option<(handover::Gate, [tokio::signal::unix::Signal; 2])>,
+}
+
+impl AfterHandover {
+    fn watch(after: handover::flags::AfterHandover, gate: &handover::Gate) -> Result<Self> {
+        use tokio::signal::unix::{signal, SignalKind};
+        if after == handover::flags::AfterHandover::Exit {
+            return Ok(AfterHandover { watch: None });
+        }
+        let signals = [
+            signal(SignalKind::terminate())?,
+            signal(SignalKind::interrupt())?,
+        ];
+        Ok(AfterHandover {
+            watch: Some((gate.clone(), signals)),
+        })
+    }
+
+    /// Returns at once unless this process handed over (a stop by a
+    /// signal exits as always).
+    async fn wait(self) {
+        let Some((gate, [mut term, mut int])) = self.watch else {
+            return;
+        };
+        if gate.now() != handover::gate::Accepting::HandedOver {
+            return;
+        }
+        info!(target: "nbdgw", "handed over: idle, listening on nothing, until SIGTERM (--after-handover wait)");
+        let name = tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        };
+        info!(target: "nbdgw", "{name} received after the hand-over: exiting 0");
+    }
 }
 
 /// The accept loop, and a successor's end of the hand-over: Serving,

@@ -71,7 +71,7 @@ _nbdgw() {
 
     case "${cmd}" in
         nbdgw)
-            opts="-h -V --listen --tls-cert --tls-key --tls-dir --tls-client-ca --tls-crl --verified-chain-cache --tls-crl-allow-expired --tls-revoke-closes --tls-cipher-order --tls-min-version --tls-groups --tls-reload-interval --ktls --ktls-key-limit --allow-cn --allow-dns --allow-uri --policy --policy-revoke-closes --upstream --export --export-dir --export-dir-owner --upstream-sndbuf --immutable-export --immutable --cache-size --cache-block-size --read-ahead --read-ahead-depth --cache-fill-depth --max-connections --max-sessions-per-identity --max-handshakes --max-handshakes-per-source --handshake-queue --handshake-queue-per-source --handshake-queue-timeout --handshake-reserve --source-memory --source-prefix-v4 --source-prefix-v6 --proxy-protocol-from --proxy-protocol-serve-local --proxy-protocol-timeout --proxy-protocol-max-header --handshake-timeout --upstream-timeout --idle-timeout --stall-timeout --tcp-keepalive --max-payload --max-option-len --tcp-keepalive-interval --tcp-keepalive-count --max-refused-options --cork --admin-listen --admin-max-connections --admin-header-timeout --admin-keepalive-requests --admin-keepalive-timeout --admin-max-header-bytes --drain-delay --shutdown-grace --drain-answer --handover-socket --take-over --handover-timeout --handover-queue-timeout --handover-quiesce-timeout --handover-max-key-generations --handover-fdstore --landlock --threads --log-format --help --version certs policy client help"
+            opts="-h -V --listen --tls-cert --tls-key --tls-dir --tls-client-ca --tls-crl --verified-chain-cache --tls-crl-allow-expired --tls-revoke-closes --tls-cipher-order --tls-min-version --tls-groups --tls-reload-interval --ktls --ktls-key-limit --allow-cn --allow-dns --allow-uri --policy --policy-revoke-closes --upstream --export --export-dir --export-dir-owner --upstream-sndbuf --immutable-export --immutable --cache-size --cache-block-size --read-ahead --read-ahead-depth --cache-fill-depth --max-connections --max-sessions-per-identity --max-handshakes --max-handshakes-per-source --handshake-queue --handshake-queue-per-source --handshake-queue-timeout --handshake-reserve --source-memory --source-prefix-v4 --source-prefix-v6 --proxy-protocol-from --proxy-protocol-serve-local --proxy-protocol-timeout --proxy-protocol-max-header --handshake-timeout --upstream-timeout --idle-timeout --stall-timeout --tcp-keepalive --max-payload --max-option-len --tcp-keepalive-interval --tcp-keepalive-count --max-refused-options --cork --admin-listen --admin-max-connections --admin-header-timeout --admin-keepalive-requests --admin-keepalive-timeout --admin-max-header-bytes --drain-delay --shutdown-grace --drain-answer --handover-socket --take-over --take-over-missing --after-handover --handover-timeout --handover-queue-timeout --handover-quiesce-timeout --handover-max-key-generations --handover-fdstore --landlock --threads --log-format --help --version certs policy client help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 1 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -343,6 +343,14 @@ _nbdgw() {
                     ;;
                 --take-over)
                     COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --take-over-missing)
+                    COMPREPLY=($(compgen -W "fail start" -- "${cur}"))
+                    return 0
+                    ;;
+                --after-handover)
+                    COMPREPLY=($(compgen -W "exit wait" -- "${cur}"))
                     return 0
                     ;;
                 --handover-timeout)
