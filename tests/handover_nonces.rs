@@ -116,10 +116,10 @@ fn replace(
     new
 }
 
-/// TLS 1.3 in `suite`: a session through three replacements, with a
-/// KeyUpdate of the client's before each (the server answers with its
-/// own: a new sending key, carried to the next process) and traffic
-/// between; then the client closes. Every record the two-and-more
+/// TLS 1.3 in `suite`: a session through three replacements, each
+/// starting with a KeyUpdate of the client's and a write in flight (the
+/// server answers with its own KeyUpdate: a new sending key, carried to
+/// the next process) and traffic between; then the client closes. Every record the two-and-more
 /// processes sealed opens under its own key and sequence number.
 fn tls13_session_keeps_every_nonce_unique(suite: rustls::CipherSuite) {
     let env = Env::new();
@@ -133,9 +133,17 @@ fn tls13_session_keeps_every_nonce_unique(suite: rustls::CipherSuite) {
     let secrets = Arc::new(Secrets::default());
     let mut c = session(&env, &capture, &rustls::version::TLS13, suite, &secrets);
     for round in 1..=3u8 {
-        key_update(&mut c);
         round_trip(&mut c, round);
+        // A KeyUpdate and a write sent as the replacement starts, neither
+        // waited for: read ahead by the old process or the new, and the
+        // server's own KeyUpdate and the reply sealed by whichever has
+        // the session then.
+        key_update(&mut c);
+        let block = vec![round + 20; 65536];
+        c.write(300 + u64::from(round), 65536 * 40, &block);
         gateway = replace(&env, &upstream, port, &handover, gateway);
+        assert_eq!(c.read_reply(0).last().unwrap().error_code(), 0);
+        assert_eq!(c.read(400 + u64::from(round), 65536 * 40, 65536), block);
         round_trip(&mut c, round + 10);
     }
     c.disconnect();
@@ -148,8 +156,8 @@ fn tls13_session_keeps_every_nonce_unique(suite: rustls::CipherSuite) {
     // each of the client's three KeyUpdates, across processes.
     assert_eq!(seen.records_per_key.len(), 5, "{seen:?}");
     assert!(seen.records_per_key[1..].iter().all(|&n| n > 0), "{seen:?}");
-    // 1 + 3 x 2 round trips: a write reply and read chunks each.
-    assert!(seen.application_records >= 14, "{seen:?}");
+    // 1 + 3 x 3 round trips: a write reply and read chunks each.
+    assert!(seen.application_records >= 20, "{seen:?}");
     let (status, log) = gateway.stop();
     assert!(status.success(), "{log}");
 }

@@ -350,7 +350,9 @@ impl<C: AsyncRead + Unpin, U: AsyncWrite + Unpin, L: OnRequest> Requests<'_, C, 
             // about 150 instructions a request less than the loop below
             // (bench/callgrind.py). `pending` is only kept by a hook.
             let read = self.client.read_exact(header).await;
-            return read.map(|_| true).map_err(ConnError::io(Side::Client, when));
+            return read
+                .map(|_| true)
+                .map_err(ConnError::io(Side::Client, when));
         }
         let pending = std::mem::take(&mut self.pending);
         header[..pending.len()].copy_from_slice(&pending);
