@@ -15,45 +15,12 @@ use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::clients::{nbdinfo_size, text};
+use common::handover::{generation, private_dir};
 use common::process::{nbdgw_binary, NbdgwProcess};
 use common::{Env, QemuNbd};
 use nbdgw::proto::handover::{decode_frame, Message, HEADER_LEN};
 
 const IMAGE_LEN: usize = 1 << 20;
-
-/// One generation of the gateway, on the port every generation shares.
-fn generation(
-    env: &Env,
-    upstream: &Path,
-    port: u16,
-    handover: &Path,
-    take_over: bool,
-) -> NbdgwProcess {
-    let mut cmd = Command::new(nbdgw_binary());
-    cmd.arg("--tls-dir")
-        .arg(env.certs())
-        .arg("--upstream")
-        .arg(upstream)
-        .arg("--listen")
-        .arg(format!("127.0.0.1:{port}"))
-        .arg("--handover-socket")
-        .arg(handover)
-        .args(["--shutdown-grace", "20", "--handover-timeout", "20"]);
-    if take_over {
-        cmd.arg("--take-over").arg(handover);
-    }
-    let process = NbdgwProcess::spawn(cmd, port);
-    process.wait_for_log("nbdgw listening", 1);
-    process
-}
-
-/// A directory only root may write into, for the hand-over socket.
-fn private_dir(env: &Env) -> PathBuf {
-    let dir = env.path("run");
-    std::fs::create_dir(&dir).unwrap();
-    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
-    dir
-}
 
 /// python3-libnbd opening connections back to back, each reading and
 /// checking 64 KiB, until its stdin closes; prints a line per 10
@@ -163,14 +130,14 @@ fn replacements_in_a_row_refuse_no_connection() {
     let upstream = QemuNbd::start(&env, &image, &[]);
     let handover = private_dir(&env).join("handover.sock");
     let port = common::free_port();
-    let mut old = generation(&env, &upstream.socket, port, &handover, false);
+    let mut old = generation(&env, &upstream.socket, port, &handover, false, &[]);
     let mut clients = [
         LoopClient::start(port, &env, &image),
         LoopClient::start(port, &env, &image),
     ];
     clients.iter_mut().for_each(|c| c.wait_for(20));
     for round in 1..=5 {
-        let new = generation(&env, &upstream.socket, port, &handover, true);
+        let new = generation(&env, &upstream.socket, port, &handover, true, &[]);
         new.wait_for_log("take-over: serving", 1);
         let status = old
             .wait_exit(Duration::from_secs(60))
@@ -306,7 +273,14 @@ fn a_fake_successor_of_an_unknown_version_is_refused_and_the_gateway_serves_on()
         "{metrics}"
     );
     assert!(s.gateway.is_running());
-    let new = generation(&s.env, &s.env.path("nbd.sock"), s.port, &s.handover, true);
+    let new = generation(
+        &s.env,
+        &s.env.path("nbd.sock"),
+        s.port,
+        &s.handover,
+        true,
+        &[],
+    );
     assert!(s
         .gateway
         .wait_exit(Duration::from_secs(30))
@@ -494,7 +468,7 @@ fn a_read_in_flight_on_the_old_gateway_finishes_after_the_hand_over() {
     let relay = common::process::UpstreamCounter::start(&upstream.socket, &env.path("relay.sock"));
     let handover = private_dir(&env).join("handover.sock");
     let port = common::free_port();
-    let mut old = generation(&env, &relay.socket, port, &handover, false);
+    let mut old = generation(&env, &relay.socket, port, &handover, false, &[]);
     let mut client = Command::new("/usr/bin/python3")
         .arg("-c")
         .arg(ONE_SESSION)
@@ -519,7 +493,7 @@ fn a_read_in_flight_on_the_old_gateway_finishes_after_the_hand_over() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    let new = generation(&env, &relay.socket, port, &handover, true);
+    let new = generation(&env, &relay.socket, port, &handover, true, &[]);
     new.wait_for_log("take-over: serving", 1);
     old.wait_for_log("shutting down: no longer accepting", 1);
     assert!(old.is_running(), "the old gateway waits for its read");
