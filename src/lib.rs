@@ -39,6 +39,7 @@ pub mod shutdown;
 mod source;
 pub mod tls;
 pub mod upstream;
+mod write_through;
 
 pub use config::Config;
 pub use server::{run, run_gated};

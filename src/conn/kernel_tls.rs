@@ -168,33 +168,9 @@ impl AsyncRead for RecordAligned {
     }
 }
 
-/// Writes go straight to the socket: rustls writes ciphertext through
-/// `RecordAligned` until the hand-over.
-impl AsyncWrite for RecordAligned {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, b: &[u8]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().tcp).poll_write(cx, b)
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().tcp).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        true
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().tcp).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().tcp).poll_shutdown(cx)
-    }
-}
+// Writes go straight to the socket: rustls writes ciphertext through
+// `RecordAligned` until the hand-over.
+crate::write_through::write_through!([] RecordAligned, tcp);
 
 /// The socket rustls should read the handshake through, and the TLS
 /// configuration to read it with. Where the kernel may take the session,
