@@ -21,7 +21,7 @@ use super::blob::Stored;
 use super::notify::Notifier;
 use super::session_name;
 use crate::handing::{not_quiet, Listed, Outcome, Patience, Ready, Registry};
-use crate::proto::handover_session::{Offer, State};
+use crate::proto::handover_session::State;
 
 /// Beyond the quiesce timeout: taking a quiet session's state.
 const TAKE_MARGIN: Duration = Duration::from_secs(2);
@@ -31,14 +31,11 @@ const BARRIER_TIMEOUT: Duration = Duration::from_secs(10);
 /// Stores every session that goes quiet in time; the others go on and
 /// drain. Blocking; bounded by the quiesce timeout and the barrier's.
 pub fn give(registry: &Registry, notifier: &Notifier) {
-    // Kernel TLS sessions are handed over on the channel (--take-over),
-    // tested in the VM with a kernel that re-keys; through the store they
-    // are not tested yet, so they drain here as at any stop.
-    let listed: Vec<Listed> = registry
-        .list()
-        .into_iter()
-        .filter(|l| Offer::decode(&l.offer).is_ok_and(|offer| !offer.kernel_tls))
-        .collect();
+    // Kernel TLS sessions too: the socket keeps the kernel's record
+    // layer (keys, sequence numbers) in the store as it does on the
+    // channel, and the memfd carries the current secrets for the next
+    // key update (`KernelState`).
+    let listed: Vec<Listed> = registry.list();
     if listed.is_empty() {
         return;
     }
