@@ -212,3 +212,44 @@ impl Slot {
         self.lock().tx = None;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn registry() -> Arc<Registry> {
+        let metrics = Arc::new(Metrics::client_mode());
+        Registry::new(Duration::from_secs(5), Duration::from_secs(5), 8, metrics)
+    }
+
+    /// A session that ends after the hand-over listed it and before it
+    /// was asked (its slot opened once the successor accepted it)
+    /// reports Ended as the slot opens. Before, nothing came, and the
+    /// hand-over waited the whole quiesce timeout for it.
+    #[test]
+    fn a_session_gone_before_its_slot_opens_reports_ended_at_once() {
+        let registry = registry();
+        let session = registry.register(7, vec![1]);
+        let listed = registry.list();
+        drop(session);
+        assert!(registry.list().is_empty());
+        let (tx, rx) = mpsc::channel();
+        listed[0].slot.open(tx);
+        let (id, outcome) = rx.try_recv().expect("Ended at once");
+        assert_eq!(id, 7);
+        assert!(matches!(outcome, Outcome::Ended));
+    }
+
+    /// One that ends while its slot is open reports Ended once, as
+    /// before.
+    #[test]
+    fn a_session_ending_while_asked_reports_ended_once() {
+        let registry = registry();
+        let session = registry.register(3, vec![1]);
+        let (tx, rx) = mpsc::channel();
+        registry.list()[0].slot.open(tx);
+        drop(session);
+        assert!(matches!(rx.try_recv(), Ok((3, Outcome::Ended))));
+        assert!(rx.try_recv().is_err());
+    }
+}
