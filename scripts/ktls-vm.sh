@@ -11,6 +11,9 @@
 #   scripts/ktls-vm.sh handover_sessions:ktls_   # NAME:FILTER, those tests only
 #   scripts/ktls-vm.sh --run FILE      # or a script of your own, as root in the VM
 #
+# The caller's NBDGW_* environment variables are set for the tests in
+# the VM too (e.g. NBDGW_REPLACEMENTS=6 for handover_replace).
+#
 # KTLS_VM_SYSTEMD=1 boots systemd as PID 1 (this machine's, from its root)
 # and runs the script as a unit, for tests of systemctl itself.
 # KTLS_VM_QEMU_ARGS adds arguments to qemu-system-x86_64 (word-split), e.g.
@@ -203,10 +206,16 @@ else
     done
     cargo test --locked --no-run --lib "${args[@]}" 2>&1 |
         sed -n 's/.*Executable .*(\(.*\))/\1/p' > "$io/bins"
+    # The caller's NBDGW_* settings go in with the tests, as on the host
+    # (scripts/test.sh's NBDGW_HANDOVER_OTHER, NBDGW_REPLACEMENTS).
+    settings=$(for v in $(compgen -e); do
+        case $v in NBDGW_*) printf 'export %s=%q\n' "$v" "${!v}" ;; esac
+    done)
     cat > "$io/run.sh" <<EOF
 set -u
 cd "$root"
 export HOME=/root
+$settings
 ip link set lo up
 # As on the host, so that nbdgw's 2 MiB upstream SO_SNDBUF is not clipped
 # (a warning the tests count).

@@ -7,10 +7,17 @@ in its test VM (KTLS_VM_SYSTEMD=1) and runs the script below as a unit.
 There qemu-nbd runs as a unit of its own (systemd-run), and nbdgw as the
 shipped deploy/systemd/nbdgw.service and nbdgw.socket, copied to
 /run/systemd/system with a drop-in that changes only paths (the binary
-under test, the TLS directory) and what the VM has not (the groups; the
-kernel TLS the VM's kernel has is turned off, since only rustls sessions
-are handed over). ExecStart keeps the unit's own flags, --handover-fdstore
-included, and FileDescriptorStoreMax= is the unit's.
+under test, the TLS directory) and what the VM has not (the groups), and
+turns kernel TLS off unless --ktls. ExecStart keeps the unit's own flags,
+--handover-fdstore included, and FileDescriptorStoreMax= is the unit's.
+
+With --ktls (and --kernel new, whose kernel re-keys) the client's
+session is in the kernel's record layer from its handshake on, and goes
+through the store as a socket with the kernel's TLS on it: each instance
+serves it in the kernel, and the journal shows one handshake handed to
+the kernel in all. Then, in the same boot, the unit is switched to
+--ktls off and a second client's rustls session goes through two
+restarts the same way, so that one VM covers both paths.
 
 A python3-libnbd client holds ONE connection and writes generations of
 patterns, flushes, reads them back and compares, without pause, while
@@ -28,7 +35,7 @@ Then a second client's session through `systemctl stop`
 and `start`, which is not a restart: systemd empties the store at the
 stop, so that session must end (the guide says so) and not be served.
 
-    tests/fdstore_restart.py [--restarts 5] [--kernel default|new]
+    tests/fdstore_restart.py [--restarts 5] [--kernel default|new] [--ktls]
 """
 
 import argparse
@@ -83,6 +90,7 @@ export HOME=/root
 repo=$(cat /tmp/io/repo)
 restarts=$(cat /tmp/io/restarts)
 nbdgw=$(cat /tmp/io/nbdgw)
+ktls=$(cat /tmp/io/ktls)
 log() { echo "fdstore: $*"; }
 journal() { journalctl -u nbdgw.service --no-pager -o cat; }
 fail() {
@@ -98,6 +106,47 @@ wait_for() {  # what, seconds, command...: by the clock (TCG is slow)
 }
 progress() { cat /tmp/io/progress${2:-A} 2>/dev/null || echo 0; }
 past() { [ "$(progress "" "${2:-A}")" -gt "$1" ]; }
+restart() {  # n, client tag: a restart the client rides through
+    local before seen after
+    before=$(systemctl show -p MainPID --value nbdgw.service)
+    seen=$(progress "" "$2")
+    timeout 120 systemctl restart nbdgw.service || fail "restart $1"
+    after=$(systemctl show -p MainPID --value nbdgw.service)
+    [ "$after" != 0 ] && [ "$after" != "$before" ] || fail "restart $1: main PID $before, then $after"
+    wait_for "a client $2 round after restart $1" 120 past "$seen" "$2"
+    log "restart $1: PID $before -> $after, client $2 at round $(progress "" "$2")"
+}
+# --ktls: the session of client A was the kernel's, each instance served
+# it there; then a rustls session (--ktls off) through two restarts.
+ktls_rustls_too() {
+    local kernel handed served
+    kernel=$(count 'serving a session handed over.*tls="\?kernel')
+    handed=$(count "TLS handed to the kernel (kTLS)")
+    log "kernel TLS: $handed handshake(s) handed to the kernel, $kernel session(s) served in the kernel"
+    [ "$handed" = 1 ] || fail "$handed sessions handed to the kernel, not 1"
+    [ "$kernel" = "$restarts" ] || fail "$kernel sessions served in the kernel, not $restarts"
+    # Client A's session closed (its NBD_CMD_DISC) before the unit
+    # changes: it is not stored for an instance that would refuse it.
+    wait_for "client A's close" 60 sh -c "journalctl -u nbdgw.service --no-pager -o cat | grep -q 'client sent NBD_CMD_DISC'"
+    ktls_off
+    systemctl daemon-reload
+    timeout 120 systemctl restart nbdgw.service || fail "restart with --ktls off"
+    python3 /tmp/io/client.py R > /tmp/io/clientR.out 2>&1 &
+    local rustls=$!
+    wait_for "client R's first round" 120 past 0 R
+    restart R1 R
+    restart R2 R
+    touch /tmp/stopR
+    wait $rustls || fail "client R ended with $?: $(cat /tmp/io/clientR.out)"
+    cat /tmp/io/clientR.out
+    grep -q '"errors": 0, "mismatches": 0' /tmp/io/clientR.out || fail "client R errors"
+    j=$(journal)
+    served=$(count "serving a session from systemd's file-descriptor store")
+    [ "$served" = $((restarts + 2)) ] || fail "$served sessions served from the store, not $((restarts + 2))"
+    [ "$(count "TLS established")" = 2 ] || fail "client R reconnected"
+    [ "$(count "TLS handed to the kernel (kTLS)")" = 1 ] || fail "client R's session went to the kernel"
+    restarts=$((restarts + 2))
+}
 
 # TLS files readable by the unit's dynamic user (a test's keys, in the VM).
 mkdir -p /run/nbdgw-tls
@@ -122,9 +171,10 @@ ExecStart=
 ExecStart=$exec_start
 # Groups the VM's /etc does not have.
 SupplementaryGroups=
-# The VM's kernel has TLS; sessions the kernel holds are not handed over.
-Environment=NBDGW_KTLS=off
 EOF
+# Kernel TLS (the VM's kernel has it) only where the test asks for it.
+ktls_off() { printf '[Service]\nEnvironment=NBDGW_KTLS=off\n' > /run/systemd/system/nbdgw.service.d/ktls.conf; }
+[ "$ktls" = 1 ] || ktls_off
 systemctl daemon-reload
 grep -q "^FileDescriptorStoreMax=" /run/systemd/system/nbdgw.service || fail "no FileDescriptorStoreMax= in the unit"
 log "FileDescriptorStoreMax=$(systemctl show -p FileDescriptorStoreMax --value nbdgw.service)"
@@ -135,14 +185,8 @@ client=$!
 wait_for "the client's first rounds" 120 past 1
 
 for n in $(seq "$restarts"); do
-    before=$(systemctl show -p MainPID --value nbdgw.service)
-    seen=$(progress)
-    timeout 120 systemctl restart nbdgw.service || fail "restart $n"
-    after=$(systemctl show -p MainPID --value nbdgw.service)
-    [ "$after" != 0 ] && [ "$after" != "$before" ] || fail "restart $n: main PID $before, then $after"
+    restart "$n" A
     kill -0 $client 2>/dev/null || fail "the client ended at restart $n"
-    wait_for "a client round after restart $n" 120 past "$seen"
-    log "restart $n: PID $before -> $after, the client at round $(progress)"
 done
 
 touch /tmp/stopA
@@ -165,6 +209,7 @@ printf '%s\n' "$j" | grep -E "restart: (taking|serving|the session is)" | head -
 [ "$closed" = 0 ] || fail "a stored session was closed"
 journalctl --no-pager -o cat -u nbdgw.service | grep -E "Failed with result|Main process exited, code=(killed|dumped)|status=[1-9]" &&
     fail "an instance failed"
+[ "$ktls" = 1 ] && ktls_rustls_too
 
 # The commit point with the real store: a new instance that marks the
 # session taken and dies before removing it from the store (a debug
@@ -220,19 +265,24 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--restarts", type=int, default=5)
     ap.add_argument("--kernel", choices=["default", "new"], default="default")
+    ap.add_argument("--ktls", action="store_true",
+                    help="kernel TLS on (needs --kernel new): the session in the kernel, then a rustls one")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     opts = ap.parse_args()
+    if opts.ktls and opts.kernel != "new":
+        ap.error("--ktls needs --kernel new: nbdgw puts sessions in the kernel only where it re-keys")
     work = tempfile.mkdtemp(prefix="nbdgw-fdstore-")
     io = os.path.join(work, "io")
     os.mkdir(io)
     subprocess.run([NBDGW, "certs", "--out", os.path.join(io, "certs")], check=True, capture_output=True)
-    for name, text in (("client.py", CLIENT), ("restarts", f"{opts.restarts}\n"), ("nbdgw", f"{os.path.abspath(NBDGW)}\n")):
+    for name, text in (("client.py", CLIENT), ("restarts", f"{opts.restarts}\n"), ("nbdgw", f"{os.path.abspath(NBDGW)}\n"),
+                       ("ktls", "1\n" if opts.ktls else "0\n")):
         with open(os.path.join(io, name), "w") as f:
             f.write(text)
     script = os.path.join(work, "run.sh")
     with open(script, "w") as f:
         f.write(GUEST)
-    env = dict(os.environ, KTLS_VM_SYSTEMD="1", KTLS_VM_IO=io, KTLS_VM_TIMEOUT=str(300 + 120 * opts.restarts))
+    env = dict(os.environ, KTLS_VM_SYSTEMD="1", KTLS_VM_IO=io, KTLS_VM_TIMEOUT=str(300 + 120 * (opts.restarts + 3 * opts.ktls)))
     if opts.kernel == "new":
         env["KTLS_VM_KERNEL"] = "new"
     vm = subprocess.run([os.path.join(ROOT, "scripts", "ktls-vm.sh"), "--run", script],
@@ -243,7 +293,8 @@ def main():
         sys.exit(1)
     if not opts.keep:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"fdstore_restart: passed ({opts.restarts} restarts)")
+    kind = " in the kernel, then 2 in rustls" if opts.ktls else ""
+    print(f"fdstore_restart: passed ({opts.restarts} restarts{kind})")
 
 
 if __name__ == "__main__":

@@ -443,6 +443,11 @@ impl Feed {
     }
 }
 
+/// Blocks' commands qemu-io may have queued beyond those seen run: more
+/// than its stdout (a pipe, so buffered by 4 KiB, ~300 bytes a block)
+/// holds back, or the feeder would wait for output qemu-io keeps.
+const QEMU_IO_AHEAD: usize = 128;
+
 /// qemu-io over TLS (tls-creds-x509, no reconnect-delay: its default,
 /// 0, fails a request at once when the connection is lost), fed its
 /// script on stdin as fast as it takes it until told to stop.
@@ -456,9 +461,17 @@ fn start_qemu_io(rig: &Rig, feed: Arc<Feed>) -> Watched {
     cmd.args(["--object", &object, "--image-opts", &opts]);
     let mut watched = Watched::spawn("qemu-io", &mut cmd, qemu_io_line);
     let mut stdin = watched.child.stdin.take().unwrap();
+    let seen = watched.seen.clone();
     std::thread::spawn(move || {
         let mut k = 0;
         while !feed.stop.load(Ordering::SeqCst) {
+            // At most QEMU_IO_AHEAD blocks' commands ahead of what it
+            // has done (two reads each): a full pipe of them would take
+            // minutes to run at the end under TCG (the test VM).
+            if k >= QEMU_IO_AHEAD + seen.lock().unwrap().progress / 2 {
+                std::thread::sleep(Duration::from_millis(5));
+                continue;
+            }
             if stdin.write_all(qemu_io_commands(k).as_bytes()).is_err() {
                 return;
             }
@@ -578,6 +591,45 @@ fn replace(rig: &Rig, old: &mut NbdgwProcess, binary: &str, round: usize) -> Nbd
     new
 }
 
+/// Where the kernel takes TLS 1.3 sessions (kernel TLS that re-keys, as
+/// in `KTLS_VM_KERNEL=new scripts/ktls-vm.sh handover_replace`), the
+/// first generation hands its `n` sessions to the kernel (each right
+/// after its handshake), and every generation hands them over there:
+/// true, once they are. TLS 1.2 stays in rustls anyway.
+fn handed_to_the_kernel(tls: Tls, gateway: &NbdgwProcess, n: usize) -> bool {
+    let here = tls == Tls::V13 && nbdgw::tls::kernel::probe().is_ok();
+    eprintln!(
+        "{tls:?}: the sessions are in {}",
+        if here { "the kernel (kTLS)" } else { "rustls" }
+    );
+    if here {
+        gateway.wait_for_log("TLS handed to the kernel (kTLS)", n);
+    }
+    here
+}
+
+/// Where the sessions are in the kernel (`in_kernel`), waits until
+/// `gateway` (a successor, unless there were no replacements) serves
+/// the `n` handed over, in the kernel.
+fn served_in_the_kernel(gateway: &NbdgwProcess, n: usize, in_kernel: bool) {
+    if !in_kernel || replacements() == 0 {
+        return;
+    }
+    let served = |log: String| {
+        let kernel = |l: &&str| l.contains("serving a session handed over") && l.contains("kernel");
+        log.lines().filter(kernel).count()
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while served(gateway.log()) < n {
+        assert!(
+            Instant::now() < deadline,
+            "not in the kernel:\n{}",
+            gateway.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// TLS sessions a generation established (its log's "TLS established").
 fn handshakes(gateway: &NbdgwProcess) -> Vec<String> {
     gateway
@@ -615,13 +667,17 @@ fn replaced_in_a_row(tls: Tls) {
     // Every client's session is established on the first gateway.
     let deadline = Instant::now() + Duration::from_secs(60);
     while handshakes(&gateway).len() < clients.len() {
-        assert_all_alive(&clients, "connecting");
+        assert_all_alive(
+            &clients,
+            &format!("connecting (gateway log:\n{})", gateway.log()),
+        );
         assert!(Instant::now() < deadline, "{}", gateway.log());
         std::thread::sleep(Duration::from_millis(50));
     }
     for line in handshakes(&gateway) {
         assert!(line.contains(tls.logged()), "{line}");
     }
+    let in_kernel = handed_to_the_kernel(tls, &gateway, clients.len());
     for round in 1..=replacements() {
         let when = format!("before round {round}");
         for c in &clients[..2] {
@@ -638,6 +694,7 @@ fn replaced_in_a_row(tls: Tls) {
         gateway = new;
         assert_all_alive(&clients, &format!("after round {round}"));
     }
+    served_in_the_kernel(&gateway, clients.len(), in_kernel);
     finish_clients(&rig, clients, &feed, [in_tx, out_tx], &copied_out);
     // NBDGW_REPLACEMENTS=0 checks the harness alone, on one gateway.
     let made = handshakes(&gateway);

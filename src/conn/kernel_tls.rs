@@ -263,10 +263,16 @@ pub struct TlsPeer {
     pub sni: Option<String>,
     /// The negotiated suite's IANA number.
     pub suite: u16,
+    /// The key exchange group's IANA number (0: not known), which a
+    /// successor with narrower `--tls-groups` declines: rustls, which
+    /// knows it, is gone once the kernel has the session.
+    pub group: u16,
 }
 
 impl TlsPeer {
-    fn of(conn: &rustls::ServerConnection) -> Self {
+    /// Read from rustls: at the hand-over to the kernel, or for the offer
+    /// of a session that stays in rustls.
+    pub(super) fn of(conn: &rustls::ServerConnection) -> Self {
         TlsPeer {
             chain: conn
                 .peer_certificates()
@@ -278,6 +284,9 @@ impl TlsPeer {
             suite: conn
                 .negotiated_cipher_suite()
                 .map_or(0, |s| u16::from(s.suite())),
+            group: conn
+                .negotiated_key_exchange_group()
+                .map_or(0, |g| u16::from(g.name())),
         }
     }
 }

@@ -5,8 +5,10 @@
 //! states). Depends on neither, so that the configuration can hold it.
 
 mod hook;
+mod patience;
 
 pub use hook::Quiesce;
+pub use patience::{not_quiet, Patience};
 
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
@@ -40,8 +42,18 @@ struct Entry {
 }
 
 /// Where a session reports how its hand-over went, while someone waits.
+pub struct Slot {
+    id: u64,
+    state: Mutex<SlotState>,
+}
+
 #[derive(Default)]
-pub struct Slot(Mutex<Option<mpsc::Sender<(u64, Outcome)>>>);
+struct SlotState {
+    tx: Option<mpsc::Sender<(u64, Outcome)>>,
+    /// The session is gone: a slot opened after this reports Ended at
+    /// once (it may end between being listed and being asked).
+    ended: bool,
+}
 
 /// A session's answer to being asked to go quiet.
 pub enum Outcome {
@@ -112,7 +124,10 @@ impl Registry {
     /// Session `id` may be handed over, as `offer` (encoded) says.
     pub fn register(self: &Arc<Self>, id: u64, offer: Vec<u8>) -> Registered {
         let hook = Arc::new(Quiesce::new(self.quiesce_timeout));
-        let slot = Arc::new(Slot::default());
+        let slot = Arc::new(Slot {
+            id,
+            state: Mutex::default(),
+        });
         let entry = Entry {
             offer: Arc::new(offer),
             hook: hook.clone(),
@@ -151,13 +166,13 @@ impl Registered {
 
     /// Whether someone waits for this session's outcome.
     pub fn awaited(&self) -> bool {
-        self.slot.lock().is_some()
+        self.slot.lock().tx.is_some()
     }
 
     /// Reports the outcome, once per ask (the slot closes); given back
     /// if nobody waits any more.
     pub fn report(&self, outcome: Outcome) -> Result<(), Outcome> {
-        match self.slot.lock().take() {
+        match self.slot.lock().tx.take() {
             Some(tx) => tx.send((self.id, outcome)).map_err(|e| e.0 .1),
             None => Err(outcome),
         }
@@ -168,24 +183,73 @@ impl Drop for Registered {
     fn drop(&mut self) {
         self.registry.lock().remove(&self.id);
         // A session that ends while a hand-over waits for it (the client
-        // left, a reload ended it) is not waited for until the timeout.
+        // left, a reload ended it) is not waited for until the timeout;
+        // nor one that ends before the hand-over asks it (`Slot::open`).
+        self.slot.lock().ended = true;
         let _ = self.report(Outcome::Ended);
     }
 }
 
 impl Slot {
-    fn lock(&self) -> MutexGuard<'_, Option<mpsc::Sender<(u64, Outcome)>>> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    fn lock(&self) -> MutexGuard<'_, SlotState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// From now on the session's outcome goes to `tx`.
+    /// From now on the session's outcome goes to `tx`; Ended at once if
+    /// the session is already gone (it ended after it was listed: before,
+    /// the hand-over waited the whole quiesce timeout for it).
     pub fn open(&self, tx: mpsc::Sender<(u64, Outcome)>) {
-        *self.lock() = Some(tx);
+        let mut state = self.lock();
+        match state.ended {
+            true => drop(tx.send((self.id, Outcome::Ended))),
+            false => state.tx = Some(tx),
+        }
     }
 
     /// Nobody waits any more: a report after this is refused, and the
     /// session keeps what it has.
     pub fn close(&self) {
-        *self.lock() = None;
+        self.lock().tx = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn registry() -> Arc<Registry> {
+        let metrics = Arc::new(Metrics::client_mode());
+        Registry::new(Duration::from_secs(5), Duration::from_secs(5), 8, metrics)
+    }
+
+    /// A session that ends after the hand-over listed it and before it
+    /// was asked (its slot opened once the successor accepted it)
+    /// reports Ended as the slot opens. Before, nothing came, and the
+    /// hand-over waited the whole quiesce timeout for it.
+    #[test]
+    fn a_session_gone_before_its_slot_opens_reports_ended_at_once() {
+        let registry = registry();
+        let session = registry.register(7, vec![1]);
+        let listed = registry.list();
+        drop(session);
+        assert!(registry.list().is_empty());
+        let (tx, rx) = mpsc::channel();
+        listed[0].slot.open(tx);
+        let (id, outcome) = rx.try_recv().expect("Ended at once");
+        assert_eq!(id, 7);
+        assert!(matches!(outcome, Outcome::Ended));
+    }
+
+    /// One that ends while its slot is open reports Ended once, as
+    /// before.
+    #[test]
+    fn a_session_ending_while_asked_reports_ended_once() {
+        let registry = registry();
+        let session = registry.register(3, vec![1]);
+        let (tx, rx) = mpsc::channel();
+        registry.list()[0].slot.open(tx);
+        drop(session);
+        assert!(matches!(rx.try_recv(), Ok((3, Outcome::Ended))));
+        assert!(rx.try_recv().is_err());
     }
 }

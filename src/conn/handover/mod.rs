@@ -230,36 +230,17 @@ pub fn offer(
     session: &super::session::Session,
     max_payload: u32,
 ) -> Option<Offer> {
-    let (peer, version, group, kernel_tls) = match tls {
+    let (peer, version, kernel_tls) = match tls {
         Either::Left(tls) => {
             let conn = tls.get_ref().1;
-            let peer = TlsPeer {
-                chain: conn
-                    .peer_certificates()
-                    .unwrap_or_default()
-                    .iter()
-                    .map(|c| c.to_vec())
-                    .collect(),
-                sni: conn.server_name().map(str::to_string),
-                suite: conn
-                    .negotiated_cipher_suite()
-                    .map_or(0, |s| u16::from(s.suite())),
-            };
             let version = conn.protocol_version().map_or(0, u16::from);
-            let group = conn
-                .negotiated_key_exchange_group()
-                .map_or(0, |g| u16::from(g.name()));
-            (peer, version, group, false)
+            (TlsPeer::of(conn), version, false)
         }
-        // The group is not kept for a kernel session: 0, unknown (judged
-        // on the rest).
-        Either::Right(kernel) => (kernel.peer()?.clone(), TLS13, 0, true),
+        // Kept from rustls's handshake when the kernel took the session
+        // (or from the offer it was handed over with), group included.
+        Either::Right(kernel) => (kernel.peer()?.clone(), TLS13, true),
     };
-    Some(offer_of(
-        (peer, version, kernel_tls),
-        (group, max_payload),
-        session,
-    ))
+    Some(offer_of((peer, version, kernel_tls), max_payload, session))
 }
 
 /// TLS 1.3's protocol version: the only one kernel TLS takes here.
@@ -267,7 +248,7 @@ const TLS13: u16 = 0x0304;
 
 fn offer_of(
     (peer, tls_version, kernel_tls): (TlsPeer, u16, bool),
-    (group, max_payload): (u16, u32),
+    max_payload: u32,
     session: &super::session::Session,
 ) -> Offer {
     Offer {
@@ -284,7 +265,7 @@ fn offer_of(
         tls_version,
         suite: peer.suite,
         kernel_tls,
-        group,
+        group: peer.group,
         max_payload,
         mode: session.mode,
         read_only: session.read_only,

@@ -174,6 +174,7 @@ fn kernel(
         chain: offer.chain.clone(),
         sni: offer.sni.clone(),
         suite: offer.suite,
+        group: offer.group,
     };
     let metrics = config.metrics.clone();
     KernelTls::resumed(tcp, state, peer, config.ktls_key_limit, metrics)

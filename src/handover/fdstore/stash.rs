@@ -10,17 +10,18 @@
 //! taken, its rustls connection is consumed and its sockets leave, so
 //! this process never writes on it again, stored or not.
 
+use std::collections::HashSet;
 use std::os::fd::AsFd;
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tracing::{info, warn};
 
 use super::blob::Stored;
 use super::notify::Notifier;
 use super::session_name;
-use crate::handing::{Listed, Outcome, Ready, Registry};
-use crate::proto::handover_session::{Offer, State};
+use crate::handing::{not_quiet, Listed, Outcome, Patience, Ready, Registry};
+use crate::proto::handover_session::State;
 
 /// Beyond the quiesce timeout: taking a quiet session's state.
 const TAKE_MARGIN: Duration = Duration::from_secs(2);
@@ -30,14 +31,11 @@ const BARRIER_TIMEOUT: Duration = Duration::from_secs(10);
 /// Stores every session that goes quiet in time; the others go on and
 /// drain. Blocking; bounded by the quiesce timeout and the barrier's.
 pub fn give(registry: &Registry, notifier: &Notifier) {
-    // Kernel TLS sessions are handed over on the channel (--take-over),
-    // tested in the VM with a kernel that re-keys; through the store they
-    // are not tested yet, so they drain here as at any stop.
-    let listed: Vec<Listed> = registry
-        .list()
-        .into_iter()
-        .filter(|l| Offer::decode(&l.offer).is_ok_and(|offer| !offer.kernel_tls))
-        .collect();
+    // Kernel TLS sessions too: the socket keeps the kernel's record
+    // layer (keys, sequence numbers) in the store as it does on the
+    // channel, and the memfd carries the current secrets for the next
+    // key update (`KernelState`).
+    let listed: Vec<Listed> = registry.list();
     if listed.is_empty() {
         return;
     }
@@ -52,17 +50,7 @@ pub fn give(registry: &Registry, notifier: &Notifier) {
         session.hook.ask();
     }
     drop(tx);
-    let until = Instant::now() + registry.quiesce_timeout + TAKE_MARGIN;
-    let mut left = listed.len();
-    let mut stored = 0;
-    while left > 0 {
-        let Ok((id, outcome)) = rx.recv_timeout(until.saturating_duration_since(Instant::now()))
-        else {
-            break;
-        };
-        left -= 1;
-        stored += usize::from(store(registry, notifier, (id, handover), outcome, &listed));
-    }
+    let mut stored = collect(registry, notifier, (handover, &listed), &rx);
     // Late ones are not waited for: they read on and drain. One that
     // reported in between still goes.
     for session in &listed {
@@ -85,6 +73,47 @@ pub fn give(registry: &Registry, notifier: &Notifier) {
         "restart: sessions stored for the next instance; the others drain"
     );
 }
+
+/// Stores each session as it reports, for as long as `Patience` says:
+/// one not quiet when the quiesce timeout has passed is left to drain
+/// (nobody waits for it any more), one quiet by then is waited for
+/// while reports keep coming. The number stored.
+fn collect(
+    registry: &Registry,
+    notifier: &Notifier,
+    (handover, listed): ([u8; 16], &[Listed]),
+    rx: &mpsc::Receiver<(u64, Outcome)>,
+) -> usize {
+    let mut waiting: HashSet<u64> = listed.iter().map(|l| l.id).collect();
+    let mut patience = Patience::new(registry, TAKE_MARGIN);
+    let mut stored = 0;
+    while !waiting.is_empty() {
+        if patience.quiesce_over() {
+            for id in not_quiet(listed, &waiting) {
+                waiting.remove(&id);
+                if let Some(session) = listed.iter().find(|l| l.id == id) {
+                    session.slot.close();
+                }
+            }
+        }
+        let left = patience.left();
+        if left.is_zero() || waiting.is_empty() {
+            break;
+        }
+        let (id, outcome) = match rx.recv_timeout(left.min(WATCH)) {
+            Ok(report) => report,
+            Err(mpsc::RecvTimeoutError::Timeout) => continue,
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        };
+        patience.reported();
+        waiting.remove(&id);
+        stored += usize::from(store(registry, notifier, (id, handover), outcome, listed));
+    }
+    stored
+}
+
+/// How often the wait looks again which sessions are not quiet.
+const WATCH: Duration = Duration::from_millis(100);
 
 /// One session's outcome: stored (true), or left here to drain.
 fn store(

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
 use super::{Listed, Outcome, Ready, Registry};
+use crate::handing::{not_quiet, Patience};
 use crate::handover::channel::{Channel, ChannelError};
 use crate::logsafe::escape;
 use crate::proto::handover::Message;
@@ -137,20 +138,28 @@ fn decline_class(reason: &str) -> &'static str {
 }
 
 /// Each session's State (or Withdraw) as soon as it reports, and the
-/// successor's Taken or Lost before the next (lock-step, as the offers),
-/// until the quiesce timeout (and the take's margin) has passed; the late
-/// ones are withdrawn.
+/// successor's Taken or Lost before the next (lock-step, as the offers).
+/// A session not quiet when the quiesce timeout (and the take's margin)
+/// has passed is withdrawn; one quiet by then is waited for, however
+/// long the queue of takes before it (one at a time, each with its own
+/// exchange: hundreds of sessions on a loaded machine take longer than
+/// any fixed window), as long as reports keep coming (`Patience`).
 fn states(
     channel: &mut Channel,
     registry: &Registry,
     (handover, mut waiting): ([u8; 16], HashSet<u64>),
     (listed, rx): (&[Listed], &mpsc::Receiver<(u64, Outcome)>),
 ) -> Result<(), ChannelError> {
-    let until = Instant::now() + registry.quiesce_timeout + TAKE_MARGIN;
+    let mut patience = Patience::new(registry, TAKE_MARGIN);
     let mut sent = HashMap::new();
     while !waiting.is_empty() {
-        let left = until.saturating_duration_since(Instant::now());
-        if left.is_zero() {
+        if patience.quiesce_over() {
+            let late = not_quiet(listed, &waiting);
+            let going = (handover, &mut waiting, &mut sent);
+            withdraw(channel, registry, going, (listed, rx), &late)?;
+        }
+        let left = patience.left();
+        if left.is_zero() || waiting.is_empty() {
             break;
         }
         let (id, outcome) = match rx.recv_timeout(left.min(WATCH)) {
@@ -161,29 +170,56 @@ fn states(
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
         };
+        patience.reported();
         waiting.remove(&id);
         send_outcome(channel, registry, (id, handover, outcome), &mut sent)?;
     }
-    // Late: nobody waits for them now; what reported meanwhile still goes.
-    listed.iter().for_each(|session| session.slot.close());
+    let rest: Vec<u64> = waiting.iter().copied().collect();
+    withdraw(
+        channel,
+        registry,
+        (handover, &mut waiting, &mut sent),
+        (listed, rx),
+        &rest,
+    )
+}
+
+/// The sessions `late` withdrawn: nobody waits for them now, what
+/// reported meanwhile (theirs or another's) still goes, and the others
+/// read on here and drain.
+fn withdraw(
+    channel: &mut Channel,
+    registry: &Registry,
+    (handover, waiting, sent): Going<'_>,
+    (listed, rx): (&[Listed], &mpsc::Receiver<(u64, Outcome)>),
+    late: &[u64],
+) -> Result<(), ChannelError> {
+    let late: Vec<&Listed> = listed.iter().filter(|l| late.contains(&l.id)).collect();
+    late.iter().for_each(|session| session.slot.close());
     for (id, outcome) in rx.try_iter() {
         waiting.remove(&id);
-        send_outcome(channel, registry, (id, handover, outcome), &mut sent)?;
+        send_outcome(channel, registry, (id, handover, outcome), sent)?;
     }
-    for id in waiting {
-        if let Some(session) = listed.iter().find(|l| l.id == id) {
-            session.hook.cancel();
-        }
+    for session in late.into_iter().filter(|l| waiting.remove(&l.id)) {
+        session.hook.cancel();
         registry.metrics.session_handover("withdrawn");
         info!(
-            conn = id,
+            conn = session.id,
             "hand-over: the session was not quiet in time; it stays here and drains"
         );
         channel.set_deadline(Instant::now() + registry.timeout);
-        channel.send(&Message::Withdraw { id }, &[])?;
+        channel.send(&Message::Withdraw { id: session.id }, &[])?;
     }
     Ok(())
 }
+
+/// This hand-over's id, the sessions still waited for, and the States
+/// sent (when each session stopped).
+type Going<'a> = (
+    [u8; 16],
+    &'a mut HashSet<u64>,
+    &'a mut HashMap<u64, Instant>,
+);
 
 /// How often the wait for reports looks whether the successor is gone.
 const WATCH: Duration = Duration::from_millis(100);
