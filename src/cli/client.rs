@@ -56,6 +56,12 @@ pub struct ClientArgs {
     pub admin: ForClient<AdminListenArgs>,
     #[command(flatten, next_help_heading = "Shutdown")]
     pub shutdown: ForClient<ShutdownArgs>,
+    /// The server mode's hand-over flags: a successor `nbdgw client
+    /// --take-over PATH` takes the local listener and every established
+    /// session (not those under --reconnect; --handover-fdstore is
+    /// refused in client mode).
+    #[command(flatten, next_help_heading = "Hand-over to a successor process")]
+    pub handover: crate::handover::HandoverArgs,
     #[command(flatten, next_help_heading = "Process and logging")]
     pub process: ForClient<ProcessArgs>,
 }

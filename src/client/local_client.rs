@@ -12,15 +12,17 @@ use std::time::Instant;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::{debug, info, warn, Instrument};
 
+use super::handover::{self, side::Local};
 use super::reconnect::{MetaContexts, Opened, Reconnecting, Reopen};
 use super::remote::{self, Remote, RemoteTls};
 use crate::client::ClientSettings;
 use crate::conn::error::{ConnError, Side};
 use crate::conn::options::{OptionChannel, ShutdownAnswer};
 use crate::conn::relayed::{self, Batch, Framing, Relayed};
-use crate::conn::session::{Limits, Stats, Transmit};
+use crate::conn::session::{Stats, Transmit};
 use crate::logsafe::{escape_bytes, Escaped};
 use crate::proto::consts::*;
+use crate::proto::handover_client::ClientOffer;
 use crate::proto::handshake::{ClientFlags, OptionHeader};
 use crate::proto::transmission::ReplyMode;
 use crate::shutdown::Shutdown;
@@ -56,7 +58,7 @@ pub async fn serve<S>(
     shared: Arc<ClientSettings>,
     shutdown: Shutdown,
 ) where
-    S: AsyncRead + AsyncWrite + Unpin,
+    S: Local,
 {
     let span = tracing::info_span!("conn", id, peer = %peer);
     async move {
@@ -68,7 +70,7 @@ pub async fn serve<S>(
         let stats = Stats::new(metrics.clone());
         let mut cut = shutdown.clone();
         let result = tokio::select! {
-            result = run(local, &shared, shutdown, &stats) => result,
+            result = run((local, id), &shared, shutdown, &stats) => result,
             () = cut.cut() => Err(ConnError::GraceOver),
         };
         metrics.connections_open.dec();
@@ -98,13 +100,13 @@ struct Ready<S> {
 }
 
 async fn run<S>(
-    local: S,
+    (local, id): (S, u64),
     shared: &Arc<ClientSettings>,
     shutdown: Shutdown,
     stats: &Stats,
 ) -> Result<&'static str, ConnError>
 where
-    S: AsyncRead + AsyncWrite + Unpin,
+    S: Local,
 {
     let settings = &**shared;
     let negotiated = tokio::time::timeout(
@@ -125,22 +127,47 @@ where
     } = ready;
     let mode = opened.framing.mode();
     let transmit = Transmit {
-        limits: Limits {
-            max_payload: settings.relay.max_payload,
-            idle_timeout: settings.relay.idle_timeout,
-            stall_timeout: settings.relay.stall_timeout,
-            cork: settings.cork,
-        },
+        limits: super::limits(settings),
         shutdown,
         stats,
     };
     match settings.reconnect {
-        None => relay_to(local, remote, (mode, read_only), &transmit).await,
+        // A session that may be handed to a successor (`--handover-socket`).
+        None => {
+            let offer = offer_of(&remote, &opened, settings);
+            let registered = handover::register(settings.handover.as_ref(), id, &offer);
+            let both = (mode, read_only);
+            handover::transmit((local, Vec::new()), remote, both, registered, &transmit).await
+        }
         Some(_) => {
             // The same relay, over a server stream that outlives drops.
             let upstream = Reconnecting::new(remote, shared.clone(), opened, mode);
             relay_to(local, upstream, (mode, read_only), &transmit).await
         }
+    }
+}
+
+/// What a successor judges of this session, and needs to relay it.
+fn offer_of(remote: &RemoteTls, opened: &Opened, settings: &ClientSettings) -> ClientOffer {
+    let conn = remote.get_ref().1;
+    let export = match &opened.reopen {
+        Reopen::Go(data) => relayed::split_name(data).to_vec(),
+        Reopen::ExportName(name) => name.clone(),
+    };
+    ClientOffer {
+        host: settings.host.clone(),
+        port: settings.port,
+        server_name: settings.server_name.to_str().into_owned(),
+        chain: (conn.peer_certificates().unwrap_or_default().iter())
+            .map(|c| c.to_vec())
+            .collect(),
+        tls_version: conn.protocol_version().map_or(0, u16::from),
+        suite: (conn.negotiated_cipher_suite()).map_or(0, |s| u16::from(s.suite())),
+        export,
+        max_payload: settings.relay.max_payload,
+        mode: opened.framing.mode(),
+        size: opened.export.0,
+        tflags: opened.export.1,
     }
 }
 

@@ -667,6 +667,9 @@ mod tests {
             }),
             metrics: Arc::new(crate::metrics::Metrics::client_mode()),
             health: Arc::default(),
+            handover: None,
+            tls_paths: Default::default(),
+            min_version: Default::default(),
         })
     }
 
