@@ -22,6 +22,7 @@
 
 mod common;
 
+use std::ffi::OsStr;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -297,13 +298,21 @@ impl Drop for Libnbd {
 fn client_mode_sessions_survive_replacements_alternating_builds() {
     let rig = Rig::new();
     let builds = [nbdgw_binary(), other_binary()];
-    let mut current = rig.unix_client(&builds[0], false);
+    // The admin port moves too: the last process reports the session.
+    let admin = common::free_port();
+    let admin_flag = format!("127.0.0.1:{admin}");
+    let socket = rig.socket();
+    let generation = |binary: &str, take_over: bool| {
+        let flags = ["--admin-listen", admin_flag.as_str()];
+        rig.client(binary, socket.to_str().unwrap(), take_over, &flags)
+    };
+    let mut current = generation(&builds[0], false);
     let client = Libnbd::start(&rig.socket());
     client.wait_progress(0, PROGRESS_PER_ROUND, "before the first replacement");
     for round in 1..=replacements() {
         let when = format!("replacement {round}");
         let before = client.progress();
-        let next = rig.unix_client(&builds[round % 2], true);
+        let next = generation(&builds[round % 2], true);
         wait_exit_ok(&mut current, &when);
         let log = current.log();
         assert!(
@@ -323,6 +332,9 @@ fn client_mode_sessions_survive_replacements_alternating_builds() {
         );
         current = next;
     }
+    let metrics = common::metrics::scrape(admin);
+    let resumed = r#"nbdgw_session_handovers_total{outcome="resumed"}"#;
+    assert_eq!(common::metrics::sample(&metrics, resumed), 1.0, "{metrics}");
     let (ok, errors) = client.finish();
     assert!(ok && errors.is_empty(), "python3-libnbd: {errors:?}");
     // Every byte right: the client's last read-back passed; the image
@@ -390,8 +402,10 @@ fn a_successor_with_another_server_or_ca_declines_the_session() {
         old.wait_for_log("hand-over: the successor declined the session", 1);
         let log = old.log();
         assert!(log.contains(class), "{class}: the decline's reason:\n{log}");
-        // The session drains in the old process: its next request is
-        // answered there (ESHUTDOWN), never by the successor.
+        // The session drains in the old process once the exchange is
+        // done (a request before that is still served there, as before a
+        // SIGTERM): idle, it is closed; never served by the successor.
+        old.wait_for_log("shutting down: no longer accepting", 1);
         raw.expect_shutdown_answer();
         wait_exit_ok(&mut old, class);
         let log = next.log();
@@ -454,6 +468,52 @@ fn a_successor_killed_with_the_state_leaves_the_session_closed() {
     let log = old.log();
     assert!(!log.contains("the successor serves the session"), "{log}");
     assert!(log.contains("hand-over failed"), "{log}");
+}
+
+/// A server-mode successor and a client-mode one never take each other
+/// over: they share no state version, so the running process refuses at
+/// Hello, before any socket or session is offered, and serves on; the
+/// successor's start fails saying why.
+#[test]
+fn server_mode_and_client_mode_refuse_each_other() {
+    let rig = Rig::new();
+    let old = rig.unix_client(&nbdgw_binary(), false);
+    let mut raw = RawLocal::on_unix(&rig.socket());
+    raw.write_and_check(1 << 20, 5);
+    let certs = rig.env.certs();
+    let args = common::process::front_args(&certs, &rig.upstream.socket, &["--landlock", "false"]);
+    let handover = rig.handover();
+    let said = common::process::start_must_fail(
+        args.iter()
+            .map(|a| a.as_os_str())
+            .chain([OsStr::new("--take-over"), handover.as_os_str()]),
+    );
+    assert!(said.contains("no state version in common"), "{said}");
+    old.wait_for_log("outcome=\"refused_version\"", 1);
+    // The client-mode session is still served by the old process.
+    raw.write_and_check(1 << 20, 6);
+
+    // And back: a client-mode successor of a server-mode gateway.
+    let gateway_handover = rig.run.join("gateway-handover.sock");
+    let flag = gateway_handover.to_str().unwrap();
+    let gateway = NbdgwProcess::in_front_of(
+        &rig.env,
+        &rig.upstream.socket,
+        &["--landlock", "false", "--handover-socket", flag],
+    );
+    let out = Command::new(nbdgw_binary())
+        .arg("client")
+        .args(["--listen", rig.run.join("other.sock").to_str().unwrap()])
+        .args(["--server", &format!("localhost:{}", gateway.port)])
+        .arg("--tls-dir")
+        .arg(&certs)
+        .args(["--take-over", flag])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{said}");
+    assert!(said.contains("no state version in common"), "{said}");
+    gateway.wait_for_log("outcome=\"refused_version\"", 1);
 }
 
 /// The raw NBD client on the local Unix socket (plaintext).
