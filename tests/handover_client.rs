@@ -12,7 +12,9 @@
 //! sees ONE TLS handshake in all and the local client ONE connection;
 //! the successor judges each session against its own configuration (the
 //! same --server, a CA that still verifies the server) and a session it
-//! would not make stays with the old process and drains; a successor
+//! would not make stays with the old process and drains; a session under
+//! --reconnect moves and reconnects from the successor after a later
+//! drop, and one reconnecting at the hand-over stays and drains; a successor
 //! killed with a State in hand leaves the session closed, never served
 //! twice.
 //!
@@ -514,6 +516,87 @@ fn server_mode_and_client_mode_refuse_each_other() {
     assert!(!out.status.success(), "{said}");
     assert!(said.contains("no state version in common"), "{said}");
     gateway.wait_for_log("outcome=\"refused_version\"", 1);
+}
+
+/// A session under --reconnect moves too, with how its export was
+/// opened: after two replacements the remote server is restarted, and
+/// the successor's session reconnects, replays what was in flight and
+/// goes on; then it is handed over once more (a connection this process
+/// made after the drop). The libnbd client sees no error.
+#[test]
+fn a_reconnect_session_moves_and_still_reconnects_in_the_successor() {
+    let mut rig = Rig::new();
+    let builds = [nbdgw_binary(), other_binary()];
+    let socket = rig.socket();
+    let reconnect = ["--reconnect", "--reconnect-timeout", "60"];
+    let mut current = rig.client(&builds[0], socket.to_str().unwrap(), false, &reconnect);
+    let client = Libnbd::start(&socket);
+    client.wait_progress(0, PROGRESS_PER_ROUND, "before the first replacement");
+    for round in 1..=3 {
+        let when = format!("replacement {round}");
+        if round == 3 {
+            // The remote goes away and comes back on the same port.
+            let port = rig.server.port;
+            rig.server.signal("KILL");
+            let _ = rig.server.wait_exit(Duration::from_secs(10));
+            rig.server = NbdgwProcess::in_front_of_at(
+                &rig.env,
+                &rig.upstream.socket,
+                port,
+                &["--landlock", "false"],
+            );
+            current.wait_for_log("reconnected to the server (--reconnect)", 1);
+            let before = client.progress();
+            client.wait_progress(before, PROGRESS_PER_ROUND, "after the reconnect");
+        }
+        let before = client.progress();
+        let next = rig.client(
+            &builds[round % 2],
+            socket.to_str().unwrap(),
+            true,
+            &reconnect,
+        );
+        wait_exit_ok(&mut current, &when);
+        assert!(
+            current
+                .log()
+                .contains("hand-over: the successor serves the session"),
+            "{when}:\n{}",
+            current.log()
+        );
+        client.wait_progress(before, PROGRESS_PER_ROUND, &when);
+        current = next;
+    }
+    let (ok, errors) = client.finish();
+    assert!(ok && errors.is_empty(), "python3-libnbd: {errors:?}");
+    // The restarted server saw one handshake: the reconnect's.
+    assert_eq!(rig.server_handshakes(), 1, "{}", rig.server.log());
+    let _ = current.stop();
+}
+
+/// A session that is reconnecting when the hand-over comes is not moved
+/// (nothing of its reconnect is carried): it stays and drains.
+#[test]
+fn a_session_reconnecting_at_the_hand_over_stays_and_drains() {
+    let rig = Rig::new();
+    let socket = rig.socket();
+    let reconnect = ["--reconnect", "--reconnect-timeout", "60"];
+    let mut old = rig.client(&nbdgw_binary(), socket.to_str().unwrap(), false, &reconnect);
+    let mut raw = RawLocal::on_unix(&socket);
+    raw.write_and_check(1 << 20, 8);
+    rig.server.signal("KILL");
+    old.wait_for_log("connection to the server lost; reconnecting", 1);
+    let next = rig.client(&nbdgw_binary(), socket.to_str().unwrap(), true, &reconnect);
+    old.wait_for_log("it is reconnecting to the server", 1);
+    old.wait_for_log("shutting down: no longer accepting", 1);
+    raw.expect_shutdown_answer();
+    wait_exit_ok(&mut old, "reconnecting");
+    assert!(
+        !next.log().contains("serving a session handed over"),
+        "{}",
+        next.log()
+    );
+    let _ = next.stop();
 }
 
 /// The raw NBD client on the local Unix socket (plaintext).

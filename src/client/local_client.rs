@@ -24,7 +24,6 @@ use crate::logsafe::{escape_bytes, Escaped};
 use crate::proto::consts::*;
 use crate::proto::handover_client::ClientOffer;
 use crate::proto::handshake::{ClientFlags, OptionHeader};
-use crate::proto::transmission::ReplyMode;
 use crate::shutdown::Shutdown;
 
 /// What the local client hears when the server fails mid-option: a TLS
@@ -131,18 +130,21 @@ where
         shutdown,
         stats,
     };
+    // A session that may be handed to a successor (`--handover-socket`).
+    let mut offer = offer_of(&remote, &opened, settings);
+    let both = (mode, read_only);
     match settings.reconnect {
-        // A session that may be handed to a successor (`--handover-socket`).
         None => {
-            let offer = offer_of(&remote, &opened, settings);
             let registered = handover::register(settings.handover.as_ref(), id, &offer);
-            let both = (mode, read_only);
             handover::transmit((local, Vec::new()), remote, both, registered, &transmit).await
         }
         Some(_) => {
-            // The same relay, over a server stream that outlives drops.
+            // The same relay, over a server stream that outlives drops;
+            // a successor gets how to open the export again.
+            offer.reconnect = Some(opened.to_wire());
+            let registered = handover::register(settings.handover.as_ref(), id, &offer);
             let upstream = Reconnecting::new(remote, shared.clone(), opened, mode);
-            relay_to(local, upstream, (mode, read_only), &transmit).await
+            handover::transmit((local, Vec::new()), upstream, both, registered, &transmit).await
         }
     }
 }
@@ -168,31 +170,8 @@ fn offer_of(remote: &RemoteTls, opened: &Opened, settings: &ClientSettings) -> C
         mode: opened.framing.mode(),
         size: opened.export.0,
         tflags: opened.export.1,
+        reconnect: None,
     }
-}
-
-/// The transmission relay between the local client and `upstream`. No
-/// cork handle: the local side is a Unix socket or loopback TCP; towards
-/// the network each request leaves in full TLS records.
-async fn relay_to<S, U>(
-    local: S,
-    upstream: U,
-    (mode, read_only): (ReplyMode, bool),
-    transmit: &Transmit<'_>,
-) -> Result<&'static str, ConnError>
-where
-    S: AsyncRead + AsyncWrite + Unpin,
-    U: AsyncRead + AsyncWrite + Unpin,
-{
-    let ends = crate::conn::relay::Ends {
-        client: tokio::io::split(local),
-        upstream: tokio::io::split(upstream),
-        mode,
-        read_only,
-        // The read cache is the gateway's, for exports it serves.
-        cache: None,
-    };
-    crate::conn::relay::run(ends, None, transmit, None).await
 }
 
 /// The greeting towards the local client, the remote server reached, then

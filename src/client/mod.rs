@@ -14,7 +14,7 @@
 pub mod credentials;
 pub mod handover;
 mod local_client;
-mod reconnect;
+pub(crate) mod reconnect;
 mod remote;
 pub mod settings;
 mod start;

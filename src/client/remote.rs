@@ -132,7 +132,7 @@ fn tls_io(
     settings: &ClientSettings,
 ) -> (RecordTail<TcpStream>, std::sync::Arc<rustls::ClientConfig>) {
     let current = settings.tls.current();
-    if settings.handover.is_none() || settings.reconnect.is_some() {
+    if settings.handover.is_none() {
         return (RecordTail::off(tcp), current);
     }
     let secrets = crate::tls::key_update::SecretLog::new();

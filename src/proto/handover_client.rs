@@ -39,6 +39,81 @@ pub struct ClientOffer {
     pub mode: ReplyMode,
     pub size: u64,
     pub tflags: u16,
+    /// `--reconnect`: how the export was opened, for the successor to
+    /// open it again the same way after a later drop.
+    pub reconnect: Option<Reopening>,
+}
+
+/// How a `--reconnect` session opened its export (the client's
+/// `reconnect::Opened` as bytes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reopening {
+    /// NBD_OPT_GO (true) or NBD_OPT_EXPORT_NAME (false), with its data.
+    pub go: bool,
+    pub data: Vec<u8>,
+    pub structured: bool,
+    pub extended: bool,
+    /// The last NBD_OPT_SET_META_CONTEXT acknowledged, and the contexts
+    /// the server chose (each an id and a name).
+    pub meta: Option<(Vec<u8>, Vec<Vec<u8>>)>,
+}
+
+/// An option's data, or one metadata context, carried for `--reconnect`.
+const MAX_OPTION: u32 = 1 << 20;
+/// Metadata contexts carried.
+const MAX_CONTEXTS: u16 = 4096;
+
+impl Reopening {
+    fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&[
+            u8::from(self.go),
+            u8::from(self.structured),
+            u8::from(self.extended),
+        ]);
+        put_u32(out, self.data.len() as u32);
+        out.extend_from_slice(&self.data);
+        let Some((request, chosen)) = &self.meta else {
+            return out.push(0);
+        };
+        out.push(1);
+        put_u32(out, request.len() as u32);
+        out.extend_from_slice(request);
+        put_u16(out, chosen.len() as u16);
+        for context in chosen {
+            put_u32(out, context.len() as u32);
+            out.extend_from_slice(context);
+        }
+    }
+
+    fn decode(r: &mut Reader<'_>) -> Result<Self, WireError> {
+        let (go, structured, extended) = (
+            r.flag("reopen kind")?,
+            r.flag("structured")?,
+            r.flag("extended")?,
+        );
+        let data = r.long(MAX_OPTION, "reopen data")?.to_vec();
+        let meta = match r.flag("metadata contexts")? {
+            false => None,
+            true => {
+                let request = r.long(MAX_OPTION, "metadata request")?.to_vec();
+                let count = r.u16()?;
+                if count > MAX_CONTEXTS {
+                    return Err(WireError::Invalid("metadata contexts", count.into()));
+                }
+                let chosen = (0..count)
+                    .map(|_| r.long(MAX_OPTION, "metadata context").map(<[u8]>::to_vec))
+                    .collect::<Result<_, _>>()?;
+                Some((request, chosen))
+            }
+        };
+        Ok(Reopening {
+            go,
+            data,
+            structured,
+            extended,
+            meta,
+        })
+    }
 }
 
 impl ClientOffer {
@@ -59,6 +134,13 @@ impl ClientOffer {
         out.push(mode_code(self.mode));
         out.extend_from_slice(&self.size.to_be_bytes());
         put_u16(&mut out, self.tflags);
+        match &self.reconnect {
+            None => out.push(0),
+            Some(reopening) => {
+                out.push(1);
+                reopening.encode(&mut out);
+            }
+        }
         out
     }
 
@@ -106,6 +188,10 @@ impl ClientOffer {
             },
             size: r.u64()?,
             tflags: r.u16()?,
+            reconnect: match r.flag("reconnect")? {
+                false => None,
+                true => Some(Reopening::decode(&mut r)?),
+            },
         };
         r.end()?;
         Ok(offer)
@@ -154,6 +240,16 @@ mod tests {
             mode: ReplyMode::Extended,
             size: 1 << 30,
             tflags: 0x1ed,
+            reconnect: Some(Reopening {
+                go: true,
+                data: b"\0\0\0\x04disk\0\0".to_vec(),
+                structured: true,
+                extended: false,
+                meta: Some((
+                    b"meta".to_vec(),
+                    vec![b"\0\0\0\x01base:allocation".to_vec()],
+                )),
+            }),
         }
     }
 
@@ -167,6 +263,11 @@ mod tests {
         let mut longer = bytes.clone();
         longer.push(0);
         assert!(ClientOffer::decode(&longer).is_err());
+        let plain = ClientOffer {
+            reconnect: None,
+            ..offer()
+        };
+        assert_eq!(ClientOffer::decode(&plain.encode()).unwrap(), plain);
     }
 
     #[test]

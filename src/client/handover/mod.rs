@@ -19,7 +19,9 @@
 //! - `taker`: the successor's judgement of each offer, and its State;
 //! - `served`: a session handed over, served.
 //!
-//! Not handed over (they drain as before): sessions under `--reconnect`.
+//! Under `--reconnect` (`crate::client::reconnect::handed`) a session
+//! moves when its link is up and nothing is kept; one reconnecting at
+//! that moment stays and drains.
 
 pub mod open;
 pub mod served;

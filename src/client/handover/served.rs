@@ -10,8 +10,9 @@ use std::time::Instant;
 use tokio::net::{TcpStream, UnixStream};
 use tracing::{info, Instrument};
 
-use super::side::ResumedRemote;
+use super::side::{RemoteSide, ResumedRemote};
 use super::taker::{LocalSocket, ResumedClient};
+use crate::client::reconnect::{Opened, Reconnecting};
 use crate::client::ClientSettings;
 use crate::conn::error::{ConnError, Side};
 use crate::conn::prefixed::Prefixed;
@@ -54,9 +55,10 @@ pub async fn serve(
 async fn run(
     resumed: ResumedClient,
     id: u64,
-    settings: &ClientSettings,
+    shared: &Arc<ClientSettings>,
     (shutdown, stats): (Shutdown, &Stats),
 ) -> Result<&'static str, ConnError> {
+    let settings = &**shared;
     let ResumedClient {
         offer,
         local,
@@ -89,16 +91,37 @@ async fn run(
     };
     let registered = super::register(settings.handover.as_ref(), id, &offer);
     let both = (offer.mode, offer.tflags & TFLAG_READ_ONLY != 0);
+    let local = (local, before);
+    match (offer.reconnect.clone(), settings.reconnect) {
+        // Both under --reconnect: a later drop reconnects from here.
+        (Some(reopening), Some(_)) => {
+            let opened = Opened::from_wire(reopening, (offer.size, offer.tflags));
+            let remote = Reconnecting::resumed(remote, shared.clone(), opened, offer.mode);
+            relay(local, remote, both, registered, &transmit).await
+        }
+        _ => relay(local, remote, both, registered, &transmit).await,
+    }
+}
+
+/// The relay over the local socket as it came (Unix or TCP).
+async fn relay<R: RemoteSide>(
+    (local, before): (LocalSocket, Vec<u8>),
+    remote: R,
+    both: (crate::proto::transmission::ReplyMode, bool),
+    registered: Option<crate::handing::Registered>,
+    transmit: &Transmit<'_>,
+) -> Result<&'static str, ConnError> {
+    let io = |e: std::io::Error| ConnError::io(Side::Client, "at a hand-over")(e);
     match local {
         LocalSocket::Unix(local) => {
-            local.set_nonblocking(true).map_err(io(Side::Client))?;
-            let local = UnixStream::from_std(local).map_err(io(Side::Client))?;
-            super::transmit((local, before), remote, both, registered, &transmit).await
+            local.set_nonblocking(true).map_err(io)?;
+            let local = UnixStream::from_std(local).map_err(io)?;
+            super::transmit((local, before), remote, both, registered, transmit).await
         }
         LocalSocket::Tcp(local) => {
-            local.set_nonblocking(true).map_err(io(Side::Client))?;
-            let local = TcpStream::from_std(local).map_err(io(Side::Client))?;
-            super::transmit((local, before), remote, both, registered, &transmit).await
+            local.set_nonblocking(true).map_err(io)?;
+            let local = TcpStream::from_std(local).map_err(io)?;
+            super::transmit((local, before), remote, both, registered, transmit).await
         }
     }
 }
