@@ -311,6 +311,7 @@ fn client_mode_sessions_survive_replacements_alternating_builds() {
     let mut current = generation(&builds[0], false);
     let client = Libnbd::start(&rig.socket());
     client.wait_progress(0, PROGRESS_PER_ROUND, "before the first replacement");
+    assert_eq!(current.count_in_log("accepted"), 1, "{}", current.log());
     for round in 1..=replacements() {
         let when = format!("replacement {round}");
         let before = client.progress();
