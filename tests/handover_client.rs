@@ -423,6 +423,36 @@ fn a_successor_with_another_server_or_ca_declines_the_session() {
     assert_eq!(rig.server_handshakes(), 2, "{}", rig.server.log());
 }
 
+/// A successor's --max-connections holds for sessions handed to it: of
+/// two, one moves and the other is declined (it stays and drains).
+#[test]
+fn a_successor_takes_no_more_sessions_than_its_max_connections() {
+    let rig = Rig::new();
+    let mut old = rig.unix_client(&nbdgw_binary(), false);
+    let mut first = RawLocal::on_unix(&rig.socket());
+    let mut second = RawLocal::on_unix(&rig.socket());
+    first.write_and_check(1 << 20, 21);
+    second.write_and_check(2 << 20, 22);
+    let socket = rig.socket();
+    let one = ["--max-connections", "1"];
+    let next = rig.client(&nbdgw_binary(), socket.to_str().unwrap(), true, &one);
+    old.wait_for_log("hand-over: the successor declined the session", 1);
+    assert!(
+        old.log().contains("--max-connections 1 is reached"),
+        "{}",
+        old.log()
+    );
+    wait_exit_ok(&mut old, "max connections");
+    next.wait_for_log("serving a session handed over by the old process", 1);
+    assert_eq!(
+        next.count_in_log("serving a session handed over"),
+        1,
+        "{}",
+        next.log()
+    );
+    let _ = next.stop();
+}
+
 /// A request half sent on the local side when the quiesce comes: the
 /// bytes read are carried to the successor, which reads the rest there
 /// and answers it; the write lands and reads back.

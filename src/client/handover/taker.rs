@@ -49,6 +49,10 @@ pub struct ClientTaker<'a, F> {
     /// Err: they cannot be read, and every session is declined.
     verifier: Result<Arc<WebPkiServerVerifier>, String>,
     serve: F,
+    /// Offers accepted in this exchange: with the sessions open here,
+    /// held to `--max-connections` (a withdrawn one still counts: the
+    /// bound errs on the closed side).
+    accepted: std::cell::Cell<usize>,
 }
 
 impl<'a, F: Fn(ResumedClient) -> bool> ClientTaker<'a, F> {
@@ -59,6 +63,7 @@ impl<'a, F: Fn(ResumedClient) -> bool> ClientTaker<'a, F> {
             settings,
             verifier,
             serve,
+            accepted: std::cell::Cell::new(0),
         }
     }
 }
@@ -73,6 +78,12 @@ impl<F: Fn(ResumedClient) -> bool> Taker for ClientTaker<'_, F> {
     fn judge(&self, body: &[u8]) -> Result<ClientOffer, String> {
         let offer = ClientOffer::decode(body).map_err(|e| format!("other: {e}"))?;
         judge(&offer, self.settings, &self.verifier)?;
+        let open = self.settings.metrics.connections_open.get().max(0) as usize;
+        let max = self.settings.max_connections;
+        if open + self.accepted.get() >= max {
+            return Err(format!("limits: --max-connections {max} is reached here"));
+        }
+        self.accepted.set(self.accepted.get() + 1);
         Ok(offer)
     }
 
