@@ -18,7 +18,7 @@ use tokio::net::TcpStream;
 use crate::client::remote::RemoteTls;
 use crate::conn::prefixed::Prefixed;
 use crate::tls::handover::state::partial_is_one_record;
-use crate::tls::handover::{take_client, ResumedTls, TlsState};
+use crate::tls::handover::{take_client_bounded, ResumedTls, TlsState};
 
 /// A remote connection handed to this process, served on: the socket
 /// after the ciphertext that was read ahead of the old process's TLS.
@@ -72,12 +72,12 @@ impl RemoteSide for RemoteTls {
         crate::tls::handover::send_owed_client(self).await
     }
 
-    fn take(mut self, _generations: usize) -> Result<Taken, TakeError<Self>> {
+    fn take(mut self, generations: usize) -> Result<Taken, TakeError<Self>> {
         if let Err(why) = can_take(&mut self) {
             return Err(TakeError::Back(self, why.to_string()));
         }
         let secrets = self.get_ref().0.secrets();
-        match take_client(self, secrets.as_deref()) {
+        match take_client_bounded(self, (secrets.as_deref(), generations)) {
             Ok((tcp, state)) => Ok(Taken {
                 tcp,
                 state,
