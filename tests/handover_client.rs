@@ -322,6 +322,15 @@ fn client_mode_sessions_survive_replacements_alternating_builds() {
             log.contains("hand-over: the successor serves the session"),
             "{when}: the session was not handed over:\n{log}"
         );
+        // For the record (cargo test -- --nocapture): the pause the
+        // session saw, from its stop to the successor's Taken.
+        let line = log
+            .lines()
+            .find(|l| l.contains("the successor serves the session"));
+        if let Some(pause) = line.and_then(|l| l.split("pause_ms=").nth(1)) {
+            let ms: String = pause.chars().take_while(char::is_ascii_digit).collect();
+            eprintln!("{when}: pause {ms} ms");
+        }
         next.wait_for_log("serving a session handed over by the old process", 1);
         client.wait_progress(before, PROGRESS_PER_ROUND, &when);
         let log = next.log();
