@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use clap::Args;
 
 use super::shared::{
-    AdminListenArgs, ConnectionLimitArgs, ForClient, ProcessArgs, RelayArgs, ShutdownArgs,
-    TlsProtocolArgs,
+    AdminListenArgs, ClientWording, ConnectionLimitArgs, ForClient, ProcessArgs, RelayArgs,
+    ShutdownArgs, TlsProtocolArgs, Wording,
 };
 use super::LocalAddr;
 
@@ -56,6 +56,11 @@ pub struct ClientArgs {
     pub admin: ForClient<AdminListenArgs>,
     #[command(flatten, next_help_heading = "Shutdown")]
     pub shutdown: ForClient<ShutdownArgs>,
+    /// The server mode's hand-over flags: a successor `nbdgw client
+    /// --take-over PATH` takes the local listener and every established
+    /// session (--handover-fdstore is refused in client mode).
+    #[command(flatten, next_help_heading = "Hand-over to a successor process")]
+    pub handover: ForClient<crate::handover::HandoverArgs>,
     #[command(flatten, next_help_heading = "Process and logging")]
     pub process: ForClient<ProcessArgs>,
 }
@@ -155,6 +160,48 @@ impl ClientRelayArgs {
         let probes = crate::config::Keepalive::default();
         self.common.limits(probes.interval, probes.count)
     }
+}
+
+/// The hand-over's flags as client mode reads them (its own variables:
+/// a server's environment never configures a client).
+impl ClientWording for crate::handover::HandoverArgs {
+    const CLIENT: &'static [Wording] = &[
+        Wording {
+            id: "handover_socket",
+            env: "NBDGW_CLIENT_HANDOVER_SOCKET",
+            help: Some("Listen on this Unix socket for a successor (nbdgw client --take-over PATH): it is given the local listener (and the admin one) and every established local session with its remote TLS session; this process then drains what it kept and exits 0. Created 0600, as the server mode's. Off by default"),
+        },
+        Wording {
+            id: "take_over",
+            env: "NBDGW_CLIENT_TAKE_OVER",
+            help: Some("Start as the successor of the nbdgw client listening on this hand-over socket (same uid): take its local listener and its sessions, each judged against this process's --server, --server-name, CA and CRL files. A server-mode nbdgw is refused (no state version in common)"),
+        },
+        Wording {
+            id: "handover_timeout",
+            env: "NBDGW_CLIENT_HANDOVER_TIMEOUT",
+            help: None,
+        },
+        Wording {
+            id: "handover_queue_timeout",
+            env: "NBDGW_CLIENT_HANDOVER_QUEUE_TIMEOUT",
+            help: None,
+        },
+        Wording {
+            id: "handover_quiesce_timeout",
+            env: "NBDGW_CLIENT_HANDOVER_QUIESCE_TIMEOUT",
+            help: Some("Seconds a session being handed to a successor may take to go quiet: it stops reading local requests at a request boundary and the remote server's replies to those in flight finish. One that is not quiet in time stays here and drains"),
+        },
+        Wording {
+            id: "handover_max_key_generations",
+            env: "NBDGW_CLIENT_HANDOVER_MAX_KEY_GENERATIONS",
+            help: None,
+        },
+        Wording {
+            id: "handover_fdstore",
+            env: "NBDGW_CLIENT_HANDOVER_FDSTORE",
+            help: Some("Not supported by nbdgw client: refused at start (use --handover-socket and --take-over)"),
+        },
+    ];
 }
 
 #[cfg(test)]

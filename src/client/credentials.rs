@@ -57,7 +57,7 @@ const KUBERNETES_LAYOUT: ClientLayout = ClientLayout {
 };
 
 /// The files `nbdgw client` reads, fixed at start.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ClientTlsPaths {
     pub layout: Option<&'static str>,
     pub ca: PathBuf,
@@ -191,6 +191,16 @@ pub fn build_client(
         crls: crl_count,
         identity,
     })
+}
+
+/// The verifier a client-mode successor judges a handed-over session's
+/// server chain with: the CA and CRL files as they are now, as a new
+/// connection would be verified.
+pub fn current_verifier(
+    paths: &ClientTlsPaths,
+) -> Result<Arc<WebPkiServerVerifier>, TlsConfigError> {
+    let material = ClientMaterial::read(paths)?;
+    Ok(server_verifier(&material)?.0)
 }
 
 /// The server's certificate is checked against the CA file, and the CRLs

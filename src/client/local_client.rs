@@ -12,17 +12,18 @@ use std::time::Instant;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::{debug, info, warn, Instrument};
 
+use super::handover::{self, side::Local};
 use super::reconnect::{MetaContexts, Opened, Reconnecting, Reopen};
 use super::remote::{self, Remote, RemoteTls};
 use crate::client::ClientSettings;
 use crate::conn::error::{ConnError, Side};
 use crate::conn::options::{OptionChannel, ShutdownAnswer};
 use crate::conn::relayed::{self, Batch, Framing, Relayed};
-use crate::conn::session::{Limits, Stats, Transmit};
+use crate::conn::session::{Stats, Transmit};
 use crate::logsafe::{escape_bytes, Escaped};
 use crate::proto::consts::*;
+use crate::proto::handover_client::ClientOffer;
 use crate::proto::handshake::{ClientFlags, OptionHeader};
-use crate::proto::transmission::ReplyMode;
 use crate::shutdown::Shutdown;
 
 /// What the local client hears when the server fails mid-option: a TLS
@@ -56,7 +57,7 @@ pub async fn serve<S>(
     shared: Arc<ClientSettings>,
     shutdown: Shutdown,
 ) where
-    S: AsyncRead + AsyncWrite + Unpin,
+    S: Local,
 {
     let span = tracing::info_span!("conn", id, peer = %peer);
     async move {
@@ -68,7 +69,7 @@ pub async fn serve<S>(
         let stats = Stats::new(metrics.clone());
         let mut cut = shutdown.clone();
         let result = tokio::select! {
-            result = run(local, &shared, shutdown, &stats) => result,
+            result = run((local, id), &shared, shutdown, &stats) => result,
             () = cut.cut() => Err(ConnError::GraceOver),
         };
         metrics.connections_open.dec();
@@ -98,13 +99,13 @@ struct Ready<S> {
 }
 
 async fn run<S>(
-    local: S,
+    (local, id): (S, u64),
     shared: &Arc<ClientSettings>,
     shutdown: Shutdown,
     stats: &Stats,
 ) -> Result<&'static str, ConnError>
 where
-    S: AsyncRead + AsyncWrite + Unpin,
+    S: Local,
 {
     let settings = &**shared;
     let negotiated = tokio::time::timeout(
@@ -125,47 +126,52 @@ where
     } = ready;
     let mode = opened.framing.mode();
     let transmit = Transmit {
-        limits: Limits {
-            max_payload: settings.relay.max_payload,
-            idle_timeout: settings.relay.idle_timeout,
-            stall_timeout: settings.relay.stall_timeout,
-            cork: settings.cork,
-        },
+        limits: super::limits(settings),
         shutdown,
         stats,
     };
+    // A session that may be handed to a successor (`--handover-socket`).
+    let mut offer = offer_of(&remote, &opened, settings);
+    let both = (mode, read_only);
     match settings.reconnect {
-        None => relay_to(local, remote, (mode, read_only), &transmit).await,
+        None => {
+            let registered = handover::register(settings.handover.as_ref(), id, &offer);
+            handover::transmit((local, Vec::new()), remote, both, registered, &transmit).await
+        }
         Some(_) => {
-            // The same relay, over a server stream that outlives drops.
+            // The same relay, over a server stream that outlives drops;
+            // a successor gets how to open the export again.
+            offer.reconnect = Some(opened.to_wire());
+            let registered = handover::register(settings.handover.as_ref(), id, &offer);
             let upstream = Reconnecting::new(remote, shared.clone(), opened, mode);
-            relay_to(local, upstream, (mode, read_only), &transmit).await
+            handover::transmit((local, Vec::new()), upstream, both, registered, &transmit).await
         }
     }
 }
 
-/// The transmission relay between the local client and `upstream`. No
-/// cork handle: the local side is a Unix socket or loopback TCP; towards
-/// the network each request leaves in full TLS records.
-async fn relay_to<S, U>(
-    local: S,
-    upstream: U,
-    (mode, read_only): (ReplyMode, bool),
-    transmit: &Transmit<'_>,
-) -> Result<&'static str, ConnError>
-where
-    S: AsyncRead + AsyncWrite + Unpin,
-    U: AsyncRead + AsyncWrite + Unpin,
-{
-    let ends = crate::conn::relay::Ends {
-        client: tokio::io::split(local),
-        upstream: tokio::io::split(upstream),
-        mode,
-        read_only,
-        // The read cache is the gateway's, for exports it serves.
-        cache: None,
+/// What a successor judges of this session, and needs to relay it.
+fn offer_of(remote: &RemoteTls, opened: &Opened, settings: &ClientSettings) -> ClientOffer {
+    let conn = remote.get_ref().1;
+    let export = match &opened.reopen {
+        Reopen::Go(data) => relayed::split_name(data).to_vec(),
+        Reopen::ExportName(name) => name.clone(),
     };
-    crate::conn::relay::run(ends, None, transmit, None).await
+    ClientOffer {
+        host: settings.host.clone(),
+        port: settings.port,
+        server_name: settings.server_name.to_str().into_owned(),
+        chain: (conn.peer_certificates().unwrap_or_default().iter())
+            .map(|c| c.to_vec())
+            .collect(),
+        tls_version: conn.protocol_version().map_or(0, u16::from),
+        suite: (conn.negotiated_cipher_suite()).map_or(0, |s| u16::from(s.suite())),
+        export,
+        max_payload: settings.relay.max_payload,
+        mode: opened.framing.mode(),
+        size: opened.export.0,
+        tflags: opened.export.1,
+        reconnect: None,
+    }
 }
 
 /// The greeting towards the local client, the remote server reached, then

@@ -12,8 +12,9 @@
 //! relay, errors) is `crate::conn`'s; arrows point from here to there only.
 
 pub mod credentials;
+pub mod handover;
 mod local_client;
-mod reconnect;
+pub(crate) mod reconnect;
 mod remote;
 pub mod settings;
 mod start;
@@ -30,11 +31,13 @@ use std::time::Duration;
 use rustls::pki_types::ServerName;
 use thiserror::Error;
 use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tracing::{info, warn};
 
 use crate::cli::LocalAddr;
 use crate::config::Cork;
+use crate::handover::gate::{Accepting, Gate};
 use crate::metrics::{Health, Metrics};
 use crate::shutdown::ShutdownControl;
 
@@ -65,6 +68,14 @@ pub struct ClientSettings {
     /// What `/healthz` and `/readyz` report: accepting, draining, and
     /// whether the last try to reach the server failed.
     pub health: Arc<Health>,
+    /// `--handover-socket`: the sessions a successor may take (sessions
+    /// under `--reconnect` are not among them).
+    pub handover: Option<Arc<crate::handing::Registry>>,
+    /// Where the TLS files are: a successor judges a handed-over
+    /// session's server chain with them as they are now.
+    pub tls_paths: credentials::ClientTlsPaths,
+    /// `--tls-min-version`, which a handed-over session must meet.
+    pub min_version: crate::tls::MinVersion,
 }
 
 /// How `--reconnect` behaves.
@@ -156,6 +167,14 @@ impl LocalListener {
         }
     }
 
+    /// The listener now belongs to a successor too: its socket file is
+    /// the successor's, and is left in place when this one closes.
+    pub fn disown(&mut self) {
+        if let LocalListener::Unix(_, path) = self {
+            *path = PathBuf::new();
+        }
+    }
+
     pub fn describe(&self) -> String {
         match self {
             LocalListener::Unix(_, path) => path.display().to_string(),
@@ -169,7 +188,9 @@ impl LocalListener {
 impl Drop for LocalListener {
     fn drop(&mut self) {
         if let LocalListener::Unix(_, path) = self {
-            let _ = std::fs::remove_file(path);
+            if !path.as_os_str().is_empty() {
+                let _ = std::fs::remove_file(path);
+            }
         }
     }
 }
@@ -192,13 +213,26 @@ fn remove_stale_socket(path: &Path) -> Result<(), ClientError> {
     })
 }
 
-/// Serves local clients until `shutdown` resolves, then lets the
-/// connections finish what is in flight within the grace period; a
-/// request read after that gets `drain_answer`.
+/// The hand-over's side of the accept loop: the gate a predecessor
+/// closes once its successor serves, and the sessions a predecessor
+/// handed to this process.
+pub struct Handing {
+    pub gate: Gate,
+    pub resumed: mpsc::Receiver<handover::taker::ResumedClient>,
+}
+
+/// Serves local clients until `shutdown` resolves (or a successor serves
+/// the listener), then lets the connections finish what is in flight
+/// within the grace period; a request read after that gets
+/// `drain_answer`.
 pub async fn run(
-    listener: LocalListener,
+    mut listener: LocalListener,
     settings: Arc<ClientSettings>,
     (shutdown, drain_answer): (impl Future<Output = ()>, crate::shutdown::DrainAnswer),
+    Handing {
+        mut gate,
+        mut resumed,
+    }: Handing,
 ) -> std::io::Result<()> {
     let mut connections = JoinSet::new();
     let mut next_id: u64 = 0;
@@ -208,21 +242,23 @@ pub async fn run(
     loop {
         let accepted = tokio::select! {
             _ = &mut shutdown => break,
-            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
-            accepted = accept(&listener) => accepted,
-        };
-        let (stream, peer) = match accepted {
-            Ok(accepted) => accepted,
-            Err(e) => {
-                crate::listeners::accept_failed(e).await;
+            // The successor serves the listener now: drain.
+            state = gate.changed() => match state {
+                Accepting::HandedOver => { control.handed_over(); listener.disown(); break }
+                _ => continue,
+            },
+            Some(session) = resumed.recv() => {
+                next_id += 1;
+                let task = handover::served::serve(session, next_id, settings.clone(), phase.clone());
+                connections.spawn(task);
                 continue;
             }
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+            accepted = accept(&listener), if gate.accepting() => accepted,
         };
-        if connections.len() >= settings.max_connections {
-            settings.metrics.connection("refused");
-            warn!(%peer, max_connections = settings.max_connections, "refused: --max-connections reached");
+        let Some((stream, peer)) = admitted(accepted, &connections, &settings).await else {
             continue;
-        }
+        };
         next_id += 1;
         let (id, settings, phase) = (next_id, settings.clone(), phase.clone());
         connections.spawn(async move {
@@ -238,6 +274,28 @@ pub async fn run(
     crate::shutdown::shut_down(connections, &control, settings.shutdown_grace).await;
     info!("stopped");
     Ok(())
+}
+
+/// The accepted connection, unless the accept failed or
+/// `--max-connections` is reached (counted and logged).
+async fn admitted(
+    accepted: std::io::Result<(Stream, String)>,
+    connections: &JoinSet<()>,
+    settings: &ClientSettings,
+) -> Option<(Stream, String)> {
+    let (stream, peer) = match accepted {
+        Ok(accepted) => accepted,
+        Err(e) => {
+            crate::listeners::accept_failed(e).await;
+            return None;
+        }
+    };
+    if connections.len() >= settings.max_connections {
+        settings.metrics.connection("refused");
+        warn!(%peer, max_connections = settings.max_connections, "refused: --max-connections reached");
+        return None;
+    }
+    Some((stream, peer))
 }
 
 enum Stream {
@@ -264,6 +322,16 @@ async fn accept(listener: &LocalListener) -> std::io::Result<(Stream, String)> {
             let _ = stream.set_nodelay(true);
             Ok((Stream::Tcp(stream), peer.to_string()))
         }
+    }
+}
+
+/// The relay's bounds, as a server's connections have them.
+pub(crate) fn limits(settings: &ClientSettings) -> crate::conn::session::Limits {
+    crate::conn::session::Limits {
+        max_payload: settings.relay.max_payload,
+        idle_timeout: settings.relay.idle_timeout,
+        stall_timeout: settings.relay.stall_timeout,
+        cork: settings.cork,
     }
 }
 

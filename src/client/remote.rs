@@ -15,10 +15,14 @@ use crate::conn::options::OptionChannel;
 use crate::conn::session::TLS_BUFFER_LIMIT;
 use crate::logsafe::escape_bytes;
 use crate::proto::consts::*;
+use crate::tls::handover::RecordTail;
 use crate::upstream::{newstyle_greeting, UpstreamError};
 
-/// The remote server's connection once TLS is up.
-pub type RemoteTls = tokio_rustls::client::TlsStream<TcpStream>;
+/// The remote server's connection once TLS is up, read through
+/// `RecordTail` (a pass-through unless a hand-over may take the session:
+/// then it keeps the record read in part, and the connection's own key
+/// log, for `crate::client::handover`).
+pub type RemoteTls = tokio_rustls::client::TlsStream<RecordTail<TcpStream>>;
 
 /// Why the remote server could not be reached with TLS. Every variant
 /// names the server; texts the server sent are escaped.
@@ -97,7 +101,8 @@ async fn connect_and_secure(settings: &ClientSettings) -> Result<Remote, RemoteE
                 error,
             })?;
     let tcp = starttls(tcp, settings).await?;
-    let connector = tokio_rustls::TlsConnector::from(settings.tls.current());
+    let (tcp, config) = tls_io(tcp, settings);
+    let connector = tokio_rustls::TlsConnector::from(config);
     let tls = connector
         .connect_with(settings.server_name.clone(), tcp, |conn| {
             conn.set_buffer_limit(Some(TLS_BUFFER_LIMIT))
@@ -114,6 +119,30 @@ async fn connect_and_secure(settings: &ClientSettings) -> Result<Remote, RemoteE
         channel,
         pads_export_name,
     })
+}
+
+/// The socket rustls should read the handshake through, and the
+/// configuration to make it with: where this process may hand the
+/// session over (`--handover-socket`), the current configuration with a
+/// key log of this connection's own (the TLS 1.3 traffic secrets reach
+/// the hand-over and no other connection) and secret extraction on, as
+/// the server mode's `tls_io` does.
+fn tls_io(
+    tcp: TcpStream,
+    settings: &ClientSettings,
+) -> (RecordTail<TcpStream>, std::sync::Arc<rustls::ClientConfig>) {
+    let current = settings.tls.current();
+    if settings.handover.is_none() {
+        return (RecordTail::off(tcp), current);
+    }
+    let secrets = crate::tls::key_update::SecretLog::new();
+    let mut own = (*current).clone();
+    own.key_log = secrets.clone();
+    own.enable_secret_extraction = true;
+    (
+        RecordTail::new(tcp).with_secrets(secrets),
+        std::sync::Arc::new(own),
+    )
 }
 
 /// NBD_OPT_STARTTLS in plaintext; the server's ACK hands the socket to TLS.

@@ -29,7 +29,9 @@ pub fn build(args: &ClientArgs) -> Result<Started> {
     let (host, port) = parse_server(&args.server.server)?;
     let name = server_name(args.server.server_name.as_deref().unwrap_or(&host))?;
     let (paths, reloader) = tls(args, &name)?;
-    let settings = settings(args, (host, port, name), reloader.store())?;
+    let mut settings = settings(args, (host, port, name), reloader.store())?;
+    settings.tls_paths = paths.clone();
+    settings.handover = handover_registry(args, &settings.metrics)?;
     Ok(Started {
         settings,
         paths,
@@ -69,7 +71,31 @@ fn settings(
         reconnect: args.reconnect.settings(),
         metrics: Arc::new(Metrics::client_mode()),
         health: Arc::default(),
+        handover: None,
+        tls_paths: ClientTlsPaths::default(),
+        min_version: args.tls.protocol.tls_min_version,
     })
+}
+
+/// The sessions a successor may be handed (`--handover-socket`), with
+/// the hand-over's bounds. systemd's file-descriptor store is the server
+/// mode's only: client mode refuses `--handover-fdstore`.
+fn handover_registry(
+    args: &ClientArgs,
+    metrics: &Arc<Metrics>,
+) -> Result<Option<Arc<crate::handing::Registry>>> {
+    let flags = &args.handover;
+    if flags.handover_fdstore {
+        bail!("--handover-fdstore is not supported by nbdgw client: use --handover-socket and --take-over");
+    }
+    if flags.handover_socket.is_none() {
+        return Ok(None);
+    }
+    let quiesce = Duration::from_secs_f64(flags.handover_quiesce_timeout);
+    let timeout = Duration::from_secs(flags.handover_timeout);
+    let generations = flags.handover_max_key_generations;
+    let registry = crate::handing::Registry::new(quiesce, timeout, generations, metrics.clone());
+    Ok(Some(registry))
 }
 
 /// Client mode's first load of its TLS files, whose failure stops the

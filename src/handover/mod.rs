@@ -82,9 +82,11 @@ pub fn open(
         None => (None, Listeners::open(listen, admin)?, None),
         Some((path, stream)) => {
             let wanted = successor::Wanted {
-                listen,
+                listen: Some(listen),
+                listen_unix: None,
                 admin,
                 handover: args.handover_socket.as_deref(),
+                speaks: crate::proto::handover::SERVER_MODE,
             };
             let queue = Duration::from_secs(args.handover_queue_timeout);
             let bounds = (queue, timeout);
@@ -152,7 +154,7 @@ fn predecessor(
 /// before READY does not help: the stop that follows kills the new main
 /// PID too); from outside it runs unsupervised. Under systemd the
 /// file-descriptor store does it (`--handover-fdstore`, `fdstore`).
-fn refuse_under_systemd(args: &HandoverArgs) -> Result<()> {
+pub fn refuse_under_systemd(args: &HandoverArgs) -> Result<()> {
     if args.take_over.is_some() && std::env::var_os("NOTIFY_SOCKET").is_some() {
         bail!("--take-over under systemd (NOTIFY_SOCKET is set) is not supported: a successor started in the unit dies with it when the old gateway exits; use --handover-fdstore and systemctl restart (systemd's file-descriptor store keeps the sessions), or run the successor outside systemd's supervision");
     }

@@ -15,7 +15,7 @@ use super::channel::{peer_uid, Channel, ChannelError, REFUSE_GRACE};
 use super::describe::{describe, show};
 use super::gate::{Accepting, GateControl};
 use crate::metrics::Metrics;
-use crate::proto::handover::{choose, Message, Role, KNOWN_STATE_VERSIONS, SESSIONS_VERSION};
+use crate::proto::handover::{choose, Message, Role, Speaks, SERVER_MODE};
 
 /// The hand-over socket and what it gives away.
 pub struct Predecessor {
@@ -33,6 +33,8 @@ struct Giver {
     metrics: Arc<Metrics>,
     /// The sessions a successor may take (state version 2).
     sessions: Option<Arc<super::sessions::Registry>>,
+    /// The versions this mode speaks (server or client mode).
+    speaks: Speaks,
 }
 
 /// How one successor's attempt ended (the metric's label, and a line).
@@ -75,8 +77,16 @@ impl Predecessor {
                 control,
                 metrics,
                 sessions,
+                speaks: SERVER_MODE,
             },
         }
+    }
+
+    /// Speaks `speaks`'s versions instead of the server mode's (client
+    /// mode: `nbdgw client`).
+    pub fn speaking(mut self, speaks: Speaks) -> Self {
+        self.giver.speaks = speaks;
+        self
     }
 
     /// Offers a copy of `fd` to successors, in `role`.
@@ -181,7 +191,7 @@ impl Giver {
         );
         self.give_listeners(channel)?;
         debug_stall();
-        if self.await_serving(channel, successor)? && version == SESSIONS_VERSION {
+        if self.await_serving(channel, successor)? && version == self.speaks.sessions {
             self.give_sessions(channel);
         }
         Ok(())
@@ -206,13 +216,14 @@ impl Giver {
             (Message::Hello { versions, pid }, _) => (versions, pid),
             (other, _) => return Err(unexpected(channel, "hello", &other)),
         };
-        let Some(version) = choose(&versions, KNOWN_STATE_VERSIONS) else {
+        let known = self.speaks.known;
+        let Some(version) = choose(&versions, known) else {
             channel.refuse(&format!(
-                "no state version in common: this gateway knows {KNOWN_STATE_VERSIONS:?}"
+                "no state version in common: this gateway knows {known:?} (a server-mode and a client-mode gateway never take each other over)"
             ));
             return Err(Failure::new(
                 "refused_version",
-                format!("the successor knows state versions {versions:?}, this gateway {KNOWN_STATE_VERSIONS:?}"),
+                format!("the successor knows state versions {versions:?}, this gateway {known:?}"),
             ));
         };
         // The successor watches this process by this pidfd, never by the

@@ -17,21 +17,26 @@ use super::channel::{peer_uid, Channel, ChannelError};
 use super::describe::{check, show};
 use super::flags::TakeOverMissing;
 use crate::metrics::Metrics;
-use crate::proto::handover::{
-    Address, Descriptor, Message, Role, KNOWN_STATE_VERSIONS, SESSIONS_VERSION,
-};
+use crate::proto::handover::{Address, Descriptor, Message, Role, Speaks};
 
 /// What this gateway wants to serve, from its own flags.
 pub struct Wanted<'a> {
-    pub listen: SocketAddr,
+    /// The TCP listener (`--listen`), if one is served.
+    pub listen: Option<SocketAddr>,
+    /// Client mode's local Unix listener (`nbdgw client --listen PATH`).
+    pub listen_unix: Option<&'a Path>,
     pub admin: Option<SocketAddr>,
     pub handover: Option<&'a Path>,
+    /// The state versions this mode speaks.
+    pub speaks: Speaks,
 }
 
 /// The sockets taken over (None: not given, or not matching).
 #[derive(Default)]
 pub struct Taken {
     pub nbd: Option<TcpListener>,
+    /// Client mode's local Unix listener.
+    pub nbd_unix: Option<UnixListener>,
     pub admin: Option<TcpListener>,
     pub handover: Option<UnixListener>,
 }
@@ -54,6 +59,8 @@ pub struct Successor {
     served: bool,
     /// The state version agreed (2: sessions follow Serving).
     version: u32,
+    /// The version under which sessions follow Serving.
+    sessions_version: u32,
 }
 
 impl Drop for Successor {
@@ -80,11 +87,22 @@ impl Sessions {
         judging: (&crate::config::Config, &crate::admission::Admission),
         serve: impl Fn(super::sessions::take::Resumed) -> bool,
     ) {
-        match super::sessions::take::take(&mut self.channel, judging, self.timeout, serve) {
-            Ok(()) => info!("take-over: the old gateway has handed over its sessions"),
-            Err(e) => {
-                warn!(error = %e, "take-over: the session hand-over ended early; sessions not handed over drain in the old gateway, or were closed with it if it died")
-            }
+        let result = super::sessions::take::take(&mut self.channel, judging, self.timeout, serve);
+        report(result);
+    }
+
+    /// `take` with another mode's judge and serve (client mode's).
+    pub fn take_with<T: super::sessions::take::Taker>(mut self, taker: &T) {
+        let result = super::sessions::take::take_with(&mut self.channel, taker, self.timeout);
+        report(result);
+    }
+}
+
+fn report(result: Result<(), ChannelError>) {
+    match result {
+        Ok(()) => info!("take-over: the old gateway has handed over its sessions"),
+        Err(e) => {
+            warn!(error = %e, "take-over: the session hand-over ended early; sessions not handed over drain in the old gateway, or were closed with it if it died")
         }
     }
 }
@@ -109,7 +127,7 @@ pub fn take_over(
     // and the wait for it is --handover-queue-timeout (review round 2,
     // S1, R4).
     let mut channel = Channel::new(stream, Instant::now() + queue)?;
-    let (predecessor, version) = agree(&mut channel, path, queue)?;
+    let (predecessor, version) = agree(&mut channel, path, queue, wanted.speaks)?;
     channel.set_deadline(Instant::now() + timeout);
     let listeners = channel.recv().map_err(|e| give_up(&mut channel, path, e));
     let (sockets, fds) = match listeners? {
@@ -134,6 +152,7 @@ pub fn take_over(
         orphaned: false,
         served: false,
         version,
+        sessions_version: wanted.speaks.sessions,
     };
     Ok((successor, taken))
 }
@@ -170,9 +189,14 @@ pub fn connect(path: &Path, missing: TakeOverMissing) -> Result<Option<UnixStrea
 /// sent) and the state version. Before Chosen this process only waited
 /// its turn: past the queue's bound it says it was not served, not that
 /// a hand-over took too long (review round 2, R4).
-fn agree(channel: &mut Channel, path: &Path, queue: Duration) -> Result<(Peer, u32)> {
+fn agree(
+    channel: &mut Channel,
+    path: &Path,
+    queue: Duration,
+    speaks: Speaks,
+) -> Result<(Peer, u32)> {
     let hello = Message::Hello {
-        versions: KNOWN_STATE_VERSIONS.to_vec(),
+        versions: speaks.known.to_vec(),
         pid: std::process::id(),
     };
     let sent = channel.send(&hello, &[]);
@@ -186,7 +210,7 @@ fn agree(channel: &mut Channel, path: &Path, queue: Duration) -> Result<(Peer, u
         other => other.map_err(|e| give_up(channel, path, e))?,
     };
     match chosen {
-        (Message::Chosen { version, pid, .. }, fds) if KNOWN_STATE_VERSIONS.contains(&version) => {
+        (Message::Chosen { version, pid, .. }, fds) if speaks.known.contains(&version) => {
             let predecessor = Peer::of_pidfd(fds.into_iter().next());
             let watched = predecessor.watchable();
             info!(
@@ -226,7 +250,10 @@ fn take(sockets: Vec<Descriptor>, fds: Vec<OwnedFd>, wanted: &Wanted) -> Result<
     for (said, fd) in sockets.iter().zip(fds) {
         check(&fd, said)?;
         let matches = match (&said.role, &said.address) {
-            (Role::Nbd, Address::Inet(addr)) => *addr == wanted.listen,
+            (Role::Nbd, Address::Inet(addr)) => Some(*addr) == wanted.listen,
+            (Role::Nbd, Address::Unix(path)) => {
+                wanted.listen_unix.map(|p| p.as_os_str().as_bytes()) == Some(path.as_slice())
+            }
             (Role::Admin, Address::Inet(addr)) => Some(*addr) == wanted.admin,
             (Role::Handover, Address::Unix(path)) => {
                 wanted.handover.map(|p| p.as_os_str().as_bytes()) == Some(path.as_slice())
@@ -238,10 +265,13 @@ fn take(sockets: Vec<Descriptor>, fds: Vec<OwnedFd>, wanted: &Wanted) -> Result<
             warn!(role, %socket, "take-over: the running gateway's socket does not match this one's flags; it closes with the old process, this one binds its own");
             continue;
         }
-        let duplicate = match said.role {
-            Role::Nbd => taken.nbd.replace(TcpListener::from(fd)).is_some(),
-            Role::Admin => taken.admin.replace(TcpListener::from(fd)).is_some(),
-            Role::Handover => taken.handover.replace(UnixListener::from(fd)).is_some(),
+        let duplicate = match (said.role, &said.address) {
+            (Role::Nbd, Address::Unix(_)) => {
+                taken.nbd_unix.replace(UnixListener::from(fd)).is_some()
+            }
+            (Role::Nbd, _) => taken.nbd.replace(TcpListener::from(fd)).is_some(),
+            (Role::Admin, _) => taken.admin.replace(TcpListener::from(fd)).is_some(),
+            (Role::Handover, _) => taken.handover.replace(UnixListener::from(fd)).is_some(),
         };
         if duplicate {
             return Err(format!("two {role} sockets were given"));
@@ -312,7 +342,7 @@ impl Successor {
             }
         }
         let channel = self.channel.take()?;
-        (self.version == SESSIONS_VERSION).then_some(Sessions {
+        (self.version == self.sessions_version).then_some(Sessions {
             channel,
             timeout: self.timeout,
         })

@@ -42,6 +42,36 @@ pub const MAX_UNIX_PATH: u16 = 108;
 pub const KNOWN_STATE_VERSIONS: &[u32] = &[1, 2];
 /// The state version under which sessions are handed over.
 pub const SESSIONS_VERSION: u32 = 2;
+/// Client mode's state version (`nbdgw client`, sessions with a local
+/// plaintext socket and a remote TLS one, `crate::proto::handover_client`).
+/// Client mode's versions have the top bit set and server mode's never
+/// do, so the two modes never agree on one: a client-mode gateway and a
+/// server-mode one refuse each other at Hello ("no state version in
+/// common"), before a socket or a session is offered, and neither can
+/// ever be sent state it would misread.
+pub const CLIENT_SESSIONS_VERSION: u32 = 0x8000_0002;
+
+/// The state versions one mode speaks, and the one its sessions move
+/// under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Speaks {
+    pub known: &'static [u32],
+    pub sessions: u32,
+}
+
+/// The server mode's (`nbdgw`).
+pub const SERVER_MODE: Speaks = Speaks {
+    known: KNOWN_STATE_VERSIONS,
+    sessions: SESSIONS_VERSION,
+};
+
+/// Client mode's (`nbdgw client`): its sessions only, no listeners-only
+/// version (its listeners go with its sessions).
+pub const CLIENT_MODE: Speaks = Speaks {
+    known: &[CLIENT_SESSIONS_VERSION],
+    sessions: CLIENT_SESSIONS_VERSION,
+};
+
 /// The longest session body (an offer or a state): within MAX_BODY.
 pub const MAX_SESSION_BODY: u32 = MAX_BODY - 64;
 

@@ -79,7 +79,7 @@ pub struct State {
     pub counts: [u64; 4],
 }
 
-fn mode_code(mode: ReplyMode) -> u8 {
+pub(crate) fn mode_code(mode: ReplyMode) -> u8 {
     match mode {
         ReplyMode::Simple => 0,
         ReplyMode::Structured => 1,
@@ -202,23 +202,23 @@ impl State {
     }
 }
 
-fn put_u16(out: &mut Vec<u8>, v: u16) {
+pub(crate) fn put_u16(out: &mut Vec<u8>, v: u16) {
     out.extend_from_slice(&v.to_be_bytes());
 }
 
-fn put_u32(out: &mut Vec<u8>, v: u32) {
+pub(crate) fn put_u32(out: &mut Vec<u8>, v: u32) {
     out.extend_from_slice(&v.to_be_bytes());
 }
 
-fn put_str(out: &mut Vec<u8>, bytes: &[u8]) {
+pub(crate) fn put_str(out: &mut Vec<u8>, bytes: &[u8]) {
     put_u16(out, bytes.len() as u16);
     out.extend_from_slice(bytes);
 }
 
-struct Reader<'a>(&'a [u8]);
+pub(crate) struct Reader<'a>(pub(crate) &'a [u8]);
 
 impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], WireError> {
+    pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8], WireError> {
         if self.0.len() < n {
             return Err(WireError::Short);
         }
@@ -227,30 +227,30 @@ impl<'a> Reader<'a> {
         Ok(head)
     }
 
-    fn u8(&mut self) -> Result<u8, WireError> {
+    pub(crate) fn u8(&mut self) -> Result<u8, WireError> {
         Ok(self.take(1)?[0])
     }
 
-    fn u16(&mut self) -> Result<u16, WireError> {
+    pub(crate) fn u16(&mut self) -> Result<u16, WireError> {
         Ok(u16::from_be_bytes(self.take(2)?.try_into().expect("2")))
     }
 
-    fn u32(&mut self) -> Result<u32, WireError> {
+    pub(crate) fn u32(&mut self) -> Result<u32, WireError> {
         Ok(u32::from_be_bytes(self.take(4)?.try_into().expect("4")))
     }
 
-    fn u64(&mut self) -> Result<u64, WireError> {
+    pub(crate) fn u64(&mut self) -> Result<u64, WireError> {
         Ok(u64::from_be_bytes(self.take(8)?.try_into().expect("8")))
     }
 
-    fn format(&mut self) -> Result<(), WireError> {
+    pub(crate) fn format(&mut self) -> Result<(), WireError> {
         match self.u8()? {
             FORMAT => Ok(()),
             other => Err(WireError::Invalid("session body format", other.into())),
         }
     }
 
-    fn flag(&mut self, what: &'static str) -> Result<bool, WireError> {
+    pub(crate) fn flag(&mut self, what: &'static str) -> Result<bool, WireError> {
         match self.u8()? {
             0 => Ok(false),
             1 => Ok(true),
@@ -258,7 +258,7 @@ impl<'a> Reader<'a> {
         }
     }
 
-    fn str(&mut self, max: u16, what: &'static str) -> Result<&'a [u8], WireError> {
+    pub(crate) fn str(&mut self, max: u16, what: &'static str) -> Result<&'a [u8], WireError> {
         let len = self.u16()?;
         if len > max {
             return Err(WireError::Invalid(what, len.into()));
@@ -266,12 +266,12 @@ impl<'a> Reader<'a> {
         self.take(len.into())
     }
 
-    fn text(&mut self, max: u16, what: &'static str) -> Result<String, WireError> {
+    pub(crate) fn text(&mut self, max: u16, what: &'static str) -> Result<String, WireError> {
         let bytes = self.str(max, what)?;
         String::from_utf8(bytes.to_vec()).map_err(|_| WireError::Invalid(what, 0))
     }
 
-    fn long(&mut self, max: u32, what: &'static str) -> Result<&'a [u8], WireError> {
+    pub(crate) fn long(&mut self, max: u32, what: &'static str) -> Result<&'a [u8], WireError> {
         let len = self.u32()?;
         if len > max {
             return Err(WireError::Invalid(what, len.into()));
@@ -279,7 +279,7 @@ impl<'a> Reader<'a> {
         self.take(len as usize)
     }
 
-    fn end(&self) -> Result<(), WireError> {
+    pub(crate) fn end(&self) -> Result<(), WireError> {
         match self.0.len() {
             0 => Ok(()),
             n => Err(WireError::Trailing(n)),

@@ -4,6 +4,7 @@
 
 pub mod consts;
 pub mod handover;
+pub mod handover_client;
 pub mod handover_session;
 pub mod handshake;
 pub mod name;

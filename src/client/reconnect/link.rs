@@ -42,7 +42,7 @@ impl Reconnecting {
             failing = self.failing,
             "reconnected to the server (--reconnect)"
         );
-        self.link = Link::Up(Box::new(reopened.conn));
+        self.link = Link::Up(Box::new(super::handed::UpStream::Fresh(reopened.conn)));
         self.wait = reopened.next_wait;
         self.good = false;
         for kept in &mut self.kept {

@@ -47,6 +47,7 @@
 //! different disk is never served.
 
 mod deadline;
+mod handed;
 mod kept;
 mod link;
 mod reopen;
@@ -120,7 +121,7 @@ const OUT_BACKLOG: usize = 1024 * 1024;
 type Reconnect = Pin<Box<dyn Future<Output = Result<Reopened, String>> + Send + Sync>>;
 
 enum Link {
-    Up(Box<RemoteTls>),
+    Up(Box<handed::UpStream>),
     Reconnecting(Reconnect),
     /// The export changed: what is left in `out` goes up, then the end.
     Changed,
@@ -257,7 +258,8 @@ impl Reconnecting {
         opened: Opened,
         mode: ReplyMode,
     ) -> Self {
-        Self::with_link(Link::Up(Box::new(remote)), settings, opened, mode)
+        let up = Link::Up(Box::new(handed::UpStream::Fresh(remote)));
+        Self::with_link(up, settings, opened, mode)
     }
 
     fn with_link(
@@ -667,6 +669,9 @@ mod tests {
             }),
             metrics: Arc::new(crate::metrics::Metrics::client_mode()),
             health: Arc::default(),
+            handover: None,
+            tls_paths: Default::default(),
+            min_version: Default::default(),
         })
     }
 

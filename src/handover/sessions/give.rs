@@ -133,6 +133,8 @@ fn decline_class(reason: &str) -> &'static str {
         "export" => "declined_export",
         "tls" => "declined_tls",
         "limits" => "declined_limits",
+        // Client mode: another remote server, or another name to verify.
+        "server" => "declined_server",
         _ => "declined_other",
     }
 }

@@ -36,6 +36,59 @@ pub struct Resumed {
     pub was: u64,
 }
 
+/// What a successor does with the sessions offered to it: the server
+/// mode's judge and serve (`Serving`), or client mode's
+/// (`crate::client::handover`). The exchange itself (Offer, Accept or
+/// Decline, State, Taken or Lost, Withdraw, Done) is the same for both.
+pub trait Taker {
+    /// What the judgement of an accepted offer keeps for its State.
+    type Judged;
+    fn metrics(&self) -> &crate::metrics::Metrics;
+    /// An offer's body judged; Err: the Decline's reason, its class first
+    /// (`judge::Declined`'s words).
+    fn judge(&self, body: &[u8]) -> Result<Self::Judged, String>;
+    /// The State of a session accepted as `judged` (None: not accepted,
+    /// or given already), served; Err: why not (it is closed).
+    fn resume(
+        &self,
+        was: u64,
+        judged: Option<Self::Judged>,
+        state: ([u8; 16], &[u8]),
+        fds: Vec<OwnedFd>,
+    ) -> Result<(), String>;
+}
+
+/// The server mode's taker: its configuration judges, `serve` hands a
+/// session to the accept loop (false if it is stopping).
+struct Serving<'a, F> {
+    config: &'a Config,
+    admission: &'a Admission,
+    serve: F,
+}
+
+impl<F: Fn(Resumed) -> bool> Taker for Serving<'_, F> {
+    type Judged = (Offer, Judged);
+
+    fn metrics(&self) -> &crate::metrics::Metrics {
+        &self.config.metrics
+    }
+
+    fn judge(&self, body: &[u8]) -> Result<Self::Judged, String> {
+        let offer = Offer::decode(body).map_err(|e| format!("other: {e}"))?;
+        judge(&offer, (self.config, self.admission)).map(|judged| (offer, judged))
+    }
+
+    fn resume(
+        &self,
+        was: u64,
+        judged: Option<Self::Judged>,
+        state: ([u8; 16], &[u8]),
+        fds: Vec<OwnedFd>,
+    ) -> Result<(), String> {
+        resume((was, judged), state, fds, &self.serve)
+    }
+}
+
 /// Runs the exchange to Done. `serve` hands a session to the accept
 /// loop; false if it is stopping.
 pub fn take(
@@ -44,27 +97,41 @@ pub fn take(
     timeout: std::time::Duration,
     serve: impl Fn(Resumed) -> bool,
 ) -> Result<(), ChannelError> {
+    let taker = Serving {
+        config,
+        admission,
+        serve,
+    };
+    take_with(channel, &taker, timeout)
+}
+
+/// The exchange to Done, for either mode.
+pub fn take_with<T: Taker>(
+    channel: &mut Channel,
+    taker: &T,
+    timeout: std::time::Duration,
+) -> Result<(), ChannelError> {
     channel.set_deadline(Instant::now() + timeout);
     let handover = match channel.recv()? {
         (Message::Sessions { handover }, _) => handover,
         (other, _) => return Err(unexpected(channel, &other)),
     };
-    let mut offered: HashMap<u64, (Offer, Judged)> = HashMap::new();
+    let mut offered: HashMap<u64, T::Judged> = HashMap::new();
     loop {
         channel.set_deadline(Instant::now() + timeout);
         let answer = match channel.recv()? {
-            (Message::Offer { id, body }, _) => offer((config, admission), id, &body, &mut offered),
+            (Message::Offer { id, body }, _) => offer(taker, id, &body, &mut offered),
             (Message::State { id, body }, fds) => {
                 let given = offered.remove(&id);
                 // The body holds keys: wiped once decoded.
                 let body = zeroize::Zeroizing::new(body);
-                match resume((id, given), (handover, &body), fds, &serve) {
+                match taker.resume(id, given, (handover, &body), fds) {
                     Ok(()) => {
-                        config.metrics.session_handover("resumed");
+                        taker.metrics().session_handover("resumed");
                         Message::Taken { id }
                     }
                     Err(reason) => {
-                        config.metrics.session_handover("lost");
+                        taker.metrics().session_handover("lost");
                         warn!(conn = id, %reason, "take-over: a session's state came but cannot be served; it is closed");
                         Message::Lost { id, reason }
                     }
@@ -81,16 +148,13 @@ pub fn take(
     }
 }
 
-fn offer(
-    judging: (&Config, &Admission),
+fn offer<T: Taker>(
+    taker: &T,
     id: u64,
     body: &[u8],
-    offered: &mut HashMap<u64, (Offer, Judged)>,
+    offered: &mut HashMap<u64, T::Judged>,
 ) -> Message {
-    let judged = Offer::decode(body)
-        .map_err(|e| format!("other: {e}"))
-        .and_then(|offer| judge(&offer, judging).map(|judged| (offer, judged)));
-    match judged {
+    match taker.judge(body) {
         Ok(session) => {
             offered.insert(id, session);
             Message::Accept { id }
@@ -152,7 +216,7 @@ pub(crate) fn resume(
 }
 
 /// A connected stream socket of one of two families.
-fn check_socket(
+pub(crate) fn check_socket(
     fd: &OwnedFd,
     a: rustix::net::AddressFamily,
     b: rustix::net::AddressFamily,
@@ -181,7 +245,7 @@ fn unexpected(channel: &mut Channel, got: &Message) -> ChannelError {
 /// Debug builds: NBDGW_DEBUG_HANDOVER_STATE_STALL=1 makes a successor
 /// stop once a session's State has arrived, before it serves it, so that
 /// a test can kill it there.
-fn debug_stall() {
+pub(crate) fn debug_stall() {
     #[cfg(debug_assertions)]
     if std::env::var_os("NBDGW_DEBUG_HANDOVER_STATE_STALL").is_some() {
         warn!("debug: stalling the session take-over with a State received (NBDGW_DEBUG_HANDOVER_STATE_STALL)");

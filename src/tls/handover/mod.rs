@@ -73,7 +73,9 @@ mod tests;
 
 pub use encoding::{DecodeError, Encoded};
 pub use kernel_state::{KernelState, SessionTls};
-pub use quiesce::{send_owed_client, send_owed_server, take_client, take_server};
+pub use quiesce::{
+    send_owed_client, send_owed_server, take_client, take_client_bounded, take_server,
+};
 pub use record::{RecordError, RecordLayer};
 pub use state::{Side, StateError, TlsState, Version};
 pub use stream::ResumedTls;

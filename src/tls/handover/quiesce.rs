@@ -45,7 +45,21 @@ pub fn take_client<IO>(
     tls: tokio_rustls::client::TlsStream<RecordTail<IO>>,
     secrets: Option<&SecretLog>,
 ) -> Result<(IO, TlsState), StateError> {
+    let generations = crate::tls::key_update::DEFAULT_MAX_GENERATIONS_AT_HAND_OVER;
+    take_client_bounded(tls, (secrets, generations))
+}
+
+/// `take_client`, a TLS 1.3 session's keys followed through at most
+/// `generations` key updates (client mode's
+/// `--handover-max-key-generations`).
+pub fn take_client_bounded<IO>(
+    tls: tokio_rustls::client::TlsStream<RecordTail<IO>>,
+    (secrets, generations): (Option<&SecretLog>, usize),
+) -> Result<(IO, TlsState), StateError> {
     let (io, conn) = tls.into_inner();
     let (io, partial) = io.into_parts();
-    Ok((io, TlsState::take(conn, partial, secrets)?))
+    Ok((
+        io,
+        TlsState::take_bounded(conn, partial, (secrets, generations))?,
+    ))
 }

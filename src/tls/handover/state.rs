@@ -182,6 +182,20 @@ impl TlsState {
         partial: Vec<u8>,
         secrets: Option<&SecretLog>,
     ) -> Result<TlsState, StateError> {
+        Self::take_bounded(
+            conn,
+            partial,
+            (secrets, DEFAULT_MAX_GENERATIONS_AT_HAND_OVER),
+        )
+    }
+
+    /// `take`, following a TLS 1.3 session's keys through at most
+    /// `generations` key updates (`--handover-max-key-generations`).
+    pub fn take_bounded(
+        conn: impl Into<rustls::Connection>,
+        partial: Vec<u8>,
+        (secrets, generations): (Option<&SecretLog>, usize),
+    ) -> Result<TlsState, StateError> {
         let mut conn = conn.into();
         if conn.is_handshaking() {
             return Err(StateError::Handshaking);
@@ -215,7 +229,7 @@ impl TlsState {
             (u16::from(suite), version),
             (extracted.tx.0, &extracted.tx.1),
             (extracted.rx.0, &extracted.rx.1),
-            (secrets, DEFAULT_MAX_GENERATIONS_AT_HAND_OVER),
+            (secrets, generations),
         )?;
         let state = TlsState {
             plaintext,
