@@ -738,3 +738,49 @@ impl RawLocal {
         );
     }
 }
+
+/// `--after-handover wait` is the server's (a Kubernetes node gateway):
+/// client mode refuses it at start rather than ignore it, and a client
+/// with `--take-over-missing start` and nobody at the path starts fresh.
+#[test]
+fn client_mode_refuses_after_handover_wait_and_starts_fresh_when_nobody_is_there() {
+    let rig = Rig::new();
+    let socket = rig.socket();
+    let out = Command::new(nbdgw_binary())
+        .arg("client")
+        .args(["--listen", socket.to_str().unwrap()])
+        .args(["--server", &format!("localhost:{}", rig.server.port)])
+        .arg("--tls-dir")
+        .arg(rig.env.certs())
+        .arg("--handover-socket")
+        .arg(rig.handover())
+        .args(["--after-handover", "wait"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("--after-handover wait is not supported by nbdgw client"),
+        "{stderr}"
+    );
+    let fresh = rig.client(
+        &nbdgw_binary(),
+        socket.to_str().unwrap(),
+        true,
+        &["--take-over-missing", "start"],
+    );
+    let mut local = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+    local
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut greeting = [0u8; 18];
+    std::io::Read::read_exact(&mut local, &mut greeting).unwrap();
+    assert_eq!(
+        &greeting[..16],
+        b"NBDMAGICIHAVEOPT",
+        "the fresh client greets"
+    );
+    drop(local);
+    let (status, log) = fresh.stop();
+    assert!(status.success(), "{log}");
+}

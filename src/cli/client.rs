@@ -197,6 +197,16 @@ impl ClientWording for crate::handover::HandoverArgs {
             help: None,
         },
         Wording {
+            id: "take_over_missing",
+            env: "NBDGW_CLIENT_TAKE_OVER_MISSING",
+            help: Some("What --take-over does when no nbdgw client is there to take over: `fail` the start (the default), or `start` fresh, but only when nothing is at PATH or nothing listens there. One that answers and refuses, or a hand-over that fails part-way, fails the start either way"),
+        },
+        Wording {
+            id: "after_handover",
+            env: "NBDGW_CLIENT_AFTER_HANDOVER",
+            help: Some("Only `exit` (the default) in client mode: `wait` is the server's, for a Kubernetes node gateway, and is refused at start"),
+        },
+        Wording {
             id: "handover_fdstore",
             env: "NBDGW_CLIENT_HANDOVER_FDSTORE",
             help: Some("Not supported by nbdgw client: refused at start (use --handover-socket and --take-over)"),

@@ -281,7 +281,7 @@ mod tests {
         let args = every_arg(client);
         assert_eq!(
             args.len(),
-            34,
+            36,
             "every client flag but --help has a variable"
         );
         for arg in args {

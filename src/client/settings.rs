@@ -88,6 +88,11 @@ fn handover_registry(
     if flags.handover_fdstore {
         bail!("--handover-fdstore is not supported by nbdgw client: use --handover-socket and --take-over");
     }
+    // A Kubernetes node gateway's flag: client mode runs beside its local
+    // clients, not as a DaemonSet taking over from its own old pod.
+    if flags.after_handover != crate::handover::flags::AfterHandover::Exit {
+        bail!("--after-handover wait is not supported by nbdgw client: it exits once handed over");
+    }
     if flags.handover_socket.is_none() {
         return Ok(None);
     }

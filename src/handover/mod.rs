@@ -58,6 +58,21 @@ pub struct Opened {
     pub fdstore: Option<gate::GateControl>,
 }
 
+/// What a server-mode successor asks its predecessor for.
+fn server_wants(
+    args: &HandoverArgs,
+    listen: SocketAddr,
+    admin: Option<SocketAddr>,
+) -> successor::Wanted<'_> {
+    successor::Wanted {
+        listen: Some(listen),
+        listen_unix: None,
+        admin,
+        handover: args.handover_socket.as_deref(),
+        speaks: crate::proto::handover::SERVER_MODE,
+    }
+}
+
 /// The server's listening sockets: taken over from a running gateway
 /// (`--take-over`), else as `Listeners::open` makes them; and the
 /// hand-over socket, taken over or made.
@@ -81,13 +96,7 @@ pub fn open(
     let (successor, listeners, handover) = match predecessor_at {
         None => (None, Listeners::open(listen, admin)?, None),
         Some((path, stream)) => {
-            let wanted = successor::Wanted {
-                listen: Some(listen),
-                listen_unix: None,
-                admin,
-                handover: args.handover_socket.as_deref(),
-                speaks: crate::proto::handover::SERVER_MODE,
-            };
+            let wanted = server_wants(args, listen, admin);
             let queue = Duration::from_secs(args.handover_queue_timeout);
             let bounds = (queue, timeout);
             let (successor, taken) = successor::take_over(path, stream, &wanted, bounds)?;

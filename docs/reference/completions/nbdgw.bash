@@ -431,7 +431,7 @@ _nbdgw() {
             return 0
             ;;
         nbdgw__subcmd__client)
-            opts="-h --listen --server --server-name --server-timeout --tls-dir --tls-ca --tls-cert --tls-key --tls-min-version --tls-groups --tls-reload-interval --reconnect --reconnect-timeout --replay-buffer --reply-buffer --handshake-timeout --idle-timeout --stall-timeout --tcp-keepalive --max-payload --max-option-len --max-connections --admin-listen --shutdown-grace --drain-answer --handover-socket --take-over --handover-timeout --handover-queue-timeout --handover-quiesce-timeout --handover-max-key-generations --handover-fdstore --threads --log-format --help"
+            opts="-h --listen --server --server-name --server-timeout --tls-dir --tls-ca --tls-cert --tls-key --tls-min-version --tls-groups --tls-reload-interval --reconnect --reconnect-timeout --replay-buffer --reply-buffer --handshake-timeout --idle-timeout --stall-timeout --tcp-keepalive --max-payload --max-option-len --max-connections --admin-listen --shutdown-grace --drain-answer --handover-socket --take-over --handover-timeout --handover-queue-timeout --handover-quiesce-timeout --handover-max-key-generations --take-over-missing --after-handover --handover-fdstore --threads --log-format --help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -555,6 +555,14 @@ _nbdgw() {
                     ;;
                 --handover-max-key-generations)
                     COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --take-over-missing)
+                    COMPREPLY=($(compgen -W "fail start" -- "${cur}"))
+                    return 0
+                    ;;
+                --after-handover)
+                    COMPREPLY=($(compgen -W "exit wait" -- "${cur}"))
                     return 0
                     ;;
                 --threads)

@@ -51,7 +51,12 @@ pub fn take_over(
     };
     let queue = Duration::from_secs(args.handover_queue_timeout);
     let timeout = Duration::from_secs(args.handover_timeout);
-    let (successor, taken) = successor::take_over(path, &wanted, (queue, timeout))?;
+    // As in server mode: with `--take-over-missing start`, nobody there
+    // (no socket, or one nobody listens on) starts fresh.
+    let Some(stream) = successor::connect(path, args.take_over_missing)? else {
+        return Ok(None);
+    };
+    let (successor, taken) = successor::take_over(path, stream, &wanted, (queue, timeout))?;
     Ok(Some(Inherited { successor, taken }))
 }
 
