@@ -35,6 +35,15 @@ pub fn give(registry: &Registry, notifier: &Notifier) {
     // layer (keys, sequence numbers) in the store as it does on the
     // channel, and the memfd carries the current secrets for the next
     // key update (`KernelState`).
+    // Restored sessions still starting (a stop right after READY=1) are
+    // waited for, so that they are stored again rather than drained.
+    let late = registry.wait_arrivals(registry.quiesce_timeout);
+    if late > 0 {
+        warn!(
+            sessions = late,
+            "restart: restored sessions not running in time are not stored; they drain"
+        );
+    }
     let listed: Vec<Listed> = registry.list();
     if listed.is_empty() {
         return;
