@@ -98,10 +98,27 @@ pub async fn run_resuming(
     drop(listener);
     config.health.set_accepting(false);
     admission.close_waiters();
-    crate::shutdown::shut_down(connections, &control, config.shutdown_grace).await;
+    crate::shutdown::shut_down(connections, &control, drain_grace(&config)).await;
     tell_cut_by_upstream(&config.health);
     info!("stopped");
     Ok(())
+}
+
+/// --shutdown-grace, shortened to the quiesce timeout once sessions wait
+/// in systemd's store for this process to exit (`Registry::drain_bound`).
+fn drain_grace(config: &Config) -> std::time::Duration {
+    let grace = config.shutdown_grace;
+    let bound = config
+        .handover
+        .as_ref()
+        .map_or(grace, |r| r.drain_bound(grace));
+    if bound < grace && !config.shutdown_grace.is_zero() {
+        info!(
+            bound_secs = bound.as_secs_f64(),
+            "restart: sessions wait in systemd's store until this process exits: the rest drain for at most the quiesce timeout, then are closed (a request not answered by then was never acknowledged)"
+        );
+    }
+    bound
 }
 
 /// A connection just accepted, before admission.

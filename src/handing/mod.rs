@@ -26,6 +26,9 @@ pub struct Registry {
     /// the sessions, or it would drain the ones still starting.
     arriving: Mutex<std::collections::HashSet<u64>>,
     arrived: std::sync::Condvar,
+    /// Sessions went to systemd's store (`set_stored`): they wait there
+    /// until this process exits, so the drain is bounded (`drain_bound`).
+    stored: std::sync::atomic::AtomicBool,
     /// `--handover-quiesce-timeout`.
     pub quiesce_timeout: Duration,
     /// `--handover-timeout`: each message's bound.
@@ -128,6 +131,7 @@ impl Registry {
             open: Mutex::default(),
             arriving: Mutex::default(),
             arrived: std::sync::Condvar::new(),
+            stored: std::sync::atomic::AtomicBool::new(false),
             quiesce_timeout,
             timeout,
             max_key_generations,
@@ -191,6 +195,25 @@ impl Registry {
             .wait_timeout_while(arriving, bound, |a| !a.is_empty())
             .unwrap_or_else(PoisonError::into_inner);
         arriving.len()
+    }
+
+    /// Sessions were left in systemd's store: see `drain_bound`.
+    pub fn set_stored(&self) {
+        self.stored.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// How long the drain after SIGTERM may last: `grace`, or, once
+    /// sessions are in systemd's store, at most the quiesce timeout.
+    /// systemd starts the next instance only when this one has exited, so
+    /// every stored session waits for this drain: one session that was not
+    /// quiet in time (any client can leave a write half sent) must not
+    /// hold them all for --shutdown-grace. What is cut had its
+    /// unanswered requests never acknowledged.
+    pub fn drain_bound(&self, grace: Duration) -> Duration {
+        match self.stored.load(std::sync::atomic::Ordering::SeqCst) {
+            true => grace.min(self.quiesce_timeout),
+            false => grace,
+        }
     }
 
     pub fn list(&self) -> Vec<Listed> {

@@ -45,8 +45,13 @@ pub struct HandoverArgs {
     /// Seconds a session being handed to a successor may take to go
     /// quiet: it stops reading requests at a request boundary and the
     /// replies to those already upstream finish. One that is not quiet
-    /// in time stays here and drains as on SIGTERM. It is also the
-    /// longest pause a client can see in its requests.
+    /// in time stays here and drains as on SIGTERM. On the hand-over
+    /// socket it is also the longest pause a client can see in its
+    /// requests. With --handover-fdstore the stored sessions wait until
+    /// this process exits: it drains for at most this long too, then
+    /// closes what is left (nothing it acknowledged is lost), so their
+    /// pause is at most twice this plus 2 s and systemd's confirmation
+    /// (up to 10 s), plus the next instance's start.
     #[arg(long, env = "NBDGW_HANDOVER_QUIESCE_TIMEOUT", value_name = "SECS", default_value_t = 5.0, value_parser = quiesce_secs)]
     pub handover_quiesce_timeout: f64,
     /// Key generations a TLS 1.3 session may be at when it is handed to

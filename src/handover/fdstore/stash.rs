@@ -72,6 +72,7 @@ pub fn give(registry: &Registry, notifier: &Notifier) {
         session.hook.cancel();
     }
     if stored > 0 {
+        registry.set_stored();
         if let Err(e) = notifier.barrier(BARRIER_TIMEOUT) {
             warn!(error = %e, "restart: systemd did not confirm it read the stored sessions; some may be lost");
         }
