@@ -21,6 +21,10 @@ Cases:
   must be in the store after it and answer on the third instance (M2:
   before, the second instance drained the ones it had not finished
   restoring).
+- store_room: FDSTORE=4 (FileDescriptorStoreMax=4, room for one session;
+  the fake closes the descriptors beyond it, as systemd does), 3 sessions:
+  one is stored whole, the other two drain (S1: before, all three were
+  taken, one stored, one cut in part, one lost).
 - half_sent_write: one idle libnbd session reading in a loop, another
   client leaves a WRITE's payload half sent; SIGTERM: the idle session's
   longest gap must stay under 20 s (M1: the drain held it for
@@ -55,8 +59,9 @@ CASES = sys.argv[2:]
 class FakeSystemd:
     """systemd's part, as described above (fake)."""
 
-    def __init__(self, work):
+    def __init__(self, work, store_max=3136):
         self.work = work
+        self.store_max = store_max
         self.notify_path = os.path.join(work, "notify")
         self.ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.ns.bind(self.notify_path)
@@ -86,8 +91,10 @@ class FakeSystemd:
             name = next((t[7:] for t in tags if t.startswith("FDNAME=")), "stored")
             with self.cond:
                 if "FDSTORE=1" in tags:
-                    self.store += [(name, fd) for fd in fds]
-                    fds = []
+                    # service_add_fd_store_set: one by one, the ones
+                    # beyond FileDescriptorStoreMax= closed.
+                    while fds and len(self.store) < self.store_max:
+                        self.store.append((name, fds.pop(0)))
                 elif "FDSTOREREMOVE=1" in tags:
                     for n, fd in self.store:
                         if n == name:
@@ -98,7 +105,7 @@ class FakeSystemd:
             for fd in fds:
                 os.close(fd)
 
-    def start(self, args, log):
+    def start(self, args, log, extra_env=None):
         """Forks and execs nbdgw with the socket and the store as
         descriptors 3.. (as systemd passes them); its Instance."""
         with self.cond:
@@ -106,7 +113,7 @@ class FakeSystemd:
         out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         env = dict(os.environ, LISTEN_FDS=str(len(items)),
                    LISTEN_FDNAMES=":".join(n for n, _ in items),
-                   NOTIFY_SOCKET=self.notify_path)
+                   NOTIFY_SOCKET=self.notify_path, **(extra_env or {}))
         pid = os.fork()
         if pid == 0:
             try:
@@ -131,6 +138,10 @@ class FakeSystemd:
                 or p.exited(), timeout)
         if not ok or p.exited():
             raise AssertionError(f"no READY=1 from nbdgw {p.pid}")
+
+    def fds(self, name):
+        with self.cond:
+            return sum(1 for n, _ in self.store if n == name)
 
     def names(self):
         with self.cond:
@@ -199,6 +210,36 @@ def back_to_back(env):
             pass
     stop(c)
     assert alive == 20, f"{alive} of 20 sessions answer after two restarts in a row"
+
+
+def store_room(env):
+    sd, args, log, certs = env
+    sd.store_max = 4  # FileDescriptorStoreMax=4: room for one session
+    room = {"FDSTORE": "4"}
+    a = sd.start(args, log, room)
+    sd.wait_ready(a)
+    hs = []
+    for _ in range(3):
+        h = client(certs, sd.port)
+        h.pread(512, 0)
+        hs.append(h)
+    stop(a)
+    names = sd.names()
+    assert len(names) == 1 and sd.fds(names[0]) == 3, \
+        f"FDSTORE=4: the store should hold one whole session, not {[(n, sd.fds(n)) for n in names]}"
+    b = sd.start(args, log, room)
+    sd.wait_ready(b)
+    seen = []
+    for h in hs:
+        try:
+            h.pread(512, 0)
+            seen.append("ok")
+        except nbd.Error as e:
+            seen.append(e.string)
+    stop(b)
+    # The two not stored drained: a close at a request boundary, which
+    # libnbd reports as ENOTCONN, not a TLS connection cut by systemd.
+    assert seen.count("ok") == 1 and all("not connected" in x for x in seen if x != "ok"), seen
 
 
 def writes_counted(admin):
@@ -321,7 +362,7 @@ def main():
             if os.path.exists(sock):
                 break
             time.sleep(0.05)
-        for case in (back_to_back, half_sent_write):
+        for case in (back_to_back, half_sent_write, store_room):
             if CASES and case.__name__ not in CASES:
                 continue
             d = os.path.join(work, case.__name__)

@@ -42,3 +42,10 @@ fn a_restart_right_after_ready_stores_every_session_again() {
 fn a_half_sent_write_does_not_hold_the_stored_sessions_for_the_grace() {
     case("half_sent_write");
 }
+
+/// FDSTORE=4 (room for one session), 3 sessions: one stored whole, the
+/// other two drain instead of being taken and cut by systemd.
+#[test]
+fn sessions_beyond_the_stores_room_drain() {
+    case("store_room");
+}

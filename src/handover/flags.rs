@@ -69,7 +69,10 @@ pub struct HandoverArgs {
     /// a memfd with its state), for the next instance of the unit to
     /// serve on. Needs FileDescriptorStoreMax= and NOTIFY_SOCKET (the
     /// start fails without it). Sessions that cannot be stored drain as
-    /// today; a stop that is not a restart closes the stored ones. Off by
+    /// today, and so do those beyond the store's room when systemd says
+    /// it (FDSTORE=, systemd 254 and later; on 252 nbdgw cannot know it,
+    /// and systemd closes the sessions beyond FileDescriptorStoreMax= /
+    /// 3). A stop that is not a restart closes the stored ones. Off by
     /// default; the shipped unit sets it.
     #[arg(long, env = "NBDGW_HANDOVER_FDSTORE")]
     pub handover_fdstore: bool,

@@ -44,10 +44,11 @@ pub fn give(registry: &Registry, notifier: &Notifier) {
             "restart: restored sessions not running in time are not stored; they drain"
         );
     }
-    let listed: Vec<Listed> = registry.list();
+    let mut listed: Vec<Listed> = registry.list();
     if listed.is_empty() {
         return;
     }
+    let left_out = within_room(&mut listed);
     info!(
         sessions = listed.len(),
         "restart: storing the sessions in systemd's file-descriptor store (--handover-fdstore)"
@@ -79,9 +80,24 @@ pub fn give(registry: &Registry, notifier: &Notifier) {
     }
     info!(
         stored,
-        drained = listed.len() - stored,
+        drained = listed.len() + left_out - stored,
         "restart: sessions stored for the next instance; the others drain"
     );
+}
+
+/// No more sessions than systemd's store takes (`sessions_room`): the
+/// rest are not asked, and drain. How many were left out.
+fn within_room(listed: &mut Vec<Listed>) -> usize {
+    let open = listed.len();
+    if let Some(room) = super::sessions_room().filter(|room| *room < listed.len()) {
+        warn!(
+            sessions = listed.len(),
+            room,
+            "restart: systemd's store (FDSTORE=, FileDescriptorStoreMax= / 3) has room for fewer sessions than are open; the rest are not asked and drain"
+        );
+        listed.truncate(room);
+    }
+    open - listed.len()
 }
 
 /// Stores each session as it reports, for as long as `Patience` says:
