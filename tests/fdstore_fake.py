@@ -21,6 +21,9 @@ Cases:
   must be in the store after it and answer on the third instance (M2:
   before, the second instance drained the ones it had not finished
   restoring).
+- term_during_restore: 40 sessions, SIGTERM to the new instance as soon
+  as it has claimed the first stored one: it finishes the restore, then
+  stores all 40 again (M2).
 - store_room: FDSTORE=4 (FileDescriptorStoreMax=4, room for one session;
   the fake closes the descriptors beyond it, as systemd does), 3 sessions:
   one is stored whole, the other two drain (S1: before, all three were
@@ -242,6 +245,43 @@ def store_room(env):
     assert seen.count("ok") == 1 and all("not connected" in x for x in seen if x != "ok"), seen
 
 
+def term_during_restore(env):
+    sd, args, log, certs = env
+    a = sd.start(args, log)
+    sd.wait_ready(a)
+    hs = []
+    for _ in range(40):
+        h = client(certs, sd.port)
+        h.pread(512, 0)
+        hs.append(h)
+    stop(a)
+    assert len(sd.names()) == 40, f"A stored {len(sd.names())} of 40"
+    b = sd.start(args, log)
+    # SIGTERM as soon as B has claimed its first stored session (a
+    # restart while the previous one is still restoring).
+    with sd.cond:
+        assert sd.cond.wait_for(lambda: any(
+            pid == b.pid and "FDSTOREREMOVE=1" in t for pid, t in sd.events), 120), \
+            "B removed no stored session"
+    stop(b)
+    stored = sd.names()
+    assert len(stored) == 40 and all(f".{b.pid}." in n for n in stored), \
+        f"a SIGTERM during the restore: the store holds {len(stored)} of 40 from B"
+    c = sd.start(args, log)
+    sd.wait_ready(c)
+    alive = sum(1 for h in hs if answers(h))
+    stop(c)
+    assert alive == 40, f"{alive} of 40 sessions answer after a SIGTERM during the restore"
+
+
+def answers(h):
+    try:
+        h.pread(512, 0)
+        return True
+    except nbd.Error:
+        return False
+
+
 def writes_counted(admin):
     with urllib.request.urlopen(f"http://127.0.0.1:{admin}/metrics", timeout=5) as r:
         for line in r.read().decode().splitlines():
@@ -362,7 +402,7 @@ def main():
             if os.path.exists(sock):
                 break
             time.sleep(0.05)
-        for case in (back_to_back, half_sent_write, store_room):
+        for case in (back_to_back, term_during_restore, half_sent_write, store_room):
             if CASES and case.__name__ not in CASES:
                 continue
             d = os.path.join(work, case.__name__)
@@ -379,7 +419,9 @@ def main():
                 failed.append(case.__name__)
                 print(f"fdstore_fake: {case.__name__}: FAILED: {e}", flush=True)
                 with open(log, errors="replace") as f:
-                    print("".join(f.readlines()[-30:]), flush=True)
+                    lines = [x for x in f if "WARN" in x or "ERROR" in x or "sessions=" in x
+                             or "stored=" in x or "listening" in x or "stopped" in x]
+                    print("".join(lines[-60:]), flush=True)
     finally:
         if qemu:
             qemu.terminate()

@@ -49,3 +49,10 @@ fn a_half_sent_write_does_not_hold_the_stored_sessions_for_the_grace() {
 fn sessions_beyond_the_stores_room_drain() {
     case("store_room");
 }
+
+/// A SIGTERM while the new instance restores (at its first claim): the
+/// restore finishes, then all 40 sessions are stored again.
+#[test]
+fn a_stop_during_the_restore_stores_every_session_again() {
+    case("term_during_restore");
+}

@@ -9,7 +9,9 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tracing::info;
 
-use super::process::{async_listener, display_addr, init_logging, notify, runtime, stopping};
+use super::process::{
+    async_listener, display_addr, init_logging, notify, runtime, stopping_from_now,
+};
 use super::{sandbox, Setup};
 use crate::admin::AdminLimits;
 use crate::cli::ServeArgs;
@@ -160,9 +162,9 @@ fn stop_signal(
     let (stopped, on_stop) = oneshot::channel();
     // Watched from now, not from the accept loop's start: a SIGTERM
     // during the restore is then acted on after it, not fatal.
-    let signal = tokio::spawn(stopping());
+    let signal = stopping_from_now();
     let stop = async move {
-        let _ = signal.await;
+        signal.await;
         if let Some((control, registry)) = give {
             control.set(handover::gate::Accepting::Paused);
             let notifier = handover::fdstore::notify::Notifier::from_env();
