@@ -53,9 +53,8 @@ pub async fn run_resuming(
     mut resumed: mpsc::Receiver<crate::handover::sessions::take::Resumed>,
 ) -> std::io::Result<()> {
     let pre_header = crate::balancer::pending::Pending::new(config.proxy_protocol.pending);
-    let mut connections = JoinSet::new();
-    let mut next_id: u64 = 0;
     let (control, phase) = ShutdownControl::answering(config.drain_answer);
+    let (mut connections, mut next_id) = restored(&mut resumed, (&config, &admission, &phase));
     let mut shutdown = std::pin::pin!(shutdown);
     // From SIGTERM until then nbdgw is not ready but still accepts, so
     // load balancers can stop sending clients first (--drain-delay).
@@ -99,10 +98,27 @@ pub async fn run_resuming(
     drop(listener);
     config.health.set_accepting(false);
     admission.close_waiters();
-    crate::shutdown::shut_down(connections, &control, config.shutdown_grace).await;
+    crate::shutdown::shut_down(connections, &control, drain_grace(&config)).await;
     tell_cut_by_upstream(&config.health);
     info!("stopped");
     Ok(())
+}
+
+/// --shutdown-grace, shortened to the quiesce timeout once sessions wait
+/// in systemd's store for this process to exit (`Registry::drain_bound`).
+fn drain_grace(config: &Config) -> std::time::Duration {
+    let grace = config.shutdown_grace;
+    let bound = config
+        .handover
+        .as_ref()
+        .map_or(grace, |r| r.drain_bound(grace));
+    if bound < grace && !config.shutdown_grace.is_zero() {
+        info!(
+            bound_secs = bound.as_secs_f64(),
+            "restart: sessions wait in systemd's store until this process exits: the rest drain for at most the quiesce timeout, then are closed (a request not answered by then was never acknowledged)"
+        );
+    }
+    bound
 }
 
 /// A connection just accepted, before admission.
@@ -146,7 +162,44 @@ fn admit(
     }
 }
 
-async fn serve_resumed(session: crate::handover::sessions::take::Resumed, shared: Shared, id: u64) {
+/// Starts the sessions already waiting in `resumed` (restored from
+/// systemd's store before the accept loop), before anything else: a stop
+/// signal already received must find them registered
+/// (`Registry::arriving`), not waiting in the channel. With the last id
+/// used.
+fn restored(
+    resumed: &mut mpsc::Receiver<crate::handover::sessions::take::Resumed>,
+    (config, admission, phase): (&Arc<Config>, &Arc<Admission>, &Shutdown),
+) -> (JoinSet<()>, u64) {
+    let (mut connections, mut id) = (JoinSet::new(), 0);
+    while let Ok(session) = resumed.try_recv() {
+        id += 1;
+        let shared = Shared {
+            config: config.clone(),
+            admission: admission.clone(),
+            phase: phase.clone(),
+        };
+        connections.spawn(serve_resumed(session, shared, id));
+    }
+    (connections, id)
+}
+
+/// A session handed over (the channel) or restored (systemd's store).
+/// Marked arriving before the task starts (a stop waits for it to
+/// register), until it registers or ends.
+fn serve_resumed(
+    session: crate::handover::sessions::take::Resumed,
+    shared: Shared,
+    id: u64,
+) -> impl Future<Output = ()> {
+    let arriving = shared.config.handover.as_ref().map(|r| r.arriving(id));
+    async move {
+        run_resumed(session, shared, id).await;
+        drop(arriving);
+    }
+}
+
+async fn run_resumed(session: crate::handover::sessions::take::Resumed, shared: Shared, id: u64) {
     let Shared {
         config,
         admission,

@@ -151,20 +151,31 @@ async fn drain(connections: &mut JoinSet<()>) {
 /// shutdown; a second one ends the process at once, as operators expect
 /// of a daemon that is taking too long.
 pub async fn signals() {
-    let mut signals = match Signals::new() {
-        Ok(s) => s,
-        Err(e) => {
-            warn!(error = %e, "cannot watch SIGTERM; only Ctrl-C stops nbdgw");
-            let _ = tokio::signal::ctrl_c().await;
-            return;
-        }
-    };
-    signals.next().await;
-    tokio::spawn(async move {
-        let name = signals.next().await;
-        warn!("second {name}: exiting at once, open connections are cut");
-        std::process::exit(1);
-    });
+    watch_signals().await
+}
+
+/// `signals`, with the handlers installed now rather than at the first
+/// poll: a SIGTERM from here on starts the graceful shutdown (once the
+/// future is awaited) instead of ending the process, e.g. during the
+/// restore of systemd's stored sessions before the accept loop.
+pub fn watch_signals() -> impl std::future::Future<Output = ()> + Send + 'static {
+    let watched = Signals::new();
+    async move {
+        let mut signals = match watched {
+            Ok(s) => s,
+            Err(e) => {
+                warn!(error = %e, "cannot watch SIGTERM; only Ctrl-C stops nbdgw");
+                let _ = tokio::signal::ctrl_c().await;
+                return;
+            }
+        };
+        signals.next().await;
+        tokio::spawn(async move {
+            let name = signals.next().await;
+            warn!("second {name}: exiting at once, open connections are cut");
+            std::process::exit(1);
+        });
+    }
 }
 
 struct Signals {

@@ -17,7 +17,9 @@ through the store as a socket with the kernel's TLS on it: each instance
 serves it in the kernel, and the journal shows one handshake handed to
 the kernel in all. Then, in the same boot, the unit is switched to
 --ktls off and a second client's rustls session goes through two
-restarts the same way, so that one VM covers both paths.
+restarts the same way, then two more in a row (the second as soon as the
+first returns, at READY=1: the session must have been restored before
+READY=1 and be stored again), so that one VM covers both paths.
 
 A python3-libnbd client holds ONE connection and writes generations of
 patterns, flushes, reads them back and compares, without pause, while
@@ -136,16 +138,25 @@ ktls_rustls_too() {
     wait_for "client R's first round" 120 past 0 R
     restart R1 R
     restart R2 R
+    # Two restarts in a row, the second as soon as the first returns
+    # (at READY=1): the session is restored before READY=1, so the
+    # second stores it again (review M2).
+    local seen
+    seen=$(progress "" R)
+    timeout 120 systemctl restart nbdgw.service || fail "restart R3 (first of two in a row)"
+    timeout 120 systemctl restart nbdgw.service || fail "restart R4 (second of two in a row)"
+    wait_for "a client R round after two restarts in a row" 120 past "$seen" R
+    log "restarts R3 and R4 in a row: client R at round $(progress "" R)"
     touch /tmp/stopR
     wait $rustls || fail "client R ended with $?: $(cat /tmp/io/clientR.out)"
     cat /tmp/io/clientR.out
     grep -q '"errors": 0, "mismatches": 0' /tmp/io/clientR.out || fail "client R errors"
     j=$(journal)
     served=$(count "serving a session from systemd's file-descriptor store")
-    [ "$served" = $((restarts + 2)) ] || fail "$served sessions served from the store, not $((restarts + 2))"
+    [ "$served" = $((restarts + 4)) ] || fail "$served sessions served from the store, not $((restarts + 4))"
     [ "$(count "TLS established")" = 2 ] || fail "client R reconnected"
     [ "$(count "TLS handed to the kernel (kTLS)")" = 1 ] || fail "client R's session went to the kernel"
-    restarts=$((restarts + 2))
+    restarts=$((restarts + 4))
 }
 
 # TLS files readable by the unit's dynamic user (a test's keys, in the VM).
@@ -293,7 +304,7 @@ def main():
         sys.exit(1)
     if not opts.keep:
         shutil.rmtree(work, ignore_errors=True)
-    kind = " in the kernel, then 2 in rustls" if opts.ktls else ""
+    kind = " in the kernel, then 4 in rustls, 2 of them in a row" if opts.ktls else ""
     print(f"fdstore_restart: passed ({opts.restarts} restarts{kind})")
 
 

@@ -21,6 +21,14 @@ use crate::metrics::Metrics;
 /// Every session a successor may take, by connection id.
 pub struct Registry {
     open: Mutex<HashMap<u64, Entry>>,
+    /// Sessions restored from systemd's store whose task has not
+    /// registered yet (`Arriving`): a stop waits for them before it lists
+    /// the sessions, or it would drain the ones still starting.
+    arriving: Mutex<std::collections::HashSet<u64>>,
+    arrived: std::sync::Condvar,
+    /// Sessions went to systemd's store (`set_stored`): they wait there
+    /// until this process exits, so the drain is bounded (`drain_bound`).
+    stored: std::sync::atomic::AtomicBool,
     /// `--handover-quiesce-timeout`.
     pub quiesce_timeout: Duration,
     /// `--handover-timeout`: each message's bound.
@@ -92,6 +100,18 @@ pub struct Registered {
     slot: Arc<Slot>,
 }
 
+/// A restored session not yet registered (`Registry::arriving`).
+pub struct Arriving {
+    registry: Arc<Registry>,
+    id: u64,
+}
+
+impl Drop for Arriving {
+    fn drop(&mut self) {
+        self.registry.arrive(self.id);
+    }
+}
+
 /// A session as the hand-over sees it.
 pub struct Listed {
     pub id: u64,
@@ -109,6 +129,9 @@ impl Registry {
     ) -> Arc<Self> {
         Arc::new(Registry {
             open: Mutex::default(),
+            arriving: Mutex::default(),
+            arrived: std::sync::Condvar::new(),
+            stored: std::sync::atomic::AtomicBool::new(false),
             quiesce_timeout,
             timeout,
             max_key_generations,
@@ -134,11 +157,62 @@ impl Registry {
             slot: slot.clone(),
         };
         self.lock().insert(id, entry);
+        self.arrive(id);
         Registered {
             registry: self.clone(),
             id,
             hook,
             slot,
+        }
+    }
+
+    /// Session `id` is on its way to `register` (or to its end); until
+    /// then, and while the guard lives, `wait_arrivals` waits for it.
+    pub fn arriving(self: &Arc<Self>, id: u64) -> Arriving {
+        self.arriving
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(id);
+        Arriving {
+            registry: self.clone(),
+            id,
+        }
+    }
+
+    fn arrive(&self, id: u64) {
+        let mut arriving = self.arriving.lock().unwrap_or_else(PoisonError::into_inner);
+        if arriving.remove(&id) && arriving.is_empty() {
+            self.arrived.notify_all();
+        }
+    }
+
+    /// Blocks until every `arriving` session registered or ended, or
+    /// `bound` passed; how many are still on their way.
+    pub fn wait_arrivals(&self, bound: Duration) -> usize {
+        let arriving = self.arriving.lock().unwrap_or_else(PoisonError::into_inner);
+        let (arriving, _) = self
+            .arrived
+            .wait_timeout_while(arriving, bound, |a| !a.is_empty())
+            .unwrap_or_else(PoisonError::into_inner);
+        arriving.len()
+    }
+
+    /// Sessions were left in systemd's store: see `drain_bound`.
+    pub fn set_stored(&self) {
+        self.stored.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// How long the drain after SIGTERM may last: `grace`, or, once
+    /// sessions are in systemd's store, at most the quiesce timeout.
+    /// systemd starts the next instance only when this one has exited, so
+    /// every stored session waits for this drain: one session that was not
+    /// quiet in time (any client can leave a write half sent) must not
+    /// hold them all for --shutdown-grace. What is cut had its
+    /// unanswered requests never acknowledged.
+    pub fn drain_bound(&self, grace: Duration) -> Duration {
+        match self.stored.load(std::sync::atomic::Ordering::SeqCst) {
+            true => grace.min(self.quiesce_timeout),
+            false => grace,
         }
     }
 

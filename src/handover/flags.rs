@@ -64,8 +64,13 @@ pub struct HandoverArgs {
     /// Seconds a session being handed to a successor may take to go
     /// quiet: it stops reading requests at a request boundary and the
     /// replies to those already upstream finish. One that is not quiet
-    /// in time stays here and drains as on SIGTERM. It is also the
-    /// longest pause a client can see in its requests.
+    /// in time stays here and drains as on SIGTERM. On the hand-over
+    /// socket it is also the longest pause a client can see in its
+    /// requests. With --handover-fdstore the stored sessions wait until
+    /// this process exits: it drains for at most this long too, then
+    /// closes what is left (nothing it acknowledged is lost), so their
+    /// pause is at most twice this plus 2 s and systemd's confirmation
+    /// (up to 10 s), plus the next instance's start.
     #[arg(long, env = "NBDGW_HANDOVER_QUIESCE_TIMEOUT", value_name = "SECS", default_value_t = 5.0, value_parser = quiesce_secs)]
     pub handover_quiesce_timeout: f64,
     /// Key generations a TLS 1.3 session may be at when it is handed to
@@ -83,7 +88,10 @@ pub struct HandoverArgs {
     /// a memfd with its state), for the next instance of the unit to
     /// serve on. Needs FileDescriptorStoreMax= and NOTIFY_SOCKET (the
     /// start fails without it). Sessions that cannot be stored drain as
-    /// today; a stop that is not a restart closes the stored ones. Off by
+    /// today, and so do those beyond the store's room when systemd says
+    /// it (FDSTORE=, systemd 254 and later; on 252 nbdgw cannot know it,
+    /// and systemd closes the sessions beyond FileDescriptorStoreMax= /
+    /// 3). A stop that is not a restart closes the stored ones. Off by
     /// default; the shipped unit sets it.
     #[arg(long, env = "NBDGW_HANDOVER_FDSTORE")]
     pub handover_fdstore: bool,

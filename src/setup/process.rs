@@ -54,6 +54,16 @@ pub async fn stopping() {
     notify(&[NotifyState::Stopping]);
 }
 
+/// `stopping`, with the signal handlers installed at this call
+/// (`crate::shutdown::watch_signals`).
+pub fn stopping_from_now() -> impl std::future::Future<Output = ()> + Send + 'static {
+    let signals = crate::shutdown::watch_signals();
+    async move {
+        signals.await;
+        notify(&[NotifyState::Stopping]);
+    }
+}
+
 /// Tells systemd (Type=notify) where start-up and shutdown are; a no-op
 /// without NOTIFY_SOCKET.
 pub fn notify(state: &[NotifyState]) {

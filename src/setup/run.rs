@@ -9,7 +9,9 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tracing::info;
 
-use super::process::{async_listener, display_addr, init_logging, notify, runtime, stopping};
+use super::process::{
+    async_listener, display_addr, init_logging, notify, runtime, stopping_from_now,
+};
 use super::{sandbox, Setup};
 use crate::admin::AdminLimits;
 use crate::cli::ServeArgs;
@@ -170,9 +172,13 @@ fn serve_with_successor(
     tokio::task::JoinHandle<std::io::Result<()>>,
     oneshot::Receiver<()>,
 ) {
-    let (resumed, resumed_rx) = tokio::sync::mpsc::channel(64);
     let (took, taken) = oneshot::channel();
     let admission = crate::admission::Admission::new(&config);
+    let restored = restore(stored, (&config, &admission));
+    let (resumed, resumed_rx) = tokio::sync::mpsc::channel(restored.len().max(64));
+    for session in restored {
+        let _ = resumed.try_send(session);
+    }
     let serving = tokio::spawn(crate::server::run_resuming(
         listener,
         (config.clone(), admission.clone()),
@@ -180,15 +186,6 @@ fn serve_with_successor(
         gate,
         resumed_rx,
     ));
-    if !stored.by_name.is_empty() {
-        let (config, admission, resumed) = (config.clone(), admission.clone(), resumed.clone());
-        tokio::task::spawn_blocking(move || {
-            let notifier = handover::fdstore::notify::Notifier::from_env();
-            handover::fdstore::restore::take(stored, (&config, &admission), &notifier, |r| {
-                resumed.blocking_send(r).is_ok()
-            })
-        });
-    }
     let sessions = successor.and_then(|s| tokio::task::block_in_place(|| s.serving(metrics)));
     if let Some(sessions) = sessions {
         tokio::task::spawn_blocking(move || {
@@ -197,6 +194,31 @@ fn serve_with_successor(
         });
     }
     (serving, taken)
+}
+
+/// Every session systemd kept in its store claimed, judged (its session
+/// slot reserved) and ready, before the accept loop starts and before
+/// READY=1: clients queued in the socket's backlog meanwhile cannot take
+/// the stored sessions' slots, and a restart right after READY=1 finds
+/// them all running, not half restored (a SIGTERM meanwhile is acted on
+/// once they are: the stop stores them again). Local work: memfd reads
+/// and one datagram each.
+fn restore(
+    stored: handover::fdstore::restore::Found,
+    (config, admission): (&Config, &crate::admission::Admission),
+) -> Vec<handover::sessions::take::Resumed> {
+    if stored.by_name.is_empty() {
+        return Vec::new();
+    }
+    let restored = std::cell::RefCell::new(Vec::new());
+    tokio::task::block_in_place(|| {
+        let notifier = handover::fdstore::notify::Notifier::from_env();
+        handover::fdstore::restore::take(stored, (config, admission), &notifier, |r| {
+            restored.borrow_mut().push(r);
+            true
+        })
+    });
+    restored.into_inner()
 }
 
 /// The stop signal for the accept loop, also told to the hand-over
@@ -208,8 +230,11 @@ fn stop_signal(
     give: Option<(handover::gate::GateControl, Arc<crate::handing::Registry>)>,
 ) -> (impl std::future::Future<Output = ()>, oneshot::Receiver<()>) {
     let (stopped, on_stop) = oneshot::channel();
+    // Watched from now, not from the accept loop's start: a SIGTERM
+    // during the restore is then acted on after it, not fatal.
+    let signal = stopping_from_now();
     let stop = async move {
-        stopping().await;
+        signal.await;
         if let Some((control, registry)) = give {
             control.set(handover::gate::Accepting::Paused);
             let notifier = handover::fdstore::notify::Notifier::from_env();

@@ -141,10 +141,28 @@ fn parse(bytes: &[u8]) -> Found {
 
 /// The commit point: from the moment this returns Ok no other instance
 /// will serve the session (it reads Taken). The file is then cut back to
-/// its header: the keys leave the store.
+/// its header: the keys leave the store, overwritten first (a truncation
+/// frees the shmem pages without clearing them; they could be read in a
+/// later dump of whatever reuses them, or sit in swap).
 pub fn mark_taken(fd: impl AsFd) -> io::Result<()> {
     write_all_at(&fd, &[TAKEN], MARK_AT)?;
+    if let Err(e) = wipe(&fd) {
+        tracing::warn!(error = %e, "restart: a stored session's memfd could not be overwritten before its cut (its keys stay in freed pages)");
+    }
     ftruncate(&fd, HEADER as u64)?;
+    Ok(())
+}
+
+/// Zeros over everything after the header.
+fn wipe(fd: impl AsFd) -> io::Result<()> {
+    let len = u64::try_from(fstat(&fd)?.st_size).unwrap_or(0);
+    let zeros = [0u8; 4096];
+    let mut at = HEADER as u64;
+    while at < len {
+        let n = (len - at).min(zeros.len() as u64) as usize;
+        write_all_at(&fd, &zeros[..n], at)?;
+        at += n as u64;
+    }
     Ok(())
 }
 
@@ -192,6 +210,20 @@ mod tests {
         assert!(matches!(read(&fd).unwrap(), Found::Taken));
         // The keys are gone from the file, not only marked.
         assert_eq!(fstat(&fd).unwrap().st_size as usize, HEADER);
+    }
+
+    #[test]
+    fn the_wipe_zeros_everything_after_the_header_before_the_cut() {
+        let fd = stored().write().unwrap();
+        let len = fstat(&fd).unwrap().st_size as usize;
+        wipe(&fd).unwrap();
+        let mut bytes = vec![1u8; len];
+        pread(&fd, &mut bytes, 0).unwrap();
+        assert_eq!(&bytes[..4], MAGIC);
+        assert!(
+            bytes[HEADER..].iter().all(|b| *b == 0),
+            "the state is overwritten"
+        );
     }
 
     #[test]

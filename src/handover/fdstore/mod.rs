@@ -31,18 +31,33 @@ pub fn check(enabled: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// FileDescriptorStoreMax=, as systemd 254 and later say it in FDSTORE=
+/// (None on 252, which does not).
+fn descriptors_room() -> Option<usize> {
+    std::env::var("FDSTORE").ok()?.parse().ok()
+}
+
+/// How many sessions (three descriptors each) systemd's store takes, if
+/// it says (systemd 254+: FDSTORE=). systemd stores descriptors one by one
+/// and closes those beyond its limit (service_add_fd_store_set), so a
+/// session beyond it would be cut, or stored in part: the stash asks no
+/// more than this many to go quiet, and the rest drain. The sessions
+/// restored at this instance's start were all removed from the store
+/// (`restore::claim`), so the whole room is free. None (systemd 252):
+/// not known, every session is asked, as the guide says.
+pub fn sessions_room() -> Option<usize> {
+    descriptors_room().map(|n| n / 3)
+}
+
 /// Whether systemd's store has room for every session: systemd 254 and
 /// later say its size in FDSTORE= (252 does not: nothing to check then).
 /// A session that does not fit is closed at a restart, not drained.
 pub fn check_room(max_connections: usize) {
-    let room = std::env::var("FDSTORE")
-        .ok()
-        .and_then(|n| n.parse::<usize>().ok());
-    if let Some(room) = room.filter(|room| *room < 3 * max_connections) {
+    if let Some(room) = descriptors_room().filter(|room| *room < 3 * max_connections) {
         tracing::warn!(
             file_descriptor_store_max = room,
             max_connections,
-            "--handover-fdstore: FileDescriptorStoreMax= holds fewer than 3 descriptors per connection; at a restart the sessions beyond {} are closed",
+            "--handover-fdstore: FileDescriptorStoreMax= holds fewer than 3 descriptors per connection; at a restart the sessions beyond {} are not stored and drain",
             room / 3
         );
     }

@@ -92,6 +92,8 @@ pub fn take(
         sessions = found.by_name.len(),
         "restart: taking the sessions systemd kept in its file-descriptor store"
     );
+    let mut closed: BTreeMap<&'static str, usize> = BTreeMap::new();
+    let stored = found.by_name.len();
     for (name, fds) in found.by_name {
         let outcome = claim(&name, fds, notifier).and_then(|claimed| {
             let was = claimed.stored.was;
@@ -102,10 +104,19 @@ pub fn take(
             Ok(()) => config.metrics.session_handover("resumed"),
             Err((reason, label, was)) => {
                 config.metrics.session_handover(label);
-                warn!(fdname = %escape(&name), was, %reason, "restart: a stored session cannot be served; it is closed");
+                *closed.entry(label).or_default() += 1;
+                warn!(fdname = %escape(&name), was, reason = %escape(&reason), "restart: a stored session cannot be served; it is closed");
             }
         }
     }
+    let closed_total: usize = closed.values().sum();
+    info!(
+        stored,
+        restored = stored - closed_total,
+        closed = closed_total,
+        why = ?closed,
+        "restart: the stored sessions are restored before accepting and READY=1 (closed: by reason, each logged above)"
+    );
 }
 
 /// The commit point for one name: its descriptors sorted, its memfd read

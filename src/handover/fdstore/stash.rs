@@ -35,10 +35,20 @@ pub fn give(registry: &Registry, notifier: &Notifier) {
     // layer (keys, sequence numbers) in the store as it does on the
     // channel, and the memfd carries the current secrets for the next
     // key update (`KernelState`).
-    let listed: Vec<Listed> = registry.list();
+    // Restored sessions still starting (a stop right after READY=1) are
+    // waited for, so that they are stored again rather than drained.
+    let late = registry.wait_arrivals(registry.quiesce_timeout);
+    if late > 0 {
+        warn!(
+            sessions = late,
+            "restart: restored sessions not running in time are not stored; they drain"
+        );
+    }
+    let mut listed: Vec<Listed> = registry.list();
     if listed.is_empty() {
         return;
     }
+    let left_out = within_room(&mut listed);
     info!(
         sessions = listed.len(),
         "restart: storing the sessions in systemd's file-descriptor store (--handover-fdstore)"
@@ -63,15 +73,31 @@ pub fn give(registry: &Registry, notifier: &Notifier) {
         session.hook.cancel();
     }
     if stored > 0 {
+        registry.set_stored();
         if let Err(e) = notifier.barrier(BARRIER_TIMEOUT) {
             warn!(error = %e, "restart: systemd did not confirm it read the stored sessions; some may be lost");
         }
     }
     info!(
         stored,
-        drained = listed.len() - stored,
+        drained = listed.len() + left_out - stored,
         "restart: sessions stored for the next instance; the others drain"
     );
+}
+
+/// No more sessions than systemd's store takes (`sessions_room`): the
+/// rest are not asked, and drain. How many were left out.
+fn within_room(listed: &mut Vec<Listed>) -> usize {
+    let open = listed.len();
+    if let Some(room) = super::sessions_room().filter(|room| *room < listed.len()) {
+        warn!(
+            sessions = listed.len(),
+            room,
+            "restart: systemd's store (FDSTORE=, FileDescriptorStoreMax= / 3) has room for fewer sessions than are open; the rest are not asked and drain"
+        );
+        listed.truncate(room);
+    }
+    open - listed.len()
 }
 
 /// Stores each session as it reports, for as long as `Patience` says:
