@@ -162,6 +162,33 @@ fn take_over_missing_start_never_starts_fresh_beside_a_gateway_that_is_there() {
     closer.join().unwrap();
 }
 
+/// A hand-over socket whose listen queue is full (a FAKE predecessor that
+/// listens with a backlog of 0 and accepts nobody, its one slot taken):
+/// Linux makes a blocking connect wait there for ever. The new gateway
+/// waits at most --handover-queue-timeout, then fails its start saying
+/// why; it never starts fresh beside the gateway that is there.
+#[test]
+fn a_full_hand_over_queue_fails_the_start_at_the_queue_timeout() {
+    let n = node();
+    let fake = socket2::Socket::new(socket2::Domain::UNIX, socket2::Type::STREAM, None).unwrap();
+    fake.bind(&socket2::SockAddr::unix(&n.handover).unwrap()).unwrap();
+    fake.listen(0).unwrap();
+    // Backlog 0 holds one connection not accepted; the next one waits.
+    let _first = std::os::unix::net::UnixStream::connect(&n.handover).unwrap();
+    let cmd = gateway_cmd(&n, &[], &["--handover-queue-timeout", "2"]);
+    let mut new = NbdgwProcess::spawn(cmd, n.port);
+    let status = new.wait_exit(Duration::from_secs(30));
+    let log = new.log();
+    let Some(status) = status else {
+        new.signal("KILL");
+        panic!("still connecting after 30 s:\n{log}");
+    };
+    assert!(!status.success(), "{log}");
+    assert!(log.contains("listen queue stayed full for 2 s"), "{log}");
+    assert!(!log.contains("starting fresh"), "{log}");
+    drop(fake);
+}
+
 /// --after-handover wait: the old gateway hands over, then stays alive,
 /// holding no listening socket, until SIGTERM, at which it exits 0; the
 /// successor serves on.

@@ -91,7 +91,10 @@ pub fn open(
     let timeout = Duration::from_secs(args.handover_timeout);
     let predecessor_at = match &args.take_over {
         None => None,
-        Some(path) => successor::connect(path, args.take_over_missing)?.map(|s| (path, s)),
+        Some(path) => {
+            let queue = Duration::from_secs(args.handover_queue_timeout);
+            successor::connect(path, args.take_over_missing, queue)?.map(|s| (path, s))
+        }
     };
     let (successor, listeners, handover) = match predecessor_at {
         None => (None, Listeners::open(listen, admin)?, None),

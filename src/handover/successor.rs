@@ -166,9 +166,16 @@ pub fn take_over(
 /// and if a gateway without one still holds the port, the bind fails.
 /// Anything else fails the start: a file that is not a socket (connect
 /// says ECONNREFUSED there too), a path this uid may not reach.
-pub fn connect(path: &Path, missing: TakeOverMissing) -> Result<Option<UnixStream>> {
+/// The connect waits at most `queue` (`--handover-queue-timeout`) while
+/// the hand-over socket's listen queue is full, then fails the start:
+/// a blocking connect would wait there for ever, with no log line.
+pub fn connect(
+    path: &Path,
+    missing: TakeOverMissing,
+    queue: Duration,
+) -> Result<Option<UnixStream>> {
     let shown = path.display();
-    let error = match UnixStream::connect(path) {
+    let error = match connect_within(path, queue) {
         Ok(stream) => return Ok(Some(stream)),
         Err(e) => e,
     };
@@ -372,4 +379,31 @@ fn debug_stall() {
             std::thread::sleep(Duration::from_secs(3600));
         }
     }
+}
+
+/// `UnixStream::connect`, but a full listen queue (EAGAIN on a
+/// non-blocking connect) is retried until `within`, then TimedOut.
+fn connect_within(path: &Path, within: Duration) -> std::io::Result<UnixStream> {
+    use socket2::{Domain, SockAddr, Socket, Type};
+    let socket = Socket::new(Domain::UNIX, Type::STREAM, None)?;
+    socket.set_nonblocking(true)?;
+    let address = SockAddr::unix(path)?;
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        match socket.connect(&address) {
+            Ok(()) => break,
+            Err(e) if e.kind() != std::io::ErrorKind::WouldBlock => return Err(e),
+            Err(_) if std::time::Instant::now() >= deadline => {
+                let why = format!(
+                    "its listen queue stayed full for {} s (--handover-queue-timeout)",
+                    within.as_secs()
+                );
+                return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, why));
+            }
+            // Rare (a queue full of successors): a short poll is enough.
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+    socket.set_nonblocking(false)?;
+    Ok(UnixStream::from(std::os::fd::OwnedFd::from(socket)))
 }

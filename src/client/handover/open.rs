@@ -49,11 +49,11 @@ pub fn take_over(
         handover: args.handover_socket.as_deref(),
         speaks: CLIENT_MODE,
     };
-    let queue = Duration::from_secs(args.handover_queue_timeout);
     let timeout = Duration::from_secs(args.handover_timeout);
     // As in server mode: with `--take-over-missing start`, nobody there
     // (no socket, or one nobody listens on) starts fresh.
-    let Some(stream) = successor::connect(path, args.take_over_missing)? else {
+    let queue = Duration::from_secs(args.handover_queue_timeout);
+    let Some(stream) = successor::connect(path, args.take_over_missing, queue)? else {
         return Ok(None);
     };
     let (successor, taken) = successor::take_over(path, stream, &wanted, (queue, timeout))?;
