@@ -484,6 +484,45 @@ fn the_local_socket_is_replaced_when_stale_refused_when_live_and_removed_at_exit
     assert!(log.contains("stopped"), "{log}");
 }
 
+/// A socket of another user at --listen is that user's, live or not
+/// (connect may say EACCES or EAGAIN for a live one): client mode
+/// refuses to start and leaves it there, rather than unlink it and leave
+/// its listener unreachable. Needs root, to make a socket of another uid.
+#[test]
+fn a_socket_of_another_user_at_the_listen_path_is_left_alone() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("SKIPPED: needs root to make a socket of another uid");
+        return;
+    }
+    let env = Env::new();
+    let socket = env.path("theirs.sock");
+    drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
+    std::os::unix::fs::chown(&socket, Some(65534), Some(65534)).unwrap();
+    let mut child = Command::new(common::process::nbdgw_binary())
+        .args(["client", "--listen"])
+        .arg(&socket)
+        .args(["--server", "localhost:10809", "--tls-dir"])
+        .arg(env.certs())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Bounded: a build that takes the path serves on it until killed.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while child.try_wait().unwrap().is_none() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    let text = common::clients::text(&out);
+    assert!(out.status.code().is_some_and(|c| c != 0), "{text}");
+    assert!(
+        text.contains("a socket of uid 65534 is there, not ours"),
+        "{text}"
+    );
+    assert!(socket.exists(), "another user's socket was removed");
+}
+
 #[test]
 fn a_non_loopback_listen_address_and_a_missing_ca_refuse_to_start() {
     let env = Env::new();

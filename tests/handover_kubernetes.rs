@@ -171,7 +171,8 @@ fn take_over_missing_start_never_starts_fresh_beside_a_gateway_that_is_there() {
 fn a_full_hand_over_queue_fails_the_start_at_the_queue_timeout() {
     let n = node();
     let fake = socket2::Socket::new(socket2::Domain::UNIX, socket2::Type::STREAM, None).unwrap();
-    fake.bind(&socket2::SockAddr::unix(&n.handover).unwrap()).unwrap();
+    fake.bind(&socket2::SockAddr::unix(&n.handover).unwrap())
+        .unwrap();
     fake.listen(0).unwrap();
     // Backlog 0 holds one connection not accepted; the next one waits.
     let _first = std::os::unix::net::UnixStream::connect(&n.handover).unwrap();

@@ -204,13 +204,29 @@ fn remove_stale_socket(path: &Path) -> Result<(), ClientError> {
         // Not ours to remove: bind fails and says so.
         return Ok(());
     }
-    if std::os::unix::net::UnixStream::connect(path).is_ok() {
-        return Err(ClientError::SocketInUse(path.to_owned()));
-    }
-    std::fs::remove_file(path).map_err(|error| ClientError::Bind {
+    let bind_error = |error| ClientError::Bind {
         what: path.display().to_string(),
         error,
-    })
+    };
+    // Only a socket of ours that nobody listens on is stale: another
+    // user's socket in a shared directory (connect says EACCES), or one
+    // busy for a moment (EAGAIN), is somebody's live listener.
+    let uid = rustix::process::geteuid().as_raw();
+    let owner = std::os::unix::fs::MetadataExt::uid(&meta);
+    if owner != uid {
+        let why = format!("a socket of uid {owner} is there, not ours ({uid})");
+        return Err(bind_error(std::io::Error::new(
+            std::io::ErrorKind::AlreadyExists,
+            why,
+        )));
+    }
+    match std::os::unix::net::UnixStream::connect(path) {
+        Ok(_) => Err(ClientError::SocketInUse(path.to_owned())),
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+            std::fs::remove_file(path).map_err(bind_error)
+        }
+        Err(e) => Err(bind_error(e)),
+    }
 }
 
 /// The hand-over's side of the accept loop: the gate a predecessor
