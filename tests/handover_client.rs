@@ -512,6 +512,64 @@ fn a_successor_killed_with_the_state_leaves_the_session_closed() {
     assert!(log.contains("hand-over failed"), "{log}");
 }
 
+/// A signal (SIGSTOP/SIGCONT) to a process of the test.
+fn kill(signal: &str, pid: u32) {
+    common::run_ok(
+        Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(pid.to_string()),
+    );
+}
+
+/// Review C1: SIGTERM to the old client while it is still in the session
+/// exchange (a request held at a paused real qemu-nbd, so the session
+/// does not go quiet) must leave the local socket file in place: the
+/// successor was told Go and serves that listener, and a new local
+/// client reaches it through the path.
+#[test]
+fn sigterm_to_the_old_client_mid_hand_over_leaves_the_socket_to_the_successor() {
+    let rig = Rig::new();
+    let socket = rig.socket();
+    let quiesce = ["--handover-quiesce-timeout", "120"];
+    let mut old = rig.client(&nbdgw_binary(), socket.to_str().unwrap(), false, &quiesce);
+    let mut held = RawLocal::on_unix(&socket);
+    held.write_and_check(1 << 20, 31);
+    kill("STOP", rig.upstream.pid());
+    // Resumed however the test ends.
+    struct Cont(u32);
+    impl Drop for Cont {
+        fn drop(&mut self) {
+            let _ = Command::new("kill")
+                .arg("-CONT")
+                .arg(self.0.to_string())
+                .status();
+        }
+    }
+    let cont = Cont(rig.upstream.pid());
+    held.request(0, 5, 1 << 20, BLOCK as u32);
+    let next = rig.client(&nbdgw_binary(), socket.to_str().unwrap(), true, &quiesce);
+    old.wait_for_log("hand-over: offering the sessions to the successor", 1);
+    old.signal("TERM");
+    old.wait_for_log("shutting down: no longer accepting", 1);
+    drop(cont);
+    assert!(
+        std::fs::symlink_metadata(&socket).is_ok(),
+        "the old client removed the socket the successor serves:\n{}",
+        old.log()
+    );
+    let mut fresh = RawLocal::on_unix(&socket);
+    fresh.write_and_check(2 << 20, 32);
+    assert!(
+        next.count_in_log("serving a session handed over") == 0,
+        "{}",
+        next.log()
+    );
+    drop(held);
+    wait_exit_ok(&mut old, "SIGTERM mid-hand-over");
+    assert!(std::fs::symlink_metadata(&socket).is_ok());
+    let _ = next.stop();
+}
+
 /// A server-mode successor and a client-mode one never take each other
 /// over: they share no state version, so the running process refuses at
 /// Hello, before any socket or session is offered, and serves on; the
