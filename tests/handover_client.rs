@@ -432,6 +432,55 @@ fn a_successor_with_another_server_or_ca_declines_the_session() {
     assert_eq!(rig.server_handshakes(), 2, "{}", rig.server.log());
 }
 
+/// Review C2: the session's key exchange group is judged against the
+/// successor's own --tls-groups. A session made with the default groups
+/// (the remote logs the hybrid) is declined by a successor offering only
+/// secp384r1, and drains in the old process; one offering the hybrid
+/// takes it over.
+#[test]
+fn a_successor_declines_a_session_whose_group_it_does_not_offer() {
+    let rig = Rig::new();
+    let socket = rig.socket();
+    let listen = socket.to_str().unwrap();
+    for (groups, moved) in [("secp384r1", false), ("secp384r1,X25519MLKEM768", true)] {
+        let mut old = rig.unix_client(&nbdgw_binary(), false);
+        let mut raw = RawLocal::on_unix(&socket);
+        raw.write_and_check(1 << 20, 41);
+        assert!(
+            rig.server.log().contains("key_exchange=X25519MLKEM768"),
+            "{}",
+            rig.server.log()
+        );
+        let next = rig.client(&nbdgw_binary(), listen, true, &["--tls-groups", groups]);
+        wait_exit_ok(&mut old, groups);
+        let (old_log, next_log) = (old.log(), next.log());
+        if moved {
+            next.wait_for_log("serving a session handed over by the old process", 1);
+            raw.write_and_check(2 << 20, 42);
+        } else {
+            assert!(
+                old_log.contains("hand-over: the successor declined the session"),
+                "{old_log}"
+            );
+            // The class "tls:" is what the old process counts as
+            // declined_tls.
+            assert!(
+                old_log.contains(
+                    "tls: the session's key exchange group X25519MLKEM768 (0x11ec) is not offered"
+                ),
+                "{old_log}"
+            );
+            raw.expect_shutdown_answer();
+            assert!(
+                !next_log.contains("serving a session handed over"),
+                "{next_log}"
+            );
+        }
+        let _ = next.stop();
+        let _ = std::fs::remove_file(&socket);
+    }
+}
+
 /// A successor's --max-connections holds for sessions handed to it: of
 /// two, one moves and the other is declined (it stays and drains).
 #[test]
