@@ -432,6 +432,55 @@ fn a_successor_with_another_server_or_ca_declines_the_session() {
     assert_eq!(rig.server_handshakes(), 2, "{}", rig.server.log());
 }
 
+/// Review C2: the session's key exchange group is judged against the
+/// successor's own --tls-groups. A session made with the default groups
+/// (the remote logs the hybrid) is declined by a successor offering only
+/// secp384r1, and drains in the old process; one offering the hybrid
+/// takes it over.
+#[test]
+fn a_successor_declines_a_session_whose_group_it_does_not_offer() {
+    let rig = Rig::new();
+    let socket = rig.socket();
+    let listen = socket.to_str().unwrap();
+    for (groups, moved) in [("secp384r1", false), ("secp384r1,X25519MLKEM768", true)] {
+        let mut old = rig.unix_client(&nbdgw_binary(), false);
+        let mut raw = RawLocal::on_unix(&socket);
+        raw.write_and_check(1 << 20, 41);
+        assert!(
+            rig.server.log().contains("key_exchange=X25519MLKEM768"),
+            "{}",
+            rig.server.log()
+        );
+        let next = rig.client(&nbdgw_binary(), listen, true, &["--tls-groups", groups]);
+        wait_exit_ok(&mut old, groups);
+        let (old_log, next_log) = (old.log(), next.log());
+        if moved {
+            next.wait_for_log("serving a session handed over by the old process", 1);
+            raw.write_and_check(2 << 20, 42);
+        } else {
+            assert!(
+                old_log.contains("hand-over: the successor declined the session"),
+                "{old_log}"
+            );
+            // The class "tls:" is what the old process counts as
+            // declined_tls.
+            assert!(
+                old_log.contains(
+                    "tls: the session's key exchange group X25519MLKEM768 (0x11ec) is not offered"
+                ),
+                "{old_log}"
+            );
+            raw.expect_shutdown_answer();
+            assert!(
+                !next_log.contains("serving a session handed over"),
+                "{next_log}"
+            );
+        }
+        let _ = next.stop();
+        let _ = std::fs::remove_file(&socket);
+    }
+}
+
 /// A successor's --max-connections holds for sessions handed to it: of
 /// two, one moves and the other is declined (it stays and drains).
 #[test]
@@ -510,6 +559,64 @@ fn a_successor_killed_with_the_state_leaves_the_session_closed() {
     let log = old.log();
     assert!(!log.contains("the successor serves the session"), "{log}");
     assert!(log.contains("hand-over failed"), "{log}");
+}
+
+/// A signal (SIGSTOP/SIGCONT) to a process of the test.
+fn kill(signal: &str, pid: u32) {
+    common::run_ok(
+        Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(pid.to_string()),
+    );
+}
+
+/// Review C1: SIGTERM to the old client while it is still in the session
+/// exchange (a request held at a paused real qemu-nbd, so the session
+/// does not go quiet) must leave the local socket file in place: the
+/// successor was told Go and serves that listener, and a new local
+/// client reaches it through the path.
+#[test]
+fn sigterm_to_the_old_client_mid_hand_over_leaves_the_socket_to_the_successor() {
+    let rig = Rig::new();
+    let socket = rig.socket();
+    let quiesce = ["--handover-quiesce-timeout", "120"];
+    let mut old = rig.client(&nbdgw_binary(), socket.to_str().unwrap(), false, &quiesce);
+    let mut held = RawLocal::on_unix(&socket);
+    held.write_and_check(1 << 20, 31);
+    kill("STOP", rig.upstream.pid());
+    // Resumed however the test ends.
+    struct Cont(u32);
+    impl Drop for Cont {
+        fn drop(&mut self) {
+            let _ = Command::new("kill")
+                .arg("-CONT")
+                .arg(self.0.to_string())
+                .status();
+        }
+    }
+    let cont = Cont(rig.upstream.pid());
+    held.request(0, 5, 1 << 20, BLOCK as u32);
+    let next = rig.client(&nbdgw_binary(), socket.to_str().unwrap(), true, &quiesce);
+    old.wait_for_log("hand-over: offering the sessions to the successor", 1);
+    old.signal("TERM");
+    old.wait_for_log("shutting down: no longer accepting", 1);
+    drop(cont);
+    assert!(
+        std::fs::symlink_metadata(&socket).is_ok(),
+        "the old client removed the socket the successor serves:\n{}",
+        old.log()
+    );
+    let mut fresh = RawLocal::on_unix(&socket);
+    fresh.write_and_check(2 << 20, 32);
+    assert!(
+        next.count_in_log("serving a session handed over") == 0,
+        "{}",
+        next.log()
+    );
+    drop(held);
+    wait_exit_ok(&mut old, "SIGTERM mid-hand-over");
+    assert!(std::fs::symlink_metadata(&socket).is_ok());
+    let _ = next.stop();
 }
 
 /// A server-mode successor and a client-mode one never take each other

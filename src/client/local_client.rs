@@ -165,6 +165,7 @@ fn offer_of(remote: &RemoteTls, opened: &Opened, settings: &ClientSettings) -> C
             .collect(),
         tls_version: conn.protocol_version().map_or(0, u16::from),
         suite: (conn.negotiated_cipher_suite()).map_or(0, |s| u16::from(s.suite())),
+        group: (conn.negotiated_key_exchange_group()).map_or(0, |g| u16::from(g.name())),
         export,
         max_payload: settings.relay.max_payload,
         mode: opened.framing.mode(),

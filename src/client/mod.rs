@@ -284,6 +284,11 @@ pub async fn run(
             }
         });
     }
+    // Whatever ended the loop (a stop signal mid-hand-over too): once a
+    // successor was told Go the socket file is its (review C1).
+    if !gate.release_paths() {
+        listener.disown();
+    }
     drop(listener);
     settings.health.set_draining();
     settings.health.set_accepting(false);

@@ -148,6 +148,7 @@ impl Giver {
             }
             Err(failure) => {
                 warn!(outcome = failure.outcome, reason = %failure.why, "hand-over: refused or failed; this gateway goes on serving (accepting again if it had paused)");
+                self.control.take_paths_back();
                 self.control.set(Accepting::Yes);
                 false
             }
@@ -272,6 +273,15 @@ impl Giver {
         match channel.recv().map_err(Failure::channel)? {
             (Message::Ready, _) => {}
             (other, _) => return Err(unexpected(channel, "ready", &other)),
+        }
+        // The paths go with Go (review C1): a stop of this process from
+        // here on must not unlink the socket file the successor serves;
+        // and one that has already removed it tells no successor Go.
+        if !self.control.give_paths() {
+            return Err(Failure::new(
+                "failed",
+                "this gateway is stopping; its socket paths are gone",
+            ));
         }
         channel.send(&Message::Go, &[]).map_err(Failure::channel)?;
         // Serving gets its own bound from Go (review round 2, N5): the

@@ -15,8 +15,11 @@ use super::handover_session::{
 };
 use crate::proto::transmission::ReplyMode;
 
-/// Client mode's offer format (server mode's are 1 and 2).
-pub const FORMAT_CLIENT: u8 = 3;
+/// Client mode's offer format (server mode's are 1 and 2). 4 since the
+/// offer carries the key exchange group (review C2); 3, without it, is
+/// refused, so that no successor judges a session whose group it cannot
+/// see, and an older build refuses a 4 rather than misread it.
+pub const FORMAT_CLIENT: u8 = 4;
 
 /// A client-mode session as the successor judges it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,6 +34,9 @@ pub struct ClientOffer {
     /// The protocol version (0x0303, 0x0304) and the suite's IANA number.
     pub tls_version: u16,
     pub suite: u16,
+    /// The key exchange group's IANA number (0: not known), judged
+    /// against the successor's `--tls-groups`.
+    pub group: u16,
     /// The export the local client opened (for the log).
     pub export: Vec<u8>,
     /// The largest request payload the old process let the local client
@@ -129,6 +135,7 @@ impl ClientOffer {
         }
         put_u16(&mut out, self.tls_version);
         put_u16(&mut out, self.suite);
+        put_u16(&mut out, self.group);
         put_str(&mut out, &self.export);
         put_u32(&mut out, self.max_payload);
         out.push(mode_code(self.mode));
@@ -178,6 +185,7 @@ impl ClientOffer {
             chain,
             tls_version: r.u16()?,
             suite: r.u16()?,
+            group: r.u16()?,
             export: r.str(MAX_NAME, "export name")?.to_vec(),
             max_payload: r.u32()?,
             mode: match r.u8()? {
@@ -235,6 +243,7 @@ mod tests {
             chain: vec![vec![1, 2, 3], vec![4; 300]],
             tls_version: 0x0304,
             suite: 0x1301,
+            group: 0x11ec,
             export: b"disk".to_vec(),
             max_payload: 32 << 20,
             mode: ReplyMode::Extended,
@@ -268,6 +277,14 @@ mod tests {
             ..offer()
         };
         assert_eq!(ClientOffer::decode(&plain.encode()).unwrap(), plain);
+        // Format 3 (no group) is refused, never read as this one.
+        let mut older = plain.encode();
+        older[0] = 3;
+        let err = ClientOffer::decode(&older).unwrap_err();
+        assert!(
+            err.to_string().contains("client-mode session format"),
+            "{err}"
+        );
     }
 
     #[test]

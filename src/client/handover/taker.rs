@@ -168,6 +168,7 @@ fn judge(
     {
         return Err("tls: the session is TLS 1.2, this process's --tls-min-version is 1.3".into());
     }
+    group(offer, settings)?;
     if offer.max_payload > settings.relay.max_payload {
         return Err(format!(
             "limits: the session's local client may send payloads of {} bytes, this process's --max-payload is {}",
@@ -175,6 +176,25 @@ fn judge(
         ));
     }
     verify(offer, settings, verifier)
+}
+
+/// The key exchange group must be one this process offers (its
+/// `--tls-groups`, review C2): an operator who drops a group, or requires
+/// the post-quantum hybrid, replaces the process to apply it. A session
+/// that recorded none (0: every full handshake has one, and client mode
+/// turns resumption off) is declined too: fail closed.
+fn group(offer: &ClientOffer, settings: &ClientSettings) -> Result<(), String> {
+    let config = settings.tls.current();
+    let here = (config.crypto_provider().kx_groups.iter())
+        .any(|g| offer.group != 0 && u16::from(g.name()) == offer.group);
+    if here {
+        return Ok(());
+    }
+    Err(format!(
+        "tls: the session's key exchange group {} ({:#06x}) is not offered by this process (--tls-groups)",
+        crate::tls::groups::name(Some(offer.group.into())),
+        offer.group
+    ))
 }
 
 /// The server's chain as carried, verified by this process's CA and CRL
