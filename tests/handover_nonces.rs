@@ -9,12 +9,11 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::handover::{generation, private_dir};
-use common::process::{nbdgw_binary, NbdgwProcess};
+use common::handover::{generation, private_dir, successor_killed_holding_the_state};
+use common::process::NbdgwProcess;
 use common::raw::{RawClient, Stream};
 use common::tls_capture::{check_tls13, records, tls12_explicit_nonces, Capture, Secrets};
 use common::{Env, QemuNbd};
@@ -236,19 +235,7 @@ fn a_killed_successor_leaves_no_record_sealed_after_the_keys_left() {
     key_update(&mut c);
     round_trip(&mut c, 1);
     let before = records_now(&capture);
-    let mut cmd = Command::new(nbdgw_binary());
-    cmd.arg("--tls-dir")
-        .arg(env.certs())
-        .arg("--upstream")
-        .arg(&upstream.socket)
-        .arg("--listen")
-        .arg(format!("127.0.0.1:{port}"))
-        .arg("--take-over")
-        .arg(&handover)
-        .env("NBDGW_DEBUG_HANDOVER_STATE_STALL", "1");
-    let new = NbdgwProcess::spawn(cmd, port);
-    new.wait_for_log("debug: stalling the session take-over", 1);
-    new.signal("KILL");
+    successor_killed_holding_the_state(&env, &upstream.socket, port, &handover);
     let status = old
         .wait_exit(Duration::from_secs(60))
         .expect("the old gateway exits");

@@ -7,66 +7,20 @@ mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;
-use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
 use common::clients::http_get;
-use common::process::{nbdgw_binary, NbdgwProcess};
+use common::handover::{
+    generation, private_dir, spawn_generation, successor_killed_holding_the_state,
+};
 use common::raw::{client_tls, RawClient, Stream};
 use common::{Env, QemuNbd};
 use nbdgw::proto::consts::*;
 use nbdgw::proto::transmission::ReplyMode;
 
 const IMAGE_LEN: usize = 8 << 20;
-
-/// One generation of the gateway, on the port every generation shares.
-fn generation(
-    env: &Env,
-    upstream: &Path,
-    port: u16,
-    handover: &Path,
-    take_over: bool,
-    extra: &[&str],
-) -> NbdgwProcess {
-    let process = spawn_generation(env, upstream, port, (handover, take_over), extra);
-    process.wait_for_log("nbdgw listening", 1);
-    process
-}
-
-/// `generation`, not waiting for it to listen.
-fn spawn_generation(
-    env: &Env,
-    upstream: &Path,
-    port: u16,
-    (handover, take_over): (&Path, bool),
-    extra: &[&str],
-) -> NbdgwProcess {
-    let mut cmd = Command::new(nbdgw_binary());
-    cmd.arg("--tls-dir")
-        .arg(env.certs())
-        .arg("--upstream")
-        .arg(upstream)
-        .arg("--listen")
-        .arg(format!("127.0.0.1:{port}"))
-        .arg("--handover-socket")
-        .arg(handover)
-        .args(["--shutdown-grace", "20", "--handover-timeout", "20"])
-        .args(extra);
-    if take_over {
-        cmd.arg("--take-over").arg(handover);
-    }
-    NbdgwProcess::spawn(cmd, port)
-}
-
-/// A directory only root may write into, for the hand-over socket.
-fn private_dir(env: &Env) -> PathBuf {
-    let dir = env.path("run");
-    std::fs::create_dir(&dir).unwrap();
-    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
-    dir
-}
 
 /// python3-libnbd: ONE connection for its whole life, writing a pattern
 /// (numbered by its round) then reading it back and comparing, over and
@@ -677,19 +631,7 @@ fn a_successor_killed_after_the_state_closes_the_session_and_the_old_gateway_doe
     let port = common::free_port();
     let mut old = generation(&env, &upstream.socket, port, &handover, false, &[]);
     let mut c = raw_session(&env, port);
-    let mut cmd = Command::new(nbdgw_binary());
-    cmd.arg("--tls-dir")
-        .arg(env.certs())
-        .arg("--upstream")
-        .arg(&upstream.socket)
-        .arg("--listen")
-        .arg(format!("127.0.0.1:{port}"))
-        .arg("--take-over")
-        .arg(&handover)
-        .env("NBDGW_DEBUG_HANDOVER_STATE_STALL", "1");
-    let new = NbdgwProcess::spawn(cmd, port);
-    new.wait_for_log("debug: stalling the session take-over", 1);
-    new.signal("KILL");
+    successor_killed_holding_the_state(&env, &upstream.socket, port, &handover);
     let status = old
         .wait_exit(Duration::from_secs(60))
         .expect("the old gateway exits");

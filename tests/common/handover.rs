@@ -54,3 +54,22 @@ pub fn private_dir(env: &Env) -> PathBuf {
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
     dir
 }
+
+/// A successor that stops once it holds a session's State
+/// (`NBDGW_DEBUG_HANDOVER_STATE_STALL`), killed there: it has the keys
+/// and never says Taken.
+pub fn successor_killed_holding_the_state(env: &Env, upstream: &Path, port: u16, handover: &Path) {
+    let mut cmd = Command::new(nbdgw_binary());
+    cmd.arg("--tls-dir")
+        .arg(env.certs())
+        .arg("--upstream")
+        .arg(upstream)
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--take-over")
+        .arg(handover)
+        .env("NBDGW_DEBUG_HANDOVER_STATE_STALL", "1");
+    let new = NbdgwProcess::spawn(cmd, port);
+    new.wait_for_log("debug: stalling the session take-over", 1);
+    new.signal("KILL");
+}
