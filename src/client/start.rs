@@ -16,7 +16,7 @@ use super::handover::taker::{ClientTaker, ResumedClient};
 use super::settings::Started;
 use super::{ClientSettings, Handing};
 use crate::cli::ClientArgs;
-use crate::handover::predecessor::Predecessor;
+use crate::handover::predecessor::serve_successors;
 use crate::setup::process::{
     async_listener, display_addr, init_logging, notify, runtime, stopping,
 };
@@ -117,22 +117,4 @@ fn stop_signal() -> (impl std::future::Future<Output = ()>, oneshot::Receiver<()
         let _ = stopped.send(());
     };
     (stop, on_stop)
-}
-
-/// Serves successors until a stop signal, as the server mode does: not
-/// before this process has taken every session its own old client hands
-/// over, and never once stopping (the copies of the listeners then close
-/// with it).
-async fn serve_successors(
-    predecessor: Predecessor,
-    (taken, mut on_stop): (oneshot::Receiver<()>, oneshot::Receiver<()>),
-) {
-    tokio::select! {
-        _ = taken => {}
-        _ = &mut on_stop => return info!("stopping: the hand-over socket is closed, no successor can take over"),
-    }
-    tokio::select! {
-        () = predecessor.serve() => {}
-        _ = on_stop => info!("stopping: the hand-over socket is closed, no successor can take over"),
-    }
 }

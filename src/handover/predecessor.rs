@@ -333,3 +333,31 @@ fn unexpected(channel: &mut Channel, wanted: &str, got: &Message) -> Failure {
         format!("the successor sent {} where {wanted} was due", got.name()),
     )
 }
+
+/// Serves successors until a stop signal (`on_stop`), in both modes.
+/// Then the copies of the listening sockets kept for one close with it,
+/// so that the ports close when accepting stops, as without
+/// --handover-socket, instead of queueing clients nobody will accept: a
+/// stopping gateway is not taken over. Not before this process has taken
+/// every session its own predecessor hands over (`taken`): taken over
+/// meanwhile, it would refuse the late ones, whose state had already
+/// left the old process, and so close them. A successor connecting
+/// meanwhile waits in the socket's backlog (its --handover-timeout
+/// bounds that).
+pub async fn serve_successors(
+    predecessor: Predecessor,
+    (taken, mut on_stop): (
+        tokio::sync::oneshot::Receiver<()>,
+        tokio::sync::oneshot::Receiver<()>,
+    ),
+) {
+    let closed = "stopping: the hand-over socket is closed, no successor can take over";
+    tokio::select! {
+        _ = taken => {}
+        _ = &mut on_stop => return info!("{closed}"),
+    }
+    tokio::select! {
+        () = predecessor.serve() => {}
+        _ = on_stop => info!("{closed}"),
+    }
+}

@@ -18,7 +18,7 @@ use crate::cli::ServeArgs;
 use crate::config::Config;
 use crate::confinement::LandlockMode;
 use crate::handover;
-use crate::handover::predecessor::Predecessor;
+use crate::handover::predecessor::serve_successors;
 
 /// `nbdgw` without a subcommand.
 pub fn serve(args: ServeArgs) -> Result<()> {
@@ -246,29 +246,6 @@ fn stop_signal(
         let _ = stopped.send(());
     };
     (stop, on_stop)
-}
-
-/// Serves successors until a stop signal. Then the copies of the
-/// listening sockets kept for one close with it, so that the ports close
-/// when accepting stops, as without --handover-socket, instead of
-/// queueing clients nobody will accept: a stopping gateway is not taken
-/// over. Not before this process has taken every session its own old
-/// gateway hands over (`taken`): taken over meanwhile, it would refuse
-/// the late ones, whose state had already left the old gateway, and so
-/// close them. A successor connecting meanwhile waits in the socket's
-/// backlog (its --handover-timeout bounds that).
-async fn serve_successors(
-    predecessor: Predecessor,
-    (taken, mut on_stop): (oneshot::Receiver<()>, oneshot::Receiver<()>),
-) {
-    tokio::select! {
-        _ = taken => {}
-        _ = &mut on_stop => return info!("stopping: the hand-over socket is closed, no successor can take over"),
-    }
-    tokio::select! {
-        () = predecessor.serve() => {}
-        _ = on_stop => info!("stopping: the hand-over socket is closed, no successor can take over"),
-    }
 }
 
 fn start_admin(listener: TcpListener, config: &Config, limits: AdminLimits, gate: handover::Gate) {
